@@ -1,0 +1,224 @@
+"""The `treetune` command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.errors import TreetuneError
+from treetune.perfmodel import PerfModel, Prediction, load_profile, shipped_profiles
+
+app = typer.Typer(
+    help="Find the best EAGLE3 speculative-decoding tree settings for SGLang servers.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+# Options that take several values after one flag, as in `--batch 1 32`.
+MULTI_VALUE_OPTIONS = {"--batch", "--tree", "--dataset"}
+
+ProfileOpt = Annotated[
+    str, typer.Option("--profile", "-p", help="A shipped profile's name or a profile YAML path.")
+]
+
+
+@app.command()
+def predict(
+    profile: ProfileOpt,
+    batch: Annotated[list[int], typer.Option(help="Batch size(s), e.g. --batch 1 32.")] = [1],  # noqa: B006
+    tree: Annotated[
+        list[str] | None, typer.Option(help="Tree(s) as steps,topk,draft_tokens, e.g. 3,4,8.")
+    ] = None,
+    space: Annotated[
+        str | None, typer.Option(help="Rank every valid config of this search space.")
+    ] = None,
+    dataset: Annotated[
+        list[str] | None, typer.Option(help="Dataset(s) of the profile (default: all).")
+    ] = None,
+    max_running_requests: Annotated[
+        int | None, typer.Option(help="For the memory check (default: the batch size).")
+    ] = None,
+    top: Annotated[int, typer.Option(help="Rows per batch size when ranking a space.")] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON records instead.")] = False,
+) -> None:
+    """Noise-free predicted throughput, speedup and accept length per config, dataset, batch.
+
+    The JSON form is a list of records with keys steps, topk, draft_tokens, batch, dataset,
+    baseline_tok_s, spec_tok_s, speedup, accept_length, oom.
+    """
+    from treetune.space import load_space
+
+    prof = load_profile(profile)
+    model = PerfModel(prof)
+    datasets = dataset or list(prof.datasets)
+    for name in datasets:
+        prof.dataset(name)
+    if any(b < 1 for b in batch):
+        raise TreetuneError(f"batch sizes must be >= 1, got {batch}")
+    configs: list[ServerConfig] = [TreeConfig.parse(t) for t in tree or []]
+    if space is not None:
+        configs += [c for c in load_space(space).configs() if c not in configs]
+    if not configs:
+        raise TreetuneError("nothing to predict: give --tree S,K,N and/or --space NAME")
+    rows = [
+        model.predict(c, d, b, max_running_requests)
+        for b in batch
+        for c in dict.fromkeys(configs)
+        for d in datasets
+    ]
+    if as_json:
+        print(json.dumps([r.record() for r in rows], indent=1))
+        return
+    for b in batch:
+        _print_ranking(prof.name, b, [r for r in rows if r.batch == b], datasets,
+                       top if space else None)
+
+
+def _print_ranking(
+    profile: str, batch: int, rows: list[Prediction], datasets: list[str], top: int | None
+) -> None:
+    by_config: dict[ServerConfig, dict[str, Prediction]] = {}
+    for r in rows:
+        by_config.setdefault(r.config, {})[r.dataset] = r
+
+    def mean_speedup(cells: dict[str, Prediction]) -> float:
+        return statistics.fmean(p.speedup for p in cells.values())
+
+    ranked = sorted(by_config.items(), key=lambda kv: -mean_speedup(kv[1]))
+    shown = ranked[:top] if top else ranked
+    title = f"{profile}, batch {batch}"
+    if top:
+        title += f": top {len(shown)} of {len(ranked)} configs by mean speedup"
+    table = Table(title=title, caption="speedup over no speculation (accept length); "
+                  "red: slower than baseline on some dataset")
+    table.add_column("tree S,K,N")
+    table.add_column("mean", justify="right")
+    table.add_column("min", justify="right")
+    for d in datasets:
+        table.add_column(d, justify="right", overflow="fold")
+    for config, cells in shown:
+        low = min(c.speedup for c in cells.values())
+        oom = any(c.oom for c in cells.values())
+        table.add_row(
+            config.label() + (" OOM" if oom else ""),
+            f"{mean_speedup(cells):.3f}",
+            f"{low:.3f}",
+            *(f"{cells[d].speedup:.3f} ({cells[d].accept_length:.2f})" for d in datasets),
+            style="red" if low < 1 else None,
+        )
+    any_cells = shown[0][1]
+    table.add_row("baseline tok/s", "", "", *(f"{any_cells[d].baseline_tok_s:.1f}" for d in datasets),
+                  style="dim")
+    out.print(table)
+
+
+@app.command()
+def calibrate(
+    profile: ProfileOpt,
+    measurements: Annotated[
+        Path, typer.Option(help="Measured points: CSV, a YAML list, or published-results YAML.")
+    ],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the profile.")],
+    entry: Annotated[
+        str | None, typer.Option(help="Entry to read when the file holds several studies.")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Name of the fitted profile.")] = None,
+    starts: Annotated[int, typer.Option(help="Optimizer restarts (more is slower, safer).")] = 6,
+) -> None:
+    """Fit a profile's free parameters to measured points and write the fitted profile.
+
+    A point is steps, topk, draft_tokens, batch, dataset, baseline_tok_s, spec_tok_s and
+    optionally accept_length. Hardware and model facts are kept; the calibration block and
+    each measured dataset's acceptance and workload shape are fitted.
+    """
+    from treetune.perfmodel.calibrate import calibrate as fit
+    from treetune.perfmodel.calibrate import free_parameters, load_measurements
+
+    base = load_profile(profile)
+    points = load_measurements(measurements, entry)
+    params = free_parameters(base, points)
+    err.print(f"fitting {len(params)} parameters to {len(points)} points ...")
+    result = fit(base, points, params, starts=starts)
+    table = Table(title=f"calibration of {base.name} to {measurements}")
+    for col in ("tree", "batch", "dataset", "measured", "predicted", "error", "baseline err"):
+        table.add_column(col, justify="right")
+    for e in result.points:
+        m = e.measurement
+        table.add_row(m.config.label(), str(m.batch), m.dataset, f"{m.speedup:.3f}",
+                      f"{e.predicted_speedup:.3f}", f"{e.speedup_error:+.3f}",
+                      f"{e.baseline_rel_error:+.1%}")
+    out.print(table)
+    out.print(f"max speedup error {result.max_speedup_error:.3f}, "
+              f"max baseline error {result.max_baseline_error:.1%}")
+    note = (f"Calibrated to {Path(measurements).name}"
+            f"{f' ({entry})' if entry else ''}: {len(points)} points, max speedup error "
+            f"{result.max_speedup_error:.3f}, max baseline error {result.max_baseline_error:.1%}.")
+    fitted = result.profile.replace(
+        name=name or base.name,
+        description=f"{base.description.split(' Calibrated to ')[0]} {note}".strip(),
+    )
+    fitted.save(output)
+    out.print(f"wrote {output}")
+
+
+@app.command()
+def profiles() -> None:
+    """List the shipped performance profiles."""
+    for name in shipped_profiles():
+        prof = load_profile(name)
+        out.print(f"[bold]{name}[/bold]: {prof.description}")
+        out.print(f"    datasets: {', '.join(prof.datasets)}")
+
+
+def expand_multi_values(argv: list[str]) -> list[str]:
+    """Turn `--batch 1 32` into `--batch 1 --batch 32` (click options take one value)."""
+    result: list[str] = []
+    current: str | None = None
+    for arg in argv:
+        if arg.startswith("-"):
+            current = arg if arg in MULTI_VALUE_OPTIONS else None
+            result.append(arg)
+        elif current is not None and result and result[-1] != current:
+            result += [current, arg]
+        else:
+            result.append(arg)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = expand_multi_values(list(sys.argv[1:] if argv is None else argv))
+    debug = "--debug" in args or os.environ.get("TREETUNE_DEBUG") == "1"
+    args = [a for a in args if a != "--debug"]
+    try:
+        app(args, prog_name="treetune", standalone_mode=False)
+    except TreetuneError as exc:
+        if debug:
+            raise
+        err.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+        sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt):
+        err.print("aborted")
+        sys.exit(130)
+    except Exception as exc:  # click usage errors and the unexpected
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if debug:
+            raise
+        err.print(f"[bold red]internal error:[/bold red] {type(exc).__name__}: {exc} "
+                  "(rerun with --debug for the traceback)")
+        sys.exit(1)

@@ -1,0 +1,50 @@
+"""Performance model of EAGLE tree speculative decoding (pure numpy/scipy, no GPU)."""
+
+from treetune.perfmodel.acceptance import (
+    Acceptance,
+    DraftTree,
+    build_tree,
+    expected_accept_length,
+    sample_accepted,
+)
+from treetune.perfmodel.cost import CostModel, RoundTime, distinct_experts, independent_tokens
+from treetune.perfmodel.memory import MemoryCheck, check_memory
+from treetune.perfmodel.predict import PerfModel, Prediction
+from treetune.perfmodel.profile import (
+    Calibration,
+    Dataset,
+    Draft,
+    Hardware,
+    MoE,
+    Noise,
+    Profile,
+    Target,
+    load_profile,
+    shipped_profiles,
+)
+
+__all__ = [
+    "Acceptance",
+    "Calibration",
+    "CostModel",
+    "Dataset",
+    "Draft",
+    "DraftTree",
+    "Hardware",
+    "MemoryCheck",
+    "MoE",
+    "Noise",
+    "PerfModel",
+    "Prediction",
+    "Profile",
+    "RoundTime",
+    "Target",
+    "build_tree",
+    "check_memory",
+    "distinct_experts",
+    "expected_accept_length",
+    "independent_tokens",
+    "load_profile",
+    "sample_accepted",
+    "shipped_profiles",
+]

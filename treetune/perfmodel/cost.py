@@ -1,0 +1,123 @@
+"""Step-time cost model: roofline plus fixed costs, per forward pass.
+
+A forward over n tokens from b requests costs
+    fixed + max(bytes / bandwidth, flops / peak) + tensor-parallel all-reduces + n * per-token
+where bytes are the weights touched (for MoE, the distinct experts n tokens route to)
+plus the KV cache and recurrent state of the b requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from treetune.config import TreeConfig
+from treetune.perfmodel.profile import Dataset, Profile
+
+ACTIVATION_BYTES = 2  # bf16 activations on the all-reduce wire
+
+
+@dataclass(frozen=True)
+class RoundTime:
+    """Seconds spent in one speculative round (or one plain decode step)."""
+
+    draft_s: float
+    verify_s: float
+    overhead_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.draft_s + self.verify_s + self.overhead_s
+
+
+def distinct_experts(independent_tokens: float, experts: int, per_token: int) -> float:
+    """Expected distinct experts touched by n independently, uniformly routed tokens."""
+    if independent_tokens <= 0:
+        return 0.0
+    return experts * (1.0 - (1.0 - per_token / experts) ** independent_tokens)
+
+
+def independent_tokens(
+    requests: float, tokens_per_request: float, diversity: float, tree_diversity: float
+) -> float:
+    """How many uniformly routed tokens a pass is worth for expert coverage.
+
+    Real routing is correlated: the requests of one workload pick overlapping experts
+    (`diversity` < 1), and a draft tree's extra candidates, mostly low-rank guesses, route
+    with their own diversity (`tree_diversity`).
+    """
+    extra = requests * (tokens_per_request - 1.0)
+    return 1.0 + (requests - 1.0) * diversity + extra * tree_diversity
+
+
+class CostModel:
+    """Forward-pass and round times for one profile at one tensor-parallel size."""
+
+    def __init__(self, profile: Profile, tp: int | None = None) -> None:
+        self.profile = profile
+        self.tp = tp or profile.tp
+        hw = profile.hardware
+        self.bandwidth = hw.bandwidth_tb_s * 1e12 * self.tp
+        self.flops_peak = hw.peak_tflops * 1e12 * self.tp
+        self.link = hw.interconnect_gb_s * 1e9
+
+    def _comm(self, tokens: float, layers: int) -> float:
+        if self.tp <= 1:
+            return 0.0
+        hw = self.profile.hardware
+        message = tokens * self.profile.target.hidden_size * ACTIVATION_BYTES
+        ring = 2.0 * (self.tp - 1) / self.tp * message / self.link
+        return 2 * layers * (hw.allreduce_latency_us * 1e-6 + ring)  # attention + MLP
+
+    def target_pass(self, requests: float, tokens_per_request: float, data: Dataset) -> float:
+        """One target forward over `tokens_per_request` tokens from each of `requests`."""
+        t, c = self.profile.target, self.profile.calibration
+        tokens = requests * tokens_per_request
+        context = data.context_tokens
+        params = t.always_read_params
+        if t.moe is not None:
+            routed = independent_tokens(
+                requests, tokens_per_request, data.routing_diversity, c.tree_routing_diversity
+            )
+            params += distinct_experts(routed, t.moe.experts, t.moe.experts_per_token) * (
+                t.expert_params
+            )
+        weight_s = params * t.weight_bytes / (self.bandwidth * c.weight_bandwidth_eff)
+        # Linear-attention layers read each request's recurrent state once and, to roll back
+        # rejected drafts, write one state per processed token (a tree node forks the state).
+        state = t.state_bytes_per_request * (1 + tokens_per_request)
+        kv_bytes = requests * (context * t.kv_bytes_per_token + state)
+        kv_s = kv_bytes / (self.bandwidth * c.kv_bandwidth_eff)
+        flops = 2.0 * t.active_params_b * 1e9 * tokens
+        compute_s = flops / (self.flops_peak * c.compute_eff)
+        return (
+            c.step_overhead_ms * 1e-3
+            + max(weight_s + kv_s, compute_s)
+            + self._comm(tokens, t.layers)
+            + c.token_overhead_us * 1e-6 * tokens
+        )
+
+    def draft_pass(self, tokens: float, requests: float, context: float) -> float:
+        """One draft-head forward (EAGLE3: one layer plus its LM head)."""
+        d, c = self.profile.draft, self.profile.calibration
+        weight_s = d.params_m * 1e6 * d.weight_bytes / (self.bandwidth * c.weight_bandwidth_eff)
+        kv_s = requests * context * d.kv_bytes_per_token / (self.bandwidth * c.kv_bandwidth_eff)
+        compute_s = 2.0 * d.params_m * 1e6 * tokens / (self.flops_peak * c.compute_eff)
+        return (
+            c.draft_overhead_ms * 1e-3
+            + max(weight_s + kv_s, compute_s)
+            + self._comm(tokens, d.layers)
+            + c.token_overhead_us * 1e-6 * tokens
+        )
+
+    def baseline_step(self, batch: float, data: Dataset) -> RoundTime:
+        return RoundTime(0.0, self.target_pass(batch, 1, data), 0.0)
+
+    def spec_round(self, config: TreeConfig, batch: float, data: Dataset) -> RoundTime:
+        """One draft-extend pass, S-1 draft-decode passes over B*K tokens, one verify over
+        B*N tokens (tree attention reads each request's KV once)."""
+        ctx = data.context_tokens
+        draft = self.draft_pass(batch * config.draft_tokens, batch, ctx) + (
+            config.steps - 1
+        ) * self.draft_pass(batch * config.topk, batch, ctx)
+        verify = self.target_pass(batch, config.draft_tokens, data)
+        return RoundTime(draft, verify, self.profile.calibration.round_overhead_ms * 1e-3)

@@ -1,0 +1,66 @@
+"""Memory model: does a server fit in GPU memory at a given --max-running-requests?
+
+SGLang takes `mem_fraction_static` of each GPU for weights plus the KV pool; speculation
+adds the draft's weights and KV, reserves max(S*K, N) extra slots per running request,
+and needs workspace (logits, activations) for batch * N tokens in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.perfmodel.profile import Profile
+
+GB = 1e9
+LOGIT_BYTES = 4  # fp32 logits for sampling and verification
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    fits: bool
+    required_gb: float  # per GPU
+    available_gb: float  # per GPU, after mem_fraction_static
+    reason: str
+
+
+def check_memory(
+    profile: Profile,
+    config: ServerConfig,
+    max_running_requests: int,
+    *,
+    tp: int | None = None,
+    mem_fraction_static: float | None = None,
+) -> MemoryCheck:
+    tp = tp or profile.tp
+    fraction = mem_fraction_static or profile.server.mem_fraction_static
+    t, d, server = profile.target, profile.draft, profile.server
+    available = profile.hardware.memory_gb * GB * fraction
+    weights = t.total_params_b * 1e9 * t.weight_bytes / tp
+    kv_per_token = t.kv_bytes_per_token / tp
+    slots = server.reserve_context_tokens
+    in_flight = max_running_requests
+    if config is not BASELINE:
+        assert isinstance(config, TreeConfig)
+        weights += d.params_m * 1e6 * d.weight_bytes / tp
+        kv_per_token += d.kv_bytes_per_token / tp
+        slots += config.kv_slots_per_round
+        in_flight *= config.draft_tokens
+    kv = max_running_requests * (slots * kv_per_token + t.state_bytes_per_request / tp)
+    per_token = server.activation_bytes_per_token or (
+        t.vocab_size * LOGIT_BYTES + 16 * t.hidden_size * 2
+    )
+    workspace = in_flight * per_token / tp
+    required = weights + kv + workspace
+    parts = (
+        f"weights {weights / GB:.1f} GB + KV {kv / GB:.1f} GB for {max_running_requests} "
+        f"requests + workspace {workspace / GB:.1f} GB for {in_flight} tokens in flight"
+    )
+    if required > available:
+        reason = (
+            f"out of memory: {config} at --max-running-requests {max_running_requests} needs "
+            f"{required / GB:.1f} GB per GPU ({parts}) but {fraction:g} x "
+            f"{profile.hardware.memory_gb:g} GB leaves {available / GB:.1f} GB"
+        )
+        return MemoryCheck(False, required / GB, available / GB, reason)
+    return MemoryCheck(True, required / GB, available / GB, f"fits: {parts}")

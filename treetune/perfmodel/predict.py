@@ -1,0 +1,88 @@
+"""Noise-free predictions: throughput, speedup and accept length per (config, dataset, batch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.perfmodel.acceptance import expected_accept_length
+from treetune.perfmodel.cost import CostModel, RoundTime
+from treetune.perfmodel.memory import check_memory
+from treetune.perfmodel.profile import Profile
+
+
+@dataclass(frozen=True)
+class Prediction:
+    config: ServerConfig
+    dataset: str
+    batch: int
+    baseline_tok_s: float
+    spec_tok_s: float
+    speedup: float
+    accept_length: float
+    step_time_s: float  # one round of this config (one decode step for the baseline)
+    oom: bool
+
+    def record(self) -> dict[str, object]:
+        """The stable JSON record of `treetune predict --json`."""
+        tree = self.config if isinstance(self.config, TreeConfig) else None
+        return {
+            "steps": tree.steps if tree else None,
+            "topk": tree.topk if tree else None,
+            "draft_tokens": tree.draft_tokens if tree else None,
+            "batch": self.batch,
+            "dataset": self.dataset,
+            "baseline_tok_s": round(self.baseline_tok_s, 3),
+            "spec_tok_s": round(self.spec_tok_s, 3),
+            "speedup": round(self.speedup, 4),
+            "accept_length": round(self.accept_length, 4),
+            "oom": self.oom,
+        }
+
+
+class PerfModel:
+    """Everything the profile predicts, for one tensor-parallel size."""
+
+    def __init__(self, profile: Profile, tp: int | None = None) -> None:
+        self.profile = profile
+        self.cost = CostModel(profile, tp)
+
+    def accept_length(self, config: ServerConfig, dataset: str) -> float:
+        if config is BASELINE:
+            return 1.0
+        assert isinstance(config, TreeConfig)
+        return expected_accept_length(config, self.profile.dataset(dataset).acceptance)
+
+    def round_time(self, config: ServerConfig, batch: float, dataset: str) -> RoundTime:
+        data = self.profile.dataset(dataset)
+        if config is BASELINE:
+            return self.cost.baseline_step(batch, data)
+        assert isinstance(config, TreeConfig)
+        return self.cost.spec_round(config, batch, data)
+
+    def throughput(self, config: ServerConfig, batch: float, dataset: str) -> float:
+        """Output tokens/s over the whole batch."""
+        round_s = self.round_time(config, batch, dataset).total_s
+        return batch * self.accept_length(config, dataset) / round_s
+
+    def predict(
+        self,
+        config: ServerConfig,
+        dataset: str,
+        batch: int,
+        max_running_requests: int | None = None,
+    ) -> Prediction:
+        baseline = self.throughput(BASELINE, batch, dataset)
+        spec = self.throughput(config, batch, dataset)
+        memory = check_memory(self.profile, config, max_running_requests or batch, tp=self.cost.tp)
+        return Prediction(
+            config=config,
+            dataset=dataset,
+            batch=batch,
+            baseline_tok_s=baseline,
+            spec_tok_s=spec,
+            speedup=spec / baseline,
+            accept_length=self.accept_length(config, dataset),
+            step_time_s=self.round_time(config, batch, dataset).total_s,
+            oom=not memory.fits,
+        )

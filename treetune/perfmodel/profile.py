@@ -1,0 +1,235 @@
+"""Profiles: the hardware, target model, draft head and workloads a prediction is for.
+
+Physical facts (bandwidth, FLOPs, parameter counts, experts, memory) are written by hand;
+`Calibration` and the per-dataset acceptance and workload shape are fitted by
+`treetune calibrate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from treetune.errors import ConfigFileError, TreetuneError
+from treetune.perfmodel.acceptance import Acceptance
+from treetune.yamlio import build, closest, dump_yaml, load_yaml
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU group serving one model replica (TP across `gpus`)."""
+
+    gpu: str
+    gpus: int
+    memory_gb: float  # per GPU
+    bandwidth_tb_s: float  # HBM, per GPU
+    peak_tflops: float  # dense, at the weight dtype, per GPU
+    interconnect_gb_s: float = 450.0  # per GPU and direction (NVLink)
+    allreduce_latency_us: float = 8.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "gpus", "memory_gb", "bandwidth_tb_s", "peak_tflops", "interconnect_gb_s")
+
+
+@dataclass(frozen=True)
+class MoE:
+    experts: int
+    experts_per_token: int
+    expert_params_m: float  # one expert in one layer
+    layers: int  # MoE layers
+    shared_experts: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(self, "experts", "experts_per_token", "expert_params_m", "layers")
+        if self.experts_per_token > self.experts:
+            raise ValueError("experts_per_token cannot exceed experts")
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    total_params_b: float
+    active_params_b: float
+    layers: int
+    hidden_size: int
+    kv_bytes_per_token: float  # K and V of all attention layers, whole model
+    weight_bytes: float = 2.0  # per parameter: 2 for bf16, 1 for fp8
+    state_bytes_per_request: float = 0.0  # recurrent (linear-attention) state
+    vocab_size: int = 151936
+    attention_layers: int | None = None
+    moe: MoE | None = None
+
+    def __post_init__(self) -> None:
+        _positive(self, "total_params_b", "active_params_b", "layers", "hidden_size",
+                  "kv_bytes_per_token", "weight_bytes")
+        if self.active_params_b > self.total_params_b:
+            raise ValueError("active_params_b cannot exceed total_params_b")
+
+    @property
+    def expert_params(self) -> float:
+        """Routed-expert parameters read per distinct expert (all MoE layers)."""
+        return 0.0 if self.moe is None else self.moe.expert_params_m * 1e6 * self.moe.layers
+
+    @property
+    def always_read_params(self) -> float:
+        """Parameters every forward pass reads whatever the routing (attention, shared)."""
+        routed = 0.0 if self.moe is None else self.moe.experts_per_token * self.expert_params
+        return self.active_params_b * 1e9 - routed
+
+
+@dataclass(frozen=True)
+class Draft:
+    name: str
+    params_m: float
+    weight_bytes: float = 2.0
+    kv_bytes_per_token: float = 0.0
+    layers: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "params_m", "weight_bytes", "layers")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Free parameters of the cost model, fitted to measurements."""
+
+    step_overhead_ms: float = 5.0  # fixed cost of a target forward (launches, scheduler)
+    draft_overhead_ms: float = 0.5  # fixed cost of a draft forward
+    round_overhead_ms: float = 0.3  # per speculative round: tree build, verify bookkeeping
+    token_overhead_us: float = 2.0  # per token in a forward (sampling, copies, norms)
+    weight_bandwidth_eff: float = 0.7  # achieved share of HBM bandwidth for weight reads
+    kv_bandwidth_eff: float = 0.5  # achieved share for KV-cache and state reads
+    compute_eff: float = 0.5  # achieved share of peak FLOPs
+    tree_routing_diversity: float = 1.0  # MoE routing spread of a tree's extra candidates
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith(("_eff", "_diversity")) and not 0 < value <= 1:
+                raise ValueError(f"{f.name} must be in (0, 1], got {value}")
+            if value < 0:
+                raise ValueError(f"{f.name} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A workload: how predictable its text is and what shape its requests have."""
+
+    acceptance: Acceptance
+    context_tokens: float = 1024.0  # mean KV length a decode step reads per request
+    prompt_tokens: int = 256
+    output_tokens: int = 256
+    routing_diversity: float = 1.0  # 1 = uniform MoE routing; lower = more concentrated
+
+    def __post_init__(self) -> None:
+        _positive(self, "context_tokens", "prompt_tokens", "output_tokens", "routing_diversity")
+
+
+@dataclass(frozen=True)
+class Noise:
+    """Measurement noise: a per-launch speed factor and per-measurement drift."""
+
+    launch_cv: float = 0.02
+    measurement_cv: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.launch_cv < 0 or self.measurement_cv < 0:
+            raise ValueError("noise coefficients of variation must be >= 0")
+
+
+@dataclass(frozen=True)
+class ServerDefaults:
+    tp: int | None = None  # defaults to hardware.gpus
+    mem_fraction_static: float = 0.85
+    reserve_context_tokens: int = 4096  # KV each running request must be able to hold
+    activation_bytes_per_token: float = 0.0  # workspace per token in flight (0: derived)
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    hardware: Hardware
+    target: Target
+    draft: Draft
+    datasets: dict[str, Dataset]
+    calibration: Calibration = field(default_factory=Calibration)
+    noise: Noise = field(default_factory=Noise)
+    server: ServerDefaults = field(default_factory=ServerDefaults)
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.datasets:
+            raise ValueError("a profile needs at least one dataset under 'datasets'")
+
+    @property
+    def tp(self) -> int:
+        return self.server.tp or self.hardware.gpus
+
+    def dataset(self, name: str) -> Dataset:
+        try:
+            return self.datasets[name]
+        except KeyError:
+            raise TreetuneError(
+                f"profile '{self.name}' has no dataset '{name}'{closest(name, self.datasets)}; "
+                f"it knows: {', '.join(self.datasets)}"
+            ) from None
+
+    def replace(self, **changes: Any) -> Profile:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = _plain(dataclasses.asdict(self))
+        return {"name": data.pop("name"), "description": data.pop("description"), **data}
+
+    def save(self, path: str | Path) -> None:
+        dump_yaml(self.to_dict(), path)
+
+
+def _plain(value: Any) -> Any:
+    """asdict output without tuples or None-valued optional keys, for tidy YAML."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, float):
+        return float(f"{value:.5g}")  # fitted values: no false precision in the YAML
+    return value
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def shipped_profiles() -> list[str]:
+    folder = resources.files("treetune") / "profiles"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def resolve_profile_path(name_or_path: str | Path) -> Path:
+    """A shipped profile's name, or the path of a profile file."""
+    text = str(name_or_path)
+    candidate = Path(text)
+    if candidate.suffix in (".yaml", ".yml") or candidate.exists() or "/" in text:
+        return candidate
+    shipped = resources.files("treetune") / "profiles" / f"{text}.yaml"
+    if shipped.is_file():
+        return Path(str(shipped))
+    names = shipped_profiles()
+    raise TreetuneError(
+        f"unknown profile '{text}'{closest(text, names)}: give a profile file path or one of "
+        f"the shipped profiles: {', '.join(names)}"
+    )
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    path = resolve_profile_path(name_or_path)
+    data = load_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigFileError(path, "a profile must be a mapping with hardware, target, ...")
+    return build(Profile, data, path)

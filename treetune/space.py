@@ -1,0 +1,166 @@
+"""Search spaces: ranges or choices per knob, extra SGLang flags as categorical dimensions.
+
+A space file is YAML:
+
+    steps: {min: 1, max: 8}          # or a list: [1, 3, 5, 7]
+    topk: [1, 2, 3, 4, 6, 8]
+    draft_tokens: {min: 2, max: 64}
+    draft_tokens_rule: sglang        # or steps_times_topk_plus_one (bench_speculative.py)
+    include_baseline: true
+    flags:                           # optional categorical SGLang flags
+      --attention-backend: [triton, flashinfer]
+
+Enumeration yields each valid canonical TreeConfig once, however many raw triples map to it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from treetune.config import BASELINE, ServerConfig, TreeConfig, is_valid
+from treetune.errors import ConfigFileError, TreetuneError
+from treetune.yamlio import build, closest, load_yaml
+
+RULES = ("sglang", "steps_times_topk_plus_one")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One server to launch: a tree (or the baseline) plus values of the extra flags."""
+
+    config: ServerConfig
+    flags: tuple[tuple[str, str], ...] = ()
+
+    def label(self) -> str:
+        extra = " ".join(f"{k}={v}" for k, v in self.flags)
+        return f"{self.config.label()} {extra}".strip()
+
+
+@dataclass(frozen=True)
+class _SpaceFile:
+    steps: Any
+    topk: Any
+    draft_tokens: Any
+    draft_tokens_rule: str = "sglang"
+    include_baseline: bool = True
+    flags: dict[str, list[str]] = field(default_factory=dict)
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    name: str
+    steps: tuple[int, ...]
+    topk: tuple[int, ...]
+    draft_tokens: tuple[int, ...]
+    draft_tokens_rule: str = "sglang"
+    include_baseline: bool = True
+    flags: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    description: str = ""
+
+    def allows(self, steps: int, topk: int, draft_tokens: int) -> bool:
+        if not is_valid(steps, topk, draft_tokens):
+            return False
+        if self.draft_tokens_rule == "steps_times_topk_plus_one":
+            return draft_tokens <= steps * topk + 1
+        return True
+
+    def configs(self) -> list[TreeConfig]:
+        """Every valid canonical tree in the space, sorted, each once."""
+        found = {
+            TreeConfig.of(s, k, n)
+            for s, k, n in itertools.product(self.steps, self.topk, self.draft_tokens)
+            if self.allows(s, k, n)
+        }
+        return sorted(found)
+
+    def contains(self, config: TreeConfig) -> bool:
+        return config in set(self.configs())
+
+    def candidates(self) -> list[Candidate]:
+        """Trees (and the baseline, if included) crossed with every extra-flag combination."""
+        servers: list[ServerConfig] = [*([BASELINE] if self.include_baseline else []),
+                                       *self.configs()]
+        names = [name for name, _ in self.flags]
+        combos = list(itertools.product(*(values for _, values in self.flags)))
+        return [Candidate(c, tuple(zip(names, combo, strict=True)))
+                for c in servers for combo in combos]
+
+
+def shipped_spaces() -> dict[str, Path]:
+    """Spaces in the checkout's search_spaces/ folder, by name."""
+    folder = Path(__file__).resolve().parent.parent / "search_spaces"
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def load_space(name_or_path: str | Path) -> SearchSpace:
+    """A space file path, or the name of a space in search_spaces/ (e.g. 'default')."""
+    text = str(name_or_path)
+    path = Path(text)
+    if not path.exists() and path.suffix not in (".yaml", ".yml") and "/" not in text:
+        shipped = shipped_spaces()
+        if text not in shipped:
+            raise TreetuneError(
+                f"unknown search space '{text}'{closest(text, shipped)}: give a YAML file path "
+                f"or one of: {', '.join(shipped) or '(none found)'}"
+            )
+        path = shipped[text]
+    raw = build(_SpaceFile, load_yaml(path), path)
+    if raw.draft_tokens_rule not in RULES:
+        raise ConfigFileError(
+            path, f"must be one of {', '.join(RULES)}, got '{raw.draft_tokens_rule}'",
+            "draft_tokens_rule",
+        )
+    steps = _knob(raw.steps, path, "steps", minimum=1)
+    topk = _knob(raw.topk, path, "topk", minimum=1)
+    draft_tokens = _knob(raw.draft_tokens, path, "draft_tokens", minimum=2)
+    flags = []
+    for flag, values in raw.flags.items():
+        if not flag.startswith("--"):
+            raise ConfigFileError(path, "flag names start with '--'", f"flags.{flag}")
+        if not values:
+            raise ConfigFileError(path, "needs at least one value", f"flags.{flag}")
+        flags.append((flag, tuple(str(v) for v in values)))
+    space = SearchSpace(path.stem, steps, topk, draft_tokens, raw.draft_tokens_rule,
+                        raw.include_baseline, tuple(flags), raw.description)
+    if not space.configs():
+        raise ConfigFileError(
+            path, "the space is empty: no (steps, topk, draft_tokens) combination in it is a "
+            "valid SGLang tree (draft_tokens - 1 <= topk + (steps-1)*topk^2)", "draft_tokens",
+        )
+    return space
+
+
+def _knob(value: Any, path: Path, key: str, minimum: int) -> tuple[int, ...]:
+    if isinstance(value, dict):
+        unknown = set(value) - {"min", "max", "step"}
+        if unknown:
+            bad = sorted(map(str, unknown))[0]
+            raise ConfigFileError(path, f"unknown key{closest(bad, ['min', 'max', 'step'])}",
+                                  f"{key}.{bad}")
+        if "min" not in value or "max" not in value:
+            raise ConfigFileError(path, "a range needs both min and max", key)
+        bounds = [value["min"], value["max"], value.get("step", 1)]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in bounds):
+            raise ConfigFileError(path, "min, max and step must be integers", key)
+        lo, hi, step = bounds
+        if step < 1 or hi < lo:
+            raise ConfigFileError(path, f"empty range min {lo} max {hi} step {step}", key)
+        values = list(range(lo, hi + 1, step))
+    elif isinstance(value, list):
+        values = value
+    elif isinstance(value, int) and not isinstance(value, bool):
+        values = [value]
+    else:
+        raise ConfigFileError(path, "expected a list of integers or {min, max}", key)
+    if not values:
+        raise ConfigFileError(path, "no values given", key)
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ConfigFileError(path, f"expected integers, got {v!r}", key)
+        if v < minimum:
+            raise ConfigFileError(path, f"values must be >= {minimum}, got {v}", key)
+    return tuple(sorted(set(values)))
