@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.config import ServerConfig, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.perfmodel import PerfModel, Prediction, load_profile, shipped_profiles
 
@@ -119,8 +119,8 @@ def _print_ranking(
             style="red" if low < 1 else None,
         )
     any_cells = shown[0][1]
-    table.add_row("baseline tok/s", "", "", *(f"{any_cells[d].baseline_tok_s:.1f}" for d in datasets),
-                  style="dim")
+    baselines = (f"{any_cells[d].baseline_tok_s:.1f}" for d in datasets)
+    table.add_row("baseline tok/s", "", "", *baselines, style="dim")
     out.print(table)
 
 

@@ -69,7 +69,8 @@ def speculative_args(config: ServerConfig, spec: LaunchSpec) -> list[str]:
     args = ["--speculative-algorithm", spec.algorithm]
     if spec.draft_model_path is not None:
         args += ["--speculative-draft-model-path", spec.draft_model_path]
-    return args + [
+    return [
+        *args,
         "--speculative-num-steps", str(config.steps),
         "--speculative-eagle-topk", str(config.topk),
         "--speculative-num-draft-tokens", str(config.draft_tokens),

@@ -9,6 +9,7 @@ from treetune.perfmodel.acceptance import (
 )
 from treetune.perfmodel.cost import CostModel, RoundTime, distinct_experts, independent_tokens
 from treetune.perfmodel.memory import MemoryCheck, check_memory
+from treetune.perfmodel.noise import Drift, NoiseModel, lognormal_factor
 from treetune.perfmodel.predict import PerfModel, Prediction
 from treetune.perfmodel.profile import (
     Calibration,
@@ -30,10 +31,12 @@ __all__ = [
     "Dataset",
     "Draft",
     "DraftTree",
+    "Drift",
     "Hardware",
     "MemoryCheck",
     "MoE",
     "Noise",
+    "NoiseModel",
     "PerfModel",
     "Prediction",
     "Profile",
@@ -45,6 +48,7 @@ __all__ = [
     "expected_accept_length",
     "independent_tokens",
     "load_profile",
+    "lognormal_factor",
     "sample_accepted",
     "shipped_profiles",
 ]

@@ -21,7 +21,7 @@ from scipy.optimize import least_squares
 from treetune.config import BASELINE, TreeConfig
 from treetune.errors import ConfigFileError, InvalidTreeError, TreetuneError
 from treetune.perfmodel.predict import PerfModel
-from treetune.perfmodel.profile import Calibration, Profile
+from treetune.perfmodel.profile import Profile
 from treetune.yamlio import build, load_yaml
 
 

@@ -1,0 +1,59 @@
+"""`python -m treetune.emulator --profile P <SGLang launch flags>`."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import sys
+
+from aiohttp import web
+
+from treetune.emulator.args import LaunchError, parse, warn_ignored
+from treetune.emulator.server import EmulatedServer, log
+from treetune.errors import TreetuneError
+from treetune.perfmodel import check_memory, load_profile
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = parse(sys.argv[1:] if argv is None else argv)
+    except LaunchError as exc:
+        print(f"[emulator] ERROR: {exc}", file=sys.stderr, flush=True)
+        return 1
+    try:
+        profile = load_profile(settings.profile)
+    except TreetuneError as exc:
+        print(f"[emulator] ERROR: {exc}", file=sys.stderr, flush=True)
+        return 1
+    warn_ignored(settings)
+    if settings.tp > profile.hardware.gpus:
+        print(f"[emulator] ERROR: --tp-size {settings.tp} needs {settings.tp} GPUs but profile "
+              f"'{profile.name}' has {profile.hardware.gpus} {profile.hardware.gpu}",
+              file=sys.stderr, flush=True)
+        return 1
+    memory = check_memory(profile, settings.config, settings.max_running_requests,
+                          tp=settings.tp, mem_fraction_static=settings.mem_fraction_static)
+    if not memory.fits:
+        print(f"[emulator] ERROR: RuntimeError: Not enough memory. Please try to increase "
+              f"--mem-fraction-static or reduce --max-running-requests. ({memory.reason})",
+              file=sys.stderr, flush=True)
+        return 1
+    server = EmulatedServer(settings, profile)
+    log(f"emulating {settings.model_path} as profile '{profile.name}', "
+        f"speculative config {settings.config}, max running requests "
+        f"{settings.max_running_requests}, time scale {settings.time_scale:g}")
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
+        sock.bind((settings.host, settings.port))
+    except OSError as exc:
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+        print(f"[emulator] ERROR: cannot bind {settings.host}:{settings.port}: {reason}",
+              file=sys.stderr, flush=True)
+        return 1
+    web.run_app(server.app, sock=sock, print=None, handle_signals=True,
+                shutdown_timeout=2.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Parse SGLang launch flags as the emulator's command line, and refuse what SGLang refuses."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+
+from treetune.config import BASELINE, ServerConfig, TreeConfig, tree_problem
+
+# With speculation on and --max-running-requests unset, SGLang caps running requests here.
+SPEC_DEFAULT_MAX_RUNNING = 48
+NO_SPEC_DEFAULT_MAX_RUNNING = 1024
+DEFAULT_TREE = (3, 1, 4)  # SGLang's automatic choice for non-Llama targets
+EMULATED_SGLANG_VERSION = "0.5.23"
+
+
+EMULATOR_KEYS = frozenset({"profile", "time_scale", "load_time", "seed", "noise",
+                           "crash_after_requests", "hang_on_startup", "emulate_version",
+                           "api_key"})
+
+
+class LaunchError(Exception):
+    """SGLang would refuse to start with these flags; the message imitates SGLang's."""
+
+
+@dataclass
+class EmulatorSettings:
+    profile: str
+    model_path: str
+    config: ServerConfig
+    algorithm: str | None
+    draft_model_path: str | None
+    tp: int
+    host: str
+    port: int
+    enable_metrics: bool
+    max_running_requests: int
+    max_running_requests_set: bool
+    attention_backend: str
+    mem_fraction_static: float | None
+    cuda_graph_max_bs: int | None
+    served_model_name: str
+    api_key: str | None
+    time_scale: float
+    load_time: float
+    seed: int | None
+    noise: bool
+    crash_after_requests: int | None
+    hang_on_startup: bool
+    sglang_version: str
+    ignored_flags: list[str] = field(default_factory=list)
+    raw_args: dict[str, object] = field(default_factory=dict)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m treetune.emulator",
+        description="An SGLang-compatible server whose timing and acceptance come from a "
+        "treetune performance profile. Takes SGLang's launch_server flags; unknown SGLang "
+        "flags are ignored with a warning.",
+    )
+    emu = p.add_argument_group("emulator")
+    emu.add_argument("--profile", required=True, help="shipped profile name or YAML path")
+    emu.add_argument("--time-scale", type=float, default=1.0,
+                     help="run this many times faster than the emulated GPU (default 1)")
+    emu.add_argument("--load-time", type=float, default=2.0,
+                     help="emulated seconds of model loading before /health turns 200")
+    emu.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    emu.add_argument("--no-noise", dest="noise", action="store_false",
+                     help="turn the profile's launch and measurement noise off")
+    emu.add_argument("--crash-after-requests", type=int, default=None,
+                     help="fault switch: exit abruptly once this many requests have arrived")
+    emu.add_argument("--hang-on-startup", action="store_true",
+                     help="fault switch: never become healthy")
+    emu.add_argument("--emulate-version", default=EMULATED_SGLANG_VERSION,
+                     help="SGLang version reported by /server_info")
+
+    sg = p.add_argument_group("SGLang flags")
+    sg.add_argument("--model-path", "--model", required=True)
+    sg.add_argument("--served-model-name", default=None)
+    sg.add_argument("--speculative-algorithm", default=None)
+    sg.add_argument("--speculative-draft-model-path", "--speculative-draft-model", default=None)
+    sg.add_argument("--speculative-num-steps", type=int, default=None)
+    sg.add_argument("--speculative-eagle-topk", type=int, default=None)
+    sg.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    sg.add_argument("--tp-size", "--tp", type=int, default=1)
+    sg.add_argument("--host", default="127.0.0.1")
+    sg.add_argument("--port", type=int, default=30000)
+    sg.add_argument("--enable-metrics", action="store_true")
+    sg.add_argument("--max-running-requests", type=int, default=None)
+    sg.add_argument("--attention-backend", default=None)
+    sg.add_argument("--mem-fraction-static", type=float, default=None)
+    sg.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    sg.add_argument("--cuda-graph-max-bs-decode", type=int, default=None)
+    sg.add_argument("--cuda-graph-max-bs-prefill", type=int, default=None)
+    sg.add_argument("--api-key", default=None)
+    sg.add_argument("--trust-remote-code", action="store_true")
+    return p
+
+
+def parse(argv: list[str]) -> EmulatorSettings:
+    """Parse and validate; raises LaunchError with an SGLang-like message."""
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    ignored = [a for a in unknown if a.startswith("--")]
+    if ns.time_scale <= 0:
+        raise LaunchError(f"--time-scale must be > 0, got {ns.time_scale}")
+    if ns.tp_size < 1:
+        raise LaunchError(f"--tp-size must be >= 1, got {ns.tp_size}")
+    if ns.max_running_requests is not None and ns.max_running_requests < 1:
+        raise LaunchError(f"--max-running-requests must be >= 1, got {ns.max_running_requests}")
+    config = _tree(ns)
+    attention = ns.attention_backend or (
+        # Hopper default: fa3 only for chains (and no speculation), else flashinfer.
+        "fa3" if config is BASELINE or config.topk == 1 else "flashinfer"
+    )
+    max_running = ns.max_running_requests or (
+        NO_SPEC_DEFAULT_MAX_RUNNING if config is BASELINE else SPEC_DEFAULT_MAX_RUNNING
+    )
+    return EmulatorSettings(
+        profile=ns.profile,
+        model_path=ns.model_path,
+        config=config,
+        algorithm=ns.speculative_algorithm,
+        draft_model_path=ns.speculative_draft_model_path,
+        tp=ns.tp_size,
+        host=ns.host,
+        port=ns.port,
+        enable_metrics=ns.enable_metrics,
+        max_running_requests=max_running,
+        max_running_requests_set=ns.max_running_requests is not None,
+        attention_backend=attention,
+        mem_fraction_static=ns.mem_fraction_static,
+        cuda_graph_max_bs=ns.cuda_graph_max_bs_decode or ns.cuda_graph_max_bs,
+        served_model_name=ns.served_model_name or ns.model_path,
+        api_key=ns.api_key,
+        time_scale=ns.time_scale,
+        load_time=ns.load_time,
+        seed=ns.seed,
+        noise=ns.noise,
+        crash_after_requests=ns.crash_after_requests,
+        hang_on_startup=ns.hang_on_startup,
+        sglang_version=ns.emulate_version,
+        ignored_flags=ignored,
+        raw_args={k: v for k, v in vars(ns).items() if k not in EMULATOR_KEYS},
+    )
+
+
+def _tree(ns: argparse.Namespace) -> ServerConfig:
+    knobs = {
+        "--speculative-num-steps": ns.speculative_num_steps,
+        "--speculative-eagle-topk": ns.speculative_eagle_topk,
+        "--speculative-num-draft-tokens": ns.speculative_num_draft_tokens,
+    }
+    given = [k for k, v in knobs.items() if v is not None]
+    if ns.speculative_algorithm is None:
+        if given:
+            raise LaunchError(
+                f"{', '.join(given)} given without --speculative-algorithm; "
+                "set --speculative-algorithm EAGLE3 to enable speculative decoding"
+            )
+        return BASELINE
+    algorithm = ns.speculative_algorithm.upper()
+    if algorithm not in ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE"):
+        raise LaunchError(f"Unsupported speculative algorithm: {ns.speculative_algorithm}")
+    if algorithm != "NEXTN" and ns.speculative_draft_model_path is None:
+        raise LaunchError(f"{algorithm} requires --speculative-draft-model-path")
+    if given and len(given) < 3:
+        missing = [k for k in knobs if k not in given]
+        raise LaunchError(
+            "AssertionError: --speculative-num-steps, --speculative-eagle-topk and "
+            "--speculative-num-draft-tokens must be set together or not at all "
+            f"(missing {', '.join(missing)})"
+        )
+    steps, topk, draft = (
+        (ns.speculative_num_steps, ns.speculative_eagle_topk, ns.speculative_num_draft_tokens)
+        if given else DEFAULT_TREE
+    )
+    problem = tree_problem(steps, topk, draft)
+    if problem is not None:
+        if "too large" in problem:
+            raise LaunchError(f"RuntimeError: selected index out of range ({problem})")
+        raise LaunchError(f"ValueError: invalid speculative config: {problem}")
+    return TreeConfig.of(steps, topk, draft)
+
+
+def warn_ignored(settings: EmulatorSettings) -> None:
+    if settings.ignored_flags:
+        print(f"[emulator] WARNING: ignoring SGLang flags the emulator does not model: "
+              f"{' '.join(settings.ignored_flags)}", file=sys.stderr, flush=True)

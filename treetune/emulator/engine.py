@@ -1,0 +1,266 @@
+"""Continuous batching on an emulated GPU clock.
+
+Requests join a running batch (up to --max-running-requests) after a prefill pass and
+leave when done. Each decode round lasts the performance model's round time for the
+current batch, scaled by the launch's speed factor and a slow drift; in a speculative
+round every request gains a sampled number of accepted drafts plus the bonus token.
+The emulated clock runs `time_scale` times faster than the wall clock, on absolute
+deadlines so that sleep granularity never accumulates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from treetune.config import BASELINE, TreeConfig
+from treetune.emulator.metrics import ServerMetrics
+from treetune.perfmodel import DraftTree, NoiseModel, PerfModel, Profile, build_tree
+from treetune.perfmodel.acceptance import sample_accepted
+
+
+@dataclass
+class Request:
+    rid: str
+    dataset: str
+    prompt_tokens: int
+    max_new_tokens: int
+    stop_after: int  # tokens until the emulated EOS (or max_new_tokens)
+    arrival: float  # emulated seconds
+    generated: int = 0
+    verify_ct: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    updates: asyncio.Queue[int] = field(default_factory=asyncio.Queue)
+
+    @property
+    def done(self) -> bool:
+        return self.generated >= self.stop_after
+
+
+class Engine:
+    """The scheduler and clock of one emulated server."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        config: TreeConfig | object,
+        *,
+        tp: int,
+        max_running_requests: int,
+        time_scale: float,
+        noise: NoiseModel,
+        rng: np.random.Generator,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.profile = profile
+        self.config = config
+        self.model = PerfModel(profile, tp)
+        self.max_running = max_running_requests
+        self.time_scale = time_scale
+        self.rng = rng
+        self.metrics = metrics
+        self.launch_factor = noise.launch_factor(rng)
+        self.drift = noise.drift(rng)
+        self.trees: dict[str, DraftTree] = {}
+        if isinstance(config, TreeConfig):
+            self.trees = {
+                name: build_tree(config, data.acceptance) for name, data in profile.datasets.items()
+            }
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._wake = asyncio.Event()
+        self._ids = itertools.count()
+        self._wall0: float | None = None
+        self.clock = 0.0  # emulated seconds since start
+        # Totals since start, and since the last /flush_cache (for the cumulative average).
+        self.completion_tokens = 0
+        self.verify_calls = 0
+        self.flushed_tokens = 0
+        self.flushed_verify = 0
+        self.last_gen_throughput = 0.0
+        self.rounds = 0
+
+    # ---- time -------------------------------------------------------------------------
+    def _loop_time(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def now(self) -> float:
+        """Emulated seconds since the engine started."""
+        if self._wall0 is None:
+            return 0.0
+        return (self._loop_time() - self._wall0) * self.time_scale
+
+    async def _sleep_until(self, emulated: float) -> None:
+        assert self._wall0 is not None
+        delay = self._wall0 + emulated / self.time_scale - self._loop_time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    # ---- requests ---------------------------------------------------------------------
+    def new_request(
+        self, dataset: str, prompt_tokens: int, max_new_tokens: int, ignore_eos: bool
+    ) -> Request:
+        data = self.profile.dataset(dataset)
+        if ignore_eos:
+            stop = max_new_tokens
+        else:
+            # Natural lengths vary around the workload's mean output length.
+            sigma = 0.5
+            length = data.output_tokens * math.exp(self.rng.normal(-sigma * sigma / 2, sigma))
+            stop = max(1, min(max_new_tokens, round(length)))
+        req = Request(f"{next(self._ids):08x}", dataset, max(prompt_tokens, 1),
+                      max_new_tokens, max(stop, 1), self.now())
+        if max_new_tokens <= 0:
+            req.stop_after = 0
+        self.waiting.append(req)
+        self.metrics.queue(len(self.waiting))
+        self._wake.set()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """A client went away: drop its request wherever it is."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def flush(self) -> None:
+        self.flushed_tokens = self.completion_tokens
+        self.flushed_verify = self.verify_calls
+
+    @property
+    def avg_accept_length(self) -> float:
+        verify = self.verify_calls - self.flushed_verify
+        if verify == 0:
+            return 0.0
+        return (self.completion_tokens - self.flushed_tokens) / verify
+
+    # ---- the loop ---------------------------------------------------------------------
+    async def run(self) -> None:
+        self._wall0 = self._loop_time()
+        while True:
+            if self.idle:
+                self._wake.clear()
+                await self._wake.wait()
+                self.clock = max(self.clock, self.now())  # idle time passes
+                continue
+            # While busy the clock advances only by modelled time, so a late wake-up is
+            # caught up on the next deadline instead of stretching the run.
+            admitted = self._admit()
+            if admitted:
+                await self._prefill(admitted)
+            elif self.running:
+                await self._decode_round()
+            else:
+                await asyncio.sleep(0)
+
+    def _admit(self) -> list[Request]:
+        admitted = []
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting.popleft()
+            self.running.append(req)
+            admitted.append(req)
+        self.metrics.queue(len(self.waiting))
+        return admitted
+
+    def _speed(self, seconds: float) -> float:
+        return seconds * self.launch_factor * self.drift.advance(seconds)
+
+    async def _prefill(self, batch: list[Request]) -> None:
+        """One extend pass over the new prompts; it yields each request's first token."""
+        seconds = 0.0
+        for dataset, group in _by_dataset(batch).items():
+            prompt = float(np.mean([r.prompt_tokens for r in group]))
+            data = self.profile.dataset(dataset)
+            seconds += self.model.cost.target_pass(len(group), prompt, data)
+            if self.trees:
+                seconds += self.model.cost.draft_pass(len(group) * prompt, len(group), prompt)
+        self.clock += self._speed(seconds)
+        await self._sleep_until(self.clock)
+        for req in batch:
+            if req.stop_after > 0:
+                self._emit(req, 1)
+            req.first_token_at = self.clock
+            self.metrics.ttft(self.clock - req.arrival)
+        self.metrics.prompt_tokens(sum(r.prompt_tokens for r in batch))
+        self._retire()
+
+    async def _decode_round(self) -> None:
+        batch = list(self.running)
+        size = len(batch)
+        groups = _by_dataset(batch)
+        seconds = sum(
+            len(group) / size * self.model.round_time(self.config, size, dataset).total_s
+            for dataset, group in groups.items()
+        )
+        seconds = self._speed(seconds)
+        gains: dict[str, int] = {}
+        for dataset, group in groups.items():
+            if self.config is BASELINE:
+                accepted = np.zeros(len(group), dtype=np.int64)
+            else:
+                tree = self.trees[dataset]
+                accepted = sample_accepted(tree, self.profile.dataset(dataset).acceptance,
+                                           self.rng, len(group))
+            for req, acc in zip(group, accepted, strict=True):
+                gains[req.rid] = int(acc) + 1
+        self.clock += seconds
+        await self._sleep_until(self.clock)
+        produced = 0
+        for req in batch:
+            if req not in self.running:
+                continue  # cancelled while the round ran
+            gained = min(gains[req.rid], req.stop_after - req.generated)
+            if self.trees:
+                req.verify_ct += 1
+                self.verify_calls += 1
+            self._emit(req, gained)
+            produced += gained
+            self.metrics.itl(seconds / max(gained, 1))
+        self.rounds += 1
+        self.last_gen_throughput = produced / seconds if seconds > 0 else 0.0
+        self.metrics.round(
+            running=len(self.running),
+            gen_throughput=self.last_gen_throughput,
+            accept_length=produced / size if self.trees else None,
+            steps=self.config.steps if isinstance(self.config, TreeConfig) else None,
+            verify_calls=size if self.trees else 0,
+            token_usage=self._token_usage(),
+        )
+        self._retire()
+
+    def _emit(self, req: Request, tokens: int) -> None:
+        req.generated += tokens
+        self.completion_tokens += tokens
+        self.metrics.generation_tokens(tokens)
+        req.updates.put_nowait(req.generated)
+
+    def _retire(self) -> None:
+        for req in [r for r in self.running if r.done]:
+            self.running.remove(req)
+            req.finished_at = self.clock
+            self.metrics.e2e(self.clock - req.arrival)
+            req.updates.put_nowait(-1)  # end of stream
+        self.metrics.running(len(self.running))
+
+    def _token_usage(self) -> float:
+        pool = self.profile.server.reserve_context_tokens * self.max_running
+        used = sum(r.prompt_tokens + r.generated for r in self.running)
+        return min(1.0, used / pool) if pool else 0.0
+
+
+def _by_dataset(requests: list[Request]) -> dict[str, list[Request]]:
+    groups: dict[str, list[Request]] = {}
+    for req in requests:
+        groups.setdefault(req.dataset, []).append(req)
+    return groups

@@ -1,0 +1,91 @@
+"""SGLang's Prometheus metrics (names from SGLang 0.5.23), kept with prometheus-client."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+disable_created_metrics()  # SGLang exposes no *_created series
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"sglang:{name}", doc, labels, registry=r)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"sglang:{name}", doc, labels, registry=r)
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(f"sglang:{name}", doc, labels, buckets=LATENCY_BUCKETS, registry=r)
+
+        self._running = gauge("num_running_reqs", "Running requests.").labels(model_name)
+        self._queue = gauge("num_queue_reqs", "Queued requests.").labels(model_name)
+        self._usage = gauge("token_usage", "KV-cache token usage (0-1).").labels(model_name)
+        self._throughput = gauge("gen_throughput", "Generation throughput (tokens/s).").labels(
+            model_name)
+        self._accept_length = gauge("spec_accept_length", "Average accept length.").labels(
+            model_name)
+        self._accept_rate = gauge("spec_accept_rate", "Accepted share of drafted steps.").labels(
+            model_name)
+        self._verify = counter("spec_verify_calls", "Speculative verify calls.").labels(model_name)
+        self._generation = counter("generation_tokens", "Generated tokens.").labels(model_name)
+        self._prompt = counter("prompt_tokens", "Prefilled prompt tokens.").labels(model_name)
+        self._ttft = hist("time_to_first_token_seconds", "Time to first token.").labels(model_name)
+        self._itl = hist("inter_token_latency_seconds", "Inter-token latency.").labels(model_name)
+        self._e2e = hist("e2e_request_latency_seconds", "End-to-end latency.").labels(model_name)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def queue(self, n: int) -> None:
+        self._queue.set(n)
+
+    def running(self, n: int) -> None:
+        self._running.set(n)
+
+    def generation_tokens(self, n: int) -> None:
+        self._generation.inc(n)
+
+    def prompt_tokens(self, n: int) -> None:
+        self._prompt.inc(n)
+
+    def ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def itl(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def e2e(self, seconds: float) -> None:
+        self._e2e.observe(seconds)
+
+    def round(
+        self,
+        *,
+        running: int,
+        gen_throughput: float,
+        accept_length: float | None,
+        steps: int | None,
+        verify_calls: int,
+        token_usage: float,
+    ) -> None:
+        self._running.set(running)
+        self._throughput.set(gen_throughput)
+        self._usage.set(token_usage)
+        if accept_length is not None and steps:
+            self._accept_length.set(accept_length)
+            self._accept_rate.set((accept_length - 1.0) / steps)
+        if verify_calls:
+            self._verify.inc(verify_calls)

@@ -1,0 +1,345 @@
+"""SGLang's HTTP API, served by aiohttp on top of the emulated engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import numpy as np
+from aiohttp import ClientConnectionResetError, web
+
+from treetune.config import TreeConfig
+from treetune.emulator.args import EmulatorSettings
+from treetune.emulator.engine import Engine, Request
+from treetune.emulator.metrics import ServerMetrics
+from treetune.perfmodel import NoiseModel, Profile
+
+DATASET_HEADER = "X-Treetune-Dataset"
+CRASH_EXIT_CODE = 70
+WORDS = (
+    "the model verifies a tree of draft tokens and keeps the longest accepted path plus one "
+    "bonus token so that output matches plain decoding at temperature zero while the draft "
+    "head proposes candidates from hidden states of the target"
+).split(" ")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def count_tokens(text: str) -> int:
+    """About four characters per token, as BPE tokenizers give on English and code."""
+    return max(1, (len(text) + 3) // 4)
+
+
+def token_text(seed: int, start: int, end: int) -> str:
+    return "".join(" " + WORDS[(seed + 7919 * i) % len(WORDS)] for i in range(start, end))
+
+
+class EmulatedServer:
+    def __init__(self, settings: EmulatorSettings, profile: Profile) -> None:
+        self.settings = settings
+        self.profile = profile
+        self.ready = False
+        self.arrivals = 0
+        self.started = time.time()
+        rng = np.random.default_rng(settings.seed)
+        self.metrics = ServerMetrics(settings.served_model_name)
+        self.engine = Engine(
+            profile,
+            settings.config,
+            tp=settings.tp,
+            max_running_requests=settings.max_running_requests,
+            time_scale=settings.time_scale,
+            noise=NoiseModel.from_profile(profile.noise, settings.noise),
+            rng=rng,
+            metrics=self.metrics,
+        )
+        self.app = web.Application(middlewares=[self._auth])
+        self.app.add_routes([
+            web.get("/health", self.health),
+            web.get("/health_generate", self.health),
+            web.get("/server_info", self.server_info),
+            web.get("/get_server_info", self.server_info),
+            web.get("/get_model_info", self.model_info),
+            web.get("/v1/models", self.models),
+            web.post("/flush_cache", self.flush_cache),
+            web.get("/flush_cache", self.flush_cache),
+            web.get("/metrics", self.prometheus),
+            web.post("/generate", self.generate),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+        ])
+        self.app.on_startup.append(self._start)
+        self.app.on_cleanup.append(self._stop)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ---- lifecycle --------------------------------------------------------------------
+    async def _start(self, app: web.Application) -> None:
+        self._tasks.append(asyncio.create_task(self.engine.run()))
+        self._tasks.append(asyncio.create_task(self._load()))
+
+    async def _stop(self, app: web.Application) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def _load(self) -> None:
+        s = self.settings
+        if s.hang_on_startup:
+            log("fault switch --hang-on-startup: loading never finishes")
+            return
+        await asyncio.sleep(s.load_time / s.time_scale)
+        self.ready = True
+        log("The server is fired up and ready to roll!")
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = self.settings.api_key
+        open_paths = ("/health", "/health_generate", "/metrics")
+        authorized = request.headers.get("Authorization", "") == f"Bearer {key}"
+        if key and request.path not in open_paths and not authorized:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    # ---- info endpoints ---------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.ready:
+            return web.Response(status=503, text="Server is loading")
+        return web.Response(text="")
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        s = self.settings
+        config = s.config
+        tree = config if isinstance(config, TreeConfig) else None
+        args = {
+            **s.raw_args,
+            "model_path": s.model_path,
+            "served_model_name": s.served_model_name,
+            "tp_size": s.tp,
+            "host": s.host,
+            "port": s.port,
+            "speculative_algorithm": s.algorithm.upper() if s.algorithm else None,
+            "speculative_draft_model_path": s.draft_model_path,
+            "speculative_num_steps": tree.steps if tree else None,
+            "speculative_eagle_topk": tree.topk if tree else None,
+            "speculative_num_draft_tokens": tree.draft_tokens if tree else None,
+            "max_running_requests": s.max_running_requests,
+            "attention_backend": s.attention_backend,
+            "mem_fraction_static": s.mem_fraction_static or self.profile.server.mem_fraction_static,
+            "enable_metrics": s.enable_metrics,
+        }
+        state: dict[str, Any] = {"last_gen_throughput": self.engine.last_gen_throughput}
+        if tree:
+            state["avg_spec_accept_length"] = self.engine.avg_accept_length
+        return web.json_response({
+            **args,
+            "version": s.sglang_version,
+            "internal_states": [state],
+            "emulator": {
+                "profile": self.profile.name,
+                "time_scale": s.time_scale,
+                "completion_tokens": self.engine.completion_tokens,
+                "verify_calls": self.engine.verify_calls,
+            },
+        })
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.settings.model_path,
+                                  "is_generation": True})
+
+    async def models(self, request: web.Request) -> web.Response:
+        name = self.settings.served_model_name
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(self.started), "owned_by": "sglang",
+             "root": name}]})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if not self.engine.idle:
+            return web.Response(status=400, text="Cache not flushed: there are running requests.")
+        self.engine.flush()
+        return web.Response(text="Cache flushed.\n")
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        if not self.settings.enable_metrics:
+            return web.Response(status=404, text="metrics are off: start with --enable-metrics")
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # ---- generation -------------------------------------------------------------------
+    async def _read(self, request: web.Request) -> tuple[dict[str, Any], str]:
+        if not self.ready:
+            raise web.HTTPServiceUnavailable(text="Server is loading")
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise web.HTTPBadRequest(text="request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise web.HTTPBadRequest(text="request body must be a JSON object")
+        dataset = request.headers.get(DATASET_HEADER) or next(iter(self.profile.datasets))
+        if dataset not in self.profile.datasets:
+            raise web.HTTPBadRequest(
+                text=f"{DATASET_HEADER}: profile '{self.profile.name}' has no dataset "
+                f"'{dataset}'; it knows {', '.join(self.profile.datasets)}")
+        self.arrivals += 1
+        limit = self.settings.crash_after_requests
+        if limit is not None and self.arrivals > limit:
+            log(f"fault switch --crash-after-requests {limit}: crashing now")
+            sys.stderr.flush()
+            os._exit(CRASH_EXIT_CODE)
+        return body, dataset
+
+    def _submit(self, dataset: str, prompt_tokens: int, max_new: Any, ignore_eos: Any) -> Request:
+        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 0:
+            raise web.HTTPBadRequest(
+                text=f"max_new_tokens must be an integer >= 0, got {max_new!r}")
+        return self.engine.new_request(dataset, prompt_tokens, max_new, bool(ignore_eos))
+
+    async def _tokens(self, req: Request) -> AsyncIterator[int]:
+        """Yield the running token count after each round until the request ends."""
+        try:
+            while True:
+                count = await req.updates.get()
+                if count < 0:
+                    return
+                yield count
+        finally:
+            if req.finished_at is None:
+                self.engine.cancel(req)
+
+    def _meta(self, req: Request, seed: int) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "prompt_tokens": req.prompt_tokens,
+            "completion_tokens": req.generated,
+            "finish_reason": ({"type": "length", "length": req.max_new_tokens}
+                              if req.generated >= req.max_new_tokens
+                              else {"type": "stop", "matched": None}),
+            "e2e_latency": ((req.finished_at or self.engine.clock) - req.arrival),
+        }
+        if self.engine.trees:
+            meta["spec_verify_ct"] = req.verify_ct
+            meta["spec_accept_length"] = req.generated / req.verify_ct if req.verify_ct else 0.0
+        return meta
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body, dataset = await self._read(request)
+        text = body.get("text")
+        if isinstance(text, list):
+            raise web.HTTPBadRequest(text="batched /generate is not emulated; send one text")
+        ids = body.get("input_ids")
+        if text is None and ids is None:
+            raise web.HTTPBadRequest(text="/generate needs 'text' or 'input_ids'")
+        prompt_tokens = len(ids) if isinstance(ids, list) else count_tokens(str(text))
+        params = body.get("sampling_params") or {}
+        req = self._submit(dataset, prompt_tokens, params.get("max_new_tokens", 128),
+                           params.get("ignore_eos", False))
+        seed = hash(str(text if text is not None else ids)) & 0xFFFF
+        if not body.get("stream"):
+            await _drain(self._tokens(req))
+            return web.json_response({"text": token_text(seed, 0, req.generated),
+                                      "meta_info": self._meta(req, seed)})
+        response = await _sse(request)
+        async with _client_may_leave(), contextlib.aclosing(self._tokens(req)) as tokens:
+            async for count in tokens:
+                chunk = {"text": token_text(seed, 0, count), "meta_info": self._meta(req, seed)}
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body, dataset = await self._read(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise web.HTTPBadRequest(text="one prompt per request in the emulator")
+            prompt = prompt[0]
+        if prompt is None:
+            raise web.HTTPBadRequest(text="/v1/completions needs 'prompt'")
+        prompt_tokens = len(prompt) if isinstance(prompt, list) else count_tokens(str(prompt))
+        return await self._openai(request, body, dataset, prompt_tokens, str(prompt),
+                                  chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body, dataset = await self._read(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise web.HTTPBadRequest(text="/v1/chat/completions needs a non-empty 'messages'")
+        text = "".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+        prompt_tokens = count_tokens(text) + 4 * len(messages)  # chat template overhead
+        return await self._openai(request, body, dataset, prompt_tokens, text, chat=True)
+
+    async def _openai(self, request: web.Request, body: dict[str, Any], dataset: str,
+                      prompt_tokens: int, prompt: str, *, chat: bool) -> web.StreamResponse:
+        max_new = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        req = self._submit(dataset, prompt_tokens, max_new, body.get("ignore_eos", False))
+        seed = hash(prompt) & 0xFFFF
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        kind = "chat.completion" if chat else "text_completion"
+        model = body.get("model") or self.settings.served_model_name
+        created = int(time.time())
+
+        def usage() -> dict[str, int]:
+            return {"prompt_tokens": req.prompt_tokens, "completion_tokens": req.generated,
+                    "total_tokens": req.prompt_tokens + req.generated}
+
+        def finish() -> str:
+            return "length" if req.generated >= req.max_new_tokens else "stop"
+
+        if not body.get("stream"):
+            await _drain(self._tokens(req))
+            text = token_text(seed, 0, req.generated)
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish(), "logprobs": None}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat
+                          else {"text": text})
+            return web.json_response({"id": rid, "object": kind, "created": created,
+                                      "model": model, "choices": [choice], "usage": usage()})
+        response = await _sse(request)
+        sent = 0
+        object_name = f"{kind}.chunk" if chat else kind
+        async with _client_may_leave(), contextlib.aclosing(self._tokens(req)) as tokens:
+            async for count in tokens:
+                delta = token_text(seed, sent, count)
+                sent = count
+                choice = {"index": 0, "finish_reason": finish() if req.done else None,
+                          "logprobs": None}
+                choice.update({"delta": {"role": "assistant", "content": delta}} if chat
+                              else {"text": delta})
+                chunk = {"id": rid, "object": object_name, "created": created, "model": model,
+                         "choices": [choice]}
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if (body.get("stream_options") or {}).get("include_usage"):
+                chunk = {"id": rid, "object": object_name, "created": created, "model": model,
+                         "choices": [], "usage": usage()}
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+@contextlib.asynccontextmanager
+async def _client_may_leave() -> AsyncIterator[None]:
+    """A streaming client that disconnects ends its request quietly, as in SGLang."""
+    with contextlib.suppress(ConnectionResetError, ClientConnectionResetError):
+        yield
+
+
+async def _drain(tokens: AsyncIterator[int]) -> None:
+    async with contextlib.aclosing(tokens) as stream:  # type: ignore[type-var]
+        async for _ in stream:
+            pass
+
+
+async def _sse(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    return response
+
+
+def log(message: str) -> None:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(f"[{stamp}] {message}", file=sys.stderr, flush=True)
