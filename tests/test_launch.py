@@ -1,0 +1,82 @@
+"""Launch command lines: flag names per SGLang version, quoting."""
+
+import shlex
+
+import pytest
+
+from treetune.config import BASELINE, TreeConfig
+from treetune.errors import TreetuneError
+from treetune.launch import (
+    LaunchSpec,
+    cuda_graph_flag,
+    emulator_command,
+    server_args,
+    sglang_command,
+    shell_line,
+)
+
+
+def spec(**kw):
+    base = dict(model_path="Qwen/Qwen3-Coder-Next", draft_model_path="org/draft", tp=4,
+                max_running_requests=64, cuda_graph_max_bs=64, attention_backend="triton")
+    return LaunchSpec(**{**base, **kw})
+
+
+def test_sglang_0_5_23_uses_the_split_cuda_graph_flag():
+    args = server_args(TreeConfig(3, 4, 8), spec(sglang_version="0.5.23"))
+    assert "--cuda-graph-max-bs-decode" in args
+    assert "--cuda-graph-max-bs" not in args
+
+
+@pytest.mark.parametrize("version", ["0.5.6", "0.4.9", "0.5.9"])
+def test_releases_before_0_5_10_use_the_old_cuda_graph_flag(version):
+    args = server_args(TreeConfig(3, 4, 8), spec(sglang_version=version))
+    assert args[args.index("--cuda-graph-max-bs") + 1] == "64"
+    assert "--cuda-graph-max-bs-decode" not in args
+
+
+def test_cuda_graph_flag_switches_at_0_5_10():
+    assert cuda_graph_flag("0.5.10") == "--cuda-graph-max-bs-decode"
+    assert cuda_graph_flag("0.5.9") == "--cuda-graph-max-bs"
+
+
+def test_speculative_flags_come_as_a_complete_set():
+    args = server_args(TreeConfig(3, 4, 8), spec())
+    pairs = dict(zip(args[::1], args[1::1], strict=False))
+    assert pairs["--speculative-algorithm"] == "EAGLE3"
+    assert pairs["--speculative-draft-model-path"] == "org/draft"
+    assert pairs["--speculative-num-steps"] == "3"
+    assert pairs["--speculative-eagle-topk"] == "4"
+    assert pairs["--speculative-num-draft-tokens"] == "8"
+    assert pairs["--max-running-requests"] == "64"
+    assert pairs["--attention-backend"] == "triton"
+
+
+def test_baseline_has_no_speculative_flags():
+    args = server_args(BASELINE, spec())
+    assert not [a for a in args if a.startswith("--speculative")]
+
+
+def test_servers_bind_loopback_by_default():
+    args = server_args(BASELINE, LaunchSpec(model_path="m"))
+    assert args[args.index("--host") + 1] == "127.0.0.1"
+
+
+def test_eagle3_without_a_draft_is_refused():
+    with pytest.raises(TreetuneError, match="draft model path"):
+        server_args(TreeConfig(3, 4, 8), spec(draft_model_path=None))
+
+
+def test_shell_line_quotes_paths_with_spaces_and_shell_characters():
+    nasty = "/m/$(touch x); y"
+    line = shell_line(sglang_command(TreeConfig(3, 4, 8), spec(model_path=nasty)))
+    assert shlex.split(line)[shlex.split(line).index("--model-path") + 1] == nasty
+    assert "'/m/$(touch x); y'" in line
+
+
+def test_emulator_command_takes_the_same_server_flags():
+    config = TreeConfig(5, 1, 6)
+    real = sglang_command(config, spec())
+    emulated = emulator_command(config, spec(), "qwen3-coder-next-h200")
+    assert emulated[1:3] == ["-m", "treetune.emulator"]
+    assert emulated[-len(real) + 3:] == real[3:]
