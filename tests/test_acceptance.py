@@ -22,13 +22,13 @@ def brute_force_accept_length(config: TreeConfig, acceptance: Acceptance) -> flo
 
     pool, kept = [], [()]
     for _ in range(s):
-        layer = [parent + (r,) for parent in kept for r in range(1, k + 1)]
+        layer = [(*parent, r) for parent in kept for r in range(1, k + 1)]
         pool += layer
         kept = sorted(layer, key=lambda path: -score(path))[:k]
     verify = set(sorted(pool, key=lambda path: (-score(path), len(path)))[: n - 1])
 
     expected = 0.0
-    outcomes = list(range(1, k + 1)) + [None]  # the target's token: rank r, or not drafted
+    outcomes = [*range(1, k + 1), None]  # the target's token: rank r, or not drafted
     for ranks in itertools.product(outcomes, repeat=s):
         prob = math.prod(
             p[d][r - 1] if r is not None else 1.0 - p[d].sum() for d, r in enumerate(ranks)
@@ -83,7 +83,7 @@ def test_rank_probabilities_never_exceed_one_per_depth():
 def test_verify_set_is_closed_under_parents():
     tree = build_tree(TreeConfig.of(4, 4, 20), SMALL)
     for parent, depth in zip(tree.parent, tree.depth, strict=True):
-        assert parent == -1 and depth == 1 or tree.depth[parent] == depth - 1
+        assert (parent == -1 and depth == 1) or tree.depth[parent] == depth - 1
 
 
 def test_wider_trees_help_only_when_lower_ranks_carry_mass():

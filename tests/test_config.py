@@ -66,5 +66,5 @@ def test_parse_reads_a_command_line_triple():
 
 
 def test_baseline_is_not_a_tree():
-    assert BASELINE != TreeConfig(3, 4, 8)
+    assert TreeConfig(3, 4, 8) != BASELINE
     assert str(BASELINE) == "baseline"

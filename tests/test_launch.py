@@ -1,5 +1,6 @@
 """Launch command lines: flag names per SGLang version, quoting."""
 
+import itertools
 import shlex
 
 import pytest
@@ -42,7 +43,7 @@ def test_cuda_graph_flag_switches_at_0_5_10():
 
 def test_speculative_flags_come_as_a_complete_set():
     args = server_args(TreeConfig(3, 4, 8), spec())
-    pairs = dict(zip(args[::1], args[1::1], strict=False))
+    pairs = dict(itertools.pairwise(args))
     assert pairs["--speculative-algorithm"] == "EAGLE3"
     assert pairs["--speculative-draft-model-path"] == "org/draft"
     assert pairs["--speculative-num-steps"] == "3"

@@ -1,5 +1,6 @@
 """Physical sanity of the performance model, over whole search spaces."""
 
+import itertools
 import statistics
 
 import pytest
@@ -43,7 +44,7 @@ def test_accept_length_never_decreases_as_draft_tokens_grow(name):
     for dataset in model.profile.datasets:
         for configs in by_shape.values():
             lengths = [model.accept_length(c, dataset) for c in sorted(configs)]
-            assert all(b >= a - 1e-12 for a, b in zip(lengths, lengths[1:], strict=False))
+            assert all(b >= a - 1e-12 for a, b in itertools.pairwise(lengths))
 
 
 @pytest.mark.parametrize("name", PROFILES)
@@ -52,9 +53,9 @@ def test_baseline_throughput_grows_with_batch_size_sublinearly(name):
     batches = [1, 2, 4, 8, 16, 32, 64, 128]
     for dataset in model.profile.datasets:
         tput = [model.throughput(BASELINE, b, dataset) for b in batches]
-        assert all(b > a for a, b in zip(tput, tput[1:], strict=False))
+        assert all(b > a for a, b in itertools.pairwise(tput))
         per_request = [t / b for t, b in zip(tput, batches, strict=True)]
-        assert all(b < a for a, b in zip(per_request, per_request[1:], strict=False))
+        assert all(b < a for a, b in itertools.pairwise(per_request))
 
 
 def best_config(model: PerfModel, batch: int):
@@ -87,7 +88,7 @@ def test_best_config_for_the_moe_target_at_batch_64_is_a_chain_or_no_speculation
 def test_moe_experts_touched_grow_with_tokens_and_saturate():
     counts = [distinct_experts(n, 512, 10) for n in (1, 8, 32, 256, 4096)]
     assert counts[0] == pytest.approx(10)
-    assert all(b > a for a, b in zip(counts, counts[1:], strict=False))
+    assert all(b > a for a, b in itertools.pairwise(counts))
     assert counts[-1] == pytest.approx(512, rel=1e-3)
 
 

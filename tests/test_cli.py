@@ -1,0 +1,150 @@
+"""The `treetune` command line: predict, calibrate, profiles, and its error messages."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from treetune.cli import expand_multi_values, main
+from treetune.config import BASELINE, TreeConfig
+from treetune.perfmodel import Calibration, PerfModel, load_profile
+from treetune.perfmodel.calibrate import load_measurements
+
+
+def run(capsys, *args):
+    code = 0
+    try:
+        main(list(args))
+    except SystemExit as exc:
+        code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_multi_value_options_accept_several_values_after_one_flag():
+    assert expand_multi_values(["predict", "--batch", "1", "32", "--json"]) == [
+        "predict", "--batch", "1", "--batch", "32", "--json"]
+    assert expand_multi_values(["--tree", "3,4,8", "5,1,6", "-p", "x"]) == [
+        "--tree", "3,4,8", "--tree", "5,1,6", "-p", "x"]
+
+
+def test_predict_ranks_a_space_per_batch_size(capsys):
+    code, out, _ = run(capsys, "predict", "-p", "qwen3-8b-h100", "--space", "narrow",
+                       "--batch", "1", "32", "--top", "3")
+    assert code == 0
+    assert "batch 1: top 3 of 8 configs" in out and "batch 32: top 3 of 8 configs" in out
+
+
+def test_predict_json_covers_every_config_dataset_and_batch(capsys):
+    code, out, _ = run(capsys, "predict", "-p", "qwen3-8b-h100", "--space", "narrow",
+                       "--batch", "1", "8", "--json")
+    records = json.loads(out)
+    assert code == 0 and len(records) == 8 * 3 * 2
+    r = records[0]
+    assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["baseline_tok_s"], rel=1e-3)
+
+
+def test_predict_accepts_a_profile_file_path(capsys, tmp_path):
+    path = tmp_path / "mine.yaml"
+    load_profile("qwen3-8b-h100").replace(name="mine").save(path)
+    code, out, _ = run(capsys, "predict", "-p", str(path), "--tree", "3,4,8", "--json")
+    assert code == 0 and json.loads(out)[0]["dataset"] == "sharegpt"
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["predict", "-p", "qwen3-8b-h100"], "give --tree"),
+        (["predict", "-p", "qwen3-8b-h10", "--tree", "3,4,8"], "did you mean 'qwen3-8b-h100'"),
+        (["predict", "-p", "qwen3-8b-h100", "--tree", "2,2,9"], "too large"),
+        (["predict", "-p", "qwen3-8b-h100", "--tree", "3,4,8", "--dataset", "mtbench"],
+         "no dataset 'mtbench'"),
+        (["predict", "-p", "qwen3-8b-h100", "--tree", "3,4,8", "--batch", "0"], "batch sizes"),
+        (["predict", "-p", "qwen3-8b-h100", "--space", "nope"], "unknown search space"),
+    ],
+)
+def test_bad_input_gives_a_one_line_error_and_exit_code_two(capsys, args, fragment):
+    code, _, err = run(capsys, *args)
+    assert code == 2
+    assert fragment in err and "Traceback" not in err
+
+
+def test_a_profile_with_an_unknown_key_names_file_key_and_suggestion(capsys, tmp_path):
+    path = tmp_path / "bad.yaml"
+    text = load_profile("qwen3-8b-h100").to_dict()
+    text["hardware"]["bandwith_tb_s"] = text["hardware"].pop("bandwidth_tb_s")
+    path.write_text(yaml.safe_dump(text))
+    code, _, err = run(capsys, "predict", "-p", str(path), "--tree", "3,4,8")
+    assert code == 2
+    assert str(path) in err.replace("\n", "") and "hardware.bandwith_tb_s" in err
+    assert "did you mean 'bandwidth_tb_s'" in err
+
+
+def test_python_object_tags_in_yaml_are_refused(capsys, tmp_path):
+    path = tmp_path / "evil.yaml"
+    path.write_text("name: !!python/object/apply:os.system ['echo pwned']\n")
+    code, _, err = run(capsys, "predict", "-p", str(path), "--tree", "3,4,8")
+    assert code == 2 and "not valid YAML" in err
+
+
+def write_csv(path, rows):
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_calibrate_fits_csv_measurements_and_writes_a_loadable_profile(capsys, tmp_path):
+    truth = load_profile("qwen3-8b-h100")
+    model = PerfModel(truth)
+    rows = []
+    for tree in ("3,4,8", "5,1,6", "2,4,6", "6,4,24"):
+        config = TreeConfig.parse(tree)
+        for batch in (1, 16, 64):
+            for dataset in ("sharegpt", "humaneval"):
+                rows.append(dict(steps=config.steps, topk=config.topk,
+                                 draft_tokens=config.draft_tokens, batch=batch, dataset=dataset,
+                                 baseline_tok_s=model.throughput(BASELINE, batch, dataset),
+                                 spec_tok_s=model.throughput(config, batch, dataset),
+                                 accept_length=model.accept_length(config, dataset)))
+    data = tmp_path / "points.csv"
+    write_csv(data, rows)
+    assert len(load_measurements(data)) == len(rows)
+    # Start away from the truth; calibration must come back to fit the points.
+    start = truth.replace(calibration=Calibration())
+    start_path = tmp_path / "start.yaml"
+    start.save(start_path)
+    out_path = tmp_path / "fitted.yaml"
+    code, out, _ = run(capsys, "calibrate", "-p", str(start_path), "--measurements", str(data),
+                       "-o", str(out_path), "--starts", "2")
+    assert code == 0 and out_path.exists()
+    assert "max speedup error" in out
+    fitted = PerfModel(load_profile(out_path))
+    for row in rows:
+        config = TreeConfig.of(row["steps"], row["topk"], row["draft_tokens"])
+        assert fitted.throughput(config, row["batch"], row["dataset"]) == pytest.approx(
+            row["spec_tok_s"], rel=0.03)
+
+
+def test_calibrate_refuses_measurements_with_an_invalid_tree(capsys, tmp_path):
+    data = tmp_path / "points.yaml"
+    data.write_text("- {steps: 2, topk: 2, draft_tokens: 30, batch: 1, dataset: sharegpt,"
+                    " baseline_tok_s: 100, spec_tok_s: 150}\n")
+    code, _, err = run(capsys, "calibrate", "-p", "qwen3-8b-h100", "--measurements", str(data),
+                       "-o", str(tmp_path / "out.yaml"))
+    assert code == 2 and "points[0]" in err and "too large" in err
+
+
+def test_profiles_command_lists_the_shipped_profiles(capsys):
+    code, out, _ = run(capsys, "profiles")
+    assert code == 0 and "qwen3-coder-next-h200" in out and "qwen3-30b-a3b-h100" in out
+
+
+@pytest.mark.parametrize("command", [[], ["predict"], ["calibrate"], ["profiles"]])
+def test_every_command_explains_itself_with_help(command):
+    result = subprocess.run([sys.executable, "-m", "treetune", *command, "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "Usage" in result.stdout

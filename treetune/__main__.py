@@ -1,0 +1,3 @@
+from treetune.cli import main
+
+main()
