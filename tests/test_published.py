@@ -1,6 +1,7 @@
 """The shipped qwen3-coder-next-h200 profile reproduces the published EAGLE3 study."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,11 @@ def predict_json(capsys, *args):
     return json.loads(capsys.readouterr().out)
 
 
-pytestmark = pytest.mark.skipif(not PUBLISHED.exists(), reason="shared/ reference not present")
+# Outside CI a clone may lack ../shared; in CI it is always there and these tests must run.
+pytestmark = pytest.mark.skipif(
+    not PUBLISHED.exists() and os.environ.get("CI") != "true",
+    reason=f"{PUBLISHED} not present (it sits beside the repository in CI)",
+)
 
 
 def test_predict_reproduces_all_twelve_published_speedups(capsys):
