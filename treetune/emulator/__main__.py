@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{settings.max_running_requests}, time scale {settings.time_scale:g}")
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
+        # As uvicorn (SGLang) and aiohttp do: a relaunch on the same port must not wait for
+        # the previous server's TIME_WAIT connections; a live listener still refuses the bind.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((settings.host, settings.port))
     except OSError as exc:
         reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror

@@ -217,10 +217,12 @@ class Engine:
         self.clock += seconds
         await self._sleep_until(self.clock)
         produced = 0
+        verified = 0  # requests still running when the round ends
         for req in batch:
             if req not in self.running:
                 continue  # cancelled while the round ran
             gained = min(gains[req.rid], req.stop_after - req.generated)
+            verified += 1
             if self.trees:
                 req.verify_ct += 1
                 self.verify_calls += 1
@@ -232,9 +234,9 @@ class Engine:
         self.metrics.round(
             running=len(self.running),
             gen_throughput=self.last_gen_throughput,
-            accept_length=produced / size if self.trees else None,
+            accept_length=produced / verified if self.trees and verified else None,
             steps=self.config.steps if isinstance(self.config, TreeConfig) else None,
-            verify_calls=size if self.trees else 0,
+            verify_calls=verified if self.trees else 0,
             token_usage=self._token_usage(),
         )
         self._retire()

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -200,10 +201,22 @@ class EmulatedServer:
         return self.engine.new_request(dataset, prompt_tokens, max_new, bool(ignore_eos))
 
     async def _tokens(self, req: Request) -> AsyncIterator[int]:
-        """Yield the running token count after each round until the request ends."""
+        """Yield the running token count after each round until the request ends.
+
+        Rounds that completed while the handler was busy are coalesced into the newest
+        count (as SGLang's tokenizer manager does), so that every yielded count equals
+        `req.generated` and `req.done` at that moment: a chunk's text, meta_info and
+        finish_reason always describe the same state.
+        """
         try:
             while True:
                 count = await req.updates.get()
+                while count >= 0 and not req.updates.empty():
+                    newer = req.updates.get_nowait()
+                    if newer < 0:
+                        yield count  # the final count, then end of stream
+                        return
+                    count = newer
                 if count < 0:
                     return
                 yield count
@@ -216,7 +229,8 @@ class EmulatedServer:
             "id": req.rid,
             "prompt_tokens": req.prompt_tokens,
             "completion_tokens": req.generated,
-            "finish_reason": ({"type": "length", "length": req.max_new_tokens}
+            "finish_reason": (None if not req.done
+                              else {"type": "length", "length": req.max_new_tokens}
                               if req.generated >= req.max_new_tokens
                               else {"type": "stop", "matched": None}),
             "e2e_latency": ((req.finished_at or self.engine.clock) - req.arrival),
@@ -238,7 +252,7 @@ class EmulatedServer:
         params = body.get("sampling_params") or {}
         req = self._submit(dataset, prompt_tokens, params.get("max_new_tokens", 128),
                            params.get("ignore_eos", False))
-        seed = hash(str(text if text is not None else ids)) & 0xFFFF
+        seed = zlib.crc32(str(text if text is not None else ids).encode()) & 0xFFFF
         if not body.get("stream"):
             await _drain(self._tokens(req))
             return web.json_response({"text": token_text(seed, 0, req.generated),
@@ -277,7 +291,7 @@ class EmulatedServer:
                       prompt_tokens: int, prompt: str, *, chat: bool) -> web.StreamResponse:
         max_new = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         req = self._submit(dataset, prompt_tokens, max_new, body.get("ignore_eos", False))
-        seed = hash(prompt) & 0xFFFF
+        seed = zlib.crc32(prompt.encode()) & 0xFFFF
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         kind = "chat.completion" if chat else "text_completion"
         model = body.get("model") or self.settings.served_model_name
@@ -301,6 +315,7 @@ class EmulatedServer:
         response = await _sse(request)
         sent = 0
         object_name = f"{kind}.chunk" if chat else kind
+        options = body.get("stream_options") or {}
         async with _client_may_leave(), contextlib.aclosing(self._tokens(req)) as tokens:
             async for count in tokens:
                 delta = token_text(seed, sent, count)
@@ -311,8 +326,10 @@ class EmulatedServer:
                               else {"text": delta})
                 chunk = {"id": rid, "object": object_name, "created": created, "model": model,
                          "choices": [choice]}
+                if options.get("continuous_usage_stats"):
+                    chunk["usage"] = usage()
                 await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            if (body.get("stream_options") or {}).get("include_usage"):
+            if options.get("include_usage"):
                 chunk = {"id": rid, "object": object_name, "created": created, "model": model,
                          "choices": [], "usage": usage()}
                 await response.write(f"data: {json.dumps(chunk)}\n\n".encode())

@@ -1,0 +1,131 @@
+"""Shared fixtures: emulated SGLang servers run as real subprocesses.
+
+Every emulator is started in its own process group (``start_new_session=True``) on a free
+loopback port, and the whole group is killed at teardown, whatever the test did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT_S = 20.0
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (bind port 0 and let the kernel pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Emulator:
+    """One `python -m treetune.emulator` subprocess and its HTTP address."""
+
+    def __init__(self, args: list[str], log_dir: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._stderr_path = log_dir / f"emulator-{self.port}-{time.monotonic_ns()}.stderr"
+        self._stderr = self._stderr_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "treetune.emulator", *self.args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self._stderr,
+            start_new_session=True,
+        )
+        self.pid = self.proc.pid
+
+    @property
+    def stderr(self) -> str:
+        return self._stderr_path.read_text(errors="replace")
+
+    def health_status(self, path: str = "/health") -> int | None:
+        """The HTTP status of a health probe, or None while nothing listens yet."""
+        try:
+            return httpx.get(self.url + path, timeout=2.0).status_code
+        except httpx.TransportError:
+            return None
+
+    def wait_status(self, status: int, timeout: float = STARTUP_TIMEOUT_S,
+                    path: str = "/health") -> None:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"emulator exited with {self.proc.returncode} before {path} gave {status}; "
+                    f"stderr:\n{self.stderr}")
+            last = self.health_status(path)
+            if last == status:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"{path} still {last} (wanted {status}) after {timeout} s; "
+                             f"stderr:\n{self.stderr}")
+
+    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> Emulator:
+        self.wait_status(200, timeout)
+        return self
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (idempotent) and reap the leader."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        self._stderr.close()
+
+
+class EmulatorFactory:
+    """Starts emulators and remembers them so that teardown can kill every one."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.started: list[Emulator] = []
+
+    def start(self, *args: str, port: int | None = None) -> Emulator:
+        emulator = Emulator(list(args), self.log_dir, port)
+        self.started.append(emulator)
+        return emulator
+
+    def healthy(self, *args: str, port: int | None = None) -> Emulator:
+        return self.start(*args, port=port).wait_healthy()
+
+    def kill_all(self) -> None:
+        for emulator in self.started:
+            emulator.kill()
+
+
+@pytest.fixture
+def emulators(tmp_path: Path) -> Iterator[EmulatorFactory]:
+    """Start emulators inside one test; all are killed when the test ends."""
+    factory = EmulatorFactory(tmp_path)
+    try:
+        yield factory
+    finally:
+        factory.kill_all()
+
+
+@pytest.fixture(scope="module")
+def module_emulators(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatorFactory]:
+    """Like `emulators`, for servers shared by the tests of one module."""
+    factory = EmulatorFactory(tmp_path_factory.mktemp("emulators"))
+    try:
+        yield factory
+    finally:
+        factory.kill_all()

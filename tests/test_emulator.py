@@ -1,0 +1,600 @@
+"""The emulated SGLang server, tested for real as a subprocess over HTTP.
+
+Each test states one property an SGLang client (the tuner, a benchmark harness) relies on.
+All servers run with `--seed` and `--no-noise`, so timings and acceptance follow the
+noise-free performance model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiohttp
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from treetune.config import BASELINE, TreeConfig
+from treetune.emulator.args import EMULATED_SGLANG_VERSION
+from treetune.perfmodel import PerfModel, check_memory, load_profile
+
+if TYPE_CHECKING:
+    from conftest import Emulator, EmulatorFactory
+
+CODER = "qwen3-coder-next-h200"
+MOE_30B = "qwen3-30b-a3b-h100"
+DATASET = "humaneval"
+HEADERS = {"X-Treetune-Dataset": DATASET}
+TREE = TreeConfig(3, 4, 8)
+
+
+def tree_flags(steps: int, topk: int, draft_tokens: int) -> list[str]:
+    return ["--speculative-algorithm", "EAGLE3",
+            "--speculative-draft-model-path", "thoughtworks/Qwen3-Coder-Next-Eagle3",
+            "--speculative-num-steps", str(steps),
+            "--speculative-eagle-topk", str(topk),
+            "--speculative-num-draft-tokens", str(draft_tokens)]
+
+
+def server_args(*extra: str, profile: str = CODER, tp: int | None = 4) -> list[str]:
+    args = ["--profile", profile, "--model-path", "Qwen/Qwen3-Coder-Next",
+            "--seed", "1", "--no-noise"]
+    if tp is not None:
+        args += ["--tp-size", str(tp)]
+    return [*args, *extra]
+
+
+SPEC_ARGS = server_args(*tree_flags(TREE.steps, TREE.topk, TREE.draft_tokens),
+                        "--enable-metrics", "--max-running-requests", "4",
+                        "--time-scale", "50", "--load-time", "0")
+
+
+@pytest.fixture(scope="module")
+def spec_server(module_emulators: EmulatorFactory) -> Emulator:
+    """One speculative (3,4,8) server, at most 4 running requests, shared by the API tests."""
+    return module_emulators.healthy(*SPEC_ARGS)
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+def post(server: Emulator, path: str, body: dict, timeout: float = 30.0) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=HEADERS, timeout=timeout)
+
+
+def sse_events(server: Emulator, path: str, body: dict) -> list[str]:
+    """The `data:` payloads of a streamed response, in order (including '[DONE]')."""
+    events = []
+    with httpx.stream("POST", server.url + path, json=body, headers=HEADERS,
+                      timeout=30.0) as resp:
+        assert resp.status_code == 200, resp.read()
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        for line in resp.iter_lines():
+            if line:
+                assert line.startswith("data: "), line
+                events.append(line.removeprefix("data: "))
+    return events
+
+
+def json_events(events: list[str]) -> list[dict]:
+    assert events[-1] == "[DONE]"
+    assert "[DONE]" not in events[:-1]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def words(text: str) -> int:
+    """The emulator's tokens are space-prefixed words."""
+    return text.count(" ")
+
+
+def server_info(server: Emulator, path: str = "/server_info") -> dict:
+    resp = httpx.get(server.url + path, timeout=10)
+    assert resp.status_code == 200
+    return resp.json()
+
+
+def metrics(server: Emulator) -> dict[str, float]:
+    """Every sample of /metrics by sample name (labels dropped: one model per server)."""
+    resp = httpx.get(server.url + "/metrics", timeout=10)
+    assert resp.status_code == 200
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(resp.text):
+        for sample in family.samples:
+            if "le" not in sample.labels:
+                samples[sample.name] = sample.value
+    return samples
+
+
+def flush(server: Emulator) -> None:
+    resp = httpx.post(server.url + "/flush_cache", timeout=10)
+    assert resp.status_code == 200, resp.text
+
+
+async def concurrent_generate(server: Emulator, n: int, max_new_tokens: int) -> list[dict]:
+    async with aiohttp.ClientSession(headers=HEADERS) as session:
+        async def one(i: int) -> dict:
+            body = {"text": f"request {i}",
+                    "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
+            async with session.post(server.url + "/generate", json=body) as resp:
+                assert resp.status == 200
+                return await resp.json()
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def children_of(pid: int) -> list[int]:
+    """Live processes whose parent is `pid`, read from /proc."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state, ppid, ...
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            kids.append(int(entry.name))
+    return kids
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+# ---- 1. loading --------------------------------------------------------------------------
+
+def test_health_endpoints_answer_503_while_loading_and_200_once_loaded(emulators):
+    server = emulators.start(*server_args("--load-time", "3", "--time-scale", "2"))
+    server.wait_status(503)  # listening, still loading (1.5 s of wall time)
+    assert server.health_status("/health_generate") == 503
+    loading = httpx.post(server.url + "/generate", headers=HEADERS, timeout=5,
+                         json={"text": "hi", "sampling_params": {"max_new_tokens": 1}})
+    assert loading.status_code == 503
+    server.wait_status(200, timeout=10)
+    assert server.health_status("/health_generate") == 200
+
+
+# ---- 2. /generate ------------------------------------------------------------------------
+
+def test_generate_returns_exactly_max_new_tokens_with_ignore_eos_and_spec_meta_info(
+        spec_server):
+    body = {"text": "def fib(n):",
+            "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
+    resp = post(spec_server, "/generate", body)
+    assert resp.status_code == 200
+    out = resp.json()
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == 64
+    assert words(out["text"]) == 64
+    assert meta["finish_reason"]["type"] == "length"
+    assert meta["prompt_tokens"] >= 1
+    assert meta["spec_verify_ct"] >= 64 / (TREE.steps + 1)
+    assert meta["spec_accept_length"] == pytest.approx(64 / meta["spec_verify_ct"])
+    assert 1.0 < meta["spec_accept_length"] <= TREE.steps + 1
+
+
+def test_generate_streams_sse_chunks_ending_with_done(spec_server):
+    body = {"text": "def fib(n):", "stream": True,
+            "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}}
+    chunks = json_events(sse_events(spec_server, "/generate", body))
+    assert len(chunks) > 1
+    counts = [c["meta_info"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts)
+    # Each chunk's meta_info describes the text it carries.
+    assert [words(c["text"]) for c in chunks] == counts
+    reasons = [c["meta_info"]["finish_reason"] for c in chunks]
+    assert reasons[:-1] == [None] * (len(chunks) - 1)  # only the last chunk is finished
+    assert reasons[-1]["type"] == "length"
+    final = chunks[-1]
+    assert final["meta_info"]["completion_tokens"] == 48
+    assert words(final["text"]) == 48  # /generate streams the cumulative text
+    assert final["meta_info"]["spec_verify_ct"] >= 1
+    assert final["meta_info"]["spec_accept_length"] > 1.0
+
+
+# ---- 3. OpenAI routes --------------------------------------------------------------------
+
+OPENAI_ROUTES = {
+    "completions": ("/v1/completions", {"prompt": "def fib(n):"}),
+    "chat": ("/v1/chat/completions",
+             {"messages": [{"role": "user", "content": "Write fib in Python."}]}),
+}
+
+
+@pytest.mark.parametrize("route", OPENAI_ROUTES)
+def test_openai_route_returns_openai_shaped_completion_stopped_by_length(spec_server, route):
+    path, prompt = OPENAI_ROUTES[route]
+    body = {**prompt, "model": "Qwen/Qwen3-Coder-Next", "max_tokens": 40, "ignore_eos": True}
+    resp = post(spec_server, path, body)
+    assert resp.status_code == 200
+    out = resp.json()
+    assert out["object"] == ("chat.completion" if route == "chat" else "text_completion")
+    assert out["model"] == "Qwen/Qwen3-Coder-Next"
+    assert out["id"]
+    [choice] = out["choices"]
+    assert choice["index"] == 0
+    assert choice["finish_reason"] == "length"
+    if route == "chat":
+        assert choice["message"]["role"] == "assistant"
+        text = choice["message"]["content"]
+    else:
+        text = choice["text"]
+    assert words(text) == 40
+    usage = out["usage"]
+    assert usage["completion_tokens"] == 40
+    assert usage["prompt_tokens"] >= 1
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+@pytest.mark.parametrize("route", OPENAI_ROUTES)
+def test_openai_route_streams_deltas_then_a_usage_chunk_when_include_usage(spec_server, route):
+    path, prompt = OPENAI_ROUTES[route]
+    body = {**prompt, "max_tokens": 40, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    chunks = json_events(sse_events(spec_server, path, body))
+    *deltas, usage_chunk = chunks
+    assert len(deltas) > 1
+    kind = "chat.completion.chunk" if route == "chat" else "text_completion"
+    assert {c["object"] for c in chunks} == {kind}
+    assert len({c["id"] for c in chunks}) == 1
+    texts = [c["choices"][0]["delta"]["content"] if route == "chat" else c["choices"][0]["text"]
+             for c in deltas]
+    assert sum(words(t) for t in texts) == 40  # deltas, not cumulative text
+    reasons = [c["choices"][0]["finish_reason"] for c in deltas]
+    assert reasons[-1] == "length"
+    assert set(reasons[:-1]) == {None}
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 40
+    assert usage_chunk["usage"]["total_tokens"] == (
+        usage_chunk["usage"]["prompt_tokens"] + 40)
+
+
+@pytest.mark.parametrize("route", OPENAI_ROUTES)
+def test_openai_stream_without_include_usage_has_no_usage_chunk(spec_server, route):
+    path, prompt = OPENAI_ROUTES[route]
+    body = {**prompt, "max_tokens": 8, "ignore_eos": True, "stream": True}
+    chunks = json_events(sse_events(spec_server, path, body))
+    assert all(c["choices"] for c in chunks)
+    assert all("usage" not in c or c["usage"] is None for c in chunks)
+
+
+# ---- 4. /server_info ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/server_info", "/get_server_info"])
+def test_server_info_reports_resolved_speculative_args_and_version(spec_server, path):
+    info = server_info(spec_server, path)
+    assert info["speculative_algorithm"] == "EAGLE3"
+    assert info["speculative_draft_model_path"] == "thoughtworks/Qwen3-Coder-Next-Eagle3"
+    assert (info["speculative_num_steps"], info["speculative_eagle_topk"],
+            info["speculative_num_draft_tokens"]) == (3, 4, 8)
+    assert info["tp_size"] == 4
+    assert info["max_running_requests"] == 4
+    assert info["version"] == EMULATED_SGLANG_VERSION
+    assert info["emulator"]["time_scale"] == 50
+    assert "avg_spec_accept_length" in info["internal_states"][0]
+
+
+def test_avg_spec_accept_length_is_completion_tokens_per_verify_call_since_flush(spec_server):
+    flush(spec_server)
+    before = server_info(spec_server)
+    assert before["internal_states"][0]["avg_spec_accept_length"] == 0.0
+
+    asyncio.run(concurrent_generate(spec_server, 4, max_new_tokens=1024))
+
+    after = server_info(spec_server)
+    avg = after["internal_states"][0]["avg_spec_accept_length"]
+    tokens = after["emulator"]["completion_tokens"] - before["emulator"]["completion_tokens"]
+    verify = after["emulator"]["verify_calls"] - before["emulator"]["verify_calls"]
+    assert tokens == 4 * 1024
+    assert avg == pytest.approx(tokens / verify)
+    assert 1.0 < avg <= TREE.steps + 1  # long outputs: never above steps + 1
+    # Both totals (since start) match the Prometheus counters.
+    samples = metrics(spec_server)
+    assert samples["sglang:generation_tokens_total"] == after["emulator"]["completion_tokens"]
+    assert samples["sglang:spec_verify_calls_total"] == after["emulator"]["verify_calls"]
+
+
+def test_flush_cache_on_an_idle_server_resets_the_average_accept_length(spec_server):
+    asyncio.run(concurrent_generate(spec_server, 1, max_new_tokens=32))
+    assert server_info(spec_server)["internal_states"][0]["avg_spec_accept_length"] > 1.0
+    flush(spec_server)
+    assert server_info(spec_server)["internal_states"][0]["avg_spec_accept_length"] == 0.0
+
+
+def test_prometheus_counters_agree_with_server_info_after_clients_disconnect_mid_stream(
+        spec_server):
+    # A client hanging up mid-round cancels its request; that round must then count it as
+    # verified either everywhere or nowhere.
+    async def leave_early(i: int) -> None:
+        body = {"prompt": f"p{i}", "max_tokens": 4096, "ignore_eos": True, "stream": True}
+        async with aiohttp.ClientSession(headers=HEADERS) as session, \
+                session.post(spec_server.url + "/v1/completions", json=body) as resp:
+            for _ in range(5):
+                await resp.content.readline()
+            resp.close()  # hang up mid-stream
+
+    async def main() -> None:
+        await asyncio.gather(*(leave_early(i) for i in range(4)))
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 5
+    while metrics(spec_server)["sglang:num_running_reqs"] > 0:
+        assert time.monotonic() < deadline, "abandoned requests still count as running"
+        time.sleep(0.05)
+    info = server_info(spec_server)
+    samples = metrics(spec_server)
+    assert samples["sglang:num_running_reqs"] == 0
+    assert samples["sglang:generation_tokens_total"] == info["emulator"]["completion_tokens"]
+    assert samples["sglang:spec_verify_calls_total"] == info["emulator"]["verify_calls"]
+
+
+# ---- 5. /metrics -------------------------------------------------------------------------
+
+def test_metrics_expose_sglang_gauges_counters_and_histograms(spec_server):
+    asyncio.run(concurrent_generate(spec_server, 2, max_new_tokens=32))
+    resp = httpx.get(spec_server.url + "/metrics", timeout=10)
+    assert resp.status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(resp.text)}
+    gauges = ["spec_accept_length", "spec_accept_rate", "gen_throughput", "num_running_reqs",
+              "num_queue_reqs", "token_usage"]
+    counters = ["spec_verify_calls", "generation_tokens", "prompt_tokens"]
+    histograms = ["time_to_first_token_seconds", "inter_token_latency_seconds",
+                  "e2e_request_latency_seconds"]
+    for name in gauges:
+        assert families[f"sglang:{name}"].type == "gauge", name
+    for name in counters:
+        family = families[f"sglang:{name}"]
+        assert family.type == "counter", name
+        assert {s.name for s in family.samples} == {f"sglang:{name}_total"}
+        assert family.samples[0].value > 0
+        assert family.samples[0].labels["model_name"] == "Qwen/Qwen3-Coder-Next"
+    for name in histograms:
+        family = families[f"sglang:{name}"]
+        assert family.type == "histogram", name
+        count = next(s for s in family.samples if s.name.endswith("_count"))
+        assert count.value > 0
+    accept = families["sglang:spec_accept_length"].samples[0].value
+    assert 1.0 <= accept <= TREE.steps + 1
+    rate = families["sglang:spec_accept_rate"].samples[0].value
+    assert rate == pytest.approx((accept - 1.0) / TREE.steps)
+
+
+# ---- 9. batching limit -------------------------------------------------------------------
+
+def test_running_requests_never_exceed_max_running_requests_and_all_complete(spec_server):
+    samples: list[tuple[float, float]] = []
+
+    async def sample_metrics(done: asyncio.Event) -> None:
+        async with aiohttp.ClientSession() as session:
+            while not done.is_set():
+                async with session.get(spec_server.url + "/metrics") as resp:
+                    text = await resp.text()
+                values = {s.name: s.value for f in text_string_to_metric_families(text)
+                          for s in f.samples}
+                samples.append((values["sglang:num_running_reqs"],
+                                values["sglang:num_queue_reqs"]))
+                await asyncio.sleep(0.01)
+
+    async def main() -> list[dict]:
+        done = asyncio.Event()
+        sampler = asyncio.create_task(sample_metrics(done))
+        try:
+            return await concurrent_generate(spec_server, 8, max_new_tokens=2048)
+        finally:
+            done.set()
+            await sampler
+
+    results = asyncio.run(main())
+    assert [r["meta_info"]["completion_tokens"] for r in results] == [2048] * 8
+    assert len(samples) >= 10
+    assert max(running for running, _ in samples) == 4  # reached, never exceeded
+    assert max(queued for _, queued in samples) > 0  # the other requests waited
+
+
+# ---- 6. refusals -------------------------------------------------------------------------
+
+REFUSALS = {
+    "tree too large for its pool": (
+        server_args(*tree_flags(2, 2, 20)), "selected index out of range"),
+    "partial tree knobs": (
+        server_args("--speculative-algorithm", "EAGLE3",
+                    "--speculative-draft-model-path", "d", "--speculative-num-steps", "3"),
+        "must be set together"),
+    "tree knob without an algorithm": (
+        server_args("--speculative-num-steps", "3"), "without --speculative-algorithm"),
+    "out of memory": (
+        server_args(*tree_flags(2, 8, 44), "--max-running-requests", "128",
+                    profile=MOE_30B, tp=None),
+        "Not enough memory"),
+    "more tensor-parallel ranks than GPUs": (server_args(tp=8), "needs 8 GPUs"),
+}
+
+
+def test_the_out_of_memory_refusal_case_is_oom_while_a_small_tree_fits():
+    profile = load_profile(MOE_30B)
+    assert not check_memory(profile, TreeConfig(2, 8, 44), 128).fits
+    assert check_memory(profile, TreeConfig(3, 1, 4), 128).fits
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_refused_launch_exits_nonzero_within_2s_with_the_reason_on_stderr(emulators, case):
+    args, reason = REFUSALS[case]
+    server = emulators.start(*args)
+    assert server.wait_exit(timeout=2.0) != 0
+    assert reason in server.stderr
+
+
+def test_small_tree_at_the_same_memory_setting_launches(emulators):
+    server = emulators.start(*server_args(*tree_flags(3, 1, 4), "--max-running-requests", "128",
+                                          "--load-time", "0", profile=MOE_30B, tp=None))
+    server.wait_healthy()
+
+
+# ---- 7. unknown flags --------------------------------------------------------------------
+
+def test_unknown_sglang_flags_are_ignored_with_a_warning_and_the_server_serves(emulators):
+    server = emulators.healthy(*server_args("--enable-torch-compile",
+                                            "--chunked-prefill-size", "4096",
+                                            "--time-scale", "50", "--load-time", "0"))
+    warning = next(line for line in server.stderr.splitlines() if "WARNING" in line)
+    assert "--enable-torch-compile" in warning
+    assert "--chunked-prefill-size" in warning
+    resp = post(server, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 8,
+                                                                        "ignore_eos": True}})
+    assert resp.status_code == 200
+    assert resp.json()["meta_info"]["completion_tokens"] == 8
+
+
+# ---- 8. fault switches -------------------------------------------------------------------
+
+def test_crash_after_requests_kills_the_process_when_the_next_request_arrives(emulators):
+    server = emulators.healthy(*server_args("--crash-after-requests", "2",
+                                            "--time-scale", "50", "--load-time", "0"))
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    for _ in range(2):
+        assert post(server, "/generate", body).status_code == 200
+    assert server.proc.poll() is None
+    with pytest.raises(httpx.TransportError):
+        post(server, "/generate", body)
+    assert server.wait_exit(timeout=5) != 0
+    assert "crash" in server.stderr
+
+
+def test_hang_on_startup_keeps_health_at_503(emulators):
+    server = emulators.start(*server_args("--hang-on-startup", "--load-time", "0",
+                                          "--time-scale", "50"))
+    server.wait_status(503)
+    end = time.monotonic() + 1.5
+    probes = 0
+    while time.monotonic() < end:
+        assert server.health_status() == 503
+        probes += 1
+        time.sleep(0.05)
+    assert probes >= 10
+    assert server.proc.poll() is None
+
+
+# ---- 11. shutdown ------------------------------------------------------------------------
+
+def test_sigterm_exits_promptly_leaving_no_child_process_and_a_free_port(emulators):
+    server = emulators.healthy(*server_args("--time-scale", "50", "--load-time", "0"))
+    kids = children_of(server.pid)
+    server.proc.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    server.wait_exit(timeout=5)
+    assert time.monotonic() - start < 3
+    assert not [pid for pid in kids if pid_alive(pid)]
+    assert port_is_free(server.port)
+
+
+def test_sigterm_with_a_stream_in_flight_exits_within_seconds_and_frees_the_port_for_a_relaunch(
+        emulators):
+    args = server_args("--time-scale", "1", "--load-time", "0")
+    server = emulators.healthy(*args)
+
+    async def stream_then_terminate() -> float:
+        body = {"prompt": "p", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+        async with aiohttp.ClientSession(headers=HEADERS) as session, \
+                session.post(server.url + "/v1/completions", json=body) as resp:
+            await resp.content.readline()  # the stream has started
+            server.proc.send_signal(signal.SIGTERM)
+            start = time.monotonic()
+            with contextlib.suppress(aiohttp.ClientError):
+                async for _ in resp.content:
+                    pass
+            await asyncio.to_thread(server.wait_exit, 10)
+            return time.monotonic() - start
+
+    # aiohttp waits shutdown_timeout (2 s) for the handler, then 2 s more after cancelling it.
+    assert asyncio.run(stream_then_terminate()) < 6
+    assert server.proc.returncode == 0
+    # The server closed the streaming connection first, so that socket sits in TIME_WAIT;
+    # a tuner relaunching on the same port must not have to wait a minute for it.
+    emulators.healthy(*args, port=server.port)
+
+
+def test_a_second_server_on_a_port_in_use_is_refused(emulators):
+    args = server_args("--load-time", "0")
+    first = emulators.healthy(*args)
+    second = emulators.start(*args, port=first.port)
+    assert second.wait_exit(timeout=2.0) != 0
+    assert "address already in use" in second.stderr
+    assert first.health_status() == 200
+
+
+# ---- 10. throughput ----------------------------------------------------------------------
+
+THROUGHPUT_SCALE = 10.0
+WARMUP_S = 1.0
+WINDOW_S = 4.0
+
+
+async def closed_loop_tokens_per_s(server: Emulator, concurrency: int) -> float:
+    """Streamed tokens/s (wall) inside a steady-state window of a closed loop."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    window = (start + WARMUP_S, start + WARMUP_S + WINDOW_S)
+    counted = 0
+    body = {"prompt": "def fib(n):", "max_tokens": 1024, "ignore_eos": True, "stream": True}
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal counted
+        while True:
+            async with session.post(server.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                async for line in resp.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    choices = json.loads(line[6:])["choices"]
+                    if choices and window[0] <= loop.time() < window[1]:
+                        counted += words(choices[0]["text"])
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(headers=HEADERS, connector=connector) as session:
+        workers = [asyncio.create_task(worker(session)) for _ in range(concurrency)]
+        await asyncio.sleep(window[1] - loop.time())
+        for task in workers:
+            task.cancel()
+        results = await asyncio.gather(*workers, return_exceptions=True)
+    failures = [r for r in results if not isinstance(r, asyncio.CancelledError)]
+    assert not failures, failures
+    return counted / WINDOW_S
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("concurrency", [1, 8, 32])
+@pytest.mark.parametrize("config", [TREE, BASELINE], ids=str)
+def test_closed_loop_throughput_matches_the_performance_model_within_5_percent(
+        emulators, config, concurrency):
+    flags = (tree_flags(config.steps, config.topk, config.draft_tokens)
+             if isinstance(config, TreeConfig) else [])
+    server = emulators.healthy(*server_args(
+        *flags, "--time-scale", str(THROUGHPUT_SCALE), "--max-running-requests", "64"))
+    time_scale = server_info(server)["emulator"]["time_scale"]
+    assert time_scale == THROUGHPUT_SCALE
+
+    measured = asyncio.run(closed_loop_tokens_per_s(server, concurrency)) / time_scale
+
+    expected = PerfModel(load_profile(CODER), tp=4).throughput(config, concurrency, DATASET)
+    assert measured == pytest.approx(expected, rel=0.05), (
+        f"measured {measured:.1f} tok/s, model {expected:.1f} tok/s "
+        f"({measured / expected - 1:+.1%})")
