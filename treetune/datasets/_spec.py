@@ -1,0 +1,125 @@
+"""What a study's `datasets:` entry holds, and the prompts a dataset turns into."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from treetune.datasets._builtin import BUILTINS, builtin_names
+from treetune.errors import TreetuneError
+from treetune.yamlio import closest
+
+APIS = ("chat", "completion")
+FORMATS = ("auto", "mt-bench", "sharegpt", "jsonl", "swebench", "human-eval", "builtin")
+ROLES = ("system", "user", "assistant", "tool")
+# Formats that make sense without a path: a shipped set, or HumanEval from its package.
+_FILELESS = ("auto", "builtin", "human-eval")
+
+
+class DatasetSpecError(TreetuneError, ValueError):
+    """A dataset entry that cannot work, found before any file is read.
+
+    Also a ValueError so that `yamlio.build` reports it with the study file and key.
+    """
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One request to send: chat `messages` (OpenAI role/content) or completion `text`."""
+
+    id: str
+    messages: tuple[dict[str, str], ...] | None = None
+    text: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.text is None):
+            raise ValueError(f"prompt '{self.id}': give exactly one of messages or text")
+        for message in self.messages or ():
+            if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
+                raise ValueError(f"prompt '{self.id}': bad message {message!r}")
+        if self.messages == ():
+            raise ValueError(f"prompt '{self.id}': messages is empty")
+
+    @property
+    def api(self) -> str:
+        """'chat' (POST /v1/chat/completions) or 'completion' (POST /v1/completions)."""
+        return "chat" if self.messages is not None else "completion"
+
+    def request_body(self) -> dict[str, Any]:
+        """The prompt's part of an OpenAI-style request body (a fresh copy, safe to extend)."""
+        if self.messages is not None:
+            return {"messages": [dict(m) for m in self.messages]}
+        return {"prompt": self.text}
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A dataset to benchmark with: a built-in set by name, or a local file and its format."""
+
+    name: str  # what users type and performance profiles use, e.g. "mt-bench"
+    path: str | None = None  # local file; None: the built-in set `name` (human-eval: its package)
+    format: str = "auto"  # one of FORMATS; auto: from the first record's fields
+    prompt_field: str = "prompt"  # the field holding the prompt in plain JSONL
+    num_prompts: int | None = None  # cap; None: all
+    max_new_tokens: int | None = None  # None: the dataset's default
+    api: str | None = None  # chat | completion; None: the format's default
+    seed: int = 0  # picks the subset when capping
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            raise DatasetSpecError("a dataset needs a name")
+        what = f"dataset '{self.name}'"
+        if self.format not in FORMATS:
+            raise DatasetSpecError(
+                f"{what}: unknown format '{self.format}'{closest(self.format, FORMATS)}; "
+                f"formats: {', '.join(FORMATS)}"
+            )
+        if self.api is not None and self.api not in APIS:
+            raise DatasetSpecError(
+                f"{what}: api must be chat or completion, got '{self.api}'"
+                f"{closest(self.api, APIS)}"
+            )
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise DatasetSpecError(
+                f"{what}: num_prompts must be at least 1, got {self.num_prompts}"
+            )
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise DatasetSpecError(
+                f"{what}: max_new_tokens must be at least 1, got {self.max_new_tokens}"
+            )
+        if not self.prompt_field.strip():
+            raise DatasetSpecError(f"{what}: prompt_field is empty")
+        if self.path is not None:
+            if not self.path.strip():
+                raise DatasetSpecError(f"{what}: path is empty")
+            if self.format == "builtin":
+                raise DatasetSpecError(
+                    f"{what}: format 'builtin' takes no path; drop the path, or give the "
+                    "file's format"
+                )
+        elif self.format not in _FILELESS:
+            raise DatasetSpecError(f"{what}: format '{self.format}' reads a file; give a path")
+        elif self.format != "human-eval" and self.name not in BUILTINS:
+            names = builtin_names()
+            raise DatasetSpecError(
+                f"unknown built-in dataset '{self.name}'{closest(self.name, names)}; give a "
+                f"path to a file, or one of the built-ins: {', '.join(names)}"
+            )
+
+
+@dataclass
+class PromptSet:
+    """The prompts of one dataset, all for one API, and how many tokens to ask for."""
+
+    name: str
+    prompts: list[Prompt]
+    max_new_tokens: int
+    api: str  # chat | completion; every prompt uses it
+    source: str  # where the prompts came from, for reports
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __iter__(self) -> Iterator[Prompt]:
+        return iter(self.prompts)
