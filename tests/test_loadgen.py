@@ -1,0 +1,225 @@
+"""Talking to a server (`ServerClient`) and measuring a cell on it (`measure_cell`).
+
+Servers are the real emulator (`--no-noise --seed 1`, 10× faster than the emulated GPU)
+started through `start_server` and stopped at teardown; measured numbers must agree with
+the noise-free performance model the emulator runs on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from treetune.client import ServerClient, ServerRequestError
+from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.datasets import Prompt, PromptSet
+from treetune.launch import LaunchSpec, emulator_command
+from treetune.loadgen import MeasurementError, measure_cell
+from treetune.perfmodel import PerfModel, load_profile
+from treetune.results import CellResult
+from treetune.server import ServerProcess, start_server
+
+PROFILE = "qwen3-coder-next-h200"
+DATASET = "humaneval"
+TREE = TreeConfig(3, 4, 8)
+TIME_SCALE = 10
+EMULATOR_ARGS = ("--no-noise", "--seed", "1", "--time-scale", str(TIME_SCALE),
+                 "--load-time", "0.5")
+MAX_NEW_TOKENS = 1024
+DURATION_S = 15.0  # server seconds: 1.5 s of wall time per cell
+REPEATS = 3
+
+CHAT = Prompt(id="chat", messages=({"role": "user", "content": "Write fib in Python."},))
+COMPLETION = Prompt(id="completion", text="def fib(n):")
+PROMPTS = PromptSet(
+    name=DATASET,
+    prompts=[Prompt(id=str(i), messages=({"role": "user", "content": f"Write function {i}."},))
+             for i in range(5)],
+    max_new_tokens=MAX_NEW_TOKENS, api="chat", source="test")
+
+
+def command(config: ServerConfig) -> Callable[[int], list[str]]:
+    def build(port: int) -> list[str]:
+        spec = LaunchSpec(model_path="Qwen/Qwen3-Coder-Next",
+                          draft_model_path="thoughtworks/Qwen3-Coder-Next-Eagle3",
+                          tp=4, port=port, max_running_requests=16)
+        return emulator_command(config, spec, PROFILE, emulator_args=EMULATOR_ARGS)
+    return build
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+    """A (3,4,8) server and a baseline server, shared by the module."""
+    logs = tmp_path_factory.mktemp("servers")
+    started: dict[str, ServerProcess] = {}
+    try:
+        for name, config in (("tree", TREE), ("baseline", BASELINE)):
+            started[name] = start_server(command(config), log_path=logs / f"{name}.log",
+                                         timeout_s=20)
+        yield started
+    finally:
+        for server in started.values():
+            server.stop(grace_s=2)
+
+
+@pytest.fixture(scope="module")
+def tree_url(servers: dict[str, ServerProcess]) -> str:
+    return servers["tree"].base_url
+
+
+def call(url: str, action: Callable[[ServerClient], Awaitable[Any]], **kwargs: Any) -> Any:
+    """Run one async action with a fresh client (sessions belong to one event loop)."""
+    async def run() -> Any:
+        async with ServerClient(url, dataset=DATASET, **kwargs) as client:
+            return await action(client)
+    return asyncio.run(run())
+
+
+# ---- the client ------------------------------------------------------------------------
+
+def test_server_info_reports_the_tree_and_the_emulators_time_scale(tree_url):
+    info = call(tree_url, lambda c: c.server_info())
+    assert (info["speculative_num_steps"], info["speculative_eagle_topk"],
+            info["speculative_num_draft_tokens"]) == (3, 4, 8)
+    assert call(tree_url, lambda c: c.time_scale()) == TIME_SCALE
+
+
+def test_time_scale_is_1_on_a_server_without_an_emulator_block(monkeypatch):
+    async def sglang_info(self: ServerClient) -> dict:
+        return {"version": "0.5.23", "internal_states": [{}]}
+
+    monkeypatch.setattr(ServerClient, "server_info", sglang_info)
+    assert call("http://127.0.0.1:9", lambda c: c.time_scale()) == 1.0
+
+
+def test_metrics_are_sglang_samples_summed_over_label_sets(tree_url):
+    metrics = call(tree_url, lambda c: c.metrics())
+    for name in ("sglang:generation_tokens_total", "sglang:spec_verify_calls_total",
+                 "sglang:num_running_reqs", "sglang:time_to_first_token_seconds_count"):
+        assert isinstance(metrics[name], float), name
+
+
+def test_health_and_flush_cache_succeed_on_an_idle_server(tree_url):
+    assert call(tree_url, lambda c: c.health())
+    assert call(tree_url, lambda c: c.flush_cache())
+
+
+@pytest.mark.parametrize("prompt", [CHAT, COMPLETION], ids=lambda p: p.api)
+def test_stream_yields_increasing_cumulative_counts_ending_at_max_new_tokens(tree_url, prompt):
+    async def chunks(client: ServerClient) -> list[tuple[float, int]]:
+        return [chunk async for chunk in client.stream(prompt, 64, ignore_eos=True)]
+
+    arrivals = call(tree_url, chunks)
+
+    times, counts = zip(*arrivals, strict=True)
+    assert len(arrivals) > 1
+    assert list(times) == sorted(times)
+    assert all(b > a for a, b in itertools.pairwise(counts))
+    assert counts[-1] == 64
+
+
+def test_an_http_error_raises_server_request_error_naming_the_url_and_status(tree_url):
+    async def stream_unknown_dataset() -> None:
+        async with ServerClient(tree_url, dataset="no-such-dataset") as client:
+            async for _ in client.stream(COMPLETION, 8):
+                pass
+
+    with pytest.raises(ServerRequestError) as caught:
+        asyncio.run(stream_unknown_dataset())
+
+    assert caught.value.status == 400
+    assert f"{tree_url}/v1/completions" in str(caught.value) and "400" in str(caught.value)
+
+
+# ---- measuring a cell ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cells(servers: dict[str, ServerProcess]) -> Callable[[str, int], tuple[CellResult, dict]]:
+    """measure_cell on a server at a batch size (memoized), and /metrics right after."""
+    done: dict[tuple[str, int], tuple[CellResult, dict]] = {}
+
+    def cell(server: str, batch: int) -> tuple[CellResult, dict]:
+        if (server, batch) not in done:
+            async def measure(client: ServerClient) -> tuple[CellResult, dict]:
+                result = await measure_cell(client, PROMPTS, batch, duration_s=DURATION_S,
+                                            repeats=REPEATS, ignore_eos=True)
+                return result, await client.metrics()
+            done[server, batch] = call(servers[server].base_url, measure)
+        return done[server, batch]
+    return cell
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_throughput_matches_the_performance_model_within_5_percent(cells, batch):
+    cell, _ = cells("tree", batch)
+    expected = PerfModel(load_profile(PROFILE)).throughput(TREE, batch, DATASET)
+    assert cell.output_tok_s == pytest.approx(expected, rel=0.05), (
+        f"measured {cell.output_tok_s:.1f} tok/s, model {expected:.1f} tok/s")
+    assert cell.duration_s == pytest.approx(DURATION_S, rel=0.05)  # server seconds
+    assert cell.output_tokens == pytest.approx(cell.output_tok_s * cell.duration_s)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_accept_length_of_the_cell_matches_the_performance_model_within_10_percent(
+        cells, batch):
+    cell, _ = cells("tree", batch)
+    expected = PerfModel(load_profile(PROFILE)).accept_length(TREE, DATASET)
+    assert cell.accept_length == pytest.approx(expected, rel=0.10)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_cell_has_one_throughput_per_repeat_no_errors_and_latencies_in_server_time(
+        cells, batch):
+    cell, _ = cells("tree", batch)
+    assert (cell.dataset, cell.batch, cell.errors) == (DATASET, batch, 0)
+    assert len(cell.repeats) == REPEATS
+    assert sum(cell.repeats) / REPEATS == pytest.approx(cell.output_tok_s)
+    assert cell.requests >= batch
+    assert cell.ttft is not None and cell.tpot is not None
+    assert 0 < cell.ttft.p50 <= cell.ttft.p90 <= cell.ttft.p99 < 1.0
+    # One request's tokens over its decode time is about the per-request throughput.
+    per_request = cell.output_tok_s / batch
+    assert 1 / cell.tpot.p50 == pytest.approx(per_request, rel=0.10)
+
+
+@pytest.mark.parametrize("server,batch", [("tree", 1), ("tree", 8), ("baseline", 8)])
+def test_after_a_cell_the_server_has_no_running_requests(cells, server, batch):
+    _, metrics_after = cells(server, batch)
+    assert metrics_after["sglang:num_running_reqs"] == 0
+    assert metrics_after["sglang:num_queue_reqs"] == 0
+
+
+def test_a_baseline_server_has_no_accept_length(cells):
+    cell, _ = cells("baseline", 8)
+    assert cell.accept_length is None
+    expected = PerfModel(load_profile(PROFILE)).throughput(BASELINE, 8, DATASET)
+    assert cell.output_tok_s == pytest.approx(expected, rel=0.05)
+
+
+def test_a_cell_where_every_request_fails_raises_with_the_cause(tree_url):
+    async def measure() -> CellResult:
+        async with ServerClient(tree_url, dataset="no-such-dataset") as client:
+            return await measure_cell(client, PROMPTS, 2, duration_s=DURATION_S)
+
+    with pytest.raises(MeasurementError, match=r"every request failed.*HTTP 400"):
+        asyncio.run(measure())
+
+
+def test_a_cell_on_a_server_that_died_raises_instead_of_hanging(tmp_path: Path):
+    server = start_server(command(TREE), log_path=tmp_path / "log", timeout_s=20)
+    try:
+        async def measure() -> CellResult:
+            async with ServerClient(server.base_url, dataset=DATASET) as client:
+                await client.time_scale()
+                server.stop(grace_s=0)
+                return await measure_cell(client, PROMPTS, 4, duration_s=DURATION_S)
+
+        with pytest.raises(MeasurementError, match="every request failed"):
+            asyncio.run(measure())
+    finally:
+        server.stop()

@@ -1,0 +1,267 @@
+"""A server's process lifecycle: start, wait until healthy, stop, and die with its owner.
+
+Servers are the real emulator run as subprocesses through `ServerProcess` on free ports,
+always stopped at teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.launch import LaunchSpec, emulator_command
+from treetune.server import (
+    ServerProcess,
+    ServerStartError,
+    failure_reason,
+    free_port,
+    start_server,
+)
+
+PROFILE = "qwen3-coder-next-h200"
+TREE = TreeConfig(3, 4, 8)
+EMULATOR_ARGS = ("--no-noise", "--seed", "1", "--time-scale", "10", "--load-time", "0.5")
+TIMEOUT_S = 20.0
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(),
+                                reason="process checks read /proc (Linux)")
+
+
+def command(config: ServerConfig = TREE, *emulator_args: str,
+            flags: tuple[tuple[str, str | None], ...] = ()) -> Callable[[int], list[str]]:
+    """The emulator command for a port, built by treetune.launch as for any server."""
+    def build(port: int) -> list[str]:
+        spec = LaunchSpec(model_path="Qwen/Qwen3-Coder-Next",
+                          draft_model_path="thoughtworks/Qwen3-Coder-Next-Eagle3",
+                          tp=4, port=port)
+        return emulator_command(config, spec, PROFILE, flags, [*EMULATOR_ARGS, *emulator_args])
+    return build
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for its reaper counts as dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes in process group `pgid`."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.fixture
+def servers() -> Iterator[list[ServerProcess]]:
+    """Servers a test starts; all stopped at teardown."""
+    started: list[ServerProcess] = []
+    try:
+        yield started
+    finally:
+        for server in started:
+            server.stop(grace_s=2)
+
+
+def test_free_port_can_be_bound():
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_server_is_ready_after_loading_and_its_log_file_receives_the_server_log(
+        tmp_path, servers):
+    port = free_port()
+    log = tmp_path / "logs" / "server.log"
+    server = ServerProcess.start(command()(port), log_path=log, port=port)
+    servers.append(server)
+    assert server.base_url == f"http://127.0.0.1:{port}"
+
+    server.wait_ready(TIMEOUT_S)
+
+    assert alive(server.pid)
+    assert "fired up and ready to roll" in log.read_text()
+    assert "fired up and ready to roll" in server.log_tail(5)
+
+
+def test_stop_kills_the_whole_process_group_even_children_that_ignore_sigterm(
+        tmp_path, servers):
+    spawner = textwrap.dedent("""
+        import subprocess, sys, time
+        child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
+                "print('child up', flush=True); time.sleep(600)"
+        subprocess.Popen([sys.executable, "-c", child])
+        time.sleep(600)
+    """)
+    server = ServerProcess.start([sys.executable, "-c", spawner], log_path=tmp_path / "log",
+                                 port=free_port())
+    servers.append(server)
+    assert wait_until(lambda: "child up" in server.log_tail(), 10)
+    assert len(group_members(server.pid)) == 2
+
+    code = server.stop(grace_s=1)
+
+    assert code == -signal.SIGTERM
+    assert not alive(server.pid)
+    assert wait_until(lambda: not group_members(server.pid), 2)
+    assert server.stop() == code  # idempotent
+
+
+def test_context_manager_stops_the_server(tmp_path):
+    port = free_port()
+    with ServerProcess.start(command()(port), log_path=tmp_path / "log", port=port) as server:
+        server.wait_ready(TIMEOUT_S)
+        pid = server.pid
+    assert not alive(pid)
+    assert server.exit_code is not None
+
+
+def test_a_server_exiting_at_startup_raises_with_its_exit_code_and_the_reason_from_its_log(
+        tmp_path, servers):
+    invalid_tree = (("--speculative-algorithm", "EAGLE3"),
+                    ("--speculative-draft-model-path", "thoughtworks/Qwen3-Coder-Next-Eagle3"),
+                    ("--speculative-num-steps", "2"), ("--speculative-eagle-topk", "2"),
+                    ("--speculative-num-draft-tokens", "20"))
+    port = free_port()
+    server = ServerProcess.start(command(BASELINE, flags=invalid_tree)(port),
+                                 log_path=tmp_path / "log", port=port)
+    servers.append(server)
+
+    with pytest.raises(ServerStartError) as caught:
+        server.wait_ready(TIMEOUT_S)
+
+    error = caught.value
+    assert error.exit_code == 1
+    assert "selected index out of range" in error.reason
+    assert "\n" not in error.reason
+    assert error.reason in error.log_tail
+    assert "exit code 1" in str(error) and str(tmp_path / "log") in str(error)
+
+
+def test_a_server_never_healthy_is_killed_after_the_timeout(tmp_path, servers):
+    port = free_port()
+    server = ServerProcess.start(command(TREE, "--hang-on-startup")(port),
+                                 log_path=tmp_path / "log", port=port)
+    servers.append(server)
+    started = time.monotonic()
+
+    with pytest.raises(ServerStartError, match=r"not healthy after 1\.5 s") as caught:
+        server.wait_ready(timeout_s=1.5)
+
+    assert time.monotonic() - started < 5
+    assert caught.value.reason == "not healthy after 1.5 s"
+    assert not alive(server.pid)
+    assert not group_members(server.pid)
+
+
+def test_a_port_already_in_use_is_replaced_by_another_free_port(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        seen: list[int] = []
+
+        def build(port: int) -> list[str]:
+            seen.append(port)
+            return command()(port)
+
+        with start_server(build, log_path=tmp_path / "log", timeout_s=TIMEOUT_S,
+                          port=busy) as server:
+            assert seen[0] == busy
+            assert server.port != busy and server.port == seen[-1]
+            assert len(seen) == 2
+            assert alive(server.pid)
+
+
+def test_a_port_in_use_is_retried_at_most_retries_times(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        with pytest.raises(ServerStartError, match="address already in use") as caught:
+            start_server(lambda port: command()(busy), log_path=tmp_path / "log",
+                         timeout_s=TIMEOUT_S, port=busy, retries=1)
+        assert caught.value.port_in_use
+
+
+OWNER = """
+import sys, time
+from pathlib import Path
+from treetune.server import ServerProcess
+argv, port, log = sys.argv[3:], int(sys.argv[1]), Path(sys.argv[2])
+server = ServerProcess.start(argv, log_path=log, port=port)
+server.wait_ready(20)
+print(server.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_server_dies_when_its_owner_is_killed_with_sigkill(tmp_path):
+    port = free_port()
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(port), str(tmp_path / "log"), *command()(port)],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    server_pid = None
+    try:
+        assert owner.stdout is not None
+        server_pid = int(owner.stdout.readline())
+        assert alive(server_pid)
+
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=5)
+
+        assert wait_until(lambda: not alive(server_pid), 5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            owner.kill()
+        owner.wait(timeout=5)
+        if server_pid is not None and alive(server_pid):
+            os.killpg(server_pid, signal.SIGKILL)
+
+
+def test_pdeathsig_wrapper_execs_the_command_in_place():
+    wrapped = subprocess.Popen(
+        [sys.executable, "-m", "treetune.pdeathsig", "--", sys.executable, "-c",
+         "import os; print(os.getpid())"],
+        stdout=subprocess.PIPE, text=True)
+    out, _ = wrapped.communicate(timeout=10)
+    assert int(out) == wrapped.pid
+    missing = subprocess.run([sys.executable, "-m", "treetune.pdeathsig", "--",
+                              "treetune-no-such-program"], capture_output=True, text=True)
+    assert missing.returncode == 127 and "treetune-no-such-program" in missing.stderr
+
+
+def test_failure_reason_is_the_last_log_line_naming_an_error():
+    log = "loading\nWARNING: x\nTraceback (most recent call last):\n  ...\n" \
+          "RuntimeError: CUDA out of memory. Tried to allocate 2 GiB\nexiting\n"
+    assert failure_reason(log, 1) == "RuntimeError: CUDA out of memory. Tried to allocate 2 GiB"
+    assert failure_reason("", -9) == "killed by SIGKILL"
+    assert failure_reason("", 3) == "exited with code 3 before it was healthy"

@@ -1,0 +1,240 @@
+"""The one place that knows a server process's lifecycle: start, wait until healthy, stop.
+
+A server (SGLang or the emulator) runs as its own process group, so that stopping it also
+stops every process it spawned, and through `treetune.pdeathsig`, so that it dies with its
+owner. Its stdout and stderr go to one log file, whose tail explains a failed start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from treetune.client import health_status
+from treetune.errors import TreetuneError
+
+LOG_TAIL_LINES = 40
+PORT_IN_USE = re.compile(r"address already in use|port \d+ is (?:already )?in use|EADDRINUSE",
+                         re.IGNORECASE)
+# What makes a log line the reason for a failed start, from most to least telling: the last
+# line of a Python traceback ("RuntimeError: CUDA out of memory ..."), then any error line.
+REASON_PATTERNS = (
+    re.compile(r"\w(?:Error|Exception)\b:|out of memory"),
+    re.compile(r"error|exception|killed|abort", re.IGNORECASE),
+)
+MAX_REASON_CHARS = 300
+
+
+class ServerStartError(TreetuneError):
+    """A server that exited before it was healthy, or never became healthy."""
+
+    def __init__(self, reason: str, *, exit_code: int | None, log_tail: str,
+                 log_path: Path | None = None) -> None:
+        where = f"; log: {log_path}" if log_path is not None else ""
+        code = f" (exit code {exit_code})" if exit_code is not None else ""
+        super().__init__(f"server failed to start{code}: {reason}{where}")
+        self.reason = reason
+        self.exit_code = exit_code
+        self.log_tail = log_tail
+        self.log_path = log_path
+
+    @property
+    def port_in_use(self) -> bool:
+        return bool(PORT_IN_USE.search(self.reason) or PORT_IN_USE.search(self.log_tail))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (the kernel's pick; another process may take it
+    before the server binds, which `start_server` retries)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """One server process group, its address and its log."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], *, log_path: Path, host: str,
+                 port: int) -> None:
+        self._proc = proc
+        self.log_path = log_path
+        self.host = host
+        self.port = port
+
+    @classmethod
+    def start(cls, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None,
+              host: str = "127.0.0.1", port: int) -> ServerProcess:
+        """Start `argv` (which must make the server listen on `host:port`); returns at once.
+
+        `env` is the server's whole environment (None: inherit ours). The server gets
+        SIGKILL when the calling *thread* exits (Linux ties the parent-death signal to it),
+        so start servers from a thread that lives as long as they do.
+        """
+        if not argv:
+            raise ValueError("empty server command")
+        log_path = Path(log_path)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        wrapper = [sys.executable, "-m", "treetune.pdeathsig", "--ppid", str(os.getpid()), "--"]
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                [*wrapper, *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its own process group: stop() reaches every child
+            )
+        return cls(proc, log_path=log_path, host=host, port=port)
+
+    # ---- facts ------------------------------------------------------------------------
+    @property
+    def pid(self) -> int:
+        """The server's pid, also its process group id (the wrapper execs the command)."""
+        return self._proc.pid
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def exit_code(self) -> int | None:
+        return self._proc.poll()
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last `lines` lines of the server's log ('' if there is none yet)."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(0, os.SEEK_END)
+                size = log.tell()
+                log.seek(max(0, size - max(65536, 400 * lines)))
+                data = log.read()
+        except FileNotFoundError:
+            return ""
+        text = data.decode(errors="replace").splitlines()
+        return "\n".join(text[-lines:]) if lines > 0 else ""
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def wait_ready(self, timeout_s: float, poll_s: float = 0.2) -> None:
+        """Poll `GET /health_generate` until it answers 200.
+
+        Raises ServerStartError if the server exits first (with its exit code and the log
+        line that says why), or is not healthy after `timeout_s` (then it is killed).
+        """
+        deadline = time.monotonic() + timeout_s
+        url = self.base_url + "/health_generate"
+        while True:
+            if self._leader_exited():
+                self._kill_group(signal.SIGKILL)  # whatever it spawned goes with it
+                code = self._proc.wait()
+                tail = self.log_tail()
+                raise ServerStartError(failure_reason(tail, code), exit_code=code,
+                                       log_tail=tail, log_path=self.log_path)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                code = self.stop(grace_s=0)
+                raise ServerStartError(f"not healthy after {timeout_s:g} s", exit_code=code,
+                                       log_tail=self.log_tail(), log_path=self.log_path)
+            # /health_generate runs a real generation on SGLang: give it time to answer.
+            if health_status(url, timeout_s=min(remaining, 10.0)) == 200:
+                return
+            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+    def stop(self, grace_s: float = 10) -> int | None:
+        """SIGTERM the process group, SIGKILL it after `grace_s`; returns the exit code.
+
+        Idempotent. Processes the server spawned are killed too, even if it exited cleanly.
+        """
+        if self._proc.returncode is None:
+            if not self._leader_exited():
+                self._kill_group(signal.SIGTERM)
+                self._leader_exited(wait_s=grace_s)
+            # The leader is a zombie until reaped, so its pid (the group id) cannot have been
+            # reused: killing the group now reaches only the server's own stragglers.
+            self._kill_group(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=10)
+        return self._proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _kill_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+
+    def _leader_exited(self, wait_s: float = 0.0) -> bool:
+        """Whether the server process has exited, waiting up to `wait_s`, without reaping it."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self._proc.returncode is not None:
+                return True
+            if not hasattr(os, "waitid"):  # macOS: reaping is the only way to ask
+                if self._proc.poll() is not None:
+                    return True
+            else:
+                try:
+                    info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                except ChildProcessError:
+                    return True
+                if info is not None:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
+def failure_reason(log_tail: str, exit_code: int | None) -> str:
+    """One line saying why a server exited: the last log line that names an error."""
+    lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
+    for pattern in REASON_PATTERNS:
+        for line in reversed(lines):
+            if pattern.search(line):
+                return _clip(line)
+    if exit_code is not None and exit_code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-exit_code).name}"
+    if lines:
+        return _clip(lines[-1])
+    return f"exited with code {exit_code} before it was healthy"
+
+
+def _clip(line: str) -> str:
+    return line if len(line) <= MAX_REASON_CHARS else line[: MAX_REASON_CHARS - 3] + "..."
+
+
+def start_server(command: Callable[[int], list[str]], *, log_path: Path,
+                 env: dict[str, str] | None = None, host: str = "127.0.0.1",
+                 timeout_s: float, port: int | None = None, retries: int = 3,
+                 poll_s: float = 0.2) -> ServerProcess:
+    """Start `command(port)` and wait until it is healthy.
+
+    If the port turns out to be taken (the server exits with "address already in use"),
+    retries up to `retries` times on another free port. Raises ServerStartError otherwise.
+    """
+    port = free_port(host) if port is None else port
+    for attempt in range(retries + 1):
+        server = ServerProcess.start(command(port), log_path=log_path, env=env, host=host,
+                                     port=port)
+        try:
+            server.wait_ready(timeout_s, poll_s=poll_s)
+            return server
+        except ServerStartError as exc:
+            if not exc.port_in_use or attempt == retries:
+                raise
+        port = free_port(host)
+    raise AssertionError("unreachable")
