@@ -27,7 +27,7 @@ out = Console()
 err = Console(stderr=True)
 
 # Options that take several values after one flag, as in `--batch 1 32`.
-MULTI_VALUE_OPTIONS = {"--batch", "--tree", "--dataset"}
+MULTI_VALUE_OPTIONS = {"--batch", "--tree", "--dataset", "--datasets", "--compare"}
 
 ProfileOpt = Annotated[
     str, typer.Option("--profile", "-p", help="A shipped profile's name or a profile YAML path.")
@@ -171,6 +171,141 @@ def calibrate(
     )
     fitted.save(output)
     out.print(f"wrote {output}")
+
+
+@app.command()
+def search(
+    study: Annotated[Path | None, typer.Option(help="Study spec YAML (see studies/).")] = None,
+    model: Annotated[str | None, typer.Option(help="Target model path or name.")] = None,
+    draft: Annotated[str | None, typer.Option(help="Draft head path or name.")] = None,
+    name: Annotated[str | None, typer.Option(help="Study name (default: file or model).")]
+    = None,
+    algorithm: Annotated[str | None, typer.Option(help="EAGLE3 (default), EAGLE, NEXTN.")]
+    = None,
+    sglang_version: Annotated[str | None, typer.Option(help="SGLang version the launch "
+                                                       "flags target (default 0.5.23).")] = None,
+    tp: Annotated[int | None, typer.Option(help="Tensor-parallel size (GPUs per server).")]
+    = None,
+    batch: Annotated[list[int] | None, typer.Option(help="Batch sizes, e.g. --batch 1 32.")]
+    = None,
+    datasets: Annotated[list[str] | None, typer.Option(
+        help="Datasets (built-in names), e.g. --datasets mt-bench humaneval.")] = None,
+    space: Annotated[str | None, typer.Option(help="Search space name or YAML path.")] = None,
+    budget_launches: Annotated[int | None, typer.Option(
+        help="Server launches, baseline included.")] = None,
+    budget_time: Annotated[float | None, typer.Option(help="Wall-time budget, seconds.")]
+    = None,
+    tolerance: Annotated[float | None, typer.Option(
+        help="Allowed slowdown per dataset (0: never slower than no speculation).")] = None,
+    backend: Annotated[str | None, typer.Option(help="sglang or emulator.")] = None,
+    profile: Annotated[str | None, typer.Option(
+        help="Emulator profile (implies --backend emulator).")] = None,
+    time_scale: Annotated[float | None, typer.Option(help="Emulator speed-up.")] = None,
+    ray_address: Annotated[str | None, typer.Option(help="Ray cluster (default: local).")]
+    = None,
+    workers: Annotated[int | None, typer.Option(help="GPU groups to use in parallel.")] = None,
+    storage: Annotated[str | None, typer.Option(help="Optuna storage URL (default: SQLite "
+                                                "in the output folder).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
+    compare: Annotated[list[str] | None, typer.Option(
+        help="Trees always measured, e.g. --compare 3,4,8 5,1,6.")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o",
+                                               help="Output folder (default runs/<name>).")]
+    = None,
+) -> None:
+    """Search for the best tree per batch size and workload, and write launch commands.
+
+    Launches servers (SGLang, or the emulator with --profile) on Ray workers, measures every
+    (dataset, batch) cell against a no-speculation baseline, and optimizes mean speedup per
+    batch size with no dataset slower than the baseline. Rerunning resumes the study.
+    """
+    from treetune.study.recommend import pools_advice, recommend, write_outputs
+    from treetune.study.runner import run_study
+    from treetune.study.spec import load_study
+
+    backend_over: dict[str, object] = {"kind": backend, "profile": profile,
+                                       "time_scale": time_scale}
+    if profile and not backend:
+        backend_over["kind"] = "emulator"
+    spec = load_study(study, {
+        "name": name, "model": model, "draft": draft, "algorithm": algorithm,
+        "sglang_version": sglang_version, "tp": tp, "batch": batch, "datasets": datasets,
+        "space": space, "budget": {"launches": budget_launches, "wall_time_s": budget_time},
+        "tolerance": tolerance, "backend": backend_over, "ray_address": ray_address,
+        "workers": workers, "storage": storage, "seed": seed, "compare": compare,
+        "output": output,
+    })
+    out.print(f"study [bold]{spec.name}[/bold]: {spec.model} + {spec.draft}, batch "
+              f"{', '.join(map(str, spec.batch))}, datasets {', '.join(spec.dataset_names)}, "
+              f"backend {spec.backend.kind}"
+              + (f" ({spec.backend.profile})" if spec.backend.profile else "")
+              + f", storage {spec.storage_url}")
+    outcome = _run_with_progress(spec, run_study)
+    if outcome.baseline is None:
+        raise TreetuneError("no baseline was measured, so there is nothing to recommend yet"
+                            + ("; rerun the same command to resume" if outcome.interrupted
+                               else ""))
+    recs = recommend(spec, outcome.results, outcome.baseline)
+    write_outputs(spec, recs, spec.output_dir)
+    _print_outcome(spec, outcome, recs, pools_advice(recs))
+    if outcome.interrupted:
+        err.print("interrupted: servers stopped, results so far are stored; rerun the same "
+                  "command to resume")
+        sys.exit(130)
+
+
+def _run_with_progress(spec, run_study):  # type: ignore[no-untyped-def]
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("launches"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn(), TextColumn("{task.description}"))
+    with Progress(*columns, console=err, transient=False) as bar:
+        task = bar.add_task("", total=spec.budget.launches)
+
+        def show(p):  # type: ignore[no-untyped-def]
+            best = "  ".join(f"b{b}: {c} {m:.3f}" for b, (c, m) in sorted(p.best.items()))
+            running = f" running {', '.join(p.running)}" if p.running else ""
+            bar.update(task, completed=p.launches_done,
+                       description=f"best {best or '-'} |{running} | {p.message}"[:160])
+
+        return run_study(spec, show)
+
+
+def _print_outcome(spec, outcome, recs, advice) -> None:  # type: ignore[no-untyped-def]
+    from treetune.study.recommend import summary_rows
+    from treetune.study.storage import speedups
+
+    failed = [r for r in outcome.results if not r.ok]
+    table = Table(title=f"measured speedups over no speculation ({len(outcome.results)} "
+                  f"launches, {len(failed)} failed)")
+    table.add_column("tree")
+    for b in sorted(spec.batch):
+        for d in spec.dataset_names:
+            table.add_column(f"b{b} {d}", justify="right")
+    shown = {r.config: r for r in outcome.results if r.ok and r.config.label() != "baseline"}
+    chosen = {r.config for r in recs}
+    for config, result in sorted(shown.items(), key=lambda kv: kv[0].label()):
+        if config not in chosen and config not in spec.compare:
+            continue
+        cells = []
+        for b in sorted(spec.batch):
+            per = speedups(result, outcome.baseline, b, spec.dataset_names)
+            cells += [f"[red]{s:.3f}[/red]" if s < 1 else f"{s:.3f}" for s in per.values()]
+        tag = " (compare)" if config in spec.compare else ""
+        table.add_row(config.label() + tag, *cells)
+    out.print(table)
+    rec_table = Table(title="recommendations")
+    for col in ("workload", "batch", "tree S,K,N", "measured speedups"):
+        rec_table.add_column(col)
+    for row in summary_rows(recs):
+        rec_table.add_row(*row)
+    out.print(rec_table)
+    if advice:
+        out.print(f"[bold]two pools:[/bold] {advice}")
+    for r in failed:
+        out.print(f"[yellow]failed[/yellow] {r.config}: {r.reason}")
+    out.print(f"wrote {spec.output_dir}/recommendations.yaml, recommendations.json and "
+              f"launch/*.sh")
 
 
 @app.command()

@@ -127,8 +127,10 @@ class Engine:
         """A client went away: drop its request wherever it is."""
         if req in self.waiting:
             self.waiting.remove(req)
+            self.metrics.queue(len(self.waiting))
         if req in self.running:
             self.running.remove(req)
+            self.metrics.running(len(self.running))
 
     @property
     def idle(self) -> bool:
@@ -182,7 +184,7 @@ class Engine:
         for dataset, group in _by_dataset(batch).items():
             prompt = float(np.mean([r.prompt_tokens for r in group]))
             data = self.profile.dataset(dataset)
-            seconds += self.model.cost.target_pass(len(group), prompt, data)
+            seconds += self.model.cost.target_pass(len(group), prompt, data, prefill=True)
             if self.trees:
                 seconds += self.model.cost.draft_pass(len(group) * prompt, len(group), prompt)
         self.clock += self._speed(seconds)

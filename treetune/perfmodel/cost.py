@@ -68,8 +68,13 @@ class CostModel:
         ring = 2.0 * (self.tp - 1) / self.tp * message / self.link
         return 2 * layers * (hw.allreduce_latency_us * 1e-6 + ring)  # attention + MLP
 
-    def target_pass(self, requests: float, tokens_per_request: float, data: Dataset) -> float:
-        """One target forward over `tokens_per_request` tokens from each of `requests`."""
+    def target_pass(self, requests: float, tokens_per_request: float, data: Dataset,
+                    *, prefill: bool = False) -> float:
+        """One target forward over `tokens_per_request` tokens from each of `requests`.
+
+        A prefill keeps only each request's final recurrent state; decode and verify keep
+        one per token so that rejected drafts can be rolled back.
+        """
         t, c = self.profile.target, self.profile.calibration
         tokens = requests * tokens_per_request
         context = data.context_tokens
@@ -84,7 +89,7 @@ class CostModel:
         weight_s = params * t.weight_bytes / (self.bandwidth * c.weight_bandwidth_eff)
         # Linear-attention layers read each request's recurrent state once and, to roll back
         # rejected drafts, write one state per processed token (a tree node forks the state).
-        state = t.state_bytes_per_request * (1 + tokens_per_request)
+        state = t.state_bytes_per_request * (2 if prefill else 1 + tokens_per_request)
         kv_bytes = requests * (context * t.kv_bytes_per_token + state)
         kv_s = kv_bytes / (self.bandwidth * c.kv_bandwidth_eff)
         flops = 2.0 * t.active_params_b * 1e9 * tokens

@@ -1,0 +1,206 @@
+"""`treetune search` end to end on the emulator: Ray workers, Optuna storage, resume,
+Ctrl-C, recommendations, and the SGLang backend running through the same code."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from treetune.results import config_key
+from treetune.study.recommend import recommend, write_outputs
+from treetune.study.runner import run_study
+from treetune.study.spec import load_study
+from treetune.study.storage import StudyStore
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def ray_tmpdir(monkeypatch):
+    # Ray's socket paths break past ~100 characters: a short directory per test.
+    path = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    monkeypatch.setenv("TREETUNE_RAY_TMPDIR", path)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    return path
+
+
+def small_study(tmp_path: Path, **over) -> dict:
+    base = {
+        "name": "small", "model": f"{tmp_path}/model-under-test", "draft": "org/draft",
+        "tp": 4, "datasets": ["humaneval", "mt-bench"], "batch": [1, 8],
+        "space": "bench-speculative", "budget": {"launches": 5}, "workers": 2, "seed": 3,
+        "backend": {"kind": "emulator", "profile": "qwen3-coder-next-h200",
+                    "time_scale": 20.0, "load_time_s": 10.0, "noise": False},
+        "measurement": {"duration_s": 6.0, "repeats": 2, "startup_timeout_s": 30.0},
+        "compare": ["3,4,8"], "output": str(tmp_path / "out"),
+    }
+    return {**base, **over}
+
+
+def server_processes(marker: str) -> list[int]:
+    """Pids of live processes whose command line holds `marker`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmdline and "treetune.emulator" in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("study")
+    os.environ["TREETUNE_RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    spec = load_study(None, small_study(tmp))
+    outcome = run_study(spec)
+    return spec, outcome
+
+
+def test_a_study_measures_every_cell_of_every_launch_against_one_baseline(finished):
+    spec, outcome = finished
+    assert len(outcome.results) == 5 and all(r.ok for r in outcome.results)
+    keys = [config_key(r.config) for r in outcome.results]
+    assert keys.count("baseline") == 1 and "3,4,8" in keys
+    assert len(set(keys)) == len(keys), "no SGLang-equivalent config is launched twice"
+    for result in outcome.results:
+        assert {(c.dataset, c.batch) for c in result.cells} == {
+            (d, b) for d in spec.dataset_names for b in spec.batch}
+        for cell in result.cells:
+            assert cell.output_tok_s > 0 and cell.errors == 0
+            assert (cell.accept_length is None) == (config_key(result.config) == "baseline")
+    assert {r.worker.split("@")[0] for r in outcome.results} == {"worker-0", "worker-1"}
+
+
+def test_the_storage_holds_launches_and_a_constrained_study_per_batch(finished):
+    spec, _ = finished
+    names = {s.study_name for s in optuna.get_all_study_summaries(spec.storage_url)}
+    assert names == {"small:launches", "small:batch-1", "small:batch-8"}
+    study = optuna.load_study(study_name="small:batch-8", storage=spec.storage_url)
+    trials = study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(trials) == 4  # every tree launched, told to every batch size
+    for trial in trials:
+        assert set(trial.constraints) == {"regression:humaneval", "regression:mt-bench"}
+        assert trial.value > 0
+
+
+def test_recommendations_and_launch_scripts_are_written(finished):
+    spec, outcome = finished
+    write_outputs(spec, recommend(spec, outcome.results, outcome.baseline), spec.output_dir)
+    records = json.loads((spec.output_dir / "recommendations.json").read_text())
+    assert {(r["workload"], r["batch"]) for r in records} == {
+        (w, b) for w in ("mixed", "humaneval", "mt-bench") for b in (1, 8)}
+    for record in records:
+        argv = shlex.split((spec.output_dir / record["launch_script"]).read_text()
+                           .splitlines()[-1].removeprefix("exec "))
+        assert argv[argv.index("--max-running-requests") + 1] == str(record["batch"])
+        if record["steps"] is not None:
+            assert argv[argv.index("--speculative-num-steps") + 1] == str(record["steps"])
+            assert argv[argv.index("--speculative-eagle-topk") + 1] == str(record["topk"])
+
+
+def test_rerunning_resumes_without_relaunching_completed_configs(finished, tmp_path):
+    spec, outcome = finished
+    more = spec.replace(budget=spec.budget.__class__(launches=7))
+    again = run_study(more)
+    keys = [config_key(r.config) for r in again.results]
+    assert len(keys) == 7 and len(set(keys)) == 7
+    launches = optuna.load_study(study_name="small:launches", storage=spec.storage_url)
+    assert len(launches.get_trials(states=(TrialState.COMPLETE,))) == 7
+    before = {config_key(r.config): r.started_at for r in outcome.results}
+    for r in again.results:
+        if config_key(r.config) in before:
+            assert r.started_at == before[config_key(r.config)], "a done launch was redone"
+
+
+def test_a_changed_spec_is_refused_before_any_launch(finished):
+    spec, _ = finished
+    changed = spec.replace(batch=(1, 16))
+    with pytest.raises(Exception, match="different spec"):
+        StudyStore(changed)
+
+
+def test_ctrl_c_stops_every_server_and_leaves_no_running_trial(tmp_path):
+    study = small_study(tmp_path, budget={"launches": 6}, workers=2)
+    study["measurement"] = {"duration_s": 40.0, "repeats": 2, "startup_timeout_s": 30.0}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study))
+    marker = str(tmp_path)
+    cmd = [sys.executable, "-m", "treetune", "search", "--study", str(path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not server_processes(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server_processes(marker), "no server started"
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err.decode()[-2000:]
+    assert "rerun the same command to resume" in err.decode()
+    deadline = time.monotonic() + 15
+    while server_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not server_processes(marker), "a server outlived the search"
+    spec = load_study(path)
+    for name in ("small:launches", "small:batch-1", "small:batch-8"):
+        study_ = optuna.load_study(study_name=name, storage=spec.storage_url)
+        assert not study_.get_trials(states=(TrialState.RUNNING,)), name
+    done_before = {config_key(r.config) for r in StudyStore(spec).results()}
+    resumed = run_study(spec.replace(measurement=spec.measurement.__class__(
+        duration_s=6.0, repeats=2, startup_timeout_s=30.0)))
+    keys = [config_key(r.config) for r in resumed.results]
+    assert len(keys) == len(set(keys)) == 6
+    assert done_before <= set(keys)
+
+
+def test_the_sglang_backend_runs_the_same_code_pointed_at_the_emulator(tmp_path):
+    """`python -m sglang.launch_server` resolves to a stand-in package that execs the
+    emulator: command building, process lifecycle, load and storage are the real ones."""
+    import ray
+
+    fake = tmp_path / "fake"
+    (fake / "sglang").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text("")
+    (fake / "sglang" / "launch_server.py").write_text(
+        "import os, sys\n"
+        "from treetune.emulator.__main__ import main\n"
+        "sys.exit(main(['--profile', os.environ['FAKE_SGLANG_PROFILE'], '--time-scale', '20',"
+        " '--load-time', '10', '--no-noise', *sys.argv[1:]]))\n")
+    study = small_study(tmp_path, name="viasglang", budget={"launches": 2}, workers=1,
+                        backend={"kind": "sglang", "python": sys.executable},
+                        env={"PYTHONPATH": f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                             "FAKE_SGLANG_PROFILE": "qwen3-coder-next-h200"},
+                        compare=[])
+    spec = load_study(None, study)
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False,
+             _temp_dir=os.environ["TREETUNE_RAY_TMPDIR"])
+    try:
+        outcome = run_study(spec)
+    finally:
+        ray.shutdown()
+    assert len(outcome.results) == 2 and all(r.ok for r in outcome.results), [
+        (r.reason, r.log_tail) for r in outcome.results]
+    logs = list((spec.output_dir / "logs").glob("*.log"))
+    assert any("emulating" in p.read_text() for p in logs)
+    tree = next(r for r in outcome.results if config_key(r.config) != "baseline")
+    assert tree.server_info["speculative_num_steps"] == tree.config.steps

@@ -1,0 +1,93 @@
+"""Study specs: YAML plus command-line overrides, validated once."""
+
+from pathlib import Path
+
+import pytest
+
+from treetune.config import TreeConfig
+from treetune.errors import ConfigFileError, TreetuneError
+from treetune.study.spec import load_study
+
+STUDIES = Path(__file__).resolve().parents[1] / "studies"
+
+
+def test_shipped_demo_study_is_the_published_setup_on_the_emulator():
+    spec = load_study(STUDIES / "demo.yaml")
+    assert spec.backend.kind == "emulator" and spec.backend.profile == "qwen3-coder-next-h200"
+    assert spec.dataset_names == ["mt-bench", "humaneval", "swebench-verified", "terminal-bench"]
+    assert spec.batch == (1, 32) and spec.tp == 4
+    assert set(spec.compare) == {TreeConfig(3, 4, 8), TreeConfig(5, 1, 6)}
+    real = load_study(STUDIES / "qwen3-coder-next.yaml")
+    assert real.backend.kind == "sglang"
+    assert real.fingerprint() != spec.fingerprint()
+
+
+def test_command_line_values_win_over_the_file():
+    spec = load_study(STUDIES / "demo.yaml", {
+        "batch": [1, 8, 64], "budget": {"launches": 5}, "backend": {"time_scale": 50.0},
+        "tolerance": 0.02, "compare": ["2,2,4"]})
+    assert spec.batch == (1, 8, 64)
+    assert spec.budget.launches == 5
+    assert spec.backend.time_scale == 50 and spec.backend.profile == "qwen3-coder-next-h200"
+    assert spec.tolerance == 0.02 and spec.compare == (TreeConfig(2, 2, 4),)
+
+
+def test_a_study_can_come_from_the_command_line_alone():
+    spec = load_study(None, {"model": "org/Model-7B", "draft": "org/draft", "batch": [1],
+                             "datasets": ["humaneval"]})
+    assert spec.name == "Model-7B"
+    assert str(spec.output_dir) == "runs/Model-7B"
+    assert spec.storage_url.startswith("sqlite:///") and spec.storage_url.endswith("study.db")
+
+
+def test_every_launch_forms_the_largest_batch():
+    spec = load_study(STUDIES / "demo.yaml", {"batch": [1, 64]})
+    launch = spec.launch_spec(port=1234)
+    assert launch.max_running_requests == 64 and launch.cuda_graph_max_bs == 64
+    assert launch.attention_backend == "triton" and launch.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [0]\n", "batch sizes must be >= 1"),
+        ("model: m\ndraft: d\ndatasets: []\nbatch: [1]\n", "at least one dataset"),
+        ("model: m\ndatasets: [humaneval]\nbatch: [1]\n", "needs a draft model"),
+        ("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\nbackend: {kind: emulator}\n",
+         "needs backend.profile"),
+        ("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\nbackend: {kind: vllm}\n",
+         "sglang, emulator"),
+        ("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\ntolerance: 1.5\n", "tolerance"),
+        ("draft: d\ndatasets: [humaneval]\nbatch: [1]\n", "no model"),
+        ("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\nbudget: {launches: 1}\n",
+         "launches must be >= 2"),
+    ],
+)
+def test_bad_specs_are_refused_naming_the_file(tmp_path, text, fragment):
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    with pytest.raises(TreetuneError) as info:
+        load_study(path)
+    assert fragment in str(info.value) and str(path) in str(info.value)
+
+
+def test_misspelt_keys_are_named_with_a_suggestion(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("model: m\ndraft: d\ndatasets: [humaneval]\nbatches: [1]\n")
+    with pytest.raises(ConfigFileError, match="did you mean 'batch'"):
+        load_study(path)
+
+
+def test_an_unknown_dataset_name_is_named_with_a_suggestion(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("model: m\ndraft: d\ndatasets: [humaneval, mtbench]\nbatch: [1]\n")
+    with pytest.raises(ConfigFileError, match=r"datasets\[1\].*'mtbench'.*mt-bench"):
+        load_study(path)
+
+
+def test_compare_entries_must_be_valid_trees(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\n"
+                    "compare: [[2, 2, 30]]\n")
+    with pytest.raises(ConfigFileError, match=r"compare\[0\].*too large"):
+        load_study(path)

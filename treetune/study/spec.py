@@ -1,0 +1,275 @@
+"""Study specs: what to tune, on what, with which budget. YAML in studies/, every field
+also settable on the command line (the command line wins). Validated here, once."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from treetune.config import TreeConfig
+from treetune.datasets import DatasetSpec
+from treetune.errors import ConfigFileError, InvalidTreeError, TreetuneError
+from treetune.launch import ALGORITHMS, DEFAULT_SGLANG_VERSION, LaunchSpec, parse_version
+from treetune.yamlio import build, load_yaml
+
+BACKENDS = ("sglang", "emulator")
+
+
+@dataclass(frozen=True)
+class Budget:
+    launches: int | None = 30  # server launches, the baseline included
+    wall_time_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.launches is not None and self.launches < 2:
+            raise ValueError("budget.launches must be >= 2 (the baseline plus one tree)")
+        if self.wall_time_s is not None and self.wall_time_s <= 0:
+            raise ValueError("budget.wall_time_s must be > 0")
+        if self.launches is None and self.wall_time_s is None:
+            raise ValueError("give budget.launches and/or budget.wall_time_s")
+
+
+@dataclass(frozen=True)
+class Backend:
+    kind: str = "sglang"
+    profile: str | None = None  # emulator only: shipped profile name or file
+    time_scale: float = 1.0  # emulator only: run this many times faster than the GPU
+    load_time_s: float = 2.0  # emulator only: emulated model-loading time
+    noise: bool = True  # emulator only: the profile's measurement noise
+    python: str = "python"  # sglang only: interpreter that has sglang installed
+
+    def __post_init__(self) -> None:
+        if self.kind not in BACKENDS:
+            raise ValueError(f"backend.kind must be one of {', '.join(BACKENDS)}, got "
+                             f"'{self.kind}'")
+        if self.kind == "emulator" and not self.profile:
+            raise ValueError("the emulator backend needs backend.profile (e.g. "
+                             "qwen3-coder-next-h200)")
+        if self.time_scale <= 0:
+            raise ValueError("backend.time_scale must be > 0")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    duration_s: float = 60.0  # measurement window per cell, server seconds
+    warmup_s: float | None = None  # None: until every request has its first token
+    repeats: int = 3  # sub-windows per cell, for the spread of a measurement
+    startup_timeout_s: float = 900.0  # wall seconds a launch may take to become healthy
+
+    def __post_init__(self) -> None:
+        if self.duration_s <= 0 or self.repeats < 1 or self.startup_timeout_s <= 0:
+            raise ValueError("measurement needs duration_s > 0, repeats >= 1, "
+                             "startup_timeout_s > 0")
+
+
+@dataclass(frozen=True)
+class StudySpec:
+    name: str
+    model: str
+    datasets: tuple[DatasetSpec, ...]
+    batch: tuple[int, ...]
+    draft: str | None = None
+    algorithm: str = "EAGLE3"
+    sglang_version: str = DEFAULT_SGLANG_VERSION
+    tp: int = 1
+    server_flags: dict[str, str | None] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    space: str = "default"
+    budget: Budget = field(default_factory=Budget)
+    tolerance: float = 0.0
+    backend: Backend = field(default_factory=Backend)
+    ray_address: str | None = None
+    workers: int | None = None  # GPU groups to use; None: all the cluster offers (local: 1)
+    storage: str | None = None  # Optuna storage URL; None: SQLite in the output folder
+    seed: int = 0
+    compare: tuple[TreeConfig, ...] = ()
+    output: str | None = None  # None: runs/<name>
+    host: str = "127.0.0.1"
+    api_key_env: str | None = None  # environment variable holding SGLang's --api-key
+    measurement: Measurement = field(default_factory=Measurement)
+    base_dir: str = "."  # folder relative dataset paths resolve against
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
+            raise ValueError(f"name '{self.name}' may only hold letters, digits, '.', '_', '-'")
+        if not self.datasets:
+            raise ValueError("datasets: give at least one dataset")
+        if not self.batch or any(b < 1 for b in self.batch):
+            raise ValueError(f"batch sizes must be >= 1, got {list(self.batch)}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if not 0 <= self.tolerance < 1:
+            raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}")
+        if self.draft is None and self.algorithm != "NEXTN":
+            raise ValueError(f"{self.algorithm} needs a draft model: set draft")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError("workers must be >= 1")
+        parse_version(self.sglang_version)
+        names = [d.name for d in self.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"datasets are listed twice: {names}")
+        for flag in self.server_flags:
+            if not flag.startswith("--"):
+                raise ValueError(f"server_flags: '{flag}' must start with '--'")
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.output or Path("runs") / self.name)
+
+    @property
+    def storage_url(self) -> str:
+        return self.storage or f"sqlite:///{(self.output_dir / 'study.db').resolve()}"
+
+    @property
+    def max_batch(self) -> int:
+        return max(self.batch)
+
+    @property
+    def dataset_names(self) -> list[str]:
+        return [d.name for d in self.datasets]
+
+    def launch_spec(self, port: int = 30000, host: str | None = None) -> LaunchSpec:
+        """Server flags shared by every launch: the batch must really form at every batch
+        size, and CUDA graphs must cover it."""
+        flags = {k: v for k, v in self.server_flags.items()}
+        attention = flags.pop("--attention-backend", None)
+        mem_fraction = flags.pop("--mem-fraction-static", None)
+        return LaunchSpec(
+            model_path=self.model,
+            draft_model_path=self.draft,
+            algorithm=self.algorithm,
+            sglang_version=self.sglang_version,
+            tp=self.tp,
+            host=host or self.host,
+            port=port,
+            max_running_requests=self.max_batch,
+            cuda_graph_max_bs=self.max_batch,
+            attention_backend=attention,
+            mem_fraction_static=float(mem_fraction) if mem_fraction else None,
+            extra_flags=tuple(flags.items()),
+        )
+
+    def fingerprint(self) -> str:
+        """What a stored study must match to be resumed: everything that changes results."""
+        relevant = {
+            "model": self.model, "draft": self.draft, "algorithm": self.algorithm,
+            "sglang_version": self.sglang_version, "tp": self.tp,
+            "server_flags": self.server_flags, "env": self.env,
+            "datasets": [dataclasses.asdict(d) for d in self.datasets],
+            "batch": sorted(self.batch), "tolerance": self.tolerance,
+            "backend": dataclasses.asdict(self.backend), "measurement": dataclasses.asdict(
+                self.measurement),
+        }
+        return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+    def replace(self, **changes: Any) -> StudySpec:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class _SpecFile:
+    name: str | None = None
+    model: str | None = None
+    draft: str | None = None
+    algorithm: str = "EAGLE3"
+    sglang_version: str = DEFAULT_SGLANG_VERSION
+    tp: int = 1
+    server_flags: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, Any] = field(default_factory=dict)
+    datasets: list[Any] = field(default_factory=list)
+    batch: list[int] = field(default_factory=list)
+    space: str = "default"
+    budget: Budget = field(default_factory=Budget)
+    tolerance: float = 0.0
+    backend: Backend = field(default_factory=Backend)
+    ray_address: str | None = None
+    workers: int | None = None
+    storage: str | None = None
+    seed: int = 0
+    compare: list[Any] = field(default_factory=list)
+    output: str | None = None
+    host: str = "127.0.0.1"
+    api_key_env: str | None = None
+    measurement: Measurement = field(default_factory=Measurement)
+    description: str = ""
+
+
+def load_study(path: str | Path | None, overrides: dict[str, Any] | None = None) -> StudySpec:
+    """A study from a YAML file (or none), with command-line overrides applied on top."""
+    data: dict[str, Any] = {}
+    where: Path | str = "command line"
+    base = Path(".")
+    if path is not None:
+        where = Path(path)
+        loaded = load_yaml(where)
+        if not isinstance(loaded, dict):
+            raise ConfigFileError(where, "a study file must be a mapping of fields")
+        data = loaded
+        base = where.parent
+    raw = build(_SpecFile, data, where)
+    merged = dataclasses.asdict(raw)
+    sections = {"budget": Budget, "backend": Backend, "measurement": Measurement}
+    for key, value in (overrides or {}).items():
+        if key in sections and isinstance(value, dict):
+            # Options left unset on the command line keep the file's values.
+            merged[key] = {**merged[key], **{k: v for k, v in value.items() if v is not None}}
+        elif value is not None:
+            merged[key] = value
+    try:
+        for nested, cls in sections.items():
+            merged[nested] = cls(**merged[nested])
+    except ValueError as exc:
+        raise TreetuneError(f"{where}: {exc}") from None
+    merged.pop("description", None)
+    if not merged.get("model"):
+        raise TreetuneError(f"{where}: no model: give --model or set 'model' in the study file")
+    merged["name"] = merged.get("name") or _default_name(merged["model"], path)
+    merged["datasets"] = tuple(_dataset(d, where, i) for i, d in enumerate(merged["datasets"]))
+    merged["batch"] = tuple(merged["batch"])
+    merged["compare"] = tuple(_tree(t, where, i) for i, t in enumerate(merged["compare"]))
+    merged["server_flags"] = {str(k): None if v is None else str(v)
+                              for k, v in merged["server_flags"].items()}
+    merged["env"] = {str(k): str(v) for k, v in merged["env"].items()}
+    merged["base_dir"] = str(base)
+    try:
+        return StudySpec(**merged)
+    except ValueError as exc:
+        raise TreetuneError(f"{where}: {exc}") from None
+
+
+def _default_name(model: str, path: str | Path | None) -> str:
+    if path is not None:
+        return Path(path).stem
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", model.rsplit("/", 1)[-1]).strip("-") or "study"
+
+
+def _dataset(value: Any, where: Path | str, index: int) -> DatasetSpec:
+    if isinstance(value, DatasetSpec):
+        return value
+    if isinstance(value, str):
+        try:
+            return DatasetSpec(name=value)
+        except ValueError as exc:
+            raise ConfigFileError(where, str(exc), f"datasets[{index}]") from None
+    return build(DatasetSpec, value, where, f"datasets[{index}]")
+
+
+def _tree(value: Any, where: Path | str, index: int) -> TreeConfig:
+    if isinstance(value, TreeConfig):
+        return value
+    try:
+        if isinstance(value, str):
+            return TreeConfig.parse(value)
+        if isinstance(value, list) and len(value) == 3:
+            return TreeConfig.of(*value)
+    except (InvalidTreeError, TypeError) as exc:
+        raise ConfigFileError(where, str(exc), f"compare[{index}]") from None
+    raise ConfigFileError(where, "expected [steps, topk, draft_tokens] or 'S,K,N'",
+                          f"compare[{index}]")

@@ -1,0 +1,159 @@
+"""Study storage: every launch and every per-batch Optuna study in one Optuna storage.
+
+- `<name>:launches` holds one trial per server launch, its full `LaunchResult` as a user
+  attribute (COMPLETE when measured, FAIL when the server could not start or crashed);
+- `<name>:batch-<B>` is the Optuna study the search optimizes for batch size B: one
+  trial per launched config, value = mean speedup over the datasets, one constraint per
+  dataset (feasible when every dataset is at or above 1 - tolerance).
+
+optuna-dashboard opens the storage as it is; rerunning a study resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import optuna
+from optuna.distributions import BaseDistribution
+from optuna.trial import TrialState
+
+from treetune.config import ServerConfig
+from treetune.errors import TreetuneError
+from treetune.results import LaunchResult, config_key
+from treetune.study.spec import StudySpec
+
+RESULT_ATTR = "launch_result"
+CONFIG_ATTR = "config"
+FINGERPRINT_ATTR = "spec_fingerprint"
+STALE_REASON = "stale: the search that ran this launch stopped before it finished"
+
+
+def speedups(result: LaunchResult, baseline: LaunchResult, batch: int,
+             datasets: Iterable[str]) -> dict[str, float]:
+    """Measured speedup per dataset at one batch size (0 where a cell is missing)."""
+    out = {}
+    for dataset in datasets:
+        cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
+        out[dataset] = (cell.output_tok_s / base.output_tok_s
+                        if cell and base and base.output_tok_s > 0 else 0.0)
+    return out
+
+
+def default_sampler(seed: int) -> optuna.samplers.BaseSampler:
+    """TPE over the three knobs jointly (they interact: draft_tokens only matters within
+    the pool steps and topk make). Every launch informs every batch size's study, so the
+    random start-up can be short; pending launches are lied about so workers spread out."""
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=6,
+                                      constant_liar=True)
+
+
+class StudyStore:
+    def __init__(self, spec: StudySpec,
+                 sampler_factory: Callable[[int], optuna.samplers.BaseSampler] | None = None
+                 ) -> None:
+        self.spec = spec
+        url = spec.storage_url
+        if url.startswith("sqlite:///"):
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        try:
+            self.storage = optuna.storages.RDBStorage(
+                url, engine_kwargs={"connect_args": {"timeout": 30}}
+                if url.startswith("sqlite") else None)
+        except Exception as exc:  # SQLAlchemy raises many kinds
+            raise TreetuneError(f"cannot open study storage {url}: {exc}") from None
+        self.launches = optuna.create_study(
+            study_name=f"{spec.name}:launches", storage=self.storage, load_if_exists=True)
+        stored = self.launches.user_attrs.get(FINGERPRINT_ATTR)
+        if stored is None:
+            self.launches.set_user_attr(FINGERPRINT_ATTR, spec.fingerprint())
+            self.launches.set_user_attr("datasets", spec.dataset_names)
+            self.launches.set_user_attr("batch", list(spec.batch))
+        elif stored != spec.fingerprint():
+            raise TreetuneError(
+                f"study '{spec.name}' in {url} was created with a different spec (model, "
+                "datasets, batch sizes, backend or measurement changed); refusing to mix "
+                "results. Start a new study with another --name or --output, or delete "
+                "the old storage."
+            )
+        self.batch_studies = {
+            b: optuna.create_study(
+                study_name=f"{spec.name}:batch-{b}", storage=self.storage,
+                direction="maximize", load_if_exists=True,
+                sampler=(sampler_factory or default_sampler)(spec.seed + b))
+            for b in spec.batch
+        }
+
+    # ---- launches ---------------------------------------------------------------------
+    def results(self) -> list[LaunchResult]:
+        """Every finished launch, measured or failed, oldest first."""
+        out = []
+        for trial in self.launches.get_trials(deepcopy=False,
+                                              states=(TrialState.COMPLETE, TrialState.FAIL)):
+            if RESULT_ATTR in trial.user_attrs:
+                out.append(LaunchResult.from_dict(json.loads(trial.user_attrs[RESULT_ATTR])))
+        return out
+
+    def mark_stale(self) -> int:
+        """Launches (and proposals) left RUNNING by a search that died: failed without a
+        result, so they are redone. Returns how many launches were stale."""
+        count = 0
+        for study in (self.launches, *self.batch_studies.values()):
+            for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                self.storage.set_trial_user_attr(trial._trial_id, "reason", STALE_REASON)
+                self.storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+                count += study is self.launches
+        return count
+
+    def begin_launch(self, config: ServerConfig,
+                     flags: tuple[tuple[str, str], ...]) -> optuna.trial.Trial:
+        trial = self.launches.ask()
+        trial.set_user_attr(CONFIG_ATTR, config_key(config))
+        trial.set_user_attr("flags", [list(f) for f in flags])
+        return trial
+
+    def finish_launch(self, trial: optuna.trial.Trial, result: LaunchResult) -> None:
+        trial.set_user_attr(RESULT_ATTR, json.dumps(result.to_dict()))
+        self.launches.tell(trial, 0.0 if result.ok else None,
+                           state=TrialState.COMPLETE if result.ok else TrialState.FAIL)
+
+    def abandon(self, trial: optuna.trial.Trial, study: optuna.Study, reason: str) -> None:
+        """A launch or proposal that will not finish in this run: failed, no result, so a
+        resumed search proposes it again."""
+        trial.set_user_attr("reason", reason)
+        study.tell(trial, state=TrialState.FAIL)
+
+    # ---- per-batch optimisation -------------------------------------------------------
+    def record(self, batch: int, trial: optuna.trial.Trial | None,
+               params: dict[str, int], distributions: dict[str, BaseDistribution],
+               result: LaunchResult, baseline: LaunchResult) -> None:
+        """Tell batch B's study what a launch measured, via the trial that proposed it or a
+        new trial with the same parameters."""
+        value, constraints = self.objective(batch, result, baseline)
+        attrs = {CONFIG_ATTR: config_key(result.config)}
+        study = self.batch_studies[batch]
+        if trial is None:
+            study.add_trial(optuna.trial.create_trial(
+                params=params, distributions=distributions, value=value,
+                constraints=constraints, user_attrs=attrs))
+            return
+        for key, slack in constraints.items():
+            trial.set_constraint(key, slack)
+        for key, val in attrs.items():
+            trial.set_user_attr(key, val)
+        study.tell(trial, value)
+
+    def objective(self, batch: int, result: LaunchResult,
+                  baseline: LaunchResult) -> tuple[float, dict[str, float]]:
+        """Mean speedup, and per dataset how far it falls short of 1 - tolerance (<= 0 is
+        feasible). A failed launch is infeasible everywhere."""
+        names = self.spec.dataset_names
+        if not result.ok:
+            return 0.0, {f"regression:{d}": 1.0 for d in names}
+        per = speedups(result, baseline, batch, names)
+        floor = 1.0 - self.spec.tolerance
+        return statistics.fmean(per.values()), {f"regression:{d}": floor - s
+                                                for d, s in per.items()}
