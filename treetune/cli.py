@@ -24,7 +24,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 out = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # messages stay one greppable line
 
 # Options that take several values after one flag, as in `--batch 1 32`.
 MULTI_VALUE_OPTIONS = {"--batch", "--tree", "--dataset", "--datasets", "--compare"}
@@ -241,17 +241,16 @@ def search(
               + (f" ({spec.backend.profile})" if spec.backend.profile else "")
               + f", storage {spec.storage_url}")
     outcome = _run_with_progress(spec, run_study)
-    if outcome.baseline is None:
-        raise TreetuneError("no baseline was measured, so there is nothing to recommend yet"
-                            + ("; rerun the same command to resume" if outcome.interrupted
-                               else ""))
-    recs = recommend(spec, outcome.results, outcome.baseline)
-    write_outputs(spec, recs, spec.output_dir)
-    _print_outcome(spec, outcome, recs, pools_advice(recs))
+    if outcome.baseline is not None:
+        recs = recommend(spec, outcome.results, outcome.baseline)
+        write_outputs(spec, recs, spec.output_dir)
+        _print_outcome(spec, outcome, recs, pools_advice(recs))
     if outcome.interrupted:
         err.print("interrupted: servers stopped, results so far are stored; rerun the same "
                   "command to resume")
         sys.exit(130)
+    if outcome.baseline is None:
+        raise TreetuneError("no baseline was measured, so there is nothing to recommend")
 
 
 def _run_with_progress(spec, run_study):  # type: ignore[no-untyped-def]
