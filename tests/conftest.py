@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from treetune.server import free_port
+
 STARTUP_TIMEOUT_S = 20.0
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now (bind port 0 and let the kernel pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Emulator:

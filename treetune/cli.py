@@ -6,8 +6,9 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -16,6 +17,12 @@ from rich.table import Table
 from treetune.config import ServerConfig, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.perfmodel import PerfModel, Prediction, load_profile, shipped_profiles
+
+if TYPE_CHECKING:
+    from treetune.study.recommend import Recommendation
+    from treetune.study.runner import Progress as StudyProgress
+    from treetune.study.runner import StudyOutcome
+    from treetune.study.spec import StudySpec
 
 app = typer.Typer(
     help="Find the best EAGLE3 speculative-decoding tree settings for SGLang servers.",
@@ -253,7 +260,7 @@ def search(
         raise TreetuneError("no baseline was measured, so there is nothing to recommend")
 
 
-def _run_with_progress(spec, run_study):  # type: ignore[no-untyped-def]
+def _run_with_progress(spec: StudySpec, run_study: Callable[..., StudyOutcome]) -> StudyOutcome:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("launches"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -261,7 +268,7 @@ def _run_with_progress(spec, run_study):  # type: ignore[no-untyped-def]
     with Progress(*columns, console=err, transient=False) as bar:
         task = bar.add_task("", total=spec.budget.launches)
 
-        def show(p):  # type: ignore[no-untyped-def]
+        def show(p: StudyProgress) -> None:
             best = "  ".join(f"b{b}: {c} {m:.3f}" for b, (c, m) in sorted(p.best.items()))
             running = f" running {', '.join(p.running)}" if p.running else ""
             bar.update(task, completed=p.launches_done,
@@ -270,7 +277,8 @@ def _run_with_progress(spec, run_study):  # type: ignore[no-untyped-def]
         return run_study(spec, show)
 
 
-def _print_outcome(spec, outcome, recs, advice) -> None:  # type: ignore[no-untyped-def]
+def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommendation],
+                   advice: str | None) -> None:
     from treetune.study.recommend import summary_rows
     from treetune.study.storage import speedups
 
