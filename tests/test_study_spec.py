@@ -91,3 +91,21 @@ def test_compare_entries_must_be_valid_trees(tmp_path):
                     "compare: [[2, 2, 30]]\n")
     with pytest.raises(ConfigFileError, match=r"compare\[0\].*too large"):
         load_study(path)
+
+
+def test_a_saved_spec_loads_back_as_the_same_study(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "p.jsonl").write_text('{"prompt": "hello"}\n')
+    study = tmp_path / "s.yaml"
+    study.write_text("model: m\ndraft: d\nbatch: [1, 8]\ncompare: [[3, 4, 8]]\n"
+                     "server_flags: {--trust-remote-code: null}\n"
+                     "datasets: [humaneval, {name: mine, path: data/p.jsonl}]\n")
+    spec = load_study(study)
+    copy = tmp_path / "elsewhere" / "study.yaml"
+    spec.save(copy)
+    again = load_study(copy)
+    assert again.fingerprint() == spec.fingerprint() and again.compare == spec.compare
+    assert again.datasets[1].path == str((data / "p.jsonl").resolve())
+    assert again.server_flags == {"--trust-remote-code": None}
+    assert again.batch == spec.batch and again.model == spec.model

@@ -20,6 +20,7 @@ from treetune.study.storage import StudyStore, speedups
 
 RESOURCE_TIMEOUT_S = 120.0  # how long to wait for Ray to place the workers
 EMULATED_GPU = "emulated_gpu"
+SPEC_COPY = "study.yaml"
 
 
 @dataclass
@@ -120,6 +121,7 @@ def run_study(spec: StudySpec, on_progress: Callable[[Progress], None] | None = 
     """Run (or resume) a study until its budget is spent or the space is exhausted."""
     store = store or StudyStore(spec)
     space = load_space(spec.space)
+    spec.save(spec.output_dir / SPEC_COPY)  # what `treetune report` reads back
     stale = store.mark_stale()
     results = {config_key(r.config): r for r in store.results()}
     progress = Progress(budget=spec.budget.launches, launches_done=len(results))

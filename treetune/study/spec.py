@@ -15,7 +15,7 @@ from treetune.config import TreeConfig
 from treetune.datasets import DatasetSpec
 from treetune.errors import ConfigFileError, InvalidTreeError, TreetuneError
 from treetune.launch import ALGORITHMS, DEFAULT_SGLANG_VERSION, LaunchSpec, parse_version
-from treetune.yamlio import build, load_yaml
+from treetune.yamlio import build, dump_yaml, load_yaml
 
 BACKENDS = ("sglang", "emulator")
 
@@ -162,7 +162,7 @@ class StudySpec:
             "model": self.model, "draft": self.draft, "algorithm": self.algorithm,
             "sglang_version": self.sglang_version, "tp": self.tp,
             "server_flags": self.server_flags, "env": self.env,
-            "datasets": [dataclasses.asdict(d) for d in self.datasets],
+            "datasets": self.to_dict()["datasets"],  # paths resolved: copies match
             "batch": sorted(self.batch), "tolerance": self.tolerance,
             "backend": dataclasses.asdict(self.backend), "measurement": dataclasses.asdict(
                 self.measurement),
@@ -171,6 +171,24 @@ class StudySpec:
 
     def replace(self, **changes: Any) -> StudySpec:
         return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The spec as a study file: loading it again gives the same study (dataset paths
+        made absolute, since the copy lives elsewhere)."""
+        data = dataclasses.asdict(self)
+        base = Path(self.base_dir)
+        data["datasets"] = [
+            {k: v for k, v in {**d, "path": str((base / d["path"]).resolve())
+                               if d["path"] else None}.items() if v is not None}
+            for d in data["datasets"]]
+        data["batch"] = list(self.batch)
+        data["compare"] = [[c.steps, c.topk, c.draft_tokens] for c in self.compare]
+        data.pop("base_dir")
+        return data
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        dump_yaml(self.to_dict(), path)
 
 
 @dataclass(frozen=True)
