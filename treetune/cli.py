@@ -284,11 +284,12 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
 
     failed = [r for r in outcome.results if not r.ok]
     table = Table(title=f"measured speedups over no speculation ({len(outcome.results)} "
-                  f"launches, {len(failed)} failed)")
-    table.add_column("tree")
+                  f"launches, {len(failed)} failed)", caption="* compared config; red: "
+                  "slower than no speculation")
+    table.add_column("tree", no_wrap=True)
     for b in sorted(spec.batch):
         for d in spec.dataset_names:
-            table.add_column(f"b{b} {d}", justify="right")
+            table.add_column(f"b{b} {d}", justify="right", overflow="fold")
     shown = {r.config: r for r in outcome.results if r.ok and r.config.label() != "baseline"}
     chosen = {r.config for r in recs}
     for config, result in sorted(shown.items(), key=lambda kv: kv[0].label()):
@@ -298,7 +299,7 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
         for b in sorted(spec.batch):
             per = speedups(result, outcome.baseline, b, spec.dataset_names)
             cells += [f"[red]{s:.3f}[/red]" if s < 1 else f"{s:.3f}" for s in per.values()]
-        tag = " (compare)" if config in spec.compare else ""
+        tag = " *" if config in spec.compare else ""
         table.add_row(config.label() + tag, *cells)
     out.print(table)
     rec_table = Table(title="recommendations")

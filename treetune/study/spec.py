@@ -181,6 +181,7 @@ class StudySpec:
             {k: v for k, v in {**d, "path": str((base / d["path"]).resolve())
                                if d["path"] else None}.items() if v is not None}
             for d in data["datasets"]]
+        data["output"] = str(self.output_dir.resolve())
         data["batch"] = list(self.batch)
         data["compare"] = [[c.steps, c.topk, c.draft_tokens] for c in self.compare]
         data.pop("base_dir")

@@ -1,0 +1,95 @@
+"""Study results as figures and notebooks need them: read from a study folder (or a
+storage URL plus study name), never from the search's internals."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from treetune.config import TreeConfig
+from treetune.errors import TreetuneError
+from treetune.results import LaunchResult
+from treetune.study.recommend import Recommendation, recommend
+from treetune.study.runner import SPEC_COPY
+from treetune.study.spec import StudySpec, load_study
+from treetune.study.storage import StudyStore, speedups
+
+
+@dataclass(frozen=True)
+class ConfigRow:
+    """One launched tree at one batch size, with everything the figures plot."""
+
+    config: TreeConfig
+    batch: int
+    speedups: dict[str, float]  # dataset -> measured speedup over the baseline
+    accept_length: float | None  # mean over datasets
+    output_tok_s: float  # mean over datasets, whole batch
+    step_time_s: float  # mean time of one round (batch * accept length / throughput)
+    feasible: bool  # every dataset >= 1 - tolerance at this batch
+    compared: bool  # listed in the study's `compare`
+
+    @property
+    def mean_speedup(self) -> float:
+        return statistics.fmean(self.speedups.values())
+
+
+@dataclass
+class StudyData:
+    spec: StudySpec
+    results: list[LaunchResult]
+    baseline: LaunchResult | None
+    recommendations: list[Recommendation]
+    storage_url: str
+    folder: Path
+
+    @property
+    def failed(self) -> list[LaunchResult]:
+        return [r for r in self.results if not r.ok]
+
+    def rows(self, batch: int | None = None) -> list[ConfigRow]:
+        """Every measured tree at every (or one) batch size; empty before the baseline."""
+        if self.baseline is None:
+            return []
+        names = self.spec.dataset_names
+        floor = 1.0 - self.spec.tolerance
+        out = []
+        for result in self.results:
+            if not result.ok or not isinstance(result.config, TreeConfig):
+                continue
+            for b in sorted(self.spec.batch):
+                if batch is not None and b != batch:
+                    continue
+                cells = [result.cell(d, b) for d in names]
+                if any(c is None for c in cells):
+                    continue  # a launch still being measured, or cut short
+                per = speedups(result, self.baseline, b, names)
+                accepts = [c.accept_length for c in cells if c and c.accept_length]
+                tput = statistics.fmean(c.output_tok_s for c in cells if c)
+                accept = statistics.fmean(accepts) if accepts else None
+                step = b * (accept or 1.0) / tput if tput > 0 else float("nan")
+                out.append(ConfigRow(result.config, b, per, accept, tput, step,
+                                     min(per.values()) >= floor,
+                                     result.config in self.spec.compare))
+        return out
+
+    def recommended(self, batch: int, workload: str = "mixed") -> Recommendation | None:
+        return next((r for r in self.recommendations
+                     if r.batch == batch and r.workload == workload), None)
+
+
+def load_study_data(folder: str | Path) -> StudyData:
+    """A study folder written by `treetune search` (it holds study.yaml and the storage);
+    works while the search is still running."""
+    folder = Path(folder)
+    spec_path = folder / SPEC_COPY
+    if not spec_path.is_file():
+        raise TreetuneError(f"{folder} is not a treetune study folder: no {SPEC_COPY} in it "
+                            "(run `treetune search` with --output pointing there first)")
+    spec = load_study(spec_path)
+    store = StudyStore(spec)
+    results = store.results()
+    baseline = next((r for r in results if r.ok and not isinstance(r.config, TreeConfig)),
+                    None)
+    recs = recommend(spec, results, baseline) if baseline else []
+    return StudyData(spec, results, baseline, recs, spec.storage_url, folder)
