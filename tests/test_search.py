@@ -202,3 +202,27 @@ def test_the_sglang_backend_runs_the_same_code_pointed_at_the_emulator(tmp_path)
     assert any("emulating" in p.read_text() for p in logs)
     tree = next(r for r in outcome.results if config_key(r.config) != "baseline")
     assert tree.server_info["speculative_num_steps"] == tree.config.steps
+
+
+def test_failed_launches_are_recorded_with_their_cause_and_never_retried(tmp_path):
+    # At --mem-fraction-static 0.41 one H100 holds the 30B MoE without speculation but not
+    # with the draft head and its KV slots: every tree runs out of memory at start-up.
+    study = small_study(
+        tmp_path, name="oom", tp=1, datasets=["humaneval"], batch=[8], workers=1,
+        budget={"launches": 3}, compare=["3,4,8"],
+        server_flags={"--mem-fraction-static": "0.41"},
+        backend={"kind": "emulator", "profile": "qwen3-30b-a3b-h100", "time_scale": 20.0,
+                 "load_time_s": 10.0, "noise": False})
+    spec = load_study(None, study)
+    outcome = run_study(spec)
+    failed = [r for r in outcome.results if not r.ok]
+    assert outcome.baseline is not None and len(failed) == 2
+    for result in failed:
+        assert "Not enough memory" in result.reason or "Not enough memory" in result.log_tail
+        assert result.exit_code not in (None, 0)
+    recs = recommend(spec, outcome.results, outcome.baseline)
+    mixed = next(r for r in recs if r.workload == "mixed")
+    assert mixed.config is outcome.baseline.config and "no speculative config" in mixed.reason
+    again = run_study(spec.replace(budget=spec.budget.__class__(launches=4)))
+    keys = [config_key(r.config) for r in again.results]
+    assert len(keys) == len(set(keys)) == 4, "a failed config was launched again"
