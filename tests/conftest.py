@@ -123,3 +123,34 @@ def module_emulators(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emula
         yield factory
     finally:
         factory.kill_all()
+
+
+@pytest.fixture(scope="session")
+def small_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished emulated study folder (baseline, (3,4,8), (5,1,6) and searched trees at
+    batch 1 and 32 on mt-bench and terminal-bench), with recommendations and launch scripts.
+    In this profile the wide tree (3,4,8) regresses terminal-bench at batch 32."""
+    import tempfile
+
+    from treetune.study.recommend import recommend, write_outputs
+    from treetune.study.runner import run_study
+    from treetune.study.spec import load_study
+
+    folder = tmp_path_factory.mktemp("small-study")
+    with pytest.MonkeyPatch.context() as env:
+        # Ray's socket paths break past ~100 characters: a short directory.
+        env.setenv("TREETUNE_RAY_TMPDIR", tempfile.mkdtemp(prefix="rt", dir="/tmp"))
+        env.setenv("RAY_AUTH_MODE", "disabled")
+        spec = load_study(None, {
+            "name": "small", "model": "Qwen/Qwen3-Coder-Next", "draft": "d", "tp": 4,
+            "datasets": ["mt-bench", "terminal-bench"], "batch": [1, 32],
+            "space": "default", "budget": {"launches": 6}, "workers": 2, "seed": 0,
+            "backend": {"kind": "emulator", "profile": "qwen3-coder-next-h200",
+                        "time_scale": 20.0, "load_time_s": 10.0, "noise": False},
+            "measurement": {"duration_s": 8.0, "repeats": 2, "startup_timeout_s": 30.0},
+            "compare": ["3,4,8", "5,1,6"], "output": str(folder),
+        })
+        outcome = run_study(spec)
+    assert outcome.baseline is not None, [r.reason for r in outcome.results]
+    write_outputs(spec, recommend(spec, outcome.results, outcome.baseline), folder)
+    return folder

@@ -317,6 +317,27 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
 
 
 @app.command()
+def report(
+    study_folder: Annotated[Path, typer.Argument(help="A folder written by treetune search.")],
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Where to write "
+                                                "(default <study-folder>/report).")] = None,
+) -> None:
+    """Write every figure as offline HTML, a report.html index and, when possible, PNGs.
+
+    Works on a study that is still running.
+    """
+    from treetune.report.data import load_study_data
+    from treetune.report.html import write_report
+
+    data = load_study_data(study_folder)
+    result = write_report(data, output or Path(study_folder) / "report")
+    for notice in result.notices:
+        err.print(f"[yellow]note:[/yellow] {notice}")
+    out.print(f"wrote {result.index} with {len(result.figures)} figures"
+              + (f" and {len(result.pngs)} PNGs" if result.pngs else ""))
+
+
+@app.command()
 def profiles() -> None:
     """List the shipped performance profiles."""
     for name in shipped_profiles():

@@ -1,0 +1,164 @@
+"""Figures and `treetune report` on a real emulated study."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import zlib
+from pathlib import Path
+
+import pytest
+
+from treetune.cli import main
+from treetune.config import TreeConfig
+from treetune.report import figures
+from treetune.report.data import load_study_data
+from treetune.report.html import write_report
+
+pytestmark = pytest.mark.slow
+WIDE, NARROW = TreeConfig(3, 4, 8), TreeConfig(5, 1, 6)
+
+
+@pytest.fixture(scope="module")
+def data(small_study):
+    return load_study_data(small_study)
+
+
+def trace_holding(fig, label: str) -> list[str]:
+    return [t.name for t in fig.data if t.customdata is not None and label in list(t.customdata)]
+
+
+def test_pareto_front_shows_both_published_trees_and_the_wide_one_infeasible_at_32(data):
+    fig = figures.pareto_front(data)
+    assert fig.layout.title.text.startswith("Pareto front")
+    names = [t.name for t in fig.data]
+    assert "Pareto front" in names and "recommended" in names
+    assert any(n.startswith("infeasible at batch") and "32" in n
+               for n in trace_holding(fig, WIDE.label()))
+    assert trace_holding(fig, NARROW.label()), "the narrow tree is plotted"
+    recommended = next(t for t in fig.data if t.name == "recommended")
+    assert len(recommended.x) >= 1
+
+
+def test_regression_map_marks_every_cell_below_one(data):
+    fig = figures.regression_map(data)
+    heat = fig.data[0]
+    assert fig.layout.title.text.startswith("Regression map") and len(fig.data) == 1
+    row = list(heat.y).index(WIDE.label())
+    col = list(heat.x).index("terminal-bench @ batch 32")
+    assert heat.z[row][col] < 1.0 and heat.text[row][col] != ""
+    assert heat.zmid == 1.0
+    for r, values in enumerate(heat.z):
+        for c, value in enumerate(values):
+            assert (heat.text[r][c] != "") == (value is not None and value < 1.0)
+
+
+@pytest.mark.parametrize(("maker", "title", "min_traces"), [
+    ("speedup_vs_tree_size", "Speedup vs tree size", 2),
+    ("accept_vs_step_time", "Accept length vs step time", 2),
+    ("user_vs_gpu_throughput", "Per-user vs per-GPU throughput", 3),
+])
+def test_every_figure_has_its_title_and_traces(data, maker, title, min_traces):
+    fig = getattr(figures, maker)(data)
+    assert fig.layout.title.text.startswith(title)
+    assert len(fig.data) >= min_traces
+
+
+def test_optimization_history_comes_from_the_batch_study(data):
+    fig = figures.optimization_history(data, 32)
+    assert fig.layout.title.text.startswith("Optimization history")
+    trials = sum(len(t.x) for t in fig.data if t.name != "Best Value")
+    assert trials == 5  # every launched tree, told to the batch-32 study, feasible or not
+    assert any(t.name == "Infeasible Trial" for t in fig.data)  # the wide tree at 32
+
+
+def test_report_writes_every_figure_self_contained_and_links_each_recommendation(
+        small_study, tmp_path, capsys):
+    out = tmp_path / "report"
+    main(["report", str(small_study), "--output", str(out)])
+    pages = sorted(p.name for p in out.glob("*.html"))
+    expected = {f"{k}.html" for k in figures.all_figures(load_study_data(small_study))}
+    assert expected | {"report.html"} == set(pages)
+    for page in out.glob("*.html"):
+        text = page.read_text()
+        assert not re.search(r"<script[^>]+src=", text), f"{page.name} loads a script"
+        assert not re.search(r"<link[^>]+href=\"http", text), f"{page.name} loads a sheet"
+    index = (out / "report.html").read_text()
+    data = load_study_data(small_study)
+    for rec in data.recommendations:
+        script = small_study / rec.script_name
+        assert script.is_file()
+        assert f'href="../{small_study.name}/{rec.script_name}"' in index or \
+            str(Path("..") / small_study.name / rec.script_name) in index or \
+            rec.script_name in index
+    assert "PNGs" in capsys.readouterr().err or list(out.glob("*.png"))
+
+
+def test_report_escapes_names_in_the_index(data, tmp_path):
+    hostile = data.spec.replace(model="<script>alert(1)</script>")
+    data.spec = hostile
+    try:
+        write_report(data, tmp_path)
+    finally:
+        data.spec = load_study_data(data.folder).spec
+    index = (tmp_path / "report.html").read_text()
+    assert "<script>alert(1)</script>" not in index
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in index
+
+
+def test_report_on_a_study_without_a_baseline_still_writes_an_index(small_study, tmp_path):
+    data = load_study_data(small_study)
+    data.baseline = None
+    data.recommendations = []
+    result = write_report(data, tmp_path)
+    assert result.index.is_file() and not result.figures
+    assert any("no baseline" in n for n in result.notices)
+
+
+def png_colours(path: Path) -> int:
+    """Distinct colours in an 8-bit RGB(A) PNG (no Pillow needed)."""
+    raw = path.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, width, height, channels = 8, b"", 0, 0, 3
+    while pos < len(raw):
+        length = int.from_bytes(raw[pos:pos + 4], "big")
+        kind, body = raw[pos + 4:pos + 8], raw[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            width, height = int.from_bytes(body[:4], "big"), int.from_bytes(body[4:8], "big")
+            channels = {2: 3, 6: 4}[body[9]]
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    data = zlib.decompress(idat)
+    stride, colours, prev = width * channels, set(), bytearray(width * channels)
+    for y in range(height):
+        start = y * (stride + 1)
+        f, line = data[start], bytearray(data[start + 1:start + 1 + stride])
+        for i in range(stride):
+            a = line[i - channels] if i >= channels else 0
+            b, c = prev[i], prev[i - channels] if i >= channels else 0
+            p = a + b - c
+            pred = {0: 0, 1: a, 2: b, 3: (a + b) // 2,
+                    4: min((abs(p - a), a), (abs(p - b), b), (abs(p - c), c))[1]}[f]
+            line[i] = (line[i] + pred) & 0xFF
+        prev = line
+        if y % 8 == 0:
+            colours.update(bytes(line[i:i + 3]) for i in range(0, stride, channels * 4))
+    return len(colours)
+
+
+@pytest.mark.skipif(not shutil.which("chromium"), reason="no Chromium: apt-get install chromium")
+def test_figures_render_in_headless_chromium(small_study, tmp_path):
+    out = tmp_path / "report"
+    write_report(load_study_data(small_study), out)
+    png = tmp_path / "pareto.png"
+    subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                    "--no-first-run", "--disable-background-networking",
+                    "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={png}",
+                    "--window-size=1200,800", "--virtual-time-budget=5000",
+                    (out / "pareto.html").as_uri()],
+                   capture_output=True, timeout=120, check=False)
+    assert png.is_file(), "Chromium wrote no screenshot"
+    assert png_colours(png) > 20, "the screenshot is blank: the plot did not render"

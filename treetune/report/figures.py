@@ -1,0 +1,206 @@
+"""Figures of a study, each a function from `StudyData` to a plotly Figure.
+
+Read them in notebooks (`notebooks/`) or as HTML from `treetune report`. Speedups are
+measured against the study's no-speculation baseline; 1.0 is the no-regression line.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import optuna
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from treetune.config import TreeConfig
+from treetune.report.data import ConfigRow, StudyData
+
+RED, GREEN, GREY, BLUE = "#d62728", "#2ca02c", "#7f7f7f", "#1f77b4"
+ORANGE, PURPLE = "#ff7f0e", "#9467bd"
+
+
+def _hover(rows: list[ConfigRow]) -> str:
+    parts = [f"{r.config} at batch {r.batch}: " + ", ".join(
+        f"{d} {s:.3f}" for d, s in r.speedups.items()) for r in rows]
+    return "<br>".join(parts)
+
+
+def _group_colour(group: str, bx: int, by: int) -> str:
+    if group == "feasible":
+        return GREEN
+    if group == f"infeasible at batch {by}" and bx != by:
+        return ORANGE  # fine at the first batch size only
+    if group == f"infeasible at batch {bx}" and bx != by:
+        return PURPLE
+    return RED
+
+
+def _batches(data: StudyData) -> list[int]:
+    return sorted(data.spec.batch)
+
+
+def pareto_front(data: StudyData, batch_x: int | None = None,
+                 batch_y: int | None = None) -> go.Figure:
+    """Mean speedup at one batch size against another, per launched tree: the trade-off a
+    single server pool has to make, with the non-dominated feasible trees joined."""
+    batches = _batches(data)
+    bx = batch_x if batch_x is not None else batches[0]
+    by = batch_y if batch_y is not None else batches[-1]
+    fig = go.Figure()
+    at = {b: {r.config: r for r in data.rows(b)} for b in {bx, by}}
+    configs = [c for c in at[bx] if c in at[by]]
+    rec_configs = {r.config for r in data.recommendations if r.workload == "mixed"}
+
+    def point(c: TreeConfig) -> tuple[float, float]:
+        if bx == by:  # one batch size: speedup against tree size
+            return float(c.draft_tokens), at[by][c].mean_speedup
+        return at[bx][c].mean_speedup, at[by][c].mean_speedup
+
+    groups: dict[str, list[TreeConfig]] = {"feasible": []}
+    for c in configs:
+        bad = [b for b in sorted({bx, by}) if not at[b][c].feasible]
+        key = "feasible" if not bad else "infeasible at batch " + " and ".join(map(str, bad))
+        groups.setdefault(key, []).append(c)
+    for name, members in groups.items():
+        fig.add_trace(go.Scatter(
+            x=[point(c)[0] for c in members], y=[point(c)[1] for c in members],
+            mode="markers+text", name=name,
+            text=[c.label() if c in data.spec.compare else "" for c in members],
+            textposition="top center",
+            customdata=[c.label() for c in members],
+            hovertext=[_hover([at[bx][c]] + ([at[by][c]] if by != bx else [])) for c in members],
+            hoverinfo="text",
+            marker={"color": _group_colour(name, bx, by), "size": 9,
+                    "symbol": "circle" if name == "feasible" else "x"}))
+    feasible = groups["feasible"]
+    front = [c for c in feasible if not any(
+        point(o)[0] >= point(c)[0] and point(o)[1] >= point(c)[1] and point(o) != point(c)
+        for o in feasible)] if bx != by else []
+    front.sort(key=lambda c: point(c)[0])
+    fig.add_trace(go.Scatter(x=[point(c)[0] for c in front], y=[point(c)[1] for c in front],
+                             mode="lines", name="Pareto front", line={"color": GREEN}))
+    recommended = [c for c in configs if c in rec_configs]
+    fig.add_trace(go.Scatter(
+        x=[point(c)[0] for c in recommended], y=[point(c)[1] for c in recommended],
+        mode="markers", name="recommended", customdata=[c.label() for c in recommended],
+        hovertext=[c.label() for c in recommended], hoverinfo="text",
+        marker={"size": 18, "color": "rgba(0,0,0,0)", "line": {"color": BLUE, "width": 3}}))
+    xtitle = "draft tokens" if bx == by else f"mean speedup at batch {bx}"
+    fig.update_layout(title=f"Pareto front: mean speedup at batch {bx} vs batch {by}"
+                      if bx != by else f"Pareto front: mean speedup at batch {by} vs tree size",
+                      xaxis_title=xtitle, yaxis_title=f"mean speedup at batch {by}")
+    fig.add_hline(y=1.0, line_dash="dot", line_color=GREY)
+    if bx != by:
+        fig.add_vline(x=1.0, line_dash="dot", line_color=GREY)
+    return fig
+
+
+def regression_map(data: StudyData) -> go.Figure:
+    """Every launched tree against every (dataset, batch) cell, red below 1.0."""
+    rows = data.rows()
+    configs = sorted({r.config for r in rows})
+    cells = [(d, b) for b in _batches(data) for d in data.spec.dataset_names]
+    table = {(r.config, d, r.batch): s for r in rows for d, s in r.speedups.items()}
+    z = [[table.get((c, d, b)) for d, b in cells] for c in configs]
+    text = [[f"{v:.2f}" if v is not None and v < 1.0 else "" for v in row] for row in z]
+    values = [v for row in z for v in row if v is not None]
+    spread = max([abs(v - 1.0) for v in values] + [0.05])
+    fig = go.Figure(go.Heatmap(
+        z=z, x=[f"{d} @ batch {b}" for d, b in cells], y=[c.label() for c in configs],
+        text=text, texttemplate="%{text}", colorscale="RdBu", zmid=1.0,
+        zmin=1.0 - spread, zmax=1.0 + spread, colorbar={"title": "speedup"},
+        hovertemplate="%{y} on %{x}: %{z:.3f}<extra></extra>"))
+    fig.update_layout(title="Regression map: speedup per tree and cell (red: slower than "
+                      "no speculation)", height=max(400, 22 * len(configs) + 150))
+    return fig
+
+
+def speedup_vs_tree_size(data: StudyData) -> go.Figure:
+    """How the mean speedup moves with verify size, per branching factor and batch size."""
+    batches = _batches(data)
+    fig = make_subplots(rows=1, cols=len(batches), shared_yaxes=True,
+                        subplot_titles=[f"batch {b}" for b in batches])
+    for col, batch in enumerate(batches, start=1):
+        rows = data.rows(batch)
+        for topk in sorted({r.config.topk for r in rows}):
+            members = sorted((r for r in rows if r.config.topk == topk),
+                             key=lambda r: (r.config.draft_tokens, r.config.steps))
+            fig.add_trace(go.Scatter(
+                x=[r.config.draft_tokens for r in members], y=[r.mean_speedup for r in members],
+                mode="lines+markers", name=f"topk {topk}", legendgroup=f"topk {topk}",
+                showlegend=col == 1, hovertext=[_hover([r]) for r in members],
+                hoverinfo="text"), row=1, col=col)
+        fig.add_hline(y=1.0, line_dash="dot", line_color=GREY, row=1, col=col)
+        fig.update_xaxes(title_text="draft tokens", row=1, col=col)
+    fig.update_yaxes(title_text="mean speedup", row=1, col=1)
+    fig.update_layout(title="Speedup vs tree size, one line per topk")
+    return fig
+
+
+def accept_vs_step_time(data: StudyData) -> go.Figure:
+    """Accept length against round time: SGLang's bench_speculative view. Speed is their
+    ratio, so trees up and to the left are faster."""
+    fig = go.Figure()
+    for batch in _batches(data):
+        rows = [r for r in data.rows(batch) if r.accept_length]
+        fig.add_trace(go.Scatter(
+            x=[r.step_time_s * 1000 for r in rows], y=[r.accept_length for r in rows],
+            mode="markers", name=f"batch {batch}", hovertext=[_hover([r]) for r in rows],
+            hoverinfo="text"))
+    fig.update_layout(title="Accept length vs step time per tree",
+                      xaxis_title="time of one speculative round (ms)",
+                      yaxis_title="accept length (tokens per round)")
+    return fig
+
+
+def user_vs_gpu_throughput(data: StudyData) -> go.Figure:
+    """Tokens/s each request sees against tokens/s each GPU delivers, per batch size."""
+    fig = go.Figure()
+    gpus = data.spec.tp
+    for batch in _batches(data):
+        rows = data.rows(batch)
+        fig.add_trace(go.Scatter(
+            x=[r.output_tok_s / gpus for r in rows], y=[r.output_tok_s / batch for r in rows],
+            mode="markers", name=f"batch {batch}", hovertext=[_hover([r]) for r in rows],
+            hoverinfo="text"))
+    if data.baseline is not None:
+        points = []
+        for batch in _batches(data):
+            cells = [data.baseline.cell(d, batch) for d in data.spec.dataset_names]
+            tput = [c.output_tok_s for c in cells if c]
+            if tput:
+                points.append((batch, sum(tput) / len(tput)))
+        fig.add_trace(go.Scatter(
+            x=[t / gpus for _, t in points], y=[t / b for b, t in points],
+            mode="markers+text", name="no speculation", text=[f"batch {b}" for b, _ in points],
+            textposition="bottom center", marker={"symbol": "square", "size": 11,
+                                                  "color": GREY}))
+    fig.update_layout(title="Per-user vs per-GPU throughput (mean over datasets)",
+                      xaxis_title="output tokens/s per GPU",
+                      yaxis_title="output tokens/s per request")
+    return fig
+
+
+def optimization_history(data: StudyData, batch: int) -> go.Figure:
+    """Optuna's view of the search at one batch size: each trial and the best so far."""
+    study = optuna.load_study(study_name=f"{data.spec.name}:batch-{batch}",
+                              storage=data.storage_url)
+    fig = optuna.visualization.plot_optimization_history(study)
+    fig.update_layout(title=f"Optimization history at batch {batch} (mean speedup)")
+    return fig
+
+
+def all_figures(data: StudyData) -> dict[str, go.Figure]:
+    """Every figure of a study, keyed by a file-safe name."""
+    makers: dict[str, Callable[[], go.Figure]] = {
+        "pareto": lambda: pareto_front(data),
+        "regression-map": lambda: regression_map(data),
+        "speedup-vs-tree-size": lambda: speedup_vs_tree_size(data),
+        "accept-vs-step-time": lambda: accept_vs_step_time(data),
+        "user-vs-gpu-throughput": lambda: user_vs_gpu_throughput(data),
+    }
+    for batch in _batches(data):
+        makers[f"optimization-history-batch{batch}"] = (
+            lambda b=batch: optimization_history(data, b))  # type: ignore[misc]
+    return {re.sub(r"[^a-z0-9-]", "-", k): make() for k, make in makers.items()}

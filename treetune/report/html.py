@@ -1,0 +1,95 @@
+"""`treetune report`: every figure as a standalone HTML file that opens offline, an index
+with the recommendations linking to their launch scripts, and PNGs when possible."""
+
+from __future__ import annotations
+
+import html
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from treetune.config import BASELINE
+from treetune.report.data import StudyData
+from treetune.report.figures import all_figures
+
+
+@dataclass
+class ReportOutcome:
+    index: Path
+    figures: list[Path] = field(default_factory=list)
+    pngs: list[Path] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+
+
+def write_report(data: StudyData, out_dir: Path) -> ReportOutcome:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    outcome = ReportOutcome(index=out_dir / "report.html")
+    figures = all_figures(data) if data.baseline is not None else {}
+    if data.baseline is None:
+        outcome.notices.append("no baseline has been measured yet: figures need it, so this "
+                               "report lists the launches only; rerun when the search has "
+                               "measured the baseline")
+    for name, fig in figures.items():
+        path = out_dir / f"{name}.html"
+        # plotly.js inlined: the file opens without network access.
+        fig.write_html(path, include_plotlyjs=True, full_html=True)
+        outcome.figures.append(path)
+    if figures:
+        outcome.pngs, notice = _pngs(figures, out_dir)
+        if notice:
+            outcome.notices.append(notice)
+    outcome.index.write_text(_index(data, outcome, out_dir))
+    return outcome
+
+
+def _pngs(figures: dict, out_dir: Path) -> tuple[list[Path], str | None]:
+    try:
+        import kaleido  # noqa: F401
+    except ImportError:
+        return [], ("PNGs skipped: no static-image exporter (pip install kaleido, with a "
+                    "system Chromium)")
+    written = []
+    try:
+        for name, fig in figures.items():
+            path = out_dir / f"{name}.png"
+            fig.write_image(path, width=1200, height=700)
+            written.append(path)
+    except Exception as exc:  # kaleido without a usable Chromium, among others
+        return written, f"PNGs skipped: the image exporter failed ({type(exc).__name__}: {exc})"
+    return written, None
+
+
+def _index(data: StudyData, outcome: ReportOutcome, out_dir: Path) -> str:
+    e = html.escape
+    spec = data.spec
+    rows = []
+    for rec in data.recommendations:
+        script = data.folder / rec.script_name
+        link = os.path.relpath(script, out_dir)
+        tree = "no speculation" if rec.config is BASELINE else rec.config.label()
+        speedups = ", ".join(f"{e(d)} {s:.3f}" for d, s in rec.speedups.items())
+        rows.append(f"<tr><td>{e(rec.workload)}</td><td>{rec.batch}</td>"
+                    f"<td><a href=\"{e(link)}\">{e(tree)}</a></td><td>{speedups}</td>"
+                    f"<td>{e(rec.reason)}</td></tr>")
+    figures = "".join(f"<li><a href=\"{e(p.name)}\">{e(p.stem)}</a></li>"
+                      for p in outcome.figures)
+    notices = "".join(f"<p class=\"notice\">{e(n)}</p>" for n in outcome.notices)
+    failed = "".join(f"<li>{e(r.config.label())}: {e(r.reason)}</li>" for r in data.failed)
+    return f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>treetune report: {e(spec.name)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:4px 10px;text-align:left}}
+tr:nth-child(even){{background:#f4f4f4}}.notice{{color:#a15c00}}</style></head><body>
+<h1>treetune study {e(spec.name)}</h1>
+<p>{e(spec.model)} with draft {e(spec.draft or "")}, TP {spec.tp}, SGLang {e(spec.sglang_version)};
+datasets {e(", ".join(spec.dataset_names))}; batch sizes {e(", ".join(map(str, spec.batch)))};
+{len(data.results)} launches ({len(data.failed)} failed); tolerance {spec.tolerance:g}.</p>
+{notices}
+<h2>Recommendations</h2>
+<p>Each tree links to its launch script (<code>python -m sglang.launch_server ...</code>).</p>
+<table><tr><th>workload</th><th>batch</th><th>tree (steps, topk, draft tokens)</th>
+<th>measured speedups</th><th>why</th></tr>
+{"".join(rows)}</table>
+<h2>Figures</h2><ul>{figures}</ul>
+{f"<h2>Failed launches</h2><ul>{failed}</ul>" if failed else ""}
+</body></html>
+"""
