@@ -104,14 +104,15 @@ def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path) ->
     dump_yaml({"study": spec.name, "tolerance": spec.tolerance,
                **({"pools": advice} if advice else {}), "recommendations": records},
               out_dir / "recommendations.yaml")
+    from treetune.study.export import write_exports  # export builds on this module
+
+    write_exports(spec, recs, out_dir)
 
 
 def launch_script(spec: StudySpec, rec: Recommendation) -> str:
     """A POSIX sh script: the study's environment and the full, quoted SGLang command for
     the study's SGLang version, sized for this batch."""
-    launch = dataclasses.replace(spec.launch_spec(), max_running_requests=rec.batch,
-                                 cuda_graph_max_bs=rec.batch)
-    argv = sglang_command(rec.config, launch, python="python")
+    argv = launch_argv(spec, rec)
     if spec.api_key_env:
         argv += ["--api-key", f"${{{spec.api_key_env}}}"]
     lines = ["#!/bin/sh",
@@ -127,6 +128,14 @@ def launch_script(spec: StudySpec, rec: Recommendation) -> str:
                                   f'"${{{spec.api_key_env}}}"')
     lines.append(f"exec {command}")
     return "\n".join(lines) + "\n"
+
+
+def launch_argv(spec: StudySpec, rec: Recommendation, port: int | None = None) -> list[str]:
+    """The SGLang command of one recommendation, sized for its batch; without --api-key,
+    which each output references in its own syntax."""
+    base = spec.launch_spec() if port is None else spec.launch_spec(port=port)
+    launch = dataclasses.replace(base, max_running_requests=rec.batch, cuda_graph_max_bs=rec.batch)
+    return sglang_command(rec.config, launch, python="python")
 
 
 def summary_rows(recs: list[Recommendation]) -> list[tuple[str, str, str, str]]:

@@ -1,0 +1,175 @@
+"""Deployment exports next to the launch scripts: SGLang config files, container argument
+lists, and POOLS.md when batch sizes want different trees."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import yaml
+
+from treetune.config import BASELINE, TreeConfig
+from treetune.results import CellResult, LaunchResult
+from treetune.study.export import config_mapping, supports_config_file
+from treetune.study.recommend import recommend, write_outputs
+from treetune.study.spec import load_study
+
+SECRET = "sk-do-not-leak-4242"
+
+
+def launch(config, per_batch):
+    """per_batch: {batch: {dataset: tok/s}}"""
+    cells = [CellResult(d, b, tput, None, 10, 100, 1.0, None, None)
+             for b, row in per_batch.items() for d, tput in row.items()]
+    return LaunchResult(config, ok=True, cells=cells)
+
+
+def spec(tmp_path, **over):
+    base = {"name": "t", "model": "/models/My Model $(touch pwned)", "draft": "org/draft",
+            "datasets": ["sharegpt", "humaneval"], "batch": [1, 32],
+            "output": str(tmp_path / "out"),
+            "server_flags": {"--attention-backend": "triton", "--trust-remote-code": None},
+            "env": {"SGLANG_ENABLE_SPEC_V2": "1"}}
+    return load_study(None, {**base, **over})
+
+
+BASE = launch(BASELINE,
+              {1: {"sharegpt": 100, "humaneval": 100}, 32: {"sharegpt": 1000, "humaneval": 1000}})
+# batch 1 wants the wide tree, batch 32 the chain (the wide tree regresses humaneval there)
+WIDE = launch(TreeConfig(3, 4, 8),
+              {1: {"sharegpt": 150, "humaneval": 170}, 32: {"sharegpt": 1300, "humaneval": 890}})
+NARROW = launch(TreeConfig(5, 1, 6),
+                {1: {"sharegpt": 130, "humaneval": 140}, 32: {"sharegpt": 1100, "humaneval": 1020}})
+EVERYWHERE = launch(TreeConfig(4, 1, 5), {1: {"sharegpt": 160, "humaneval": 180},
+                                          32: {"sharegpt": 1400, "humaneval": 1300}})
+
+
+def written(tmp_path: Path, results=(BASE, WIDE, NARROW), **over) -> Path:
+    s = spec(tmp_path, **over)
+    write_outputs(s, recommend(s, list(results), BASE), s.output_dir)
+    return s.output_dir
+
+
+def script_argv(out: Path, name: str) -> list[str]:
+    """The launch script's command, split as the shell would (without `exec`)."""
+    line = (out / "launch" / f"{name}.sh").read_text().splitlines()[-1]
+    return shlex.split(line.removeprefix("exec "))
+
+
+def sglang_reads(config: dict) -> list[str]:
+    """What SGLang's --config merger (0.5.3 on) puts before the command line: `--{key}`,
+    true as the bare flag, any other value as str(value)."""
+    argv: list[str] = []
+    for key, value in config.items():
+        argv += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    return argv
+
+
+def test_config_file_support_starts_with_sglang_0_5_3():
+    assert not supports_config_file("0.5.2")
+    assert supports_config_file("0.5.3") and supports_config_file("0.5.3.post1")
+    assert supports_config_file("0.5.23") and supports_config_file("0.6")
+
+
+def test_config_files_are_written_only_for_versions_that_read_them(tmp_path):
+    old = written(tmp_path / "old", sglang_version="0.5.2")
+    assert not list((old / "launch").glob("*.config.yaml"))
+    new = written(tmp_path / "new", sglang_version="0.5.3")
+    scripts = sorted(p.name.removesuffix(".sh") for p in (new / "launch").glob("*.sh"))
+    configs = sorted(p.name.removesuffix(".config.yaml")
+                     for p in (new / "launch").glob("*.config.yaml"))
+    assert configs == scripts and len(scripts) == 6
+
+
+def test_a_config_file_parses_back_to_the_launch_scripts_flags(tmp_path):
+    out = written(tmp_path, sglang_version="0.5.23")
+    for name in ["mixed-batch1", "mixed-batch32", "humaneval-batch32"]:
+        config = yaml.safe_load((out / "launch" / f"{name}.config.yaml").read_text())
+        assert sglang_reads(config) == script_argv(out, name)[3:]
+
+
+def test_config_keys_are_dashed_long_names_with_typed_values_and_bare_flags_as_true(tmp_path):
+    out = written(tmp_path, server_flags={"--attention-backend": "triton",
+                                          "--trust-remote-code": None,
+                                          "--mem-fraction-static": "0.85"})
+    config = yaml.safe_load((out / "launch" / "mixed-batch32.config.yaml").read_text())
+    assert config["model-path"] == "/models/My Model $(touch pwned)"
+    assert config["speculative-num-steps"] == 5 and config["max-running-requests"] == 32
+    assert config["cuda-graph-max-bs-decode"] == 32
+    assert config["mem-fraction-static"] == 0.85
+    assert config["trust-remote-code"] is True and config["enable-metrics"] is True
+    assert config["attention-backend"] == "triton" and config["host"] == "127.0.0.1"
+
+
+def test_config_values_that_only_look_like_numbers_or_booleans_stay_strings():
+    config = config_mapping(["--model-path", "007", "--served-model-name", "true",
+                             "--revision", "1e3", "--enable-metrics", "--port", "30000"])
+    assert config == {"model-path": "007", "served-model-name": "true", "revision": "1e3",
+                      "enable-metrics": True, "port": 30000}
+    assert yaml.safe_load(yaml.safe_dump(config)) == config
+
+
+def test_args_json_is_the_launch_scripts_argv_after_the_program(tmp_path):
+    out = written(tmp_path)
+    for script in (out / "launch").glob("*.sh"):
+        name = script.name.removesuffix(".sh")
+        args = json.loads((out / "launch" / f"{name}.args.json").read_text())
+        assert all(isinstance(a, str) for a in args)
+        assert ["python", *args] == script_argv(out, name)
+
+
+def test_no_speculation_recommendations_export_without_speculative_flags(tmp_path):
+    out = written(tmp_path, results=(BASE, WIDE))  # WIDE regresses humaneval at batch 32
+    args = json.loads((out / "launch" / "mixed-batch32.args.json").read_text())
+    config = yaml.safe_load((out / "launch" / "mixed-batch32.config.yaml").read_text())
+    assert "--speculative-algorithm" not in args and "speculative-algorithm" not in config
+    assert config["max-running-requests"] == 32
+
+
+def test_pools_readme_names_both_scripts_and_ports_behind_one_router_each(tmp_path):
+    out = written(tmp_path)
+    pools = (out / "POOLS.md").read_text()
+    for script in ["launch/mixed-batch1.sh", "launch/mixed-batch32.sh"]:
+        assert script in pools
+    commands = [shlex.split(line) for line in pools.splitlines()
+                if line.startswith("python -m sglang.launch_server --model-path")]
+    assert len(commands) == 2
+    ports = [c[c.index("--port") + 1] for c in commands]
+    assert len(set(ports)) == 2
+    assert [c[c.index("--speculative-eagle-topk") + 1] for c in commands] == ["4", "1"]
+    routers = [shlex.split(line) for line in pools.splitlines()
+               if line.startswith("python -m sglang_router.launch_router")]
+    assert [r[r.index("--worker-urls") + 1] for r in routers] == [
+        f"http://127.0.0.1:{port}" for port in ports]
+    assert len({r[r.index("--port") + 1] for r in routers}) == 2
+    assert len({r[r.index("--prometheus-port") + 1] for r in routers}) == 2
+
+
+def test_pools_readme_is_absent_when_one_tree_serves_every_batch_size(tmp_path):
+    out = written(tmp_path, results=(BASE, WIDE, NARROW, EVERYWHERE))
+    assert not (out / "POOLS.md").exists()
+    assert "pools" not in (out / "recommendations.yaml").read_text()
+
+
+def test_a_rerun_whose_advice_changed_removes_the_stale_pools_readme(tmp_path):
+    s = spec(tmp_path)
+    write_outputs(s, recommend(s, [BASE, WIDE, NARROW], BASE), s.output_dir)
+    assert (s.output_dir / "POOLS.md").exists()
+    write_outputs(s, recommend(s, [BASE, WIDE, NARROW, EVERYWHERE], BASE), s.output_dir)
+    assert not (s.output_dir / "POOLS.md").exists()
+
+
+def test_exports_reference_the_api_key_variable_and_never_its_value(tmp_path, monkeypatch):
+    monkeypatch.setenv("SERVER_KEY", SECRET)
+    out = written(tmp_path, api_key_env="SERVER_KEY")
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} >= {".sh", ".json", ".yaml", ".md"}
+    for path in files:
+        assert SECRET not in path.read_text(), path
+    args = json.loads((out / "launch" / "mixed-batch1.args.json").read_text())
+    assert args[-2:] == ["--api-key", "$(SERVER_KEY)"]  # Kubernetes expands $(VAR) in args
+    config = (out / "launch" / "mixed-batch1.config.yaml").read_text()
+    assert "api-key" not in yaml.safe_load(config) and '--api-key "${SERVER_KEY}"' in config
+    pools = (out / "POOLS.md").read_text()
+    assert pools.count('--api-key "${SERVER_KEY}"') >= 4  # two servers, two routers

@@ -1,0 +1,103 @@
+"""The notebooks run headless against a study made by the emulator and show the study's
+figures; the committed notebooks carry no outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+PLOTLY_JSON = "application/vnd.plotly.v1+json"
+
+
+def committed() -> list[Path]:
+    return sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def test_the_committed_notebooks_have_no_outputs_and_a_parameters_cell():
+    assert {p.name for p in committed()} >= {"pareto.ipynb", "compare-workloads.ipynb"}
+    for path in committed():
+        cells = json.loads(path.read_text())["cells"]
+        code = [c for c in cells if c["cell_type"] == "code"]
+        for cell in code:
+            assert cell["outputs"] == [] and cell["execution_count"] is None, path.name
+        assert "parameters" in code[0]["metadata"].get("tags", []), path.name
+        assert "".join(code[0]["source"]).startswith("study_dir = "), path.name
+
+
+def execute(name: str, study_dir: Path):
+    """Run a notebook as papermill would: a cell after the `parameters` one sets study_dir."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    injected = nbformat.v4.new_code_cell(f"study_dir = {str(study_dir)!r}")
+    injected.metadata["tags"] = ["injected-parameters"]
+    nb.cells.insert(at + 1, injected)
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    return nb
+
+
+def shown(nb) -> list[tuple[str, int]]:
+    """(title, number of traces) of every Plotly figure in the outputs, in order."""
+    out = []
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            figure = output.get("data", {}).get(PLOTLY_JSON)
+            if figure is not None:
+                out.append((figure["layout"]["title"]["text"], len(figure["data"])))
+    return out
+
+
+def printed(nb) -> str:
+    return "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", [])
+                   if o.get("output_type") == "stream")
+
+
+def signature(fig) -> tuple[str, int]:
+    return fig.layout.title.text, len(fig.data)
+
+
+@pytest.mark.slow
+def test_the_pareto_notebook_shows_every_figure_of_the_study(small_study):
+    from treetune.report import figures
+    from treetune.report.data import load_study_data
+
+    nb = execute("pareto.ipynb", small_study)
+    data = load_study_data(small_study)
+    expected = [figures.pareto_front(data), figures.regression_map(data),
+                figures.speedup_vs_tree_size(data), figures.accept_vs_step_time(data),
+                figures.user_vs_gpu_throughput(data),
+                *(figures.optimization_history(data, b) for b in sorted(data.spec.batch))]
+    assert shown(nb) == [signature(f) for f in expected]
+    prefixes = ["Pareto front", "Regression map", "Speedup vs tree size",
+                "Accept length vs step time", "Per-user vs per-GPU throughput",
+                "Optimization history", "Optimization history"]
+    assert all(title.startswith(p)
+               for (title, _), p in zip(shown(nb), prefixes, strict=True))
+    assert all(traces > 0 for _, traces in shown(nb))
+
+
+@pytest.mark.slow
+def test_the_compare_notebook_tabulates_workloads_and_shows_the_two_pool_choice(
+        small_study):
+    from treetune.report import figures
+    from treetune.report.data import load_study_data
+
+    nb = execute("compare-workloads.ipynb", small_study)
+    data = load_study_data(small_study)
+    expected = [figures.regression_map(data),
+                figures.pareto_front(data, batch_x=1, batch_y=32),
+                figures.user_vs_gpu_throughput(data)]
+    assert shown(nb) == [signature(f) for f in expected]
+    tables = "".join(o["data"].get("text/markdown", "") for c in nb.cells
+                     for o in c.get("outputs", []) if "data" in o)
+    for workload in ["mixed", "mt-bench", "terminal-bench"]:
+        assert f"| {workload} |" in tables
+    one, two = data.recommended(1), data.recommended(32)
+    assert one is not None and two is not None and one.config != two.config
+    assert f"batch 1: {one.config}" in printed(nb) and f"batch 32: {two.config}" in printed(nb)
+    assert "Two pools" in printed(nb)
