@@ -226,3 +226,13 @@ def test_failed_launches_are_recorded_with_their_cause_and_never_retried(tmp_pat
     again = run_study(spec.replace(budget=spec.budget.__class__(launches=4)))
     keys = [config_key(r.config) for r in again.results]
     assert len(keys) == len(set(keys)) == 4, "a failed config was launched again"
+
+
+def test_a_compared_tree_outside_the_space_is_measured_and_the_search_goes_on(tmp_path):
+    # (5,1,6) has draft_tokens 6, which bench-speculative's grid (2,4,8,16,32) cannot hold.
+    spec = load_study(None, small_study(tmp_path, name="outside", space="bench-speculative",
+                                        compare=["5,1,6"], budget={"launches": 4}, workers=1,
+                                        batch=[1], datasets=["humaneval"]))
+    outcome = run_study(spec)
+    keys = {config_key(r.config) for r in outcome.results}
+    assert "5,1,6" in keys and len(keys) == 4 and all(r.ok for r in outcome.results)

@@ -109,3 +109,11 @@ def test_a_saved_spec_loads_back_as_the_same_study(tmp_path):
     assert again.datasets[1].path == str((data / "p.jsonl").resolve())
     assert again.server_flags == {"--trust-remote-code": None}
     assert again.batch == spec.batch and again.model == spec.model
+
+
+def test_api_key_env_must_be_a_variable_name(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\n"
+                    "api_key_env: 'KEY); rm -rf ~ #'\n")
+    with pytest.raises(TreetuneError, match="not an environment variable name"):
+        load_study(path)

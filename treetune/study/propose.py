@@ -55,6 +55,13 @@ def nearest_config(space: SearchSpace, steps: int, topk: int, draft_tokens: int)
                                                + abs(c.draft_tokens - draft_tokens) / 8))
 
 
+def _holds(distribution: BaseDistribution, value: int) -> bool:
+    if isinstance(distribution, CategoricalDistribution):
+        return value in distribution.choices
+    assert isinstance(distribution, IntDistribution)
+    return distribution.low <= value <= distribution.high
+
+
 def params_of(config: TreeConfig) -> dict[str, int]:
     return {"steps": config.steps, "topk": config.topk, "draft_tokens": config.draft_tokens}
 
@@ -98,10 +105,13 @@ class TPEProposer:
         self.parked.setdefault(key, []).extend(proposal_trials)
         told = {batch for batch, _, _ in self.parked[key]}
         assert isinstance(result.config, TreeConfig)
+        params = params_of(result.config)
+        # A compared tree may lie outside the space's ranges: it is measured and can be
+        # recommended, but the samplers' distributions cannot hold it.
+        representable = all(_holds(self.distributions[k], v) for k, v in params.items())
         for batch in self.store.batch_studies:
-            if batch not in told:
-                self.store.record(batch, None, params_of(result.config), self.distributions,
-                                  result, baseline)
+            if batch not in told and representable:
+                self.store.record(batch, None, params, self.distributions, result, baseline)
         self.baseline = baseline
         self.flush(key)
 

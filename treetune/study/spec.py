@@ -115,6 +115,10 @@ class StudySpec:
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):
             raise ValueError(f"datasets are listed twice: {names}")
+        if self.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*",
+                                                             self.api_key_env):
+            raise ValueError(f"api_key_env '{self.api_key_env}' is not an environment "
+                             "variable name")
         for flag in self.server_flags:
             if not flag.startswith("--"):
                 raise ValueError(f"server_flags: '{flag}' must start with '--'")
