@@ -4,35 +4,10 @@ import json
 import shlex
 import subprocess
 
+from synthetic import BASE, NARROW, WIDE, spec
+
 from treetune.config import BASELINE, TreeConfig
-from treetune.results import CellResult, LaunchResult
 from treetune.study.recommend import pools_advice, recommend, write_outputs
-from treetune.study.spec import load_study
-
-DATASETS = ["sharegpt", "humaneval"]  # built-in names; only the measured numbers matter
-
-
-def launch(config, per_batch):
-    """per_batch: {batch: {dataset: tok/s}}"""
-    cells = [CellResult(d, b, tput, None, 10, 100, 1.0, None, None)
-             for b, row in per_batch.items() for d, tput in row.items()]
-    return LaunchResult(config, ok=True, cells=cells)
-
-
-def spec(tmp_path, **over):
-    base = {"name": "t", "model": "/models/My Model $(touch pwned)", "draft": "org/draft",
-            "datasets": DATASETS, "batch": [1, 32], "output": str(tmp_path / "out"),
-            "server_flags": {"--attention-backend": "triton", "--trust-remote-code": None},
-            "env": {"SGLANG_ENABLE_SPEC_V2": "1"}}
-    return load_study(None, {**base, **over})
-
-
-BASE = launch(BASELINE,
-              {1: {"sharegpt": 100, "humaneval": 100}, 32: {"sharegpt": 1000, "humaneval": 1000}})
-WIDE = launch(TreeConfig(3, 4, 8),
-              {1: {"sharegpt": 150, "humaneval": 170}, 32: {"sharegpt": 1300, "humaneval": 890}})
-NARROW = launch(TreeConfig(5, 1, 6),
-                {1: {"sharegpt": 130, "humaneval": 140}, 32: {"sharegpt": 1100, "humaneval": 1020}})
 
 
 def by(recs, workload, batch):
