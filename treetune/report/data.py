@@ -7,13 +7,17 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import optuna
+
 from treetune.config import TreeConfig
 from treetune.errors import TreetuneError
 from treetune.results import LaunchResult
 from treetune.study.recommend import Recommendation, recommend
 from treetune.study.runner import SPEC_COPY
-from treetune.study.spec import StudySpec, load_study
-from treetune.study.storage import StudyStore, speedups
+from treetune.study.spec import StudySpec, load_study, study_from_mapping
+from treetune.study.storage import SPEC_ATTR, StudyStore, speedups
+
+LAUNCHES = ":launches"
 
 
 @dataclass(frozen=True)
@@ -78,18 +82,42 @@ class StudyData:
                      if r.batch == batch and r.workload == workload), None)
 
 
-def load_study_data(folder: str | Path) -> StudyData:
-    """A study folder written by `treetune search` (it holds study.yaml and the storage);
-    works while the search is still running."""
-    folder = Path(folder)
-    spec_path = folder / SPEC_COPY
-    if not spec_path.is_file():
-        raise TreetuneError(f"{folder} is not a treetune study folder: no {SPEC_COPY} in it "
-                            "(run `treetune search` with --output pointing there first)")
-    spec = load_study(spec_path)
+def load_study_data(source: str | Path, study: str | None = None) -> StudyData:
+    """A study folder written by `treetune search`, or an Optuna storage URL (with the
+    study's name when the storage holds several); works while the search still runs."""
+    text = str(source)
+    if "://" in text:
+        spec = _spec_from_storage(text, study)
+        folder = spec.output_dir
+    else:
+        folder = Path(source)
+        spec_path = folder / SPEC_COPY
+        if not spec_path.is_file():
+            raise TreetuneError(f"{folder} is not a treetune study folder: no {SPEC_COPY} in "
+                                "it (run `treetune search` with --output pointing there)")
+        spec = load_study(spec_path)
     store = StudyStore(spec)
     results = store.results()
     baseline = next((r for r in results if r.ok and not isinstance(r.config, TreeConfig)),
                     None)
     recs = recommend(spec, results, baseline) if baseline else []
     return StudyData(spec, results, baseline, recs, spec.storage_url, folder)
+
+
+def _spec_from_storage(url: str, study: str | None) -> StudySpec:
+    try:
+        names = [s.study_name for s in optuna.get_all_study_summaries(url)]
+    except Exception as exc:  # SQLAlchemy raises many kinds
+        raise TreetuneError(f"cannot open study storage {url}: {exc}") from None
+    studies = sorted(n.removesuffix(LAUNCHES) for n in names if n.endswith(LAUNCHES))
+    if study is None and len(studies) == 1:
+        study = studies[0]
+    if study not in studies:
+        raise TreetuneError(f"{url} holds the treetune studies {', '.join(studies) or '(none)'}"
+                            "; name one" + (f" (not '{study}')" if study else ""))
+    attrs = optuna.load_study(study_name=f"{study}{LAUNCHES}", storage=url).user_attrs
+    if SPEC_ATTR not in attrs:
+        raise TreetuneError(f"study '{study}' in {url} predates specs kept in storage; open "
+                            "its output folder instead")
+    spec = study_from_mapping(attrs[SPEC_ATTR], f"{url} ({study})", Path("."))
+    return spec.replace(storage=url)

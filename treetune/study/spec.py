@@ -226,16 +226,18 @@ class _SpecFile:
 
 def load_study(path: str | Path | None, overrides: dict[str, Any] | None = None) -> StudySpec:
     """A study from a YAML file (or none), with command-line overrides applied on top."""
-    data: dict[str, Any] = {}
-    where: Path | str = "command line"
-    base = Path(".")
-    if path is not None:
-        where = Path(path)
-        loaded = load_yaml(where)
-        if not isinstance(loaded, dict):
-            raise ConfigFileError(where, "a study file must be a mapping of fields")
-        data = loaded
-        base = where.parent
+    if path is None:
+        return study_from_mapping({}, "command line", Path("."), overrides)
+    loaded = load_yaml(path)
+    if not isinstance(loaded, dict):
+        raise ConfigFileError(path, "a study file must be a mapping of fields")
+    return study_from_mapping(loaded, Path(path), Path(path).parent, overrides)
+
+
+def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
+                       overrides: dict[str, Any] | None = None) -> StudySpec:
+    """A study from already-parsed fields; `where` names their source in errors."""
+    path = where if isinstance(where, Path) else None
     raw = build(_SpecFile, data, where)
     merged = dataclasses.asdict(raw)
     sections = {"budget": Budget, "backend": Backend, "measurement": Measurement}

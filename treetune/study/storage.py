@@ -28,6 +28,7 @@ from treetune.study.spec import StudySpec
 RESULT_ATTR = "launch_result"
 CONFIG_ATTR = "config"
 FINGERPRINT_ATTR = "spec_fingerprint"
+SPEC_ATTR = "spec"
 STALE_REASON = "stale: the search that ran this launch stopped before it finished"
 
 
@@ -70,6 +71,7 @@ class StudyStore:
         stored = self.launches.user_attrs.get(FINGERPRINT_ATTR)
         if stored is None:
             self.launches.set_user_attr(FINGERPRINT_ATTR, spec.fingerprint())
+            self.launches.set_user_attr(SPEC_ATTR, spec.to_dict())  # readable from the URL
             self.launches.set_user_attr("datasets", spec.dataset_names)
             self.launches.set_user_attr("batch", list(spec.batch))
         elif stored != spec.fingerprint():
