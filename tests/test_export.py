@@ -11,7 +11,8 @@ import yaml
 from synthetic import BASE, NARROW, WIDE, launch, spec
 
 from treetune.config import TreeConfig
-from treetune.study.export import config_mapping, supports_config_file
+from treetune.launch import supports_config_file
+from treetune.study.export import config_mapping
 from treetune.study.recommend import recommend, write_outputs
 
 SECRET = "sk-do-not-leak-4242"

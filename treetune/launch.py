@@ -17,6 +17,14 @@ from treetune.errors import TreetuneError
 
 DEFAULT_SGLANG_VERSION = "0.5.23"
 CUDA_GRAPH_FLAG_SPLIT = (0, 5, 10)
+# `python -m sglang.launch_server --config FILE.yaml` first shipped in SGLang 0.5.3: the 0.5.2
+# wheel's srt/server_args.py has no --config, 0.5.3's has it and
+# srt/server_args_config_parser.py (sgl-project/sglang PR #10534, "Initial support for input
+# config files", Sept 2025). From 0.5.3 to 0.5.23 each key becomes `--{key}` verbatim, so keys
+# are the long flag names with dashes; `true` on a store-true flag becomes the bare flag;
+# other values are passed as str(value); the file must end in .yaml or .yml; the file's
+# arguments go before the command line's, so flags on the command line win.
+CONFIG_FILE_SINCE = (0, 5, 3)
 ALGORITHMS = ("EAGLE3", "EAGLE", "NEXTN", "STANDALONE")
 
 
@@ -51,6 +59,11 @@ class LaunchSpec:
             raise TreetuneError(
                 f"speculative algorithm '{self.algorithm}' is not one of {', '.join(ALGORITHMS)}"
             )
+
+
+def supports_config_file(sglang_version: str) -> bool:
+    """Whether `launch_server --config FILE` exists in this SGLang version."""
+    return parse_version(sglang_version) >= CONFIG_FILE_SINCE
 
 
 def cuda_graph_flag(sglang_version: str) -> str:

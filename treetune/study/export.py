@@ -14,27 +14,14 @@ import yaml
 
 from treetune.config import BASELINE, ServerConfig
 from treetune.errors import TreetuneError
-from treetune.launch import parse_version, shell_line
+from treetune.launch import shell_line, supports_config_file
 from treetune.study.recommend import MIXED, Recommendation, launch_argv, pools_advice
 from treetune.study.spec import StudySpec
-
-# `python -m sglang.launch_server --config FILE.yaml` first shipped in SGLang 0.5.3: the 0.5.2
-# wheel's srt/server_args.py has no --config, 0.5.3's has it and
-# srt/server_args_config_parser.py (sgl-project/sglang PR #10534, "Initial support for input
-# config files", Sept 2025). From 0.5.3 to 0.5.23 each key becomes `--{key}` verbatim, so keys
-# are the long flag names with dashes; `true` on a store-true flag becomes the bare flag;
-# other values are passed as str(value); the file must end in .yaml or .yml; the file's
-# arguments go before the command line's, so flags on the command line win.
-CONFIG_FILE_SINCE = (0, 5, 3)
 
 POOLS_FILE = "POOLS.md"
 SERVER_PORT_BASE = 30000  # pool i serves on 30000 + i
 ROUTER_PORT_BASE = 31000  # its router on 31000 + i
 ROUTER_METRICS_PORT_BASE = 29000  # the router's Prometheus port defaults to 29000: one each
-
-
-def supports_config_file(sglang_version: str) -> bool:
-    return parse_version(sglang_version) >= CONFIG_FILE_SINCE
 
 
 def config_name(rec: Recommendation) -> str:
