@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
 import subprocess
+import sys
+import types
 import zlib
 from pathlib import Path
 
@@ -16,6 +19,8 @@ from treetune.config import TreeConfig
 from treetune.report import figures
 from treetune.report.data import load_study_data
 from treetune.report.html import write_report
+from treetune.study.runner import SPEC_COPY
+from treetune.study.storage import StudyStore
 
 pytestmark = pytest.mark.slow
 WIDE, NARROW = TreeConfig(3, 4, 8), TreeConfig(5, 1, 6)
@@ -66,6 +71,17 @@ def test_every_figure_has_its_title_and_traces(data, maker, title, min_traces):
     assert len(fig.data) >= min_traces
 
 
+def test_speedup_vs_tree_size_keeps_one_colour_and_legend_entry_per_topk(data):
+    fig = figures.speedup_vs_tree_size(data)
+    colours: dict[str, set[str]] = {}
+    for trace in fig.data:
+        colours.setdefault(trace.name, set()).add(trace.line.color)
+    assert colours and all(len(c) == 1 for c in colours.values()), colours
+    assert len({next(iter(c)) for c in colours.values()}) == len(colours)
+    legend = [t.name for t in fig.data if t.showlegend is not False]
+    assert sorted(legend) == sorted(colours), "each topk is named in the legend once"
+
+
 def test_optimization_history_comes_from_the_batch_study(data):
     fig = figures.optimization_history(data, 32)
     assert fig.layout.title.text.startswith("Optimization history")
@@ -114,6 +130,54 @@ def test_report_on_a_study_without_a_baseline_still_writes_an_index(small_study,
     result = write_report(data, tmp_path)
     assert result.index.is_file() and not result.figures
     assert any("no baseline" in n for n in result.notices)
+
+
+def test_report_without_an_image_exporter_skips_pngs_with_a_one_line_notice(
+        data, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kaleido", None)  # import kaleido fails
+    result = write_report(data, tmp_path)
+    assert result.figures and not result.pngs and not list(tmp_path.glob("*.png"))
+    notice = next(n for n in result.notices if n.startswith("PNGs skipped"))
+    assert "\n" not in notice and "kaleido" in notice
+
+
+def test_a_failing_image_exporter_still_leaves_the_html_report(data, tmp_path, monkeypatch):
+    import plotly.io
+
+    def no_browser(*args, **kwargs):
+        raise RuntimeError("Chrome not found\nsecond line of advice")
+
+    monkeypatch.setitem(sys.modules, "kaleido", types.ModuleType("kaleido"))
+    monkeypatch.setattr(plotly.io, "write_images", no_browser)
+    result = write_report(data, tmp_path)
+    assert result.index.is_file() and result.figures and not result.pngs
+    assert any(n.startswith("PNGs skipped") and "Chrome not found" in n and "\n" not in n
+               for n in result.notices)
+
+
+def test_report_on_a_study_folder_whose_baseline_is_not_measured_yet_succeeds(
+        small_study, tmp_path, capsys):
+    """A search in progress: the compared trees finished before the baseline."""
+    data = load_study_data(small_study)
+    spec = data.spec.replace(output=str(tmp_path / "study"))
+    spec.save(spec.output_dir / SPEC_COPY)
+    store = StudyStore(spec)
+    wide = next(r for r in data.results if r.config == WIDE)
+    store.finish_launch(store.begin_launch(wide.config, wide.flags), wide)
+    main(["report", str(spec.output_dir)])
+    index = (spec.output_dir / "report" / "report.html").read_text()
+    assert "no baseline has been measured yet" in index and WIDE.label() in index
+    assert "no baseline" in capsys.readouterr().err
+    assert [p.name for p in (spec.output_dir / "report").iterdir()] == ["report.html"]
+
+
+def test_recommendations_whose_scripts_are_not_written_yet_are_not_linked(data, tmp_path):
+    """While the search runs, recommendations exist before their launch scripts."""
+    running = dataclasses.replace(data, folder=tmp_path / "study")
+    result = write_report(running, tmp_path / "report")
+    index = result.index.read_text()
+    assert "launch/" not in re.sub(r"<p class=\"notice\">.*?</p>", "", index)
+    assert any("launch scripts are not written yet" in n for n in result.notices)
 
 
 def png_colours(path: Path) -> int:

@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable
 
 import optuna
+import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -18,6 +19,7 @@ from treetune.report.data import ConfigRow, StudyData
 
 RED, GREEN, GREY, BLUE = "#d62728", "#2ca02c", "#7f7f7f", "#1f77b4"
 ORANGE, PURPLE = "#ff7f0e", "#9467bd"
+PALETTE = plotly.colors.qualitative.Plotly
 
 
 def _hover(rows: list[ConfigRow]) -> str:
@@ -121,6 +123,10 @@ def speedup_vs_tree_size(data: StudyData) -> go.Figure:
     batches = _batches(data)
     fig = make_subplots(rows=1, cols=len(batches), shared_yaxes=True,
                         subplot_titles=[f"batch {b}" for b in batches])
+    # One colour per topk in every subplot: the legend names each topk once.
+    topks = sorted({r.config.topk for r in data.rows()})
+    colours = {k: PALETTE[i % len(PALETTE)] for i, k in enumerate(topks)}
+    shown: set[int] = set()
     for col, batch in enumerate(batches, start=1):
         rows = data.rows(batch)
         for topk in sorted({r.config.topk for r in rows}):
@@ -129,8 +135,9 @@ def speedup_vs_tree_size(data: StudyData) -> go.Figure:
             fig.add_trace(go.Scatter(
                 x=[r.config.draft_tokens for r in members], y=[r.mean_speedup for r in members],
                 mode="lines+markers", name=f"topk {topk}", legendgroup=f"topk {topk}",
-                showlegend=col == 1, hovertext=[_hover([r]) for r in members],
-                hoverinfo="text"), row=1, col=col)
+                showlegend=topk not in shown, line={"color": colours[topk]},
+                hovertext=[_hover([r]) for r in members], hoverinfo="text"), row=1, col=col)
+            shown.add(topk)
         fig.add_hline(y=1.0, line_dash="dot", line_color=GREY, row=1, col=col)
         fig.update_xaxes(title_text="draft tokens", row=1, col=col)
     fig.update_yaxes(title_text="mean speedup", row=1, col=1)

@@ -38,6 +38,12 @@ def write_report(data: StudyData, out_dir: Path) -> ReportOutcome:
         outcome.pngs, notice = _pngs(figures, out_dir)
         if notice:
             outcome.notices.append(notice)
+    unwritten = [r.script_name for r in data.recommendations
+                 if not (data.folder / r.script_name).is_file()]
+    if unwritten:
+        outcome.notices.append(f"{len(unwritten)} launch scripts are not written yet "
+                               f"({', '.join(unwritten)}): `treetune search` writes them when "
+                               "it finishes")
     outcome.index.write_text(_index(data, outcome, out_dir))
     return outcome
 
@@ -48,15 +54,20 @@ def _pngs(figures: dict, out_dir: Path) -> tuple[list[Path], str | None]:
     except ImportError:
         return [], ("PNGs skipped: no static-image exporter (pip install kaleido, with a "
                     "system Chromium)")
-    written = []
+    import plotly.io as pio
+
+    paths = [out_dir / f"{name}.png" for name in figures]
     try:
-        for name, fig in figures.items():
-            path = out_dir / f"{name}.png"
-            fig.write_image(path, width=1200, height=700)
-            written.append(path)
+        if hasattr(pio, "write_images"):  # plotly >= 6.1 with kaleido >= 1
+            # One browser for every figure: kaleido starts Chromium once per call.
+            pio.write_images(list(figures.values()), paths, width=1200, height=700)
+        else:
+            for fig, path in zip(figures.values(), paths, strict=True):
+                fig.write_image(path, width=1200, height=700)
     except Exception as exc:  # kaleido without a usable Chromium, among others
-        return written, f"PNGs skipped: the image exporter failed ({type(exc).__name__}: {exc})"
-    return written, None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return [], f"PNGs skipped: the image exporter failed ({type(exc).__name__}: {first})"
+    return paths, None
 
 
 def _index(data: StudyData, outcome: ReportOutcome, out_dir: Path) -> str:
@@ -68,13 +79,14 @@ def _index(data: StudyData, outcome: ReportOutcome, out_dir: Path) -> str:
         link = os.path.relpath(script, out_dir)
         tree = "no speculation" if rec.config is BASELINE else rec.config.label()
         speedups = ", ".join(f"{e(d)} {s:.3f}" for d, s in rec.speedups.items())
+        cell = f"<a href=\"{e(link)}\">{e(tree)}</a>" if script.is_file() else e(tree)
         rows.append(f"<tr><td>{e(rec.workload)}</td><td>{rec.batch}</td>"
-                    f"<td><a href=\"{e(link)}\">{e(tree)}</a></td><td>{speedups}</td>"
-                    f"<td>{e(rec.reason)}</td></tr>")
+                    f"<td>{cell}</td><td>{speedups}</td><td>{e(rec.reason)}</td></tr>")
     figures = "".join(f"<li><a href=\"{e(p.name)}\">{e(p.stem)}</a></li>"
                       for p in outcome.figures)
     notices = "".join(f"<p class=\"notice\">{e(n)}</p>" for n in outcome.notices)
     failed = "".join(f"<li>{e(r.config.label())}: {e(r.reason)}</li>" for r in data.failed)
+    measured = ", ".join(e(r.config.label()) for r in data.results if r.ok) or "none yet"
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>treetune report: {e(spec.name)}</title>
 <style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:4px 10px;text-align:left}}
@@ -84,6 +96,7 @@ tr:nth-child(even){{background:#f4f4f4}}.notice{{color:#a15c00}}</style></head><
 datasets {e(", ".join(spec.dataset_names))}; batch sizes {e(", ".join(map(str, spec.batch)))};
 {len(data.results)} launches ({len(data.failed)} failed); tolerance {spec.tolerance:g}.</p>
 {notices}
+<p>Measured: {measured}.</p>
 <h2>Recommendations</h2>
 <p>Each tree links to its launch script (<code>python -m sglang.launch_server ...</code>).</p>
 <table><tr><th>workload</th><th>batch</th><th>tree (steps, topk, draft tokens)</th>
