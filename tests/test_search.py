@@ -6,17 +6,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
-import time
-from pathlib import Path
 
 import optuna
 import pytest
-import yaml
 from optuna.trial import TrialState
+from studykit import small_study
 
 from treetune.results import config_key
 from treetune.study.recommend import recommend, write_outputs
@@ -34,33 +30,6 @@ def ray_tmpdir(monkeypatch):
     monkeypatch.setenv("TREETUNE_RAY_TMPDIR", path)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     return path
-
-
-def small_study(tmp_path: Path, **over) -> dict:
-    base = {
-        "name": "small", "model": f"{tmp_path}/model-under-test", "draft": "org/draft",
-        "tp": 4, "datasets": ["humaneval", "mt-bench"], "batch": [1, 8],
-        "space": "bench-speculative", "budget": {"launches": 5}, "workers": 2, "seed": 3,
-        "backend": {"kind": "emulator", "profile": "qwen3-coder-next-h200",
-                    "time_scale": 20.0, "load_time_s": 10.0, "noise": False},
-        "measurement": {"duration_s": 6.0, "repeats": 2, "startup_timeout_s": 30.0},
-        "compare": ["3,4,8"], "output": str(tmp_path / "out"),
-    }
-    return {**base, **over}
-
-
-def server_processes(marker: str) -> list[int]:
-    """Pids of live processes whose command line holds `marker`."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if marker in cmdline and "treetune.emulator" in cmdline:
-                pids.append(int(entry.name))
-    return pids
 
 
 @pytest.fixture(scope="module")
@@ -133,42 +102,6 @@ def test_a_changed_spec_is_refused_before_any_launch(finished):
     changed = spec.replace(batch=(1, 16))
     with pytest.raises(Exception, match="different spec"):
         StudyStore(changed)
-
-
-def test_ctrl_c_stops_every_server_and_leaves_no_running_trial(tmp_path):
-    study = small_study(tmp_path, budget={"launches": 6}, workers=2)
-    path = tmp_path / "study.yaml"
-    path.write_text(yaml.safe_dump(study))
-    marker = str(tmp_path)
-    cmd = [sys.executable, "-m", "treetune", "search", "--study", str(path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ}, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not server_processes(marker) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert server_processes(marker), "no server started"
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        _out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, err.decode()[-2000:]
-    assert "rerun the same command to resume" in err.decode()
-    deadline = time.monotonic() + 15
-    while server_processes(marker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not server_processes(marker), "a server outlived the search"
-    spec = load_study(path)
-    for name in ("small:launches", "small:batch-1", "small:batch-8"):
-        study_ = optuna.load_study(study_name=name, storage=spec.storage_url)
-        assert not study_.get_trials(states=(TrialState.RUNNING,)), name
-    done_before = {config_key(r.config) for r in StudyStore(spec).results()}
-    resumed = run_study(spec)
-    keys = [config_key(r.config) for r in resumed.results]
-    assert len(keys) == len(set(keys)) == 6
-    assert done_before <= set(keys)
 
 
 def test_the_sglang_backend_runs_the_same_code_pointed_at_the_emulator(tmp_path):

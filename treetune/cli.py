@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import statistics
@@ -219,6 +220,11 @@ def search(
     output: Annotated[str | None, typer.Option("--output", "-o",
                                                help="Output folder (default runs/<name>).")]
     = None,
+    host: Annotated[str | None, typer.Option(help="Address servers listen on (default "
+                                             "127.0.0.1; others are warned about).")] = None,
+    api_key_env: Annotated[str | None, typer.Option(
+        help="Environment variable holding SGLang's --api-key; the key itself is never "
+        "written anywhere.")] = None,
 ) -> None:
     """Search for the best tree per batch size and workload, and write launch commands.
 
@@ -240,14 +246,18 @@ def search(
         "space": space, "budget": {"launches": budget_launches, "wall_time_s": budget_time},
         "tolerance": tolerance, "backend": backend_over, "ray_address": ray_address,
         "workers": workers, "storage": storage, "seed": seed, "compare": compare,
-        "output": output,
+        "output": output, "host": host, "api_key_env": api_key_env,
     })
     out.print(f"study [bold]{spec.name}[/bold]: {spec.model} + {spec.draft}, batch "
               f"{', '.join(map(str, spec.batch))}, datasets {', '.join(spec.dataset_names)}, "
               f"backend {spec.backend.kind}"
               + (f" ({spec.backend.profile})" if spec.backend.profile else "")
               + f", storage {spec.storage_url}")
-    outcome = _run_with_progress(spec, run_study)
+    if not is_loopback(spec.host):
+        err.print(f"[bold yellow]warning:[/bold yellow] servers will listen on {spec.host}, "
+                  "reachable from other machines: anyone who can reach this host can use "
+                  "them (set api_key_env to require a key)", highlight=False)
+    outcome = _run_with_progress(spec, run_study)  # SIGTERM stops it as Ctrl-C does
     if outcome.baseline is not None:
         recs = recommend(spec, outcome.results, outcome.baseline)
         write_outputs(spec, recs, spec.output_dir)
@@ -260,21 +270,35 @@ def search(
         raise TreetuneError("no baseline was measured, so there is nothing to recommend")
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _run_with_progress(spec: StudySpec, run_study: Callable[..., StudyOutcome]) -> StudyOutcome:
+    """Run the study with a progress bar, shown from its first event: a study refused
+    before it starts (locked storage, bad input) prints its error alone."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("launches"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TimeElapsedColumn(), TextColumn("{task.description}"))
-    with Progress(*columns, console=err, transient=False) as bar:
-        task = bar.add_task("", total=spec.budget.launches)
+    bar = Progress(*columns, console=err, transient=False)
+    task = bar.add_task("", total=spec.budget.launches)
 
-        def show(p: StudyProgress) -> None:
-            best = "  ".join(f"b{b}: {c} {m:.3f}" for b, (c, m) in sorted(p.best.items()))
-            running = f" running {', '.join(p.running)}" if p.running else ""
-            bar.update(task, completed=p.launches_done,
-                       description=f"best {best or '-'} |{running} | {p.message}"[:160])
+    def show(p: StudyProgress) -> None:
+        if not bar.live.is_started:
+            bar.start()
+        best = "  ".join(f"b{b}: {c} {m:.3f}" for b, (c, m) in sorted(p.best.items()))
+        running = f" running {', '.join(p.running)}" if p.running else ""
+        bar.update(task, completed=p.launches_done, refresh=True,
+                   description=f"best {best or '-'} |{running} | {p.message}"[:160])
 
+    try:
         return run_study(spec, show)
+    finally:
+        bar.stop()
 
 
 def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommendation],

@@ -76,6 +76,8 @@ class LaunchResult:
     worker: str = ""
     started_at: float = 0.0
     finished_at: float = 0.0
+    attempts: int = 1  # servers started for this launch (a mid-benchmark crash is retried)
+    retried_because: str = ""  # why the first server was replaced, if it was
 
     def cell(self, dataset: str, batch: int) -> CellResult | None:
         return next((c for c in self.cells if c.dataset == dataset and c.batch == batch), None)
@@ -93,6 +95,8 @@ class LaunchResult:
             "worker": self.worker,
             "started_at": self.started_at,
             "finished_at": self.finished_at,
+            "attempts": self.attempts,
+            "retried_because": self.retried_because,
         }
 
     @classmethod
@@ -109,4 +113,6 @@ class LaunchResult:
             worker=data.get("worker", ""),
             started_at=data.get("started_at", 0.0),
             finished_at=data.get("finished_at", 0.0),
+            attempts=data.get("attempts", 1),
+            retried_because=data.get("retried_because", ""),
         )

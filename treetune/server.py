@@ -14,10 +14,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 from treetune.client import health_status
 from treetune.errors import TreetuneError
@@ -65,36 +67,46 @@ class ServerProcess:
     """One server process group, its address and its log."""
 
     def __init__(self, proc: subprocess.Popen[bytes], *, log_path: Path, host: str,
-                 port: int) -> None:
+                 port: int, pump: threading.Thread | None = None) -> None:
         self._proc = proc
+        self._pump = pump
         self.log_path = log_path
         self.host = host
         self.port = port
 
     @classmethod
     def start(cls, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None,
-              host: str = "127.0.0.1", port: int) -> ServerProcess:
+              host: str = "127.0.0.1", port: int,
+              secrets: tuple[str, ...] = ()) -> ServerProcess:
         """Start `argv` (which must make the server listen on `host:port`); returns at once.
 
         `env` is the server's whole environment (None: inherit ours). The server gets
         SIGKILL when the calling *thread* exits (Linux ties the parent-death signal to it),
-        so start servers from a thread that lives as long as they do.
+        so start servers from a thread that lives as long as they do. Each of `secrets` is
+        written to the log as `***` (SGLang logs its arguments, --api-key included).
         """
         if not argv:
             raise ValueError("empty server command")
         log_path = Path(log_path)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         wrapper = [sys.executable, "-m", "treetune.pdeathsig", "--ppid", str(os.getpid()), "--"]
+        secrets = tuple(s for s in secrets if s)
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
                 [*wrapper, *argv],
                 stdin=subprocess.DEVNULL,
-                stdout=log,
+                stdout=subprocess.PIPE if secrets else log,
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,  # its own process group: stop() reaches every child
             )
-        return cls(proc, log_path=log_path, host=host, port=port)
+        pump = None
+        if secrets:
+            assert proc.stdout is not None
+            pump = threading.Thread(target=_copy_redacted, args=(proc.stdout, log_path, secrets),
+                                    name=f"log-{proc.pid}", daemon=True)
+            pump.start()
+        return cls(proc, log_path=log_path, host=host, port=port, pump=pump)
 
     # ---- facts ------------------------------------------------------------------------
     @property
@@ -113,6 +125,8 @@ class ServerProcess:
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last `lines` lines of the server's log ('' if there is none yet)."""
+        if self._pump is not None and self._proc.returncode is not None:
+            self._pump.join(timeout=2)  # the last lines the server wrote before it exited
         try:
             with self.log_path.open("rb") as log:
                 log.seek(0, os.SEEK_END)
@@ -198,6 +212,17 @@ class ServerProcess:
             time.sleep(0.05)
 
 
+def _copy_redacted(source: IO[bytes], log_path: Path, secrets: tuple[str, ...]) -> None:
+    """Copy the server's output to its log line by line, each secret replaced by ***."""
+    encoded = [s.encode() for s in secrets]
+    with source, log_path.open("ab") as log:
+        for line in source:
+            for secret in encoded:
+                line = line.replace(secret, b"***")
+            log.write(line)
+            log.flush()
+
+
 def failure_reason(log_tail: str, exit_code: int | None) -> str:
     """One line saying why a server exited: the last log line that names an error."""
     lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
@@ -220,16 +245,17 @@ def _clip(line: str) -> str:
 def start_server(command: Callable[[int], list[str]], *, log_path: Path,
                  env: dict[str, str] | None = None, host: str = "127.0.0.1",
                  timeout_s: float, port: int | None = None, retries: int = 3,
-                 poll_s: float = 0.2) -> ServerProcess:
+                 poll_s: float = 0.2, secrets: tuple[str, ...] = ()) -> ServerProcess:
     """Start `command(port)` and wait until it is healthy.
 
     If the port turns out to be taken (the server exits with "address already in use"),
     retries up to `retries` times on another free port. Raises ServerStartError otherwise.
+    `secrets` never reach the log (see `ServerProcess.start`).
     """
     port = free_port(host) if port is None else port
     for attempt in range(retries + 1):
         server = ServerProcess.start(command(port), log_path=log_path, env=env, host=host,
-                                     port=port)
+                                     port=port, secrets=secrets)
         try:
             server.wait_ready(timeout_s, poll_s=poll_s)
             return server

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"emulating {settings.model_path} as profile '{profile.name}', "
         f"speculative config {settings.config}, max running requests "
         f"{settings.max_running_requests}, time scale {settings.time_scale:g}")
+    fields = ", ".join(f"{k}={v!r}" for k, v in server.server_args().items())
+    log(f"server_args=ServerArgs({fields})")  # as SGLang logs it, secrets and all
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
         # As uvicorn (SGLang) and aiohttp do: a relaunch on the same port must not wait for

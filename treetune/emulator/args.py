@@ -16,8 +16,8 @@ EMULATED_SGLANG_VERSION = "0.5.23"
 
 
 EMULATOR_KEYS = frozenset({"profile", "time_scale", "load_time", "seed", "noise",
-                           "crash_after_requests", "hang_on_startup", "emulate_version",
-                           "api_key"})
+                           "crash_after_requests", "hang_on_startup", "fail_on_startup",
+                           "emulate_version"})
 
 
 class LaunchError(Exception):
@@ -48,6 +48,7 @@ class EmulatorSettings:
     noise: bool
     crash_after_requests: int | None
     hang_on_startup: bool
+    fail_on_startup: bool
     sglang_version: str
     ignored_flags: list[str] = field(default_factory=list)
     raw_args: dict[str, object] = field(default_factory=dict)
@@ -73,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fault switch: exit abruptly once this many requests have arrived")
     emu.add_argument("--hang-on-startup", action="store_true",
                      help="fault switch: never become healthy")
+    emu.add_argument("--fail-on-startup", action="store_true",
+                     help="fault switch: exit with an error halfway through loading")
     emu.add_argument("--emulate-version", default=EMULATED_SGLANG_VERSION,
                      help="SGLang version reported by /server_info")
 
@@ -141,6 +144,7 @@ def parse(argv: list[str]) -> EmulatorSettings:
         noise=ns.noise,
         crash_after_requests=ns.crash_after_requests,
         hang_on_startup=ns.hang_on_startup,
+        fail_on_startup=ns.fail_on_startup,
         sglang_version=ns.emulate_version,
         ignored_flags=ignored,
         raw_args={k: v for k, v in vars(ns).items() if k not in EMULATOR_KEYS},

@@ -94,6 +94,12 @@ class EmulatedServer:
         if s.hang_on_startup:
             log("fault switch --hang-on-startup: loading never finishes")
             return
+        if s.fail_on_startup:
+            await asyncio.sleep(s.load_time / s.time_scale / 2)
+            log("fault switch --fail-on-startup: failing while loading")
+            print("RuntimeError: NCCL error: unhandled system error (emulated start-up "
+                  "failure)", file=sys.stderr, flush=True)
+            os._exit(1)
         await asyncio.sleep(s.load_time / s.time_scale)
         self.ready = True
         log("The server is fired up and ready to roll!")
@@ -113,11 +119,13 @@ class EmulatedServer:
             return web.Response(status=503, text="Server is loading")
         return web.Response(text="")
 
-    async def server_info(self, request: web.Request) -> web.Response:
+    def server_args(self) -> dict[str, Any]:
+        """The resolved launch arguments, as SGLang logs them at start-up and returns them
+        from /server_info: secrets included, as SGLang does (treetune must not keep them)."""
         s = self.settings
         config = s.config
         tree = config if isinstance(config, TreeConfig) else None
-        args = {
+        return {
             **s.raw_args,
             "model_path": s.model_path,
             "served_model_name": s.served_model_name,
@@ -133,9 +141,14 @@ class EmulatedServer:
             "attention_backend": s.attention_backend,
             "mem_fraction_static": s.mem_fraction_static or self.profile.server.mem_fraction_static,
             "enable_metrics": s.enable_metrics,
+            "api_key": s.api_key,
         }
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        s = self.settings
+        args = self.server_args()
         state: dict[str, Any] = {"last_gen_throughput": self.engine.last_gen_throughput}
-        if tree:
+        if isinstance(s.config, TreeConfig):
             state["avg_spec_accept_length"] = self.engine.avg_accept_length
         return web.json_response({
             **args,

@@ -3,10 +3,14 @@ workers in parallel until the budget is spent; every result is stored as it arri
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import signal
 import statistics
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,11 +20,13 @@ from treetune.results import LaunchResult, config_key
 from treetune.space import load_space
 from treetune.study.propose import Proposal, TPEProposer
 from treetune.study.spec import StudySpec
-from treetune.study.storage import StudyStore, speedups
+from treetune.study.storage import StudyStore, check_writable, speedups
 
 RESOURCE_TIMEOUT_S = 120.0  # how long to wait for Ray to place the workers
 EMULATED_GPU = "emulated_gpu"
 SPEC_COPY = "study.yaml"
+LOCK_FILE = ".treetune.lock"
+MAX_RESCHEDULES = 2  # a launch whose worker dies more often than this is recorded failed
 
 
 @dataclass
@@ -89,7 +95,8 @@ class _Ray:
             self.ray.shutdown()
 
 
-def _start_workers(ray: Any, spec: StudySpec) -> list[Any]:
+def _worker_options(ray: Any, spec: StudySpec) -> tuple[Any, int]:
+    """The launch-worker actor class, and how many GPU groups the cluster offers."""
     from treetune.study.worker import LaunchWorker
 
     if spec.backend.kind == "emulator":
@@ -105,20 +112,135 @@ def _start_workers(ray: Any, spec: StudySpec) -> list[Any]:
             f"the Ray cluster offers {available:g} {kind}, fewer than one group of tp={spec.tp}"
             + ("; without GPUs use the emulator: --backend emulator --profile NAME"
                if spec.backend.kind == "sglang" else ""))
+    # Restarts are ours to make: a dead worker's launch is rescheduled, not replayed by Ray.
+    return ray.remote(LaunchWorker).options(**options, max_restarts=0), groups
+
+
+def _start_workers(ray: Any, spec: StudySpec) -> tuple[Any, list[Any]]:
+    actor, groups = _worker_options(ray, spec)
     count = min(spec.workers or groups, groups)
-    actor = ray.remote(LaunchWorker).options(**options, max_restarts=0)
     workers = [actor.remote(spec, i) for i in range(count)]
     try:
         ray.get([w.ready.remote() for w in workers], timeout=RESOURCE_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
+        for worker in workers:
+            ray.kill(worker)
         raise TreetuneError(f"Ray could not place {count} workers of {spec.tp} GPUs within "
                             f"{RESOURCE_TIMEOUT_S:.0f} s") from None
-    return workers
+    except ray.exceptions.RayError as exc:
+        for worker in workers:
+            ray.kill(worker)
+        raise TreetuneError(f"a launch worker could not start: {_cause(exc)}") from None
+    return actor, workers
+
+
+def _cause(exc: BaseException) -> str:
+    """The one line that says why a Ray call failed (the remote exception's message)."""
+    cause = getattr(exc, "cause", None) or exc
+    lines = [line for line in str(cause).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(cause).__name__
+
+
+class _Pool:
+    """The launch workers: idle ones, and replacements for dead ones being placed."""
+
+    def __init__(self, ray: Any, actor: Any, workers: list[Any]) -> None:
+        self.ray, self.actor = ray, actor
+        self.idle = list(workers)
+        self.alive = len(workers)
+        self.starting: dict[Any, tuple[Any, float]] = {}  # ready ref -> (worker, deadline)
+        self.made = len(workers)
+
+    def replace(self, spec: StudySpec) -> None:
+        """Ask for a new worker in place of a dead one; it joins when Ray places it."""
+        worker = self.actor.remote(spec, self.made)
+        self.made += 1
+        self.starting[worker.ready.remote()] = (worker, time.monotonic() + RESOURCE_TIMEOUT_S)
+
+    def settle(self, refs: list[Any]) -> list[str]:
+        """Take in replacements that are ready; give up on those Ray cannot place."""
+        notes = []
+        for ref in refs:
+            worker, _ = self.starting.pop(ref)
+            try:
+                self.ray.get(ref)
+                self.idle.append(worker)
+                self.alive += 1
+                notes.append("a replacement worker joined")
+            except self.ray.exceptions.RayError as exc:
+                self.ray.kill(worker)
+                notes.append(f"a replacement worker failed: {_cause(exc)}")
+        now = time.monotonic()
+        for ref, (worker, deadline) in list(self.starting.items()):
+            if now > deadline:
+                del self.starting[ref]
+                self.ray.kill(worker)
+                notes.append("no node could take a replacement worker: going on with "
+                             f"{self.alive}")
+        return notes
+
+    def shutdown(self) -> None:
+        for worker, _ in self.starting.values():
+            self.ray.kill(worker)
+        self.starting.clear()
+
+
+@contextlib.contextmanager
+def study_lock(spec: StudySpec) -> Iterator[None]:
+    """Hold the study's output folder for this search: two searches of one study would
+    mark each other's running launches stale. Also proves the folder writable, before any
+    server is launched."""
+    folder = spec.output_dir
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        check_writable(folder)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise TreetuneError(f"the output folder {folder} is not writable ({exc.strerror}); "
+                            "choose another with --output or fix its permissions") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise TreetuneError(
+                f"another treetune search (pid {holder}) is running study '{spec.name}' in "
+                f"{folder}; wait for it to finish or stop it, then rerun to resume") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def run_study(spec: StudySpec, on_progress: Callable[[Progress], None] | None = None,
               store: StudyStore | None = None) -> StudyOutcome:
-    """Run (or resume) a study until its budget is spent or the space is exhausted."""
+    """Run (or resume) a study until its budget is spent or the space is exhausted.
+
+    SIGTERM stops it as Ctrl-C does: servers stopped, storage consistent, `interrupted` set.
+    """
+    previous = _stop_on_sigterm()
+    try:
+        with study_lock(spec):
+            return _run(spec, on_progress, store)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_on_sigterm() -> Any:
+    """Make SIGTERM raise KeyboardInterrupt (main thread only); returns the old handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
+         store: StudyStore | None) -> StudyOutcome:
     store = store or StudyStore(spec)
     space = load_space(spec.space)
     spec.save(spec.output_dir / SPEC_COPY)  # what `treetune report` reads back
@@ -136,14 +258,18 @@ def run_study(spec: StudySpec, on_progress: Callable[[Progress], None] | None = 
     in_flight: dict[Any, _Launch] = {}  # Ray object ref -> launch under way
     proposer = TPEProposer(store, space, spec.seed,
                            is_known=lambda k: k in results or any(
-                               config_key(x.config) == k for x in in_flight.values()))
+                               config_key(x.config) == k for x in in_flight.values()) or any(
+                               config_key(c) == k for c, _ in queue))
     base = baseline()
     if base is not None:
         for r in results.values():
             if isinstance(r.config, TreeConfig):
                 _update_best(progress, spec, r, base)
-    queue: list[ServerConfig] = [c for c in (BASELINE, *spec.compare)
-                                 if config_key(c) not in results]
+    # Launches to make before asking for proposals: the baseline and compared configs,
+    # and launches whose worker died (with the proposal that asked for them).
+    queue: list[tuple[ServerConfig, Proposal | None]] = [
+        (c, None) for c in (BASELINE, *spec.compare) if config_key(c) not in results]
+    reschedules: dict[str, int] = {}
     pending_tell: list[tuple[LaunchResult, Proposal | None]] = []
     deadline = (time.monotonic() + spec.budget.wall_time_s) if spec.budget.wall_time_s else None
 
@@ -158,16 +284,16 @@ def run_study(spec: StudySpec, on_progress: Callable[[Progress], None] | None = 
                             "server setup and start a new study")
     notify(progress)
     ray_session = _Ray(spec)
+    _stop_on_sigterm()  # ray.init installs its own SIGTERM handler, which just exits
     ray = ray_session.ray
     interrupted = False
+    pool: _Pool | None = None
     try:
-        workers = _start_workers(ray, spec)
-        idle = list(workers)
+        pool = _Pool(ray, *_start_workers(ray, spec))
         while True:
-            while idle and budget_left():
+            while pool.idle and budget_left():
                 if queue:
-                    config: ServerConfig = queue.pop(0)
-                    proposal = None
+                    config, proposal = queue.pop(0)
                 elif baseline() is None:
                     break  # speedups need the baseline before the search can learn
                 else:
@@ -175,30 +301,59 @@ def run_study(spec: StudySpec, on_progress: Callable[[Progress], None] | None = 
                     if proposal is None:
                         break
                     config = proposal.config
-                worker = idle.pop(0)
+                worker = pool.idle.pop(0)
                 trial = store.begin_launch(config, ())
                 ref = worker.run.remote(config_key(config), [])
                 in_flight[ref] = _Launch(config, trial, proposal, worker)
                 progress.running = [config_key(x.config) for x in in_flight.values()]
                 progress.message = f"launched {config} on a worker"
                 notify(progress)
-            if not in_flight:
+            if not in_flight and (pool.idle or not pool.starting):
+                if pool.alive == 0 and (queue or budget_left()):
+                    raise TreetuneError("every launch worker died and none could be replaced; "
+                                        "results so far are stored: rerun to resume")
                 break
-            done, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
-            for ref in done:
+            waiting = [*in_flight, *pool.starting]
+            done, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
+            for note in pool.settle([r for r in done if r in pool.starting]):
+                progress.message = note
+                notify(progress)
+            for ref in (r for r in done if r in in_flight):
                 launch = in_flight.pop(ref)
                 config, proposal = launch.config, launch.proposal
-                idle.append(launch.worker)
+                key = config_key(config)
                 try:
                     result = LaunchResult.from_dict(ray.get(ref))
+                except ray.exceptions.RayActorError as exc:
+                    # The worker process (or its node) died: its server died with it. The
+                    # launch is not a result: it is done again on another worker.
+                    pool.alive -= 1
+                    pool.replace(spec)
+                    store.abandon(launch.trial, store.launches,
+                                  f"worker died: {_cause(exc)}; rescheduled")
+                    reschedules[key] = reschedules.get(key, 0) + 1
+                    if reschedules[key] <= MAX_RESCHEDULES:
+                        queue.insert(0, (config, proposal))
+                        progress.message = f"a worker died running {config}: rescheduled"
+                        progress.running = [config_key(x.config) for x in in_flight.values()]
+                        notify(progress)
+                        continue
+                    result = LaunchResult(config, reason=f"its worker died {reschedules[key]} "
+                                          f"times: {_cause(exc)}")
+                    launch.trial = store.begin_launch(config, ())
                 except ray.exceptions.RayError as exc:
-                    result = LaunchResult(config, reason=f"worker failed: {exc}")
+                    result = LaunchResult(config, reason=f"worker failed: {_cause(exc)}")
+                    pool.idle.append(launch.worker)
+                else:
+                    pool.idle.append(launch.worker)
                 store.finish_launch(launch.trial, result)
-                results[config_key(config)] = result
+                results[key] = result
                 progress.launches_done = len(results)
                 progress.running = [config_key(x.config) for x in in_flight.values()]
                 progress.message = (f"measured {config}" if result.ok
                                     else f"{config} failed: {result.reason}")
+                if result.ok and result.attempts > 1:
+                    progress.message += f" (second server: {result.retried_because})"
                 if config is BASELINE and not result.ok:
                     raise TreetuneError(f"the baseline launch failed: {result.reason}\n"
                                         f"{result.log_tail}")
@@ -214,13 +369,17 @@ def run_study(spec: StudySpec, on_progress: Callable[[Progress], None] | None = 
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        unfinished = [*(x.proposal for x in in_flight.values()), *(p for _, p in queue)]
         for launch in in_flight.values():
             store.abandon(launch.trial, store.launches, "interrupted")
-            for batch, btrial, _ in (launch.proposal.trials if launch.proposal else []):
-                store.abandon(btrial, store.batch_studies[batch], "interrupted")
             ray.kill(launch.worker)  # its server dies with it (parent-death signal)
+        for proposal in unfinished:
+            for batch, btrial, _ in (proposal.trials if proposal else []):
+                store.abandon(btrial, store.batch_studies[batch], "interrupted")
         proposer.abandon_all("interrupted" if interrupted else "search ended")
         in_flight.clear()
+        if pool is not None:
+            pool.shutdown()
         ray_session.shutdown()
     return StudyOutcome(spec, list(results.values()), baseline(), interrupted, stale)
 

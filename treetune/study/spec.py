@@ -34,6 +34,46 @@ class Budget:
             raise ValueError("give budget.launches and/or budget.wall_time_s")
 
 
+FAULT_KINDS = ("startup", "hang", "crash")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault the emulator injects, to rehearse how a study survives it (emulator only).
+
+    startup: the server exits with an error while loading; hang: it never becomes healthy;
+    crash: it exits abruptly partway through the benchmark."""
+
+    kind: str
+    probability: float = 1.0  # per launch attempt, drawn from the attempt's seed
+    configs: tuple[str, ...] = ()  # config keys ("3,4,8", "baseline"); empty: every tree
+    attempts: int | None = None  # only a launch's first N attempts (None: all)
+    after_requests: int | None = None  # crash: after this many requests (None: at random
+    # within the benchmark)
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {', '.join(FAULT_KINDS)}, got "
+                             f"'{self.kind}'")
+        if not 0 <= self.probability <= 1:
+            raise ValueError(f"fault probability must be in [0, 1], got {self.probability}")
+        if self.attempts is not None and self.attempts < 1:
+            raise ValueError("fault attempts must be >= 1")
+        if self.after_requests is not None and (self.kind != "crash" or self.after_requests < 1):
+            raise ValueError("fault after_requests must be >= 1, for crash faults only")
+        for key in self.configs:
+            if key != "baseline":
+                try:
+                    TreeConfig.parse(key)
+                except InvalidTreeError as exc:
+                    raise ValueError(f"fault configs: {exc}") from None
+
+    def applies(self, config_key: str, attempt: int) -> bool:
+        if self.attempts is not None and attempt >= self.attempts:
+            return False
+        return config_key in self.configs if self.configs else config_key != "baseline"
+
+
 @dataclass(frozen=True)
 class Backend:
     kind: str = "sglang"
@@ -42,8 +82,16 @@ class Backend:
     load_time_s: float = 2.0  # emulator only: emulated model-loading time
     noise: bool = True  # emulator only: the profile's measurement noise
     python: str = "python"  # sglang only: interpreter that has sglang installed
+    faults: tuple[Fault, ...] = ()  # emulator only: injected faults
 
     def __post_init__(self) -> None:
+        # Rebuilt from plain mappings when the spec is copied field by field.
+        object.__setattr__(self, "faults", tuple(
+            f if isinstance(f, Fault) else Fault(**{**f, "configs": tuple(f.get("configs", ()))})
+            for f in self.faults))
+        if self.faults and self.kind != "emulator":
+            raise ValueError("backend.faults are injected by the emulator: they need "
+                             "backend.kind emulator")
         if self.kind not in BACKENDS:
             raise ValueError(f"backend.kind must be one of {', '.join(BACKENDS)}, got "
                              f"'{self.kind}'")

@@ -12,7 +12,9 @@ optuna-dashboard opens the storage as it is; rerunning a study resumes from it.
 from __future__ import annotations
 
 import json
+import sqlite3
 import statistics
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -51,6 +53,44 @@ def default_sampler(seed: int) -> optuna.samplers.BaseSampler:
                                       constant_liar=True)
 
 
+LOCK_WAIT_S = 5.0  # how long a locked SQLite storage is waited for before giving up
+
+
+def check_writable(folder: Path) -> None:
+    """Raise OSError unless a file can be created in `folder` (permission bits, read-only
+    mounts and immutable folders alike: root passes an access() check regardless)."""
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".treetune-probe-"):
+        pass
+
+
+def check_sqlite(url: str) -> None:
+    """Fail early and clearly when a SQLite storage cannot be written: its folder is
+    read-only, or another process holds the database locked."""
+    path = Path(url.removeprefix("sqlite:///"))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        check_writable(path.parent)
+    except OSError as exc:
+        raise TreetuneError(f"cannot write the study storage {path}: its folder "
+                            f"{path.parent} is not writable ({exc.strerror}); choose another "
+                            "--storage or --output, or fix the folder's permissions") from None
+    if not path.exists():
+        return
+    connection = sqlite3.connect(path, timeout=LOCK_WAIT_S)
+    try:
+        connection.execute("BEGIN IMMEDIATE")
+        connection.rollback()
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            raise TreetuneError(
+                f"the study storage {path} is locked by another process (still locked after "
+                f"{LOCK_WAIT_S:g} s); close whatever holds it (another treetune search, a "
+                "notebook or a sqlite3 shell writing to it) and rerun") from None
+        raise TreetuneError(f"cannot write the study storage {path}: {exc}") from None
+    finally:
+        connection.close()
+
+
 class StudyStore:
     def __init__(self, spec: StudySpec,
                  sampler_factory: Callable[[int], optuna.samplers.BaseSampler] | None = None
@@ -58,7 +98,7 @@ class StudyStore:
         self.spec = spec
         url = spec.storage_url
         if url.startswith("sqlite:///"):
-            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            check_sqlite(url)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         try:
             self.storage = optuna.storages.RDBStorage(

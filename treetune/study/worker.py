@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import random
 import socket
 import time
 from collections.abc import Coroutine
@@ -18,25 +19,51 @@ from treetune.launch import emulator_command, sglang_command
 from treetune.results import LaunchResult, config_from_key, config_key
 from treetune.study.spec import StudySpec
 
+MAX_ATTEMPTS = 2  # a server that crashes mid-benchmark is retried once on a fresh server
+
 
 def launch_command(spec: StudySpec, config: ServerConfig, flags: tuple[tuple[str, str], ...],
-                   port: int, seed: int) -> list[str]:
+                   port: int, attempt: int = 0, api_key: str | None = None) -> list[str]:
     """The server command for this backend; SGLang and the emulator get the same flags."""
     launch = spec.launch_spec(port=port)
+    if api_key:
+        flags = (*flags, ("--api-key", api_key))
     if spec.backend.kind == "emulator":
         assert spec.backend.profile is not None
+        seed = launch_seed(spec, config, attempt)
         extra = ["--time-scale", f"{spec.backend.time_scale:g}",
                  "--load-time", f"{spec.backend.load_time_s:g}", "--seed", str(seed)]
         if not spec.backend.noise:
             extra.append("--no-noise")
+        extra += fault_switches(spec, config, attempt)
         return emulator_command(config, launch, spec.backend.profile, flags, extra)
     return sglang_command(config, launch, flags, python=spec.backend.python)
 
 
 def launch_seed(spec: StudySpec, config: ServerConfig, attempt: int = 0) -> int:
-    """Reproducible per-launch randomness (the emulator's launch noise)."""
+    """Reproducible per-launch randomness (the emulator's launch noise and faults)."""
     text = f"{spec.seed}:{config_key(config)}:{attempt}"
     return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
+
+
+def fault_switches(spec: StudySpec, config: ServerConfig, attempt: int) -> list[str]:
+    """The emulator's fault switches for this launch attempt: the first rule that applies
+    and fires (drawn from the attempt's seed) decides."""
+    key = config_key(config)
+    rng = random.Random(launch_seed(spec, config, attempt) ^ 0x5EED)
+    for fault in spec.backend.faults:
+        roll = rng.random()  # drawn for every rule, so one rule's draws never shift another's
+        if not fault.applies(key, attempt) or roll >= fault.probability:
+            continue
+        if fault.kind == "startup":
+            return ["--fail-on-startup"]
+        if fault.kind == "hang":
+            return ["--hang-on-startup"]
+        # At random within the benchmark: every cell sends at least `batch` requests.
+        least = sum(spec.batch) * len(spec.datasets)
+        after = fault.after_requests or rng.randint(1, max(1, least - 1))
+        return ["--crash-after-requests", str(after)]
+    return []
 
 
 class LaunchWorker:
@@ -51,51 +78,85 @@ class LaunchWorker:
         self.logs.mkdir(parents=True, exist_ok=True)
 
     def ready(self) -> str:
+        """The worker's name, once it can launch: its node must hold the API key too."""
+        self.api_key()
         return self.name
 
-    def run(self, key: str, flags: list[list[str]], attempt: int = 0) -> dict:
-        """Launch, measure every cell, stop. Never raises for a server's failure: the
-        result says what happened, with the log tail."""
-        from treetune.server import ServerStartError, start_server
-
+    def run(self, key: str, flags: list[list[str]]) -> dict:
+        """Launch, measure every cell, stop. A server that crashes mid-benchmark is
+        replaced once by a fresh one, which measures only the cells still missing. Never
+        raises for a server's failure: the result says what happened, with the log tail."""
         config = config_from_key(key)
         flag_pairs = tuple((str(k), str(v)) for k, v in flags)
         result = LaunchResult(config, flag_pairs, worker=self.name, started_at=time.time())
+        for attempt in range(MAX_ATTEMPTS):
+            result.attempts = attempt + 1
+            if not self._attempt(result, attempt) or result.ok:
+                break  # a failed start is not retried: it would fail the same way
+            if attempt + 1 < MAX_ATTEMPTS:
+                result.retried_because = result.reason
+                result.reason = ""
+        result.finished_at = time.time()
+        return result.to_dict()
+
+    def _attempt(self, result: LaunchResult, attempt: int) -> bool:
+        """One server: start it, measure the missing cells, stop it. False if it never
+        became healthy."""
+        from treetune.server import ServerStartError, start_server
+
+        config, key = result.config, config_key(result.config)
         log_path = self.logs / f"{key.replace(',', '-')}{'-' + str(attempt) if attempt else ''}.log"
         env = {**os.environ, **self.spec.env}
-        seed = launch_seed(self.spec, config, attempt)
+        api_key = self.api_key()
         try:
             server = start_server(
-                lambda port: launch_command(self.spec, config, flag_pairs, port, seed),
+                lambda port: launch_command(self.spec, config, result.flags, port, attempt,
+                                            api_key),
                 log_path=log_path, env=env, host=self.spec.host,
-                timeout_s=self.spec.measurement.startup_timeout_s)
+                timeout_s=self.spec.measurement.startup_timeout_s,
+                secrets=(api_key,) if api_key else ())
         except ServerStartError as exc:
             result.reason = exc.reason
             result.exit_code = exc.exit_code
             result.log_tail = exc.log_tail
-            result.finished_at = time.time()
-            return result.to_dict()
+            return False
         try:
-            _run_coroutine(self._measure(server.base_url, result))
+            _run_coroutine(self._measure(server.base_url, result, api_key))
             result.ok = True
+            result.reason = ""
         except Exception as exc:  # the server died or stopped answering mid-benchmark
-            result.reason = f"benchmark failed: {exc}"
+            result.reason = f"benchmark failed: {_first_line(exc)}"
+            crashed = server.exit_code
             result.log_tail = server.log_tail(40)
+            if crashed is not None:
+                result.reason += f" (the server exited with code {crashed})"
         finally:
             code = server.stop()
             if not result.ok:
                 result.exit_code = code
-        result.finished_at = time.time()
-        return result.to_dict()
+        return True
 
-    async def _measure(self, base_url: str, result: LaunchResult) -> None:
+    def api_key(self) -> str | None:
+        """SGLang's --api-key, from the environment variable the study names."""
+        name = self.spec.api_key_env
+        if not name:
+            return None
+        value = os.environ.get(name)
+        if not value:
+            raise RuntimeError(f"api_key_env: the environment variable {name} is not set on "
+                               f"{socket.gethostname()}")
+        return value
+
+    async def _measure(self, base_url: str, result: LaunchResult, api_key: str | None) -> None:
+        """Measure every cell the result does not hold yet, adding each as it is done."""
         from treetune.client import ServerClient
         from treetune.loadgen import measure_cell
 
         m = self.spec.measurement
-        api_key = os.environ.get(self.spec.api_key_env) if self.spec.api_key_env else None
         for batch in sorted(self.spec.batch):
             for name, prompts in self.prompts.items():
+                if result.cell(name, batch) is not None:
+                    continue  # measured by an earlier server of this launch
                 async with ServerClient(base_url, api_key=api_key, dataset=name) as client:
                     if not result.server_info:
                         result.server_info = _public_info(await client.server_info())
@@ -110,6 +171,11 @@ def _run_coroutine(coroutine: Coroutine[Any, Any, None]) -> None:
     (its parent-death signal follows the thread that started it)."""
     with ThreadPoolExecutor(max_workers=1) as pool:
         pool.submit(asyncio.run, coroutine).result()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def _public_info(info: dict) -> dict:

@@ -1,0 +1,91 @@
+"""Faults of one launch, provoked for real by the emulator's fault switches: a server that
+exits during start-up, one that never becomes healthy, one that crashes mid-benchmark. The
+study records each with its cause and goes on."""
+
+from __future__ import annotations
+
+import pytest
+from optuna.trial import TrialState
+from studykit import server_processes, small_study
+
+from treetune.results import config_key
+from treetune.study.runner import run_study
+from treetune.study.spec import load_study
+from treetune.study.storage import StudyStore
+
+pytestmark = pytest.mark.slow
+WIDE = "3,4,8"
+
+
+def study(tmp_path, faults, **over):
+    data = small_study(tmp_path, budget={"launches": 4}, **over)
+    data["backend"] = {**data["backend"], "faults": faults}
+    return load_study(None, data)
+
+
+def by_key(outcome):
+    return {config_key(r.config): r for r in outcome.results}
+
+
+def test_a_server_exiting_during_startup_is_recorded_infeasible_and_the_study_goes_on(
+        tmp_path):
+    spec = study(tmp_path, [{"kind": "startup", "configs": [WIDE]}])
+    outcome = run_study(spec)
+    results = by_key(outcome)
+    assert len(results) == 4, "the study spent its whole budget"
+    failed = results[WIDE]
+    assert not failed.ok and failed.attempts == 1, "a failed start is not retried"
+    assert "NCCL error" in failed.reason and failed.exit_code == 1
+    assert "fault switch --fail-on-startup" in failed.log_tail
+    assert all(r.ok for k, r in results.items() if k != WIDE)
+    # Infeasible for every batch size: each dataset's constraint is violated.
+    store = StudyStore(spec)
+    for batch, bstudy in store.batch_studies.items():
+        trials = [t for t in bstudy.get_trials(states=(TrialState.COMPLETE,))
+                  if t.user_attrs.get("config") == WIDE]
+        assert trials, f"batch {batch} was not told"
+        assert all(c > 0 for t in trials for c in t.constraints.values())
+
+
+def test_a_server_that_never_becomes_healthy_is_killed_at_the_timeout(tmp_path):
+    over = {"measurement": {"duration_s": 6.0, "repeats": 2, "startup_timeout_s": 3.0},
+            "backend": {"kind": "emulator", "profile": "qwen3-coder-next-h200",
+                        "time_scale": 20.0, "load_time_s": 10.0, "noise": False}}
+    spec = study(tmp_path, [{"kind": "hang", "configs": [WIDE]}], **over)
+    outcome = run_study(spec)
+    failed = by_key(outcome)[WIDE]
+    assert not failed.ok and failed.reason == "not healthy after 3 s"
+    assert failed.exit_code is not None, "the hung server was killed"
+    assert len(outcome.results) == 4 and not server_processes(str(tmp_path))
+
+
+def test_a_crash_mid_benchmark_keeps_its_cells_and_a_fresh_server_measures_the_rest(
+        tmp_path):
+    spec = study(tmp_path, [{"kind": "crash", "configs": [WIDE], "attempts": 1,
+                             "after_requests": 12}])
+    outcome = run_study(spec)
+    result = by_key(outcome)[WIDE]
+    assert result.ok and result.attempts == 2
+    assert "exited with code 70" in result.retried_because
+    assert {(c.dataset, c.batch) for c in result.cells} == {
+        (d, b) for d in spec.dataset_names for b in spec.batch}
+    logs = spec.output_dir / "logs"
+    first, second = (logs / "3-4-8.log").read_text(), (logs / "3-4-8-1.log").read_text()
+    assert "crash-after-requests 12: crashing now" in first
+    assert "crashing now" not in second
+
+
+def test_a_launch_crashing_twice_is_failed_with_the_cells_of_its_first_server(tmp_path):
+    spec = study(tmp_path, [
+        {"kind": "crash", "configs": [WIDE], "attempts": 1, "after_requests": 12},
+        {"kind": "crash", "configs": [WIDE], "after_requests": 1}])
+    outcome = run_study(spec)
+    result = by_key(outcome)[WIDE]
+    assert not result.ok and result.attempts == 2
+    assert "exited with code 70" in result.reason and "exited with code 70" in \
+        result.retried_because
+    total = len(spec.dataset_names) * len(spec.batch)
+    assert 1 <= len(result.cells) < total, "the cells measured before the crash are kept"
+    stored = next(r for r in StudyStore(spec).results() if config_key(r.config) == WIDE)
+    assert stored.cells == result.cells
+    assert len(outcome.results) == 4

@@ -1,0 +1,184 @@
+"""Processes that die or are stopped under a running study: a Ray worker killed, a node
+leaving the cluster, `treetune search` itself killed with SIGKILL or stopped with Ctrl-C or
+SIGTERM. Nothing measured is lost or counted twice, and no server outlives its owner."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+from studykit import parent_of, processes_with, server_processes, small_study, wait_until
+
+from treetune.results import config_key
+from treetune.study.runner import run_study
+from treetune.study.spec import load_study
+from treetune.study.storage import StudyStore
+
+pytestmark = pytest.mark.slow
+STUDIES = ("small:launches", "small:batch-1", "small:batch-8")
+
+
+def launch_trials(spec, state):
+    study = optuna.load_study(study_name=f"{spec.name}:launches", storage=spec.storage_url)
+    return study.get_trials(states=(state,))
+
+
+def assert_each_config_measured_once(spec, outcome, launches):
+    keys = [config_key(r.config) for r in outcome.results]
+    assert len(keys) == len(set(keys)) == launches, keys
+    assert all(r.ok for r in outcome.results), [(r.config, r.reason) for r in outcome.results]
+    complete = [t.user_attrs["config"] for t in launch_trials(spec, TrialState.COMPLETE)]
+    assert sorted(complete) == sorted(keys), "a result was stored twice or not at all"
+
+
+def kill_when(condition, action, timeout_s=120.0):
+    """Run `action(value)` in the background once `condition()` returns a value."""
+    done: dict[str, object] = {}
+
+    def watch():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = condition()
+            if value:
+                done["value"] = value
+                action(value)
+                return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread, done
+
+
+def test_a_killed_worker_process_has_its_launch_rescheduled_on_another_worker(tmp_path):
+    spec = load_study(None, small_study(tmp_path, budget={"launches": 5}))
+    marker = str(tmp_path)
+
+    def wide_server():
+        return next((pid for pid in server_processes(marker)
+                     if "--speculative-eagle-topk 4 " in open(f"/proc/{pid}/cmdline", "rb")
+                     .read().replace(b"\0", b" ").decode()), None)
+
+    def kill_its_worker(server_pid):
+        os.kill(parent_of(server_pid), signal.SIGKILL)  # the Ray worker that owns it
+
+    thread, killed = kill_when(wide_server, kill_its_worker)
+    outcome = run_study(spec)
+    thread.join(1)
+    assert "value" in killed, "the wide tree's server was never seen"
+    assert wait_until(lambda: not os.path.exists(f"/proc/{killed['value']}/cmdline"), 5), \
+        "the killed worker's server outlived it"
+    assert_each_config_measured_once(spec, outcome, 5)
+    abandoned = [t for t in launch_trials(spec, TrialState.FAIL)
+                 if "worker died" in t.user_attrs.get("reason", "")]
+    assert [t.user_attrs["config"] for t in abandoned] == ["3,4,8"]
+    assert "launch_result" not in abandoned[0].user_attrs
+    assert not server_processes(marker)
+
+
+def test_a_node_leaving_the_cluster_mid_study_lets_the_study_finish_on_the_other(tmp_path):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {}, "temp_dir": os.environ["TREETUNE_RAY_TMPDIR"],
+        "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=2, resources={"emulated_gpu": 4}) for _ in range(2)]
+    cluster.wait_for_nodes()
+    try:
+        spec = load_study(None, small_study(tmp_path, budget={"launches": 6},
+                                            ray_address=cluster.address))
+        marker = str(tmp_path)
+
+        def two_running_after_a_result():
+            logs = list((spec.output_dir / "logs").glob("*.log"))
+            return len(logs) >= 3 and len(server_processes(marker)) >= 2
+
+        thread, removed = kill_when(two_running_after_a_result,
+                                    lambda _: cluster.remove_node(nodes[1]), timeout_s=180)
+        outcome = run_study(spec)
+        thread.join(1)
+        assert "value" in removed, "the node was never removed"
+        assert_each_config_measured_once(spec, outcome, 6)
+        rescheduled = [t for t in launch_trials(spec, TrialState.FAIL)
+                       if "worker died" in t.user_attrs.get("reason", "")]
+        assert rescheduled, "the removed node's launch was not rescheduled"
+        assert not server_processes(marker)
+    finally:
+        cluster.shutdown()
+
+
+def write_study(tmp_path, **over):
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(small_study(tmp_path, **over)))
+    return path
+
+
+def search(path, *extra):
+    return subprocess.Popen([sys.executable, "-m", "treetune", "search", "--study", str(path),
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_stops_every_server_and_resumes_cleanly(tmp_path, sig):
+    path = write_study(tmp_path, budget={"launches": 6})
+    marker = str(tmp_path)
+    proc = search(path)
+    try:
+        assert wait_until(lambda: server_processes(marker), 120), "no server started"
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        _out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err_text = err.decode()
+    assert proc.returncode == 130, err_text[-2000:]
+    hint = [line for line in err_text.splitlines() if "rerun the same command" in line]
+    assert len(hint) == 1 and "Traceback" not in err_text
+    assert wait_until(lambda: not server_processes(marker), 15), "a server outlived the search"
+    spec = load_study(path)
+    for name in STUDIES:
+        study = optuna.load_study(study_name=name, storage=spec.storage_url)
+        assert not study.get_trials(states=(TrialState.RUNNING,)), name
+    done_before = {config_key(r.config): r.started_at for r in StudyStore(spec).results()}
+    resumed = run_study(spec)
+    assert_each_config_measured_once(spec, resumed, 6)
+    for r in resumed.results:
+        if config_key(r.config) in done_before:
+            assert r.started_at == done_before[config_key(r.config)], "a result was redone"
+
+
+def test_sigkill_of_the_search_leaves_no_server_and_a_rerun_redoes_the_stale_launches(
+        tmp_path):
+    path = write_study(tmp_path, budget={"launches": 6})
+    marker = str(tmp_path)
+    proc = search(path)
+    try:
+        assert wait_until(lambda: len(server_processes(marker)) >= 2, 120)
+        os.kill(proc.pid, signal.SIGKILL)  # the search alone: its children are on their own
+        proc.wait(timeout=10)
+        assert wait_until(lambda: not server_processes(marker), 30), \
+            "a server outlived the killed search"
+        assert wait_until(lambda: not processes_with(os.environ["TREETUNE_RAY_TMPDIR"]), 30), \
+            "Ray processes outlived the killed search"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    spec = load_study(path)
+    running = launch_trials(spec, TrialState.RUNNING)
+    assert running, "the killed search left its running launches marked running"
+    stale = {t.user_attrs["config"] for t in running}
+    resumed = run_study(spec)
+    assert resumed.stale_redone == len(running)
+    assert_each_config_measured_once(spec, resumed, 6)
+    assert stale <= {config_key(r.config) for r in resumed.results}

@@ -1,0 +1,204 @@
+"""Storage that cannot be written, and the ports and process groups of servers: each
+refused or handled before a GPU is wasted."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import yaml
+from studykit import processes_with, server_processes, small_study, wait_until
+
+from treetune.results import config_key
+from treetune.study.runner import run_study
+from treetune.study.spec import load_study
+from treetune.study.storage import StudyStore
+
+pytestmark = pytest.mark.slow
+
+
+def write_study(tmp_path, **over):
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(small_study(tmp_path, **over)))
+    return path
+
+
+def search(path, timeout_s=60):
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "treetune", "search", "--study", str(path)],
+                          capture_output=True, text=True, timeout=timeout_s)
+    return done.returncode, done.stderr, time.monotonic() - started
+
+
+def assert_refused_before_any_launch(tmp_path, code, err):
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out" / "logs").exists(), "a worker started"
+    assert not server_processes(str(tmp_path))
+    assert not processes_with(os.environ["TREETUNE_RAY_TMPDIR"]), "Ray was started"
+
+
+HOLD_SQLITE = textwrap.dedent("""
+    import sqlite3, sys, time
+    db = sqlite3.connect(sys.argv[1], isolation_level=None)
+    db.execute("BEGIN EXCLUSIVE")
+    print("locked", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_storage_locked_by_another_process_is_refused_before_any_launch(tmp_path):
+    path = write_study(tmp_path)
+    StudyStore(load_study(path))  # the storage exists, as after an earlier run
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_SQLITE,
+                               str(tmp_path / "out" / "study.db")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        code, err, took = search(path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert_refused_before_any_launch(tmp_path, code, err)
+    assert "locked by another process" in err and "study.db" in err
+    assert took < 30
+
+
+HOLD_LOCK = textwrap.dedent("""
+    import fcntl, os, sys, time
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    print("locked", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_second_search_of_the_same_study_is_refused_naming_the_first(tmp_path):
+    path = write_study(tmp_path)
+    (tmp_path / "out").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK,
+                               str(tmp_path / "out" / ".treetune.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        code, err, _ = search(path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert_refused_before_any_launch(tmp_path, code, err)
+    assert f"another treetune search (pid {holder.pid})" in err
+
+
+@contextlib.contextmanager
+def read_only(folder):
+    """Make `folder` read-only for us, root included (chattr +i where chmod is not enough)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o555)
+    immutable = False
+    if os.geteuid() == 0:
+        immutable = subprocess.run(["chattr", "+i", str(folder)],
+                                   capture_output=True).returncode == 0
+    try:
+        probe = folder / "probe"
+        try:
+            probe.write_text("")
+            probe.unlink()
+            pytest.skip("cannot make a folder read-only here")
+        except OSError:
+            pass
+        yield folder
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        os.chmod(folder, 0o755)
+
+
+def test_a_read_only_output_folder_is_refused_before_any_launch(tmp_path):
+    path = write_study(tmp_path)
+    with read_only(tmp_path / "out"):
+        code, err, _ = search(path)
+    assert_refused_before_any_launch(tmp_path, code, err)
+    assert "not writable" in err and str(tmp_path / "out") in err
+
+
+def test_a_read_only_storage_folder_is_refused_before_any_launch(tmp_path):
+    path = write_study(tmp_path, storage=f"sqlite:///{tmp_path}/db/study.db")
+    with read_only(tmp_path / "db"):
+        code, err, _ = search(path)
+    assert_refused_before_any_launch(tmp_path, code, err)
+    assert "cannot write the study storage" in err and "not writable" in err
+
+
+# A stand-in `sglang.launch_server` that behaves as SGLang does at start-up: it spawns a
+# scheduler process, then never becomes healthy (a wedged NCCL init, say).
+HANGING_SGLANG = textwrap.dedent("""
+    import subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "scheduler",
+                      sys.argv[sys.argv.index("--model-path") + 1]])
+    print("loading weights ...", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_server_never_healthy_is_killed_with_every_process_it_spawned(tmp_path):
+    import ray
+
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "launch_server.py").write_text(HANGING_SGLANG)
+    spec = load_study(None, small_study(
+        tmp_path, name="hang", budget={"launches": 2}, workers=1, compare=[],
+        backend={"kind": "sglang", "python": sys.executable},
+        env={"PYTHONPATH": str(tmp_path / "fake")},
+        measurement={"duration_s": 6.0, "repeats": 2, "startup_timeout_s": 4.0}))
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False,
+             _temp_dir=os.environ["TREETUNE_RAY_TMPDIR"])
+    marker = str(tmp_path / "model-under-test")
+    seen: list[int] = []
+    try:
+        with contextlib.suppress(Exception):  # the baseline fails: the study stops
+            run_study(spec)
+        seen = processes_with(marker)
+    finally:
+        ray.shutdown()
+    assert not seen, "a process of the hung server's group survived"
+    (result,) = StudyStore(spec).results()
+    assert config_key(result.config) == "baseline" and not result.ok
+    assert result.reason == "not healthy after 4 s" and "loading weights" in result.log_tail
+
+
+def test_a_port_already_in_use_makes_the_worker_choose_another(tmp_path, monkeypatch):
+    """The kernel's free port is taken by someone else before the server binds it."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        ports = iter([busy])
+        import treetune.server as server_module
+
+        real = server_module.free_port
+        monkeypatch.setattr(server_module, "free_port",
+                            lambda host="127.0.0.1": next(ports, None) or real(host))
+        from treetune.study.worker import LaunchWorker
+
+        spec = load_study(None, small_study(tmp_path, batch=[1], datasets=["humaneval"],
+                                            compare=[]))
+        worker = LaunchWorker(spec, 0)
+        from treetune.results import LaunchResult
+
+        result = LaunchResult.from_dict(worker.run("baseline", []))
+        assert next(ports, None) is None, "the busy port was offered to the server"
+    assert result.ok and result.attempts == 1, result.reason
+    assert {c.dataset for c in result.cells} == {"humaneval"}
+    assert wait_until(lambda: not server_processes(str(tmp_path)), 5)
