@@ -4,7 +4,6 @@ refused or handled before a GPU is wasted."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import socket
 import subprocess

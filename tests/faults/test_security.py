@@ -1,0 +1,116 @@
+"""Security: loopback by default, no shell anywhere, quoted commands, safe YAML, an API key
+that reaches the server and the load generator and nothing else, escaped report HTML."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from studykit import small_study
+
+import treetune
+
+pytestmark = pytest.mark.slow
+HOSTILE_MODEL = "/m/$(touch x); y <script>alert(1)</script>"
+
+
+def test_no_shell_is_ever_used():
+    package = Path(treetune.__file__).parent
+    offenders = []
+    for path in package.rglob("*.py"):
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if re.search(r"shell\s*=\s*True|os\.system\(|os\.popen\(|commands\.getoutput",
+                         line):
+                offenders.append(f"{path.relative_to(package)}:{number}: {line.strip()}")
+    assert not offenders, offenders
+
+
+def test_a_python_object_tag_in_a_study_file_is_refused(tmp_path):
+    path = tmp_path / "evil.yaml"
+    path.write_text(f"name: !!python/object/apply:os.system ['touch {tmp_path}/pwned']\n")
+    done = subprocess.run([sys.executable, "-m", "treetune", "search", "--study", str(path)],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2 and "not valid YAML" in done.stderr
+    assert str(path) in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.fixture(scope="module")
+def keyed_study(tmp_path_factory):
+    """A real search whose servers require an API key, listening on every interface,
+    for a model whose path is hostile to shells and HTML; then its report."""
+    import tempfile
+
+    tmp = tmp_path_factory.mktemp("keyed")
+    key = "tt-" + secrets.token_hex(16)
+    study = small_study(tmp, name="keyed", model=HOSTILE_MODEL, batch=[1],
+                        datasets=["humaneval"], budget={"launches": 3}, workers=1,
+                        api_key_env="TT_TEST_API_KEY", host="0.0.0.0")
+    path = tmp / "study.yaml"
+    path.write_text(yaml.safe_dump(study))
+    env = {**os.environ, "TT_TEST_API_KEY": key, "RAY_AUTH_MODE": "disabled",
+           "TREETUNE_RAY_TMPDIR": tempfile.mkdtemp(prefix="rt", dir="/tmp")}
+    run = [subprocess.run([sys.executable, "-m", "treetune", *args], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=tmp)
+           for args in (["search", "--study", str(path)], ["report", str(tmp / "out")])]
+    return tmp, key, run
+
+
+def test_the_api_key_reaches_the_servers_and_the_load_generator(keyed_study):
+    tmp, _key, (search, _report) = keyed_study
+    assert search.returncode == 0, search.stderr[-3000:]
+    # The emulator refuses unauthenticated requests (401), so measured cells prove the
+    # load generator sent the key; each server logged it, redacted.
+    logs = list((tmp / "out" / "logs").glob("*.log"))
+    assert len(logs) == 3
+    for log in logs:
+        assert "api_key='***'" in log.read_text()
+
+
+def test_the_api_key_is_in_no_log_storage_report_script_or_output(keyed_study):
+    tmp, key, runs = keyed_study
+    leaks = [str(p) for p in (tmp / "out").rglob("*")
+             if p.is_file() and key.encode() in p.read_bytes()]
+    assert not leaks, leaks
+    for run in runs:
+        assert key not in run.stdout and key not in run.stderr
+    for script in (tmp / "out" / "launch").glob("*.sh"):
+        assert '--api-key "${TT_TEST_API_KEY}"' in script.read_text()
+
+
+def test_a_non_loopback_host_is_warned_about(keyed_study):
+    _tmp, _key, (search, _report) = keyed_study
+    warning = [line for line in search.stderr.splitlines() if "warning:" in line]
+    assert warning and "0.0.0.0" in warning[0] and "reachable from other machines" in warning[0]
+
+
+def test_launch_scripts_of_a_hostile_model_path_execute_nothing_injected(keyed_study):
+    tmp, _key, _runs = keyed_study
+    stub = tmp / "bin"
+    stub.mkdir(exist_ok=True)
+    (stub / "python").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    (stub / "python").chmod(0o755)
+    scripts = sorted((tmp / "out" / "launch").glob("*.sh"))
+    assert scripts
+    for script in scripts:
+        args_out = tmp / "args.txt"
+        env = {"PATH": f"{stub}:/usr/bin:/bin", "ARGS_OUT": str(args_out),
+               "TT_TEST_API_KEY": "k"}
+        subprocess.run(["sh", str(script)], env=env, cwd=tmp, check=True, timeout=30)
+        args = args_out.read_text().splitlines()
+        assert HOSTILE_MODEL in args, args
+        assert not (tmp / "x").exists(), f"{script.name} ran the injected command"
+
+
+def test_the_report_escapes_the_model_name(keyed_study):
+    tmp, _key, (_search, report) = keyed_study
+    assert report.returncode == 0, report.stderr[-2000:]
+    index = (tmp / "out" / "report" / "report.html").read_text()
+    assert "<script>alert(1)</script>" not in index
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in index
