@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from treetune.config import ServerConfig, TreeConfig
@@ -375,7 +376,7 @@ def expand_multi_values(argv: list[str]) -> list[str]:
     result: list[str] = []
     current: str | None = None
     for arg in argv:
-        if arg.startswith("-"):
+        if arg.startswith("-") and not _is_number(arg):
             current = arg if arg in MULTI_VALUE_OPTIONS else None
             result.append(arg)
         elif current is not None and result and result[-1] != current:
@@ -383,6 +384,14 @@ def expand_multi_values(argv: list[str]) -> list[str]:
         else:
             result.append(arg)
     return result
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -394,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     except TreetuneError as exc:
         if debug:
             raise
-        err.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+        err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", highlight=False)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         err.print("aborted")
@@ -402,11 +411,15 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # click usage errors and the unexpected
         import click
 
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
+        # Typer >= 0.20 ships its own copy of click: its usage errors are not click's.
+        if isinstance(exc, click.ClickException | typer.TyperException) and hasattr(
+                exc, "format_message"):
+            err.print(f"[bold red]error:[/bold red] {escape(exc.format_message())} (see "
+                      f"treetune {args[0] if args else ''} --help)", highlight=False)
+            sys.exit(getattr(exc, "exit_code", 2))
         if debug:
             raise
-        err.print(f"[bold red]internal error:[/bold red] {type(exc).__name__}: {exc} "
+        err.print(f"[bold red]internal error:[/bold red] {type(exc).__name__}: "
+                  f"{escape(str(exc))} "
                   "(rerun with --debug for the traceback)")
         sys.exit(1)

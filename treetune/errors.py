@@ -11,11 +11,35 @@ class InvalidTreeError(TreetuneError, ValueError):
     """A (steps, topk, draft_tokens) triple that SGLang would refuse."""
 
 
+class FieldError(ValueError):
+    """A value a dataclass validator refuses, naming its (dotted) field, so that the file
+    it came from can be pointed at: `yamlio.build` turns it into a ConfigFileError for
+    that key, with its line."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 class ConfigFileError(TreetuneError):
-    """A YAML/CSV input file (space, profile, measurements) that cannot be used."""
+    """A YAML/CSV input file (space, profile, measurements, study) that cannot be used.
+
+    With a key, the message gives the key's line when the file is YAML that holds it:
+    "study.yaml, line 7: key 'backend.profle': unknown key (did you mean 'profile'?)".
+    """
 
     def __init__(self, path: object, message: str, key: str | None = None) -> None:
-        where = f"{path}" if key is None else f"{path}: key '{key}'"
-        super().__init__(f"{where}: {message}")
+        from treetune.yamlio import key_line  # yamlio raises this error: import it late
+
         self.path = path
         self.key = key
+        self.line = key_line(str(path), key) if key is not None and _may_be_yaml(path) else None
+        where = f"{path}" if self.line is None else f"{path}, line {self.line}"
+        if key is not None:
+            where += f": key '{key}'"
+        super().__init__(f"{where}: {message}")
+
+
+def _may_be_yaml(path: object) -> bool:
+    """Whether `path` may be a YAML (or JSON) file worth parsing for a key's line."""
+    return not str(path).lower().endswith((".csv", ".tsv", ".jsonl", ".gz"))

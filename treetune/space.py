@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from treetune.config import BASELINE, ServerConfig, TreeConfig, is_valid
+from treetune.config import BASELINE, ServerConfig, TreeConfig, tree_problem
 from treetune.errors import ConfigFileError, TreetuneError
 from treetune.yamlio import build, closest, load_yaml
 
@@ -62,11 +62,17 @@ class SearchSpace:
     description: str = ""
 
     def allows(self, steps: int, topk: int, draft_tokens: int) -> bool:
-        if not is_valid(steps, topk, draft_tokens):
-            return False
-        if self.draft_tokens_rule == "steps_times_topk_plus_one":
-            return draft_tokens <= steps * topk + 1
-        return True
+        return self.problem(steps, topk, draft_tokens) is None
+
+    def problem(self, steps: int, topk: int, draft_tokens: int) -> str | None:
+        """Why the space leaves this triple out (SGLang would refuse it, or the space's
+        draft_tokens_rule does), or None when it is in."""
+        problem = tree_problem(steps, topk, draft_tokens)
+        if problem is None and self.draft_tokens_rule == "steps_times_topk_plus_one" and (
+                draft_tokens > steps * topk + 1):
+            problem = (f"draft_tokens {draft_tokens} is above steps*topk+1 = "
+                       f"{steps * topk + 1} (draft_tokens_rule steps_times_topk_plus_one)")
+        return problem
 
     def configs(self) -> list[TreeConfig]:
         """Every valid canonical tree in the space, sorted, each once."""
@@ -127,11 +133,18 @@ def load_space(name_or_path: str | Path) -> SearchSpace:
     space = SearchSpace(path.stem, steps, topk, draft_tokens, raw.draft_tokens_rule,
                         raw.include_baseline, tuple(flags), raw.description)
     if not space.configs():
-        raise ConfigFileError(
-            path, "the space is empty: no (steps, topk, draft_tokens) combination in it is a "
-            "valid SGLang tree (draft_tokens - 1 <= topk + (steps-1)*topk^2)", "draft_tokens",
-        )
+        raise ConfigFileError(path, _impossible(space), "draft_tokens")
     return space
+
+
+def _impossible(space: SearchSpace) -> str:
+    """Why a space with values for every knob holds no tree. The example is its most
+    permissive triple (deepest, widest, fewest draft tokens): if it fails, all do."""
+    s, k, n = max(space.steps), max(space.topk), min(space.draft_tokens)
+    count = len(space.steps) * len(space.topk) * len(space.draft_tokens)
+    return (f"the space is empty: none of its {count} (steps, topk, draft_tokens) "
+            f"combinations is a valid tree, not even ({s}, {k}, {n}): {space.problem(s, k, n)};"
+            " lower draft_tokens or raise steps or topk")
 
 
 def _knob(value: Any, path: Path, key: str, minimum: int) -> tuple[int, ...]:
@@ -148,7 +161,8 @@ def _knob(value: Any, path: Path, key: str, minimum: int) -> tuple[int, ...]:
             raise ConfigFileError(path, "min, max and step must be integers", key)
         lo, hi, step = bounds
         if step < 1 or hi < lo:
-            raise ConfigFileError(path, f"empty range min {lo} max {hi} step {step}", key)
+            raise ConfigFileError(path, f"empty range min {lo} max {hi} step {step}, so the "
+                                  "space is empty: give min <= max and step >= 1", key)
         values = list(range(lo, hi + 1, step))
     elif isinstance(value, list):
         values = value
@@ -157,7 +171,8 @@ def _knob(value: Any, path: Path, key: str, minimum: int) -> tuple[int, ...]:
     else:
         raise ConfigFileError(path, "expected a list of integers or {min, max}", key)
     if not values:
-        raise ConfigFileError(path, "no values given", key)
+        raise ConfigFileError(path, "no values given, so the space is empty: list at least "
+                              "one integer, or give {min, max}", key)
     for v in values:
         if not isinstance(v, int) or isinstance(v, bool):
             raise ConfigFileError(path, f"expected integers, got {v!r}", key)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
 
 from treetune.datasets._builtin import BUILTINS
 from treetune.datasets._formats import DEFAULT_API, DEFAULT_MAX_NEW_TOKENS, PARSERS, detect
 from treetune.datasets._records import read_records
 from treetune.datasets._spec import DatasetSpec, Prompt, PromptSet
+from treetune.errors import TreetuneError
 
 _LABELS = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
 
@@ -37,6 +39,21 @@ def load_dataset(spec: DatasetSpec, base_dir: Path | None = None) -> PromptSet:
         source += f", {spec.num_prompts} of {len(prompts)} prompts (seed {spec.seed})"
         prompts = _subset(prompts, spec.num_prompts, spec.seed)
     return PromptSet(spec.name, prompts, spec.max_new_tokens or max_new_tokens, api, source)
+
+
+def load_datasets(specs: Iterable[DatasetSpec], base_dir: Path | None = None
+                  ) -> dict[str, PromptSet]:
+    """Every dataset of a study, by name; an error names the dataset as well as its file.
+
+    Meant to run before anything is launched, so that a missing or malformed file is
+    reported at once, not by each launch worker."""
+    loaded = {}
+    for spec in specs:
+        try:
+            loaded[spec.name] = load_dataset(spec, base_dir)
+        except TreetuneError as exc:
+            raise TreetuneError(f"dataset '{spec.name}': {exc}") from None
+    return loaded
 
 
 def _unique_ids(prompts: list[Prompt]) -> list[Prompt]:

@@ -95,7 +95,7 @@ def read_records(path: Path) -> list[Record]:
     """Every record of a .json array or a JSON-lines file (.jsonl, or any other name)."""
     text = _read_text(path)
     if not text.strip():
-        raise ConfigFileError(path, "file is empty")
+        raise ConfigFileError(path, "file is empty: a dataset needs at least one record")
     name = path.name.removesuffix(".gz")
     if name.endswith(".json") or text.lstrip().startswith("["):
         return _json_array(path, text)
@@ -119,7 +119,8 @@ def _read_text(path: Path) -> str:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise ConfigFileError(path, "dataset file not found") from None
+        raise ConfigFileError(path, "dataset file not found: fix the dataset's path (a "
+                              "relative path is taken from the study file's folder)") from None
     except IsADirectoryError:
         raise ConfigFileError(path, "is a folder, not a dataset file") from None
     except OSError as exc:

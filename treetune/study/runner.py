@@ -18,6 +18,7 @@ from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.results import LaunchResult, config_key
 from treetune.space import load_space
+from treetune.study.preflight import check_study
 from treetune.study.propose import Proposal, TPEProposer
 from treetune.study.spec import StudySpec
 from treetune.study.storage import StudyStore, check_writable, speedups
@@ -219,6 +220,7 @@ def run_study(spec: StudySpec, on_progress: Callable[[Progress], None] | None = 
 
     SIGTERM stops it as Ctrl-C does: servers stopped, storage consistent, `interrupted` set.
     """
+    check_study(spec)  # bad input is refused before anything is written or started
     previous = _stop_on_sigterm()
     try:
         with study_lock(spec):

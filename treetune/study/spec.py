@@ -13,7 +13,7 @@ from typing import Any
 
 from treetune.config import TreeConfig
 from treetune.datasets import DatasetSpec
-from treetune.errors import ConfigFileError, InvalidTreeError, TreetuneError
+from treetune.errors import ConfigFileError, FieldError, InvalidTreeError, TreetuneError
 from treetune.launch import ALGORITHMS, DEFAULT_SGLANG_VERSION, LaunchSpec, parse_version
 from treetune.yamlio import build, dump_yaml, load_yaml
 
@@ -27,9 +27,10 @@ class Budget:
 
     def __post_init__(self) -> None:
         if self.launches is not None and self.launches < 2:
-            raise ValueError("budget.launches must be >= 2 (the baseline plus one tree)")
+            raise FieldError("launches",
+                             "budget.launches must be >= 2 (the baseline plus one tree)")
         if self.wall_time_s is not None and self.wall_time_s <= 0:
-            raise ValueError("budget.wall_time_s must be > 0")
+            raise FieldError("wall_time_s", "budget.wall_time_s must be > 0")
         if self.launches is None and self.wall_time_s is None:
             raise ValueError("give budget.launches and/or budget.wall_time_s")
 
@@ -93,13 +94,13 @@ class Backend:
             raise ValueError("backend.faults are injected by the emulator: they need "
                              "backend.kind emulator")
         if self.kind not in BACKENDS:
-            raise ValueError(f"backend.kind must be one of {', '.join(BACKENDS)}, got "
+            raise FieldError("kind", f"backend.kind must be one of {', '.join(BACKENDS)}, got "
                              f"'{self.kind}'")
         if self.kind == "emulator" and not self.profile:
-            raise ValueError("the emulator backend needs backend.profile (e.g. "
+            raise FieldError("profile", "the emulator backend needs backend.profile (e.g. "
                              "qwen3-coder-next-h200)")
         if self.time_scale <= 0:
-            raise ValueError("backend.time_scale must be > 0")
+            raise FieldError("time_scale", "backend.time_scale must be > 0")
 
 
 @dataclass(frozen=True)
@@ -144,32 +145,33 @@ class StudySpec:
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
-            raise ValueError(f"name '{self.name}' may only hold letters, digits, '.', '_', '-'")
+            raise FieldError("name", f"name '{self.name}' may only hold letters, digits, '.', "
+                             "'_', '-'")
         if not self.datasets:
-            raise ValueError("datasets: give at least one dataset")
+            raise FieldError("datasets", "datasets: give at least one dataset")
         if not self.batch or any(b < 1 for b in self.batch):
-            raise ValueError(f"batch sizes must be >= 1, got {list(self.batch)}")
+            raise FieldError("batch", f"batch sizes must be >= 1, got {list(self.batch)}")
         if self.tp < 1:
-            raise ValueError(f"tp must be >= 1, got {self.tp}")
+            raise FieldError("tp", f"tp must be >= 1, got {self.tp}")
         if not 0 <= self.tolerance < 1:
-            raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
+            raise FieldError("tolerance", f"tolerance must be in [0, 1), got {self.tolerance}")
         if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}")
+            raise FieldError("algorithm", f"algorithm must be one of {', '.join(ALGORITHMS)}")
         if self.draft is None and self.algorithm != "NEXTN":
-            raise ValueError(f"{self.algorithm} needs a draft model: set draft")
+            raise FieldError("draft", f"{self.algorithm} needs a draft model: set draft")
         if self.workers is not None and self.workers < 1:
-            raise ValueError("workers must be >= 1")
+            raise FieldError("workers", "workers must be >= 1")
         parse_version(self.sglang_version)
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):
-            raise ValueError(f"datasets are listed twice: {names}")
+            raise FieldError("datasets", f"datasets are listed twice: {names}")
         if self.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*",
                                                              self.api_key_env):
-            raise ValueError(f"api_key_env '{self.api_key_env}' is not an environment "
-                             "variable name")
+            raise FieldError("api_key_env", f"api_key_env '{self.api_key_env}' is not an "
+                             "environment variable name")
         for flag in self.server_flags:
             if not flag.startswith("--"):
-                raise ValueError(f"server_flags: '{flag}' must start with '--'")
+                raise FieldError("server_flags", f"server_flags: '{flag}' must start with '--'")
 
     @property
     def output_dir(self) -> Path:
@@ -289,17 +291,30 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
     raw = build(_SpecFile, data, where)
     merged = dataclasses.asdict(raw)
     sections = {"budget": Budget, "backend": Backend, "measurement": Measurement}
+    given: set[str] = set()  # dotted keys the command line set
     for key, value in (overrides or {}).items():
         if key in sections and isinstance(value, dict):
             # Options left unset on the command line keep the file's values.
-            merged[key] = {**merged[key], **{k: v for k, v in value.items() if v is not None}}
+            set_here = {k: v for k, v in value.items() if v is not None}
+            merged[key] = {**merged[key], **set_here}
+            given |= {f"{key}.{k}" for k in set_here}
         elif value is not None:
             merged[key] = value
-    try:
-        for nested, cls in sections.items():
+            given.add(key)
+
+    def refused(exc: ValueError, section: str = "") -> TreetuneError:
+        """The error for a value a check refused, blamed on the file or the command line."""
+        if not isinstance(exc, FieldError):
+            return TreetuneError(f"{where}: {exc}")
+        key = f"{section}.{exc.key}" if section else exc.key
+        source = "command line" if key in given or key.split(".")[0] in given else where
+        return ConfigFileError(source, str(exc), key)
+
+    for nested, cls in sections.items():
+        try:
             merged[nested] = cls(**merged[nested])
-    except ValueError as exc:
-        raise TreetuneError(f"{where}: {exc}") from None
+        except ValueError as exc:
+            raise refused(exc, nested) from None
     merged.pop("description", None)
     if not merged.get("model"):
         raise TreetuneError(f"{where}: no model: give --model or set 'model' in the study file")
@@ -314,7 +329,7 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
     try:
         return StudySpec(**merged)
     except ValueError as exc:
-        raise TreetuneError(f"{where}: {exc}") from None
+        raise refused(exc) from None
 
 
 def _default_name(model: str, path: str | Path | None) -> str:

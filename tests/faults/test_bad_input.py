@@ -1,0 +1,534 @@
+"""Bad input is refused before Ray or any server starts, in one paragraph that says what is
+wrong, where (file, key and line when it comes from a file) and what to do; exit code 2,
+and a traceback only with --debug.
+
+Most cases run `treetune search` in-process with `ray.init` replaced by a function that
+fails the test, so a bad input that reaches Ray cannot pass unnoticed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from concurrent import futures
+from pathlib import Path
+
+import pytest
+
+from treetune.cli import main
+from treetune.datasets import DatasetSpec, load_datasets
+from treetune.errors import ConfigFileError, TreetuneError
+from treetune.space import load_space
+from treetune.study.preflight import check_ray_address, check_sglang
+from treetune.study.spec import load_study
+from treetune.study.storage import StudyStore
+
+FAST_S = 5.0  # a refusal takes well under this; Ray alone takes longer to start
+without_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is not None,
+                                    reason="SGLang is installed here")
+
+GOOD = {
+    "model": "org/model",
+    "draft": "org/draft",
+    "datasets": "[mt-bench]",
+    "batch": "[1]",
+    "budget": "{launches: 3}",
+    "backend": "{kind: emulator, profile: qwen3-coder-next-h200}",
+}
+
+
+def write_study(tmp_path: Path, **fields: str | None) -> Path:
+    """A study file: GOOD's fields as YAML lines, changed, added or (None) removed."""
+    lines = {**GOOD, "output": str(tmp_path / "out"), **fields}
+    path = tmp_path / "study.yaml"
+    path.write_text("".join(f"{k}: {v}\n" for k, v in lines.items() if v is not None))
+    return path
+
+
+def line_of(path: Path, fragment: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if fragment in line)
+
+
+def run(capsys, *args):
+    code = 0
+    try:
+        main(list(args))
+    except SystemExit as exc:
+        code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def refused(capsys, *args: str) -> str:
+    """Run the command, check it was refused in one line, fast; return the message."""
+    started = time.monotonic()
+    code, _, err = run(capsys, *args)
+    took = time.monotonic() - started
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    assert took < FAST_S, f"took {took:.1f} s"
+    return lines[0].removeprefix("error: ")
+
+
+def search(capsys, path: Path, *options: str) -> str:
+    return refused(capsys, "search", "--study", str(path), *options)
+
+
+@pytest.fixture(autouse=True)
+def no_ray(request, monkeypatch):
+    """ray.init fails the test, unless it is marked slow (those start Ray for real)."""
+    if request.node.get_closest_marker("slow"):
+        return
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ray.init was called: the bad input reached Ray")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---- the harness itself -----------------------------------------------------------------
+def test_a_good_study_does_reach_ray_so_the_refusals_below_mean_something(capsys, tmp_path):
+    code, _, err = run(capsys, "search", "--study", str(write_study(tmp_path)))
+    assert code == 1 and "ray.init was called" in err
+
+
+# ---- 1. YAML that does not parse ----------------------------------------------------------
+@pytest.mark.parametrize(("text", "line"), [
+    ("model: [org/model\ndraft: d\n", 2),  # unclosed bracket: noticed on the next line
+    ("model: m\ndraft: 'd\nbatch: [1]\n", 4),  # unclosed quote: runs to the end
+    ("model: m\n\tdraft: d\n", 2),  # a tab
+])
+def test_malformed_yaml_names_the_file_and_the_line(capsys, tmp_path, text, line):
+    path = tmp_path / "study.yaml"
+    path.write_text(text)
+    message = search(capsys, path)
+    assert message.startswith(f"{path}: not valid YAML (line {line}, column ")
+
+
+# ---- 2. unknown and misspelt keys ---------------------------------------------------------
+@pytest.mark.parametrize(("fields", "key", "suggestion"), [
+    ({"budgett": "{launches: 3}"}, "budgett", "budget"),
+    ({"backend": "{kind: emulator, profle: qwen3-coder-next-h200}"}, "backend.profle",
+     "profile"),
+    ({"measurement": "{duraton_s: 5}"}, "measurement.duraton_s", "duration_s"),
+    ({"datasets": "[mt-bench, {name: mine, pth: mine.jsonl}]"}, "datasets[1].pth", "path"),
+    ({"backend": "\n  kind: emulator\n  profile: qwen3-coder-next-h200\n  time_scael: 2"},
+     "backend.time_scael", "time_scale"),
+    ({"budget": "\n  launches: 3\n  wall_time: 60"}, "budget.wall_time", "wall_time_s"),
+])
+def test_an_unknown_key_is_named_with_its_file_line_and_closest_valid_key(
+        capsys, tmp_path, fields, key, suggestion):
+    path = write_study(tmp_path, **fields)
+    message = search(capsys, path)
+    line = line_of(path, key.rsplit(".", 1)[-1].split("[")[0] + ":")
+    assert message.startswith(f"{path}, line {line}: key '{key}': unknown key")
+    assert f"(did you mean '{suggestion}'?)" in message
+
+
+def test_an_unknown_key_in_a_search_space_file_gets_its_line_too(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text("steps: [1, 2]\ntopk: [1, 2]\ndraft_tokens: [2, 3]\ninclude_basline: true\n")
+    with pytest.raises(ConfigFileError) as info:
+        load_space(path)
+    assert str(info.value).startswith(f"{path}, line 4: key 'include_basline': unknown key")
+    assert "did you mean 'include_baseline'" in str(info.value) and info.value.line == 4
+
+
+# ---- 3. values of the wrong type -----------------------------------------------------------
+@pytest.mark.parametrize(("fields", "key", "expected"), [
+    ({"batch": '"many"'}, "batch", "expected a list, got str 'many'"),
+    ({"batch": "[1, lots]"}, "batch[1]", "expected an integer, got str 'lots'"),
+    ({"tp": "two"}, "tp", "expected an integer, got str 'two'"),
+    ({"budget": "{launches: ten}"}, "budget.launches", "expected an integer, got str 'ten'"),
+    ({"tolerance": "[1]"}, "tolerance", "expected a number, got a list"),
+    ({"backend": "\n  kind: emulator\n  profile: qwen3-coder-next-h200\n  noise: maybe"},
+     "backend.noise", "expected true or false, got str 'maybe'"),
+])
+def test_a_value_of_the_wrong_type_names_key_file_line_and_expected_type(
+        capsys, tmp_path, fields, key, expected):
+    path = write_study(tmp_path, **fields)
+    message = search(capsys, path)
+    line = line_of(path, key.rsplit(".", 1)[-1].split("[")[0] + ":")
+    assert message == f"{path}, line {line}: key '{key}': {expected}"
+
+
+# Depends on the CLI showing Typer's own usage errors (Typer >= 0.20 ships its own click)
+# as one line, see the report.
+@pytest.mark.parametrize(("options", "fragment"), [
+    (("--tp", "two"), "Invalid value for '--tp'"),
+    (("--budget-launches", "ten"), "Invalid value for '--budget-launches'"),
+    (("--tolerance", "lots"), "Invalid value for '--tolerance'"),
+    (("--budgett", "3"), "No such option: --budgett"),
+])
+def test_an_option_of_the_wrong_type_is_a_one_line_usage_error(capsys, tmp_path, options,
+                                                                fragment):
+    message = search(capsys, write_study(tmp_path), *options)
+    assert fragment in message and "treetune search --help" in message
+
+
+# Depends on the CLI printing messages as text, not Rich markup, see the report.
+@pytest.mark.parametrize("value", ["[/red]", "[bold]x[/bold] [abc]"])
+def test_brackets_in_the_user_s_text_are_shown_as_written(capsys, tmp_path, value):
+    path = write_study(tmp_path, tp=f'"{value}"')
+    message = search(capsys, path)
+    assert message.endswith(f"key 'tp': expected an integer, got str '{value}'")
+
+
+# ---- 4. empty and impossible search spaces -------------------------------------------------
+EMPTY_SPACES = {
+    "no steps": ("steps: []\ntopk: [1, 2]\ndraft_tokens: [2, 4]\n", "steps", 1,
+                 "no values given, so the space is empty"),
+    "no flag values": ("steps: [2]\ntopk: [2]\ndraft_tokens: [4]\n"
+                       "flags:\n  --attention-backend: []\n", "flags.--attention-backend", 5,
+                       "needs at least one value"),
+    "reversed range": ("steps: {min: 5, max: 2}\ntopk: [2]\ndraft_tokens: [4]\n", "steps", 1,
+                       "empty range min 5 max 2 step 1, so the space is empty"),
+    # topk 2 proposes 2 candidates per step: one step verifies at most 3 tokens.
+    "no valid tree": ("steps: [1]\ntopk: [2]\ndraft_tokens: [10, 20]\n", "draft_tokens", 3,
+                      "the space is empty: none of its 2 (steps, topk, draft_tokens) "
+                      "combinations is a valid tree, not even (1, 2, 10): draft_tokens 10 is "
+                      "too large for steps 1, topk 2"),
+    "no tree under the rule": ("steps: [2]\ntopk: [2]\ndraft_tokens: [6, 7]\n"
+                               "draft_tokens_rule: steps_times_topk_plus_one\n",
+                               "draft_tokens", 3, "above steps*topk+1 = 5"),
+}
+
+
+@pytest.mark.parametrize("case", EMPTY_SPACES)
+def test_an_empty_or_impossible_space_file_says_so_and_why(tmp_path, case):
+    text, key, line, fragment = EMPTY_SPACES[case]
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigFileError) as info:
+        load_space(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}, line {line}: key '{key}': ") and fragment in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("case", ["no steps", "no valid tree"])
+def test_a_study_with_an_empty_space_is_refused_before_ray(capsys, tmp_path, case):
+    text, key, line, fragment = EMPTY_SPACES[case]
+    space = tmp_path / "space.yaml"
+    space.write_text(text)
+    message = search(capsys, write_study(tmp_path, space=str(space)))
+    assert message.startswith(f"{space}, line {line}: key '{key}': ") and fragment in message
+
+
+def test_an_unknown_space_name_suggests_the_closest_shipped_one(capsys, tmp_path):
+    message = search(capsys, write_study(tmp_path, space="defualt"))
+    assert "unknown search space 'defualt' (did you mean 'default'?)" in message
+
+
+# ---- 5. batch sizes ------------------------------------------------------------------------
+@pytest.mark.parametrize(("fields", "options", "got"), [
+    ({}, ("--batch", "0"), "[0]"),
+    ({}, ("--batch", "8", "-1"), "[8, -1]"),
+    ({"batch": "[-1]"}, (), "[-1]"),
+    ({"batch": "[4, 0]"}, (), "[4, 0]"),
+])
+def test_batch_sizes_below_one_are_refused(capsys, tmp_path, fields, options, got):
+    message = search(capsys, write_study(tmp_path, **fields), *options)
+    assert f"batch sizes must be >= 1, got {got}" in message
+
+
+def test_a_bad_batch_size_given_on_the_command_line_is_not_blamed_on_a_file_line(
+        capsys, tmp_path):
+    message = search(capsys, write_study(tmp_path), "--batch", "0")
+    assert not re.search(r", line \d+", message)
+
+
+# ---- 6. datasets ---------------------------------------------------------------------------
+@pytest.mark.parametrize(("entry", "key", "fragment"), [
+    ("mtbench", "datasets[0]", "unknown built-in dataset 'mtbench' (did you mean 'mt-bench'?)"),
+    ("{name: humaneva}", "datasets[0]",
+     "unknown built-in dataset 'humaneva' (did you mean 'humaneval'?)"),
+    ("{name: mine, path: mine.jsonl, format: jsonlines}", "datasets[0]",
+     "unknown format 'jsonlines' (did you mean 'jsonl'?)"),
+    ("{name: mine, format: sharegpt}", "datasets[0]", "format 'sharegpt' reads a file; give a "
+     "path"),
+])
+def test_an_unknown_dataset_or_format_is_named_with_a_suggestion(
+        capsys, tmp_path, entry, key, fragment):
+    path = write_study(tmp_path, datasets=f"[{entry}]")
+    message = search(capsys, path)
+    assert message.startswith(f"{path}, line {line_of(path, 'datasets:')}: key '{key}': ")
+    assert fragment in message
+
+
+BAD_FILES = {
+    "missing": (None, "dataset file not found"),
+    "empty": ("", "file is empty"),
+    "bad JSON line": ('{"prompt": "one"}\n{"prompt": "two"\n', "line 2 is not valid JSON"),
+    "no prompt field": ('{"prompt": "one"}\n{"promt": "two"}\n',
+                        "line 2: no 'prompt' field (did you mean 'promt'?)"),
+    "not an object": ('{"prompt": "one"}\n["two"]\n', "line 2: expected a JSON object"),
+    "bad JSON array": ('[{"prompt": "one"}, ]', "not valid JSON at line 1"),
+}
+
+
+def bad_dataset(tmp_path: Path, case: str) -> Path:
+    text, _ = BAD_FILES[case]
+    path = tmp_path / ("mine.json" if "array" in case else "mine.jsonl")
+    if text is not None:
+        path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("case", BAD_FILES)
+def test_a_bad_dataset_file_is_named_with_the_record_at_fault(tmp_path, case):
+    path = bad_dataset(tmp_path, case)
+    with pytest.raises(TreetuneError) as info:
+        load_datasets([DatasetSpec("mt-bench"), DatasetSpec("mine", path=path.name)], tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"dataset 'mine': {path}: ") and BAD_FILES[case][1] in message
+    assert "\n" not in message
+
+
+# Depends on the runner calling treetune.study.preflight.check_study(spec) before Ray.
+@pytest.mark.parametrize("case", BAD_FILES)
+def test_a_study_with_a_bad_dataset_file_is_refused_before_ray(capsys, tmp_path, case):
+    path = bad_dataset(tmp_path, case)
+    study = write_study(tmp_path, datasets=f"[mt-bench, {{name: mine, path: {path.name}}}]")
+    message = search(capsys, study)
+    assert message.startswith(f"dataset 'mine': {path}: ") and BAD_FILES[case][1] in message
+
+
+# Depends on the runner calling treetune.study.preflight.check_study(spec) before Ray.
+def test_a_dataset_the_emulator_profile_does_not_know_is_refused_before_ray(
+        capsys, tmp_path):
+    (tmp_path / "mine.jsonl").write_text('{"prompt": "one"}\n')
+    study = write_study(tmp_path, datasets="[mt-bench, {name: mine, path: mine.jsonl}]")
+    message = search(capsys, study)
+    assert "profile 'qwen3-coder-next-h200' has no dataset 'mine'" in message
+    assert "the emulator serves only its profile's datasets" in message
+
+
+# ---- 7. SGLang not installed -----------------------------------------------------------------
+def fake_sglang(tmp_path: Path, body: str = "") -> Path:
+    """A folder to put on PYTHONPATH holding a stand-in `sglang` package."""
+    folder = tmp_path / "site"
+    (folder / "sglang").mkdir(parents=True)
+    (folder / "sglang" / "__init__.py").write_text(body)
+    return folder
+
+
+@without_sglang
+def test_check_sglang_says_how_to_install_it_or_use_the_emulator(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # no sglang there
+    with pytest.raises(TreetuneError) as info:
+        check_sglang(sys.executable)
+    message = str(info.value)
+    assert message.startswith(f"SGLang is not installed for {sys.executable} (backend.python)")
+    assert "pip install 'treetune[sglang]'" in message and "--profile NAME" in message
+
+
+def test_check_sglang_passes_when_the_interpreter_imports_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTHONPATH", str(fake_sglang(tmp_path)))
+    check_sglang(sys.executable)
+
+
+def test_check_sglang_names_a_missing_interpreter(tmp_path):
+    missing = str(tmp_path / "bin" / "python")
+    with pytest.raises(TreetuneError, match=r"interpreter '.*/bin/python' \(backend.python\) "
+                       r"was not found: set backend.python"):
+        check_sglang(missing)
+
+
+def test_check_sglang_gives_the_cause_when_sglang_is_broken(monkeypatch, tmp_path):
+    broken = fake_sglang(tmp_path, "raise ImportError('libcuda.so.1: cannot open shared "
+                         "object file')\n")
+    monkeypatch.setenv("PYTHONPATH", str(broken))
+    with pytest.raises(TreetuneError) as info:
+        check_sglang(sys.executable)
+    assert "SGLang cannot be imported by" in str(info.value)
+    assert "ImportError: libcuda.so.1: cannot open shared object file" in str(info.value)
+
+
+# Depends on the runner calling treetune.study.preflight.check_study(spec) before Ray.
+@without_sglang
+@pytest.mark.parametrize("python", ["sys.executable", "missing"])
+def test_a_sglang_study_without_sglang_is_refused_before_ray(
+        capsys, monkeypatch, tmp_path, python):
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # no sglang there
+    interpreter = sys.executable if python == "sys.executable" else str(tmp_path / "python")
+    study = write_study(tmp_path, backend=f"{{kind: sglang, python: {interpreter}}}")
+    message = search(capsys, study)
+    assert ("SGLang is not installed" in message if python == "sys.executable"
+            else "was not found" in message)
+    assert "--profile NAME" in message
+
+
+# ---- 8. no GPUs ------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_sglang_study_on_a_machine_without_gpus_points_to_the_emulator(tmp_path):
+    # The GPU count is Ray's to find out, so this one starts Ray (in its short temp dir).
+    study = write_study(tmp_path, backend=f"{{kind: sglang, python: {sys.executable}}}")
+    env = {**os.environ, "PYTHONPATH": str(fake_sglang(tmp_path)), "CUDA_VISIBLE_DEVICES": ""}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "treetune", "search", "--study", str(study)],
+                          capture_output=True, text=True, env=env, timeout=100)
+    # The study had started (Ray was up), so its progress line may come first.
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert all(line.startswith("launches") for line in lines[:-1]), done.stderr
+    assert lines[-1].startswith("error: the Ray cluster offers 0 GPUs"), done.stderr
+    assert "--backend emulator --profile NAME" in lines[-1]
+    assert time.monotonic() - started < 60
+
+
+# ---- 9. an unreachable Ray cluster -------------------------------------------------------------
+def test_a_closed_port_is_refused_at_once():
+    port = closed_port()
+    started = time.monotonic()
+    with pytest.raises(TreetuneError) as info:
+        check_ray_address(f"127.0.0.1:{port}")
+    assert time.monotonic() - started < 1
+    assert str(info.value) == (
+        f"cannot reach the Ray cluster at 127.0.0.1:{port}: connection refused; check the "
+        "address (ray status on the head node) or leave ray_address unset to run locally")
+
+
+@pytest.mark.parametrize("address", ["10.255.255.1:6379", "ray://10.255.255.1:10001"])
+def test_a_non_routable_address_is_refused_within_the_timeout(address):
+    started = time.monotonic()
+    with pytest.raises(TreetuneError, match=f"cannot reach the Ray cluster at {address}: "):
+        check_ray_address(address, timeout_s=1)
+    assert time.monotonic() - started < 2.5
+
+
+def test_a_live_grpc_server_passes_and_auto_and_local_are_left_to_ray():
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        check_ray_address(f"127.0.0.1:{port}")
+        check_ray_address(f"ray://127.0.0.1:{port}")
+    finally:
+        server.stop(None)
+    check_ray_address("auto")
+    check_ray_address("local")
+
+
+def test_something_else_listening_on_the_port_is_not_taken_for_ray():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        with pytest.raises(TreetuneError, match="cannot reach the Ray cluster"):
+            check_ray_address(f"127.0.0.1:{listener.getsockname()[1]}", timeout_s=1)
+
+
+@pytest.mark.parametrize("address", ["nonsense", "head-node", "host:port", "10.0.0.1:99999"])
+def test_a_ray_address_that_is_not_an_address_says_what_to_give(address):
+    with pytest.raises(TreetuneError, match=f"ray_address '{address}' is not an address: give "
+                       "host:port"):
+        check_ray_address(address)
+
+
+# Depends on the runner calling treetune.study.preflight.check_study(spec) before Ray.
+@pytest.mark.parametrize("address", ["closed", "10.255.255.1:6379"])
+def test_a_study_on_an_unreachable_cluster_is_refused_before_ray(
+        capsys, monkeypatch, tmp_path, address):
+    import treetune.study.preflight as preflight
+
+    monkeypatch.setattr(preflight, "RAY_CONNECT_TIMEOUT_S", 1.0)
+    address = f"127.0.0.1:{closed_port()}" if address == "closed" else address
+    message = search(capsys, write_study(tmp_path), "--ray-address", address)
+    assert message.startswith(f"cannot reach the Ray cluster at {address}: ")
+
+
+# ---- 10. a storage made by another spec --------------------------------------------------------
+def test_a_storage_made_by_a_different_spec_is_refused_with_how_to_start_anew(
+        capsys, tmp_path):
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    StudyStore(load_study(write_study(tmp_path, storage=storage)))
+    message = search(capsys, write_study(tmp_path, storage=storage, batch="[1, 8]"))
+    assert "was created with a different spec" in message and storage in message
+    assert "Start a new study with another --name or --output" in message
+
+
+# ---- 11. budget, tolerance, workers, backend, profile ------------------------------------------
+@pytest.mark.parametrize(("fields", "options", "fragment"), [
+    ({"budget": "{launches: 1}"}, (), "budget.launches must be >= 2 (the baseline plus one tree)"),
+    ({}, ("--budget-launches", "1"), "budget.launches must be >= 2"),
+    ({"tolerance": "1.5"}, (), "tolerance must be in [0, 1), got 1.5"),
+    ({}, ("--tolerance", "-0.1"), "tolerance must be in [0, 1), got -0.1"),
+    ({"workers": "0"}, (), "workers must be >= 1"),
+    ({"backend": "{kind: vllm}"}, (), "backend.kind must be one of sglang, emulator, got 'vllm'"),
+    ({}, ("--backend", "vllm"), "backend.kind must be one of sglang, emulator, got 'vllm'"),
+    ({"backend": "{kind: emulator}"}, (), "the emulator backend needs backend.profile"),
+    ({"backend": None}, ("--backend", "emulator"), "the emulator backend needs backend.profile"),
+])
+def test_out_of_range_settings_are_refused_in_one_line(capsys, tmp_path, fields, options,
+                                                        fragment):
+    path = write_study(tmp_path, **fields)
+    message = search(capsys, path, *options)
+    assert fragment in message
+    if not options:
+        assert message.startswith(str(path))
+
+
+# Needs spec.py to name the key of a StudySpec check (see the report): then the line follows.
+@pytest.mark.parametrize(("fields", "key"), [
+    ({"budget": "{launches: 1}"}, "budget"),
+    ({"tolerance": "1.5"}, "tolerance"),
+    ({"workers": "0"}, "workers"),
+    ({"batch": "[-1]"}, "batch"),
+    ({"backend": "{kind: vllm}"}, "backend"),
+])
+def test_an_out_of_range_setting_in_a_file_is_given_its_line(capsys, tmp_path, fields, key):
+    path = write_study(tmp_path, **fields)
+    message = search(capsys, path)
+    assert message.startswith(f"{path}, line {line_of(path, key + ':')}: key '{key}")
+
+
+# Depends on the runner calling treetune.study.preflight.check_study(spec) before Ray.
+@pytest.mark.parametrize("options", [
+    ("--profile", "qwen3-coder-next-h20"),
+    ("--backend", "emulator", "--profile", "qwen3-coder-next-h20"),
+])
+def test_an_unknown_profile_is_refused_before_ray_with_a_suggestion(capsys, tmp_path, options):
+    message = search(capsys, write_study(tmp_path, backend=None), *options)
+    assert "qwen3-coder-next-h20" in message
+    assert "did you mean 'qwen3-coder-next-h200'" in message
+
+
+# ---- a traceback only with --debug --------------------------------------------------------------
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "treetune", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_the_command_prints_one_line_and_no_traceback(tmp_path):
+    study = write_study(tmp_path, budgett="{launches: 3}")
+    done = cli("search", "--study", str(study))
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"error: {study}, line {line_of(study, 'budgett')}: key "
+                                   "'budgett': unknown key (did you mean 'budget'?)")
+    assert "Traceback" not in done.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    study = write_study(tmp_path, budgett="{launches: 3}")
+    done = cli("search", "--study", str(study), "--debug")
+    assert done.returncode != 0
+    assert "Traceback (most recent call last)" in done.stderr
+    assert "ConfigFileError" in done.stderr and "did you mean 'budget'" in done.stderr

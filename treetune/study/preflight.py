@@ -1,0 +1,154 @@
+"""Checks that refuse a study before Ray or any server starts: a bad dataset file, an
+unknown profile, SGLang missing, an unreachable cluster. Each failure is one TreetuneError
+saying what is wrong and what to do, in seconds rather than after a Ray start and a launch."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from treetune.datasets import load_datasets
+from treetune.errors import TreetuneError
+from treetune.study.spec import StudySpec
+
+SGLANG_IMPORT_TIMEOUT_S = 60.0  # importing sglang pulls in torch: seconds, not minutes
+RAY_CONNECT_TIMEOUT_S = 5.0
+RAY_CLIENT_PORT = 10001  # ray:// addresses without a port
+UNCHECKED_ADDRESSES = ("auto", "local")  # Ray resolves these itself
+EMULATOR_HINT = "or run on the emulator: --profile NAME (see `treetune profiles`)"
+
+
+def check_study(spec: StudySpec) -> None:
+    """Everything about `spec` that can be refused before Ray starts: its datasets load,
+    the emulator's profile exists and knows every dataset, the cluster address answers,
+    and a local SGLang run has SGLang (on a cluster, the nodes' interpreters are theirs)."""
+    load_datasets(spec.datasets, Path(spec.base_dir))
+    if spec.backend.kind == "emulator":
+        assert spec.backend.profile is not None  # the spec refuses an emulator without one
+        check_profile(spec.backend.profile, spec.dataset_names)
+    if spec.ray_address:
+        check_ray_address(spec.ray_address, RAY_CONNECT_TIMEOUT_S)
+    if spec.backend.kind == "sglang" and spec.ray_address in (None, "", "local"):
+        check_sglang(spec.backend.python)
+
+
+def check_profile(profile: str, datasets: list[str]) -> None:
+    """The emulator's profile loads and knows every dataset: the emulator answers only for
+    the datasets its profile was calibrated on."""
+    from treetune.perfmodel import load_profile
+
+    prof = load_profile(profile)
+    for name in datasets:
+        try:
+            prof.dataset(name)
+        except TreetuneError as exc:
+            raise TreetuneError(f"{exc}; the emulator serves only its profile's datasets: "
+                                "use those, or another profile, or --backend sglang") from None
+
+
+def check_sglang(python: str) -> None:
+    """`python` (backend.python) can import sglang; no shell involved."""
+    shown = python if shutil.which(python) in (None, python) else (
+        f"{python} ({shutil.which(python)})")
+    try:
+        done = subprocess.run([python, "-c", "import sglang"], stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=SGLANG_IMPORT_TIMEOUT_S)
+    except FileNotFoundError:
+        raise TreetuneError(
+            f"the SGLang interpreter '{python}' (backend.python) was not found: set "
+            f"backend.python to the Python that has SGLang installed, {EMULATOR_HINT}"
+        ) from None
+    except OSError as exc:
+        raise TreetuneError(
+            f"cannot run the SGLang interpreter '{python}' (backend.python): {exc.strerror}; "
+            f"set backend.python to the Python that has SGLang installed, {EMULATOR_HINT}"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise TreetuneError(
+            f"'import sglang' with {shown} (backend.python) took more than "
+            f"{SGLANG_IMPORT_TIMEOUT_S:.0f} s; check that installation, {EMULATOR_HINT}"
+        ) from None
+    if done.returncode == 0:
+        return
+    if "No module named 'sglang'" in done.stderr:
+        raise TreetuneError(
+            f"SGLang is not installed for {shown} (backend.python): install it on the GPU "
+            f"machine with pip install 'treetune[sglang]' (or set backend.python to the "
+            f"Python that has it), {EMULATOR_HINT}")
+    lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    cause = lines[-1] if lines else f"exit code {done.returncode}"
+    raise TreetuneError(
+        f"SGLang cannot be imported by {shown} (backend.python): {cause}; fix that "
+        f"installation (pip install 'treetune[sglang]'), {EMULATOR_HINT}")
+
+
+def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """A "host:port" or "ray://host:port" address answers as a Ray head within `timeout_s`
+    (ray.init would retry an unreachable one for minutes); "auto" and "local" are Ray's to
+    resolve."""
+    if address in UNCHECKED_ADDRESSES:
+        return
+    host, port = _host_port(address)
+    deadline = time.monotonic() + timeout_s
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except TimeoutError:
+        reason: str | None = f"no answer within {timeout_s:g} s"
+    except socket.gaierror as exc:
+        reason = f"unknown host '{host}' ({exc.strerror})"
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).lower()
+    else:
+        reason = _not_grpc(host, port, deadline, timeout_s)
+    if reason is not None:
+        raise TreetuneError(
+            f"cannot reach the Ray cluster at {address}: {reason}; check the address (ray "
+            "status on the head node) or leave ray_address unset to run locally")
+
+
+def _not_grpc(host: str, port: int, deadline: float, timeout_s: float) -> str | None:
+    """Why the server at host:port is not a Ray head, or None.
+
+    A bare TCP connection proves little (proxies and sandboxes accept anything), but Ray's
+    head (GCS, and the client server behind ray://) is a gRPC server: a call to a method it
+    does not have comes back UNIMPLEMENTED from gRPC itself, while anything else in
+    between answers with a plain HTTP status or not at all. Under TLS (RAY_USE_TLS) the
+    handshake is Ray's own business."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return None
+    import grpc  # comes with Ray
+
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    with grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        ping = channel.unary_unary("/treetune.Preflight/Ping")
+        try:
+            ping(b"", timeout=max(deadline - time.monotonic(), 0.1))
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details() or ""  # type: ignore[attr-defined]
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return f"no answer within {timeout_s:g} s"
+            if code == grpc.StatusCode.UNAVAILABLE:
+                return details or "unavailable"
+            if details.startswith("Received http2 header with status"):
+                return "something answers there, but not a Ray head (no gRPC)"
+    return None
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    client = address.startswith("ray://")
+    rest = address.removeprefix("ray://").rstrip("/")
+    host, colon, port = rest.rpartition(":")
+    if client and (not colon or "]" in port):  # ray://host: the client server's port
+        host, port = rest, str(RAY_CLIENT_PORT)
+    host = host.removeprefix("[").removesuffix("]")  # [::1]:6379
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise TreetuneError(
+            f"ray_address '{address}' is not an address: give host:port (the head node's "
+            "GCS port, 6379 by default), ray://host:port, auto, or leave it unset to run "
+            "locally")
+    return host, int(port)
