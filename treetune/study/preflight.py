@@ -33,7 +33,7 @@ def check_study(spec: StudySpec) -> None:
     if spec.ray_address:
         check_ray_address(spec.ray_address, RAY_CONNECT_TIMEOUT_S)
     if spec.backend.kind == "sglang" and spec.ray_address in (None, "", "local"):
-        check_sglang(spec.backend.python)
+        check_sglang(spec.backend.python, env={**os.environ, **spec.env})
 
 
 def check_profile(profile: str, datasets: list[str]) -> None:
@@ -50,12 +50,12 @@ def check_profile(profile: str, datasets: list[str]) -> None:
                                 "use those, or another profile, or --backend sglang") from None
 
 
-def check_sglang(python: str) -> None:
+def check_sglang(python: str, env: dict[str, str] | None = None) -> None:
     """`python` (backend.python) can import sglang; no shell involved."""
     shown = python if shutil.which(python) in (None, python) else (
         f"{python} ({shutil.which(python)})")
     try:
-        done = subprocess.run([python, "-c", "import sglang"], stdin=subprocess.DEVNULL,
+        done = subprocess.run([python, "-c", "import sglang"], stdin=subprocess.DEVNULL, env=env,
                               capture_output=True, text=True, timeout=SGLANG_IMPORT_TIMEOUT_S)
     except FileNotFoundError:
         raise TreetuneError(
