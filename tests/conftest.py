@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,7 +131,6 @@ def small_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished emulated study folder (baseline, (3,4,8), (5,1,6) and searched trees at
     batch 1 and 32 on mt-bench and terminal-bench), with recommendations and launch scripts.
     In this profile the wide tree (3,4,8) regresses terminal-bench at batch 32."""
-    import tempfile
 
     from treetune.study.recommend import recommend, write_outputs
     from treetune.study.runner import run_study
@@ -154,5 +154,20 @@ def small_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
         })
         outcome = run_study(spec)
     assert outcome.baseline is not None, [r.reason for r in outcome.results]
-    write_outputs(spec, recommend(spec, outcome.results, outcome.baseline), folder)
+    write_outputs(spec, recommend(spec, outcome.results, outcome.baseline, outcome.estimates),
+                  folder)
     return folder
+
+
+@pytest.fixture
+def ray_tmpdir(monkeypatch):
+    """A short Ray temp dir of the test's own (Ray's socket paths break past ~100
+    characters); nothing the test started under it may outlive the test."""
+    from studykit import processes_with, wait_until
+
+    path = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    monkeypatch.setenv("TREETUNE_RAY_TMPDIR", path)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    yield path
+    assert wait_until(lambda: not processes_with(path), 30), (
+        f"processes outlived the test: {processes_with(path)}")

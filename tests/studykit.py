@@ -8,6 +8,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`treetune ARGS` in this process: (exit code, stdout, stderr)."""
+    from treetune.cli import main
+
+    code = 0
+    try:
+        main(list(args))
+    except SystemExit as exc:
+        code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 def small_study(tmp_path: Path, **over) -> dict:
     """A study of five launches on the emulator that takes seconds, not minutes."""
     base = {

@@ -20,16 +20,7 @@ from treetune.study.runner import run_study
 from treetune.study.spec import load_study
 from treetune.study.storage import StudyStore
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def ray_tmpdir(monkeypatch):
-    # Ray's socket paths break past ~100 characters: a short directory per test.
-    path = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    monkeypatch.setenv("TREETUNE_RAY_TMPDIR", path)
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    return path
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_tmpdir")]
 
 
 @pytest.fixture(scope="module")

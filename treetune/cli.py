@@ -226,6 +226,13 @@ def search(
     api_key_env: Annotated[str | None, typer.Option(
         help="Environment variable holding SGLang's --api-key; the key itself is never "
         "written anywhere.")] = None,
+    strategy: Annotated[str | None, typer.Option(
+        help="How the next tree is chosen: model (fit the performance model to what was "
+        "measured and launch its predicted best), tpe, grid or random. Default auto: model "
+        "when a prior profile is known (the emulator's, or --prior), else tpe.")] = None,
+    prior: Annotated[str | None, typer.Option(
+        help="Profile (name or YAML) with the hardware and model facts the model search "
+        "starts from; its fitted values are refined by the measurements.")] = None,
 ) -> None:
     """Search for the best tree per batch size and workload, and write launch commands.
 
@@ -248,6 +255,7 @@ def search(
         "tolerance": tolerance, "backend": backend_over, "ray_address": ray_address,
         "workers": workers, "storage": storage, "seed": seed, "compare": compare,
         "output": output, "host": host, "api_key_env": api_key_env,
+        "search": {"strategy": strategy, "prior": prior},
     })
     out.print(f"study [bold]{spec.name}[/bold]: {spec.model} + {spec.draft}, batch "
               f"{', '.join(map(str, spec.batch))}, datasets {', '.join(spec.dataset_names)}, "
@@ -260,7 +268,7 @@ def search(
                   "them (set api_key_env to require a key)", highlight=False)
     outcome = _run_with_progress(spec, run_study)  # SIGTERM stops it as Ctrl-C does
     if outcome.baseline is not None:
-        recs = recommend(spec, outcome.results, outcome.baseline)
+        recs = recommend(spec, outcome.results, outcome.baseline, outcome.estimates)
         write_outputs(spec, recs, spec.output_dir)
         _print_outcome(spec, outcome, recs, pools_advice(recs))
     if outcome.interrupted:
@@ -309,7 +317,8 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
 
     failed = [r for r in outcome.results if not r.ok]
     table = Table(title=f"measured speedups over no speculation ({len(outcome.results)} "
-                  f"launches, {len(failed)} failed)", caption="* compared config; red: "
+                  f"configs in {outcome.launches} launches, {len(failed)} failed; strategy "
+                  f"{outcome.strategy})", caption="* compared config; red: "
                   "slower than no speculation")
     table.add_column("tree", no_wrap=True)
     for b in sorted(spec.batch):
@@ -327,8 +336,10 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
         tag = " *" if config in spec.compare else ""
         table.add_row(config.label() + tag, *cells)
     out.print(table)
-    rec_table = Table(title="recommendations")
-    for col in ("workload", "batch", "tree S,K,N", "measured speedups"):
+    rec_table = Table(title="recommendations", caption="[interval]: where the true speedup "
+                      "lies, given the measurement noise; a tree is recommended only when "
+                      "every lower bound clears 1 - tolerance")
+    for col in ("workload", "batch", "tree S,K,N", "measured speedups [interval]"):
         rec_table.add_column(col)
     for row in summary_rows(recs):
         rec_table.add_row(*row)

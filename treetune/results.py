@@ -35,6 +35,7 @@ class CellResult:
     tpot: Latency | None
     errors: int = 0
     repeats: tuple[float, ...] = ()  # throughput of sub-windows, for confidence intervals
+    launch_tok_s: tuple[float, ...] = ()  # per launch, when several launches are merged
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -46,6 +47,7 @@ class CellResult:
             if data.get(key) is not None:
                 data[key] = Latency(**data[key])
         data["repeats"] = tuple(data.get("repeats", ()))
+        data["launch_tok_s"] = tuple(data.get("launch_tok_s", ()))
         return cls(**data)
 
 

@@ -18,8 +18,8 @@ from concurrent import futures
 from pathlib import Path
 
 import pytest
+from studykit import run_cli
 
-from treetune.cli import main
 from treetune.datasets import DatasetSpec, load_datasets
 from treetune.errors import ConfigFileError, TreetuneError
 from treetune.space import load_space
@@ -54,13 +54,7 @@ def line_of(path: Path, fragment: str) -> int:
 
 
 def run(capsys, *args):
-    code = 0
-    try:
-        main(list(args))
-    except SystemExit as exc:
-        code = exc.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return run_cli(capsys, *args)
 
 
 def refused(capsys, *args: str) -> str:

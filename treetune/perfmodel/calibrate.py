@@ -35,6 +35,7 @@ class Measurement:
     baseline_tok_s: float
     spec_tok_s: float
     accept_length: float | None = None
+    launch: str | None = None  # points of one launch share its speed factor (see calibrate)
 
     @property
     def speedup(self) -> float:
@@ -62,6 +63,14 @@ class Parameter:
     high: float
     log: bool  # fit in log space (positive quantities spanning orders of magnitude)
 
+    @property
+    def low_x(self) -> float:
+        return _to_x(self, self.low)
+
+    @property
+    def high_x(self) -> float:
+        return _to_x(self, self.high)
+
 
 CALIBRATION_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "step_overhead_ms": (0.05, 50.0, True),
@@ -83,6 +92,7 @@ DATASET_BOUNDS: dict[str, tuple[float, float, bool]] = {
 }
 DEFAULT_DATASET_FIT = ("acceptance.top1", "acceptance.rank_mass", "context_tokens")
 MOE_DATASET_FIT = (*DEFAULT_DATASET_FIT, "routing_diversity")
+LAUNCH_SHRINK = 1.0  # (cell noise / launch noise)^2: how far launch effects are shrunk
 PRIOR_WEIGHT = 0.02  # pull per parameter (in scaled units) towards the starting profile
 
 
@@ -112,6 +122,8 @@ class CalibrationResult:
     parameters: dict[str, float]
     points: list[PointError]
     cost: float
+    x: np.ndarray | None = None  # the fitted parameters in fitting space (log where log)
+    covariance: np.ndarray | None = None  # of x: Gauss-Newton, residual variance scaled
 
     @property
     def max_speedup_error(self) -> float:
@@ -265,15 +277,18 @@ def set_values(profile: Profile, values: dict[str, float]) -> Profile:
 
 def point_errors(profile: Profile, measurements: Sequence[Measurement]) -> list[PointError]:
     model = PerfModel(profile)
-    return [
-        PointError(
-            m,
-            model.throughput(BASELINE, m.batch, m.dataset),
-            model.throughput(m.config, m.batch, m.dataset),
-            model.accept_length(m.config, m.dataset),
-        )
-        for m in measurements
-    ]
+    baselines: dict[tuple[int, str], float] = {}
+    accepts: dict[tuple[TreeConfig, str], float] = {}
+    errors = []
+    for m in measurements:  # each baseline and accept length computed once
+        cell, tree = (m.batch, m.dataset), (m.config, m.dataset)
+        if cell not in baselines:
+            baselines[cell] = model.throughput(BASELINE, m.batch, m.dataset)
+        if tree not in accepts:
+            accepts[tree] = model.accept_length(m.config, m.dataset)
+        spec = m.batch * accepts[tree] / model.round_time(m.config, m.batch, m.dataset).total_s
+        errors.append(PointError(m, baselines[cell], spec, accepts[tree]))
+    return errors
 
 
 def calibrate(
@@ -284,8 +299,14 @@ def calibrate(
     speedup_weight: float = 3.0,
     starts: int = 4,
     seed: int = 0,
+    start: Profile | None = None,
+    max_nfev: int = 4000,
+    tolerance: float = 1e-8,
 ) -> CalibrationResult:
-    """Least-squares fit of the free parameters; returns the fitted profile and errors."""
+    """Least-squares fit of the free parameters; returns the fitted profile and errors.
+
+    The fit is pulled weakly towards `profile`'s values and starts there, or at `start`
+    (a previous fit, when refitting with more data)."""
     params = list(parameters or free_parameters(profile, measurements))
     if not params:
         raise TreetuneError("nothing to fit: no free parameters selected")
@@ -293,14 +314,26 @@ def calibrate(
     high = np.array([_to_x(p, p.high) for p in params])
     x0 = np.clip([_to_x(p, get_value(profile, p.name)) for p in params], low, high)
     baselines = {(m.batch, m.dataset): m.baseline_tok_s for m in measurements}
+    groups: dict[str, list[int]] = {}
+    for i, m in enumerate(measurements):
+        if m.launch is not None:
+            groups.setdefault(m.launch, []).append(i)
 
     def residuals(x: np.ndarray) -> np.ndarray:
         fitted = set_values(profile, _values(params, x))
         out = []
         errors = point_errors(fitted, measurements)
-        for e in errors:
+        logs = np.array([np.log(e.predicted_speedup / e.measurement.speedup) for e in errors])
+        # A launch runs at its own speed (clock boost, placement): every point of one launch
+        # is off by the same factor. It is profiled out, shrunk towards 1, so that the
+        # model is fitted to what differs between configs, not to launch luck.
+        for members in groups.values():
+            effect = -logs[members].sum() / (len(members) + LAUNCH_SHRINK)
+            logs[members] += effect
+            out.append(speedup_weight * np.sqrt(LAUNCH_SHRINK) * effect)
+        for e, log_error in zip(errors, logs, strict=True):
             m = e.measurement
-            out.append(speedup_weight * np.log(e.predicted_speedup / m.speedup))
+            out.append(speedup_weight * log_error)
             if m.accept_length is not None:
                 out.append((e.predicted_accept - m.accept_length) / m.accept_length)
         for (batch, dataset), measured in baselines.items():
@@ -311,16 +344,37 @@ def calibrate(
         return np.asarray(out)
 
     rng = np.random.default_rng(seed)
+    first = x0 if start is None else np.clip(
+        [_to_x(p, get_value(start, p.name)) for p in params], low, high)
     best = None
     for attempt in range(max(starts, 1)):
-        start = x0 if attempt == 0 else rng.uniform(low, high)
-        fit = least_squares(residuals, start, bounds=(low, high), x_scale="jac", max_nfev=4000)
+        x_start = first if attempt == 0 else rng.uniform(low, high)
+        fit = least_squares(residuals, x_start, bounds=(low, high), x_scale="jac",
+                            max_nfev=max_nfev, ftol=tolerance, xtol=tolerance,
+                            gtol=tolerance)
         if best is None or fit.cost < best.cost:
             best = fit
     assert best is not None
     values = _values(params, best.x)
     fitted = set_values(profile, values)
-    return CalibrationResult(fitted, values, point_errors(fitted, measurements), float(best.cost))
+    return CalibrationResult(fitted, values, point_errors(fitted, measurements),
+                             float(best.cost), best.x, _covariance(best, len(params)))
+
+
+def _covariance(fit: Any, n: int) -> np.ndarray | None:
+    """Gauss-Newton covariance of the fitted x, scaled by the residual variance."""
+    jac, residuals = np.asarray(fit.jac), np.asarray(fit.fun)
+    dof = max(len(residuals) - n, 1)
+    scale = max(float(residuals @ residuals) / dof, 1e-6)
+    try:
+        return np.linalg.pinv(jac.T @ jac) * scale
+    except np.linalg.LinAlgError:
+        return None
+
+
+def values_of(params: Sequence[Parameter], x: np.ndarray) -> dict[str, float]:
+    """Parameter values from a point in fitting space."""
+    return _values(params, x)
 
 
 def _to_x(p: Parameter, value: float) -> float:

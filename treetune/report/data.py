@@ -12,6 +12,7 @@ import optuna
 from treetune.config import TreeConfig
 from treetune.errors import TreetuneError
 from treetune.results import LaunchResult
+from treetune.study.evidence import merge_all
 from treetune.study.recommend import Recommendation, recommend
 from treetune.study.runner import SPEC_COPY
 from treetune.study.spec import StudySpec, load_study, study_from_mapping
@@ -97,11 +98,23 @@ def load_study_data(source: str | Path, study: str | None = None) -> StudyData:
                                 "it (run `treetune search` with --output pointing there)")
         spec = load_study(spec_path)
     store = StudyStore(spec)
-    results = store.results()
+    results = list(merge_all(store.results()).values())  # one per config, re-launches merged
     baseline = next((r for r in results if r.ok and not isinstance(r.config, TreeConfig)),
                     None)
-    recs = recommend(spec, results, baseline) if baseline else []
+    recs = recommend(spec, results, baseline, _estimates(spec, results, baseline)) \
+        if baseline else []
     return StudyData(spec, results, baseline, recs, spec.storage_url, folder)
+
+
+def _estimates(spec: StudySpec, results: list[LaunchResult],
+               baseline: LaunchResult | None) -> dict | None:
+    """The model search's estimates, as `treetune search` used them to rank."""
+    from treetune.study.guided import blended_estimates
+    from treetune.study.planner import strategy_of
+
+    if baseline is None or strategy_of(spec) != "model":
+        return None
+    return blended_estimates(spec, results, baseline, seed=spec.seed)
 
 
 def _spec_from_storage(url: str, study: str | None) -> StudySpec:

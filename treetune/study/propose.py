@@ -125,3 +125,25 @@ class TPEProposer:
             for batch, trial, _ in waiting:
                 self.store.abandon(trial, self.store.batch_studies[batch], reason)
         self.parked.clear()
+
+
+class GridProposer(TPEProposer):
+    """Every config of the space in its order (steps, then topk, then draft tokens), as a
+    hand-run grid would go; launches are still told to the per-batch studies."""
+
+    def next(self) -> Proposal | None:
+        for config in self.space.configs():
+            if isinstance(config, TreeConfig) and not self.is_known(config_key(config)):
+                return Proposal(config)
+        return None
+
+
+class RandomProposer(TPEProposer):
+    """Untried configs uniformly at random (seeded)."""
+
+    def next(self) -> Proposal | None:
+        untried = [c for c in self.space.configs()
+                   if isinstance(c, TreeConfig) and not self.is_known(config_key(c))]
+        if not untried:
+            return None
+        return Proposal(untried[int(self.rng.integers(len(untried)))])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,9 +14,11 @@ from typing import Any
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.launch import sglang_command, shell_line
 from treetune.results import LaunchResult, config_key
+from treetune.study.evidence import Z_LOWER, Interval, intervals, merge_all
 from treetune.study.spec import StudySpec
-from treetune.study.storage import speedups
 from treetune.yamlio import dump_yaml
+
+Estimates = dict[tuple[Any, int, str], tuple[float, float]]  # see study.guided
 
 MIXED = "mixed"
 
@@ -27,6 +30,7 @@ class Recommendation:
     config: ServerConfig  # BASELINE: no speculation
     speedups: dict[str, float]  # measured, per dataset of the workload
     reason: str
+    intervals: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def script_name(self) -> str:
@@ -42,42 +46,87 @@ class Recommendation:
             "topk": tree.topk if tree else None,
             "draft_tokens": tree.draft_tokens if tree else None,
             "speedups": {k: round(v, 4) for k, v in self.speedups.items()},
+            "intervals": {k: [round(lo, 4), round(hi, 4)]
+                          for k, (lo, hi) in self.intervals.items()},
             "launch_script": self.script_name,
             "reason": self.reason,
         }
 
+    def speedup_labels(self) -> list[str]:
+        """'dataset 1.234 [1.201, 1.268]' per dataset."""
+        return [f"{d} {s:.3f}" + (f" [{self.intervals[d][0]:.3f}, {self.intervals[d][1]:.3f}]"
+                                  if d in self.intervals else "")
+                for d, s in self.speedups.items()]
 
-def recommend(spec: StudySpec, results: list[LaunchResult],
-              baseline: LaunchResult) -> list[Recommendation]:
-    measured = [r for r in results if r.ok and isinstance(r.config, TreeConfig)]
+
+def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResult,
+              estimates: Estimates | None = None) -> list[Recommendation]:
+    """Per batch size and workload, the measured config with the best mean speedup among
+    those surely feasible: every dataset's interval lower bound at or above
+    1 - tolerance. Several launches of one config are merged first.
+
+    With model `estimates` (the model search's fitted model, which pools every launch),
+    the ranking blends each measured speedup with the model's estimate, weighted by their
+    variances; feasibility always comes from the measurements alone."""
+    merged = merge_all(results)
+    baseline = merged.get("baseline", baseline)
+    measured = [r for r in merged.values() if r.ok and isinstance(r.config, TreeConfig)]
     floor = 1.0 - spec.tolerance
     out = []
     for batch in sorted(spec.batch):
-        table = {r.config: speedups(r, baseline, batch, spec.dataset_names) for r in measured}
+        table = {r.config: intervals(r, baseline, batch, spec.dataset_names,
+                                     spec.search.launch_cv) for r in measured}
         workloads = [(MIXED, spec.dataset_names)] + [(d, [d]) for d in spec.dataset_names]
         for workload, names in workloads:
-            feasible = {c: s for c, s in table.items() if all(s[d] >= floor for d in names)}
+            feasible = {c: ivs for c, ivs in table.items()
+                        if all(ivs[d].low >= floor for d in names)}
+
+            def rank(config: ServerConfig, names: list[str] = names, batch: int = batch,
+                     ivs: dict[ServerConfig, dict[str, Interval]] = table) -> float:
+                return statistics.fmean(_blend(ivs[config][d], estimates, config, batch, d)
+                                        for d in names)
+
             if feasible:
-                best = max(feasible, key=lambda c: statistics.fmean(feasible[c][d] for d in names))
-                per = {d: feasible[best][d] for d in names}
+                best = max(feasible, key=rank)
+                per = {d: feasible[best][d].mean for d in names}
+                unsure = sum(1 for ivs in table.values()
+                             if all(ivs[d].mean >= floor for d in names)) - len(feasible)
                 reason = (f"best mean speedup {statistics.fmean(per.values()):.3f} of "
-                          f"{len(feasible)} feasible configs out of {len(table)} measured")
-                out.append(Recommendation(workload, batch, best, per, reason))
+                          f"{len(feasible)} surely feasible configs out of {len(table)} "
+                          "measured" + (f" ({unsure} more were not slower on average but "
+                                        "their interval reaches below the floor)"
+                                        if unsure else ""))
+                out.append(Recommendation(
+                    workload, batch, best, per, reason,
+                    {d: (feasible[best][d].low, feasible[best][d].high) for d in names}))
             else:
                 out.append(Recommendation(workload, batch, BASELINE, {d: 1.0 for d in names},
                                           _why_none(table, names, floor, batch)))
     return out
 
 
-def _why_none(table: dict[ServerConfig, dict[str, float]], names: list[str], floor: float,
+def _blend(measured: Interval, estimates: Estimates | None, config: ServerConfig,
+           batch: int, dataset: str) -> float:
+    """The measured speedup, or its inverse-variance blend with the model's estimate."""
+    model = estimates.get((config, batch, dataset)) if estimates else None
+    if model is None or measured.mean <= 0 or measured.high <= measured.low:
+        return measured.mean
+    sd = (math.log(measured.high) - math.log(measured.low)) / (2 * Z_LOWER)
+    weight_m, weight_p = 1 / sd ** 2, 1 / model[1]
+    return math.exp((weight_m * math.log(measured.mean) + weight_p * model[0])
+                    / (weight_m + weight_p))
+
+
+def _why_none(table: dict[ServerConfig, dict[str, Interval]], names: list[str], floor: float,
               batch: int) -> str:
     if not table:
         return "no speculative config was measured successfully"
-    closest = max(table, key=lambda c: min(table[c][d] for d in names))
-    worst = min(names, key=lambda d: table[closest][d])
-    return (f"no speculation: every measured config is slower than no speculation on some "
-            f"dataset at batch {batch} (closest: {closest} at {table[closest][worst]:.3f} on "
-            f"{worst}, needs >= {floor:.2f})")
+    closest = max(table, key=lambda c: min(table[c][d].low for d in names))
+    worst = min(names, key=lambda d: table[closest][d].low)
+    iv = table[closest][worst]
+    return (f"no speculation: no measured config is surely as fast as no speculation on "
+            f"every dataset at batch {batch} (closest: {closest} at {iv.label()} on "
+            f"{worst}, needs a lower bound >= {floor:.2f})")
 
 
 def pools_advice(recs: list[Recommendation]) -> str | None:
@@ -117,8 +166,8 @@ def launch_script(spec: StudySpec, rec: Recommendation) -> str:
         argv += ["--api-key", f"${{{spec.api_key_env}}}"]
     lines = ["#!/bin/sh",
              f"# treetune study '{spec.name}': {rec.workload} workload at batch {rec.batch}",
-             f"# tree {rec.config}; measured speedups: "
-             + ", ".join(f"{d} {s:.3f}" for d, s in rec.speedups.items()),
+             f"# tree {rec.config}; measured speedups [interval]: "
+             + ", ".join(rec.speedup_labels()),
              f"# {rec.reason}"]
     lines += [f"export {k}={shell_line([v])}" for k, v in sorted(spec.env.items())]
     command = shell_line(argv)
@@ -141,4 +190,4 @@ def launch_argv(spec: StudySpec, rec: Recommendation, port: int | None = None) -
 def summary_rows(recs: list[Recommendation]) -> list[tuple[str, str, str, str]]:
     return [(r.workload, str(r.batch), "no speculation" if r.config is BASELINE
              else config_key(r.config),
-             ", ".join(f"{d} {s:.3f}" for d, s in r.speedups.items())) for r in recs]
+             ", ".join(r.speedup_labels())) for r in recs]

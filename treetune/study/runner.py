@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.config import BASELINE, TreeConfig
 from treetune.errors import TreetuneError
-from treetune.results import LaunchResult, config_key
+from treetune.results import LaunchResult
 from treetune.space import load_space
+from treetune.study.planner import Planner, Task
 from treetune.study.preflight import check_study
-from treetune.study.propose import Proposal, TPEProposer
 from treetune.study.spec import StudySpec
 from treetune.study.storage import StudyStore, check_writable, speedups
 
@@ -48,9 +48,8 @@ class Progress:
 
 @dataclass
 class _Launch:
-    config: ServerConfig
+    task: Task
     trial: Any  # its trial in the launches study
-    proposal: Proposal | None
     worker: Any
 
 
@@ -61,6 +60,9 @@ class StudyOutcome:
     baseline: LaunchResult | None
     interrupted: bool = False
     stale_redone: int = 0
+    launches: int = 0  # server launches stored, re-measurements included
+    strategy: str = ""
+    estimates: dict | None = None  # the model search's, for `recommend`
 
 
 class _Ray:
@@ -247,43 +249,34 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     space = load_space(spec.space)
     spec.save(spec.output_dir / SPEC_COPY)  # what `treetune report` reads back
     stale = store.mark_stale()
-    results = {config_key(r.config): r for r in store.results()}
-    progress = Progress(budget=spec.budget.launches, launches_done=len(results))
+    planner = Planner(spec, store, space, store.results(), tp=spec.tp)
+    progress = Progress(budget=spec.budget.launches, launches_done=planner.launches)
     notify = on_progress or (lambda p: None)
     if stale:
         progress.message = f"{stale} launch(es) of an earlier run were stale: redoing them"
-
-    def baseline() -> LaunchResult | None:
-        result = results.get("baseline")
-        return result if result and result.ok else None
-
-    in_flight: dict[Any, _Launch] = {}  # Ray object ref -> launch under way
-    proposer = TPEProposer(store, space, spec.seed,
-                           is_known=lambda k: k in results or any(
-                               config_key(x.config) == k for x in in_flight.values()) or any(
-                               config_key(c) == k for c, _ in queue))
-    base = baseline()
+    base = planner.baseline
     if base is not None:
-        for r in results.values():
+        for r in planner.results.values():
             if isinstance(r.config, TreeConfig):
                 _update_best(progress, spec, r, base)
-    # Launches to make before asking for proposals: the baseline and compared configs,
-    # and launches whose worker died (with the proposal that asked for them).
-    queue: list[tuple[ServerConfig, Proposal | None]] = [
-        (c, None) for c in (BASELINE, *spec.compare) if config_key(c) not in results]
+    in_flight: dict[Any, _Launch] = {}  # Ray object ref -> launch under way
     reschedules: dict[str, int] = {}
-    pending_tell: list[tuple[LaunchResult, Proposal | None]] = []
     deadline = (time.monotonic() + spec.budget.wall_time_s) if spec.budget.wall_time_s else None
 
     def budget_left() -> bool:
-        used = len(results) + len(in_flight)
+        used = planner.launches + len(in_flight)
         if spec.budget.launches is not None and used >= spec.budget.launches:
             return False
         return deadline is None or time.monotonic() < deadline
 
-    if "baseline" in results and not results["baseline"].ok:
-        raise TreetuneError(f"the baseline launch failed: {results['baseline'].reason}; fix the "
+    def running() -> list[str]:
+        return [x.task.key for x in in_flight.values()]
+
+    failed_base = planner.results.get("baseline")
+    if failed_base is not None and not failed_base.ok:
+        raise TreetuneError(f"the baseline launch failed: {failed_base.reason}; fix the "
                             "server setup and start a new study")
+    progress.message = progress.message or f"strategy {planner.strategy}"
     notify(progress)
     ray_session = _Ray(spec)
     _stop_on_sigterm()  # ray.init installs its own SIGTERM handler, which just exits
@@ -294,24 +287,19 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         pool = _Pool(ray, *_start_workers(ray, spec))
         while True:
             while pool.idle and budget_left():
-                if queue:
-                    config, proposal = queue.pop(0)
-                elif baseline() is None:
-                    break  # speedups need the baseline before the search can learn
-                else:
-                    proposal = proposer.next()
-                    if proposal is None:
-                        break
-                    config = proposal.config
+                task = planner.next()
+                if task is None:
+                    break
                 worker = pool.idle.pop(0)
-                trial = store.begin_launch(config, ())
-                ref = worker.run.remote(config_key(config), [])
-                in_flight[ref] = _Launch(config, trial, proposal, worker)
-                progress.running = [config_key(x.config) for x in in_flight.values()]
-                progress.message = f"launched {config} on a worker"
+                trial = store.begin_launch(task.config, ())
+                ref = worker.run.remote(task.key, [])
+                in_flight[ref] = _Launch(task, trial, worker)
+                progress.running = running()
+                progress.message = (f"re-measuring {task.config} (borderline)" if task.remeasure
+                                    else f"launched {task.config} on a worker")
                 notify(progress)
             if not in_flight and (pool.idle or not pool.starting):
-                if pool.alive == 0 and (queue or budget_left()):
+                if pool.alive == 0 and (planner.queue or budget_left()):
                     raise TreetuneError("every launch worker died and none could be replaced; "
                                         "results so far are stored: rerun to resume")
                 break
@@ -322,8 +310,8 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                 notify(progress)
             for ref in (r for r in done if r in in_flight):
                 launch = in_flight.pop(ref)
-                config, proposal = launch.config, launch.proposal
-                key = config_key(config)
+                task = launch.task
+                config = task.config
                 try:
                     result = LaunchResult.from_dict(ray.get(ref))
                 except ray.exceptions.RayActorError as exc:
@@ -333,15 +321,15 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                     pool.replace(spec)
                     store.abandon(launch.trial, store.launches,
                                   f"worker died: {_cause(exc)}; rescheduled")
-                    reschedules[key] = reschedules.get(key, 0) + 1
-                    if reschedules[key] <= MAX_RESCHEDULES:
-                        queue.insert(0, (config, proposal))
+                    reschedules[task.key] = reschedules.get(task.key, 0) + 1
+                    if reschedules[task.key] <= MAX_RESCHEDULES:
+                        planner.requeue(task)
                         progress.message = f"a worker died running {config}: rescheduled"
-                        progress.running = [config_key(x.config) for x in in_flight.values()]
+                        progress.running = running()
                         notify(progress)
                         continue
-                    result = LaunchResult(config, reason=f"its worker died {reschedules[key]} "
-                                          f"times: {_cause(exc)}")
+                    result = LaunchResult(config, reason=f"its worker died "
+                                          f"{reschedules[task.key]} times: {_cause(exc)}")
                     launch.trial = store.begin_launch(config, ())
                 except ray.exceptions.RayError as exc:
                     result = LaunchResult(config, reason=f"worker failed: {_cause(exc)}")
@@ -349,41 +337,40 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                 else:
                     pool.idle.append(launch.worker)
                 store.finish_launch(launch.trial, result)
-                results[key] = result
-                progress.launches_done = len(results)
-                progress.running = [config_key(x.config) for x in in_flight.values()]
+                merged = planner.finish(task, result)
+                progress.launches_done = planner.launches
+                progress.running = running()
                 progress.message = (f"measured {config}" if result.ok
                                     else f"{config} failed: {result.reason}")
                 if result.ok and result.attempts > 1:
                     progress.message += f" (second server: {result.retried_because})"
-                if config is BASELINE and not result.ok:
+                if config is BASELINE and not result.ok and planner.baseline is None:
                     raise TreetuneError(f"the baseline launch failed: {result.reason}\n"
                                         f"{result.log_tail}")
-                if isinstance(config, TreeConfig):
-                    pending_tell.append((result, proposal))
-                base = baseline()
+                base = planner.baseline
                 if base is not None:
-                    for told, prop in pending_tell:
-                        proposer.observe(prop.trials if prop else [], told, base)
+                    targets = ([r for r in planner.results.values()
+                                if isinstance(r.config, TreeConfig)]
+                               if config is BASELINE else [merged])
+                    for told in targets:
                         _update_best(progress, spec, told, base)
-                    pending_tell.clear()
                 notify(progress)
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        unfinished = [*(x.proposal for x in in_flight.values()), *(p for _, p in queue)]
         for launch in in_flight.values():
             store.abandon(launch.trial, store.launches, "interrupted")
             ray.kill(launch.worker)  # its server dies with it (parent-death signal)
-        for proposal in unfinished:
-            for batch, btrial, _ in (proposal.trials if proposal else []):
+        for proposal in planner.unfinished_proposals():
+            for batch, btrial, _ in proposal.trials:
                 store.abandon(btrial, store.batch_studies[batch], "interrupted")
-        proposer.abandon_all("interrupted" if interrupted else "search ended")
+        planner.proposer.abandon_all("interrupted" if interrupted else "search ended")
         in_flight.clear()
         if pool is not None:
             pool.shutdown()
         ray_session.shutdown()
-    return StudyOutcome(spec, list(results.values()), baseline(), interrupted, stale)
+    return StudyOutcome(spec, list(planner.results.values()), planner.baseline, interrupted,
+                        stale, planner.launches, planner.strategy, planner.estimates())
 
 
 def _update_best(progress: Progress, spec: StudySpec, result: LaunchResult,

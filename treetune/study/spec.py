@@ -116,6 +116,29 @@ class Measurement:
                              "startup_timeout_s > 0")
 
 
+STRATEGIES = ("auto", "model", "tpe", "grid", "random")
+
+
+@dataclass(frozen=True)
+class Search:
+    """How the next launch is chosen, and how sure a measurement must be."""
+
+    strategy: str = "auto"  # auto: model when a prior profile is known, else tpe
+    prior: str | None = None  # profile whose hardware and model facts the model search
+    # uses (default for the emulator: its profile, with every free parameter neutral)
+    launch_cv: float = 0.03  # launch-to-launch spread assumed until re-launches measure it
+    max_launches_per_config: int = 3  # a borderline config is re-measured up to this
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"search.strategy must be one of {', '.join(STRATEGIES)}, got "
+                             f"'{self.strategy}'")
+        if not 0 <= self.launch_cv < 1:
+            raise ValueError("search.launch_cv must be in [0, 1)")
+        if self.max_launches_per_config < 1:
+            raise ValueError("search.max_launches_per_config must be >= 1")
+
+
 @dataclass(frozen=True)
 class StudySpec:
     name: str
@@ -141,6 +164,7 @@ class StudySpec:
     host: str = "127.0.0.1"
     api_key_env: str | None = None  # environment variable holding SGLang's --api-key
     measurement: Measurement = field(default_factory=Measurement)
+    search: Search = field(default_factory=Search)
     base_dir: str = "."  # folder relative dataset paths resolve against
 
     def __post_init__(self) -> None:
@@ -271,6 +295,7 @@ class _SpecFile:
     host: str = "127.0.0.1"
     api_key_env: str | None = None
     measurement: Measurement = field(default_factory=Measurement)
+    search: Search = field(default_factory=Search)
     description: str = ""
 
 
@@ -290,7 +315,8 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
     path = where if isinstance(where, Path) else None
     raw = build(_SpecFile, data, where)
     merged = dataclasses.asdict(raw)
-    sections = {"budget": Budget, "backend": Backend, "measurement": Measurement}
+    sections = {"budget": Budget, "backend": Backend, "measurement": Measurement,
+                "search": Search}
     given: set[str] = set()  # dotted keys the command line set
     for key, value in (overrides or {}).items():
         if key in sections and isinstance(value, dict):

@@ -93,19 +93,24 @@ def check_sqlite(url: str) -> None:
 
 class StudyStore:
     def __init__(self, spec: StudySpec,
-                 sampler_factory: Callable[[int], optuna.samplers.BaseSampler] | None = None
-                 ) -> None:
+                 sampler_factory: Callable[[int], optuna.samplers.BaseSampler] | None = None,
+                 storage: optuna.storages.BaseStorage | None = None) -> None:
+        """Open (or create) the study's storage; `storage` overrides the spec's URL (the
+        search-efficiency benchmark keeps its studies in memory)."""
         self.spec = spec
         url = spec.storage_url
-        if url.startswith("sqlite:///"):
-            check_sqlite(url)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        try:
-            self.storage = optuna.storages.RDBStorage(
-                url, engine_kwargs={"connect_args": {"timeout": 30}}
-                if url.startswith("sqlite") else None)
-        except Exception as exc:  # SQLAlchemy raises many kinds
-            raise TreetuneError(f"cannot open study storage {url}: {exc}") from None
+        if storage is not None:
+            self.storage = storage
+        else:
+            if url.startswith("sqlite:///"):
+                check_sqlite(url)
+            try:
+                self.storage = optuna.storages.RDBStorage(
+                    url, engine_kwargs={"connect_args": {"timeout": 30}}
+                    if url.startswith("sqlite") else None)
+            except Exception as exc:  # SQLAlchemy raises many kinds
+                raise TreetuneError(f"cannot open study storage {url}: {exc}") from None
         self.launches = optuna.create_study(
             study_name=f"{spec.name}:launches", storage=self.storage, load_if_exists=True)
         stored = self.launches.user_attrs.get(FINGERPRINT_ATTR)

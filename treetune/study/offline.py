@@ -1,0 +1,73 @@
+"""Studies evaluated in-process: each launch is drawn from a performance profile (the
+truth) with launch and measurement noise, instead of starting a server. The planner,
+strategies, re-measurement and recommendations are the ones `treetune search` runs; only
+the server is replaced. For benchmarking search strategies over many seeds in minutes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import optuna
+
+from treetune.config import ServerConfig, TreeConfig
+from treetune.perfmodel import PerfModel, check_memory
+from treetune.perfmodel.noise import lognormal_factor
+from treetune.results import CellResult, LaunchResult
+from treetune.space import load_space
+from treetune.study.planner import Planner
+from treetune.study.spec import StudySpec
+from treetune.study.storage import StudyStore
+
+
+@dataclass(frozen=True)
+class Noise:
+    launch_cv: float = 0.03  # per launch, common to all its cells
+    measurement_cv: float = 0.03  # per sub-window of a cell
+    accept_cv: float = 0.01  # of a cell's measured accept length
+
+
+def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
+                    rng: np.random.Generator, noise: Noise) -> LaunchResult:
+    """What a launch of `config` would measure, drawn from the truth with noise."""
+    if not check_memory(truth.profile, config, max(spec.batch), tp=truth.cost.tp).fits:
+        return LaunchResult(config, reason="RuntimeError: Not enough memory (emulated)",
+                            exit_code=1)
+    launch = lognormal_factor(noise.launch_cv, rng)
+    repeats = spec.measurement.repeats
+    cells = []
+    for batch in spec.batch:
+        for dataset in spec.dataset_names:
+            tput = truth.throughput(config, batch, dataset) * launch
+            windows = tuple(tput * lognormal_factor(noise.measurement_cv, rng)
+                            for _ in range(repeats))
+            accept = None
+            if isinstance(config, TreeConfig):
+                accept = truth.accept_length(config, dataset) * lognormal_factor(
+                    noise.accept_cv, rng)
+            cells.append(CellResult(dataset, batch, float(np.mean(windows)), accept,
+                                    requests=batch, output_tokens=0, duration_s=0.0,
+                                    ttft=None, tpot=None, repeats=windows))
+    return LaunchResult(config, ok=True, cells=cells)
+
+
+def run_offline(spec: StudySpec, truth: PerfModel, seed: int, launches: int,
+                noise: Noise = Noise(),
+                after_launch: Callable[[Planner], None] | None = None) -> Planner:
+    """One study of `launches` launches (one at a time) in memory; `after_launch` sees the
+    planner after every launch."""
+    store = StudyStore(spec, storage=optuna.storages.InMemoryStorage())
+    planner = Planner(spec, store, load_space(spec.space), [], tp=truth.cost.tp)
+    rng = np.random.default_rng(seed)
+    while planner.launches < launches:
+        task = planner.next()
+        if task is None:
+            break
+        planner.finish(task, simulate_launch(truth, task.config, spec, rng, noise))
+        if after_launch:
+            after_launch(planner)
+    return planner
+
+
+__all__ = ["Noise", "run_offline", "simulate_launch"]
