@@ -41,7 +41,7 @@ def main() -> None:
     outcome = run_study(spec)
     elapsed = time.monotonic() - start
     assert outcome.baseline is not None
-    recs = recommend(spec, outcome.results, outcome.baseline)
+    recs = recommend(spec, outcome.results, outcome.baseline, outcome.estimates)
     write_outputs(spec, recs, spec.output_dir)
 
     model = PerfModel(load_profile(spec.backend.profile or ""))

@@ -172,7 +172,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--budget", type=int, default=20, help="launches for the regret")
-    parser.add_argument("--max-launches", type=int, default=40,
+    parser.add_argument("--max-launches", type=int, default=30,
                         help="launches each study may use to reach the target")
     parser.add_argument("--noise", type=float, default=0.03,
                         help="launch and measurement noise (coefficient of variation)")

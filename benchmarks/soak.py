@@ -54,6 +54,9 @@ def make_spec(root: Path, name: str, space: Path, launches: int, seed: int,
         "backend": {"kind": "emulator", "profile": "qwen3-coder-next-h200", "time_scale": 10.0,
                     "load_time_s": 10.0, "noise": False, "faults": faults},
         "measurement": {"duration_s": 10.0, "repeats": 2, "startup_timeout_s": 60.0},
+        # One launch per config, so that the budget covers the whole space and every
+        # config has exactly one result to account for.
+        "search": {"strategy": "tpe", "max_launches_per_config": 1},
         "output": str(root / name),
     })
 

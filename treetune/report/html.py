@@ -78,7 +78,7 @@ def _index(data: StudyData, outcome: ReportOutcome, out_dir: Path) -> str:
         script = data.folder / rec.script_name
         link = os.path.relpath(script, out_dir)
         tree = "no speculation" if rec.config is BASELINE else rec.config.label()
-        speedups = ", ".join(f"{e(d)} {s:.3f}" for d, s in rec.speedups.items())
+        speedups = ", ".join(e(label) for label in rec.speedup_labels())
         cell = f"<a href=\"{e(link)}\">{e(tree)}</a>" if script.is_file() else e(tree)
         rows.append(f"<tr><td>{e(rec.workload)}</td><td>{rec.batch}</td>"
                     f"<td>{cell}</td><td>{speedups}</td><td>{e(rec.reason)}</td></tr>")
@@ -100,7 +100,7 @@ datasets {e(", ".join(spec.dataset_names))}; batch sizes {e(", ".join(map(str, s
 <h2>Recommendations</h2>
 <p>Each tree links to its launch script (<code>python -m sglang.launch_server ...</code>).</p>
 <table><tr><th>workload</th><th>batch</th><th>tree (steps, topk, draft tokens)</th>
-<th>measured speedups</th><th>why</th></tr>
+<th>measured speedups [interval]</th><th>why</th></tr>
 {"".join(rows)}</table>
 <h2>Figures</h2><ul>{figures}</ul>
 {f"<h2>Failed launches</h2><ul>{failed}</ul>" if failed else ""}

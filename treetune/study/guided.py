@@ -103,8 +103,10 @@ class ModelFit:
         self.params = free_parameters(self.prior, points, _calibration_fit(self.prior),
                                       _dataset_fit(self.prior))
         start = self.result.profile if self.result else None
+        # Warm-started refits move little once many trees are measured: fewer steps.
+        steps = 400 if start is None else 100 if len(points) < 80 else 40
         self.result = calibrate(self.prior, points, self.params, starts=1, start=start,
-                                max_nfev=100 if start else 400, tolerance=1e-4)
+                                max_nfev=steps, tolerance=1e-4)
         self.fits += 1
 
     def sample(self, rng: np.random.Generator, inflate: float = 1.0) -> Profile:
