@@ -117,3 +117,14 @@ def test_api_key_env_must_be_a_variable_name(tmp_path):
                     "api_key_env: 'KEY); rm -rf ~ #'\n")
     with pytest.raises(TreetuneError, match="not an environment variable name"):
         load_study(path)
+
+
+def test_a_space_file_named_in_a_study_file_is_found_next_to_it(tmp_path, monkeypatch):
+    folder = tmp_path / "studies"
+    folder.mkdir()
+    (folder / "mine.yaml").write_text("steps: [1, 2]\ntopk: [1]\ndraft_tokens: [2, 3]\n")
+    (folder / "s.yaml").write_text("model: m\ndraft: d\ndatasets: [mt-bench]\nbatch: [1]\n"
+                                   "space: mine.yaml\n")
+    monkeypatch.chdir(tmp_path)  # not the study file's folder
+    spec = load_study(folder / "s.yaml")
+    assert spec.space == str((folder / "mine.yaml").resolve())

@@ -315,6 +315,11 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
     path = where if isinstance(where, Path) else None
     raw = build(_SpecFile, data, where)
     merged = dataclasses.asdict(raw)
+    # A space file named in a study file is found next to it, as dataset files are.
+    space = Path(merged["space"])
+    if path is not None and not space.is_absolute() and space.suffix in (".yaml", ".yml") \
+            and (base / space).is_file():
+        merged["space"] = str((base / space).resolve())
     sections = {"budget": Budget, "backend": Backend, "measurement": Measurement,
                 "search": Search}
     given: set[str] = set()  # dotted keys the command line set
