@@ -207,6 +207,7 @@ def main() -> None:
     if args.output:
         args.output.write_text(text)
     if args.json:
+        print(text, file=sys.stderr)  # the table still shows; stdout is the JSON alone
         print(json.dumps(summary))
     else:
         print(text)
