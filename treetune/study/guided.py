@@ -247,9 +247,3 @@ def blended_estimates(spec: StudySpec, results: list[LaunchResult], baseline: La
         fit.update(results, baseline)
     configs = [r.config for r in results if r.ok and isinstance(r.config, TreeConfig)]
     return model_estimates(fit, configs, np.random.default_rng(seed))
-
-
-def describe_fit(fit: ModelFit) -> dict[str, float]:
-    """The fitted free parameters (for reports and the recovery test)."""
-    return dict(fit.result.parameters) if fit.result else {}
-
