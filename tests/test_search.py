@@ -14,7 +14,10 @@ import pytest
 from optuna.trial import TrialState
 from studykit import small_study
 
+from treetune.config import TreeConfig
 from treetune.results import config_key
+from treetune.space import load_space
+from treetune.study.propose import _holds, knob_distributions, params_of
 from treetune.study.recommend import recommend, write_outputs
 from treetune.study.runner import run_study
 from treetune.study.spec import load_study
@@ -48,12 +51,17 @@ def test_a_study_measures_every_cell_of_every_launch_against_one_baseline(finish
 
 
 def test_the_storage_holds_launches_and_a_constrained_study_per_batch(finished):
-    spec, _ = finished
+    spec, outcome = finished
     names = {s.study_name for s in optuna.get_all_study_summaries(spec.storage_url)}
     assert names == {"small:launches", "small:batch-1", "small:batch-8"}
     study = optuna.load_study(study_name="small:batch-8", storage=spec.storage_url)
     trials = study.get_trials(states=(TrialState.COMPLETE,))
-    assert len(trials) == 4  # every tree launched, told to every batch size
+    # Every launched tree the samplers' distributions can hold is told to every batch size
+    # once (the model search may launch (5,1,6), whose 6 draft tokens the grid lacks).
+    dists = knob_distributions(load_space(spec.space))
+    trees = {config_key(r.config) for r in outcome.results if isinstance(r.config, TreeConfig)
+             and all(_holds(dists[k], v) for k, v in params_of(r.config).items())}
+    assert sorted(t.user_attrs["config"] for t in trials) == sorted(trees) and len(trees) >= 3
     for trial in trials:
         assert set(trial.constraints) == {"regression:humaneval", "regression:mt-bench"}
         assert trial.value > 0

@@ -121,7 +121,7 @@ def _not_grpc(host: str, port: int, deadline: float, timeout_s: float) -> str | 
     handshake is Ray's own business."""
     if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
         return None
-    import grpc  # comes with Ray
+    import grpc  # a dependency of treetune (and of Ray's cluster mode)
 
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     with grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)]) as channel:
