@@ -109,12 +109,12 @@ def load_study_data(source: str | Path, study: str | None = None) -> StudyData:
 def _estimates(spec: StudySpec, results: list[LaunchResult],
                baseline: LaunchResult | None) -> dict | None:
     """The model search's estimates, as `treetune search` used them to rank."""
-    from treetune.study.guided import blended_estimates
+    from treetune.study.guided import study_estimates
     from treetune.study.planner import strategy_of
 
     if baseline is None or strategy_of(spec) != "model":
         return None
-    return blended_estimates(spec, results, baseline, seed=spec.seed)
+    return study_estimates(spec, results, baseline, seed=spec.seed)
 
 
 def _spec_from_storage(url: str, study: str | None) -> StudySpec:

@@ -90,7 +90,6 @@ class ModelFit:
         self.batches, self.datasets, self.tp = batches, datasets, tp
         self.result: CalibrationResult | None = None
         self.params: list[Parameter] = []
-        self.fits = 0
 
     @property
     def profile(self) -> Profile:
@@ -107,7 +106,6 @@ class ModelFit:
         steps = 400 if start is None else 100 if len(points) < 80 else 40
         self.result = calibrate(self.prior, points, self.params, starts=1, start=start,
                                 max_nfev=steps, tolerance=1e-4)
-        self.fits += 1
 
     def sample(self, rng: np.random.Generator, inflate: float = 1.0) -> Profile:
         """One parameter set drawn from the fit's posterior (the fit itself before any)."""
@@ -144,8 +142,9 @@ def predicted_speedups(profile: Profile, configs: list[TreeConfig], batches: lis
 
 
 class ModelProposer(TPEProposer):
-    """Proposes the config a posterior draw of the fitted model predicts best, batch size
-    after batch size; every launch is still told to the per-batch Optuna studies."""
+    """Proposes the config a posterior draw of the fitted model predicts to improve most on
+    the measured trees, at whichever batch size gains most; every launch is still told to
+    the per-batch Optuna studies."""
 
     def __init__(self, store: StudyStore, space: SearchSpace, seed: int,
                  is_known: Callable[[str], bool], prior: Profile,
@@ -161,22 +160,23 @@ class ModelProposer(TPEProposer):
         self.candidates = [c for c in space.configs() if isinstance(c, TreeConfig)
                            and check_memory(prior, c, max(spec.batch), tp=tp).fits]
 
-    def refresh(self) -> int:
+    def refresh(self) -> list[TreeConfig]:
         """Refit when there is news (a new measured tree, or a re-measurement); returns
-        how many trees are measured."""
+        the measured trees."""
         results, baseline = self.evidence()
-        trees = [r for r in results if r.ok and isinstance(r.config, TreeConfig)]
-        news = (len(trees), sum(len(c.launch_tok_s) for r in trees for c in r.cells[:1]))
-        if baseline is not None and trees and news != self.fitted_on:
+        measured = [r for r in results if r.ok and isinstance(r.config, TreeConfig)]
+        news = (len(measured), sum(len(c.launch_tok_s) for r in measured for c in r.cells[:1]))
+        if baseline is not None and measured and news != self.fitted_on:
             self.fit.update(results, baseline)
             self.fitted_on = news
-        return len(trees)
+        return [r.config for r in measured if isinstance(r.config, TreeConfig)]
 
     def next(self) -> Proposal | None:
         untried = [c for c in self.candidates if not self.is_known(config_key(c))]
         if not untried:
             return super().next()  # TPE's own fallback: nothing left but OOM configs
-        measured = self.refresh()
+        trees = self.refresh()
+        measured = len(trees)
         for design in INITIAL_DESIGN[measured:]:
             config = nearest_config(self.space, design.steps, design.topk, design.draft_tokens)
             if config in untried:
@@ -187,8 +187,6 @@ class ModelProposer(TPEProposer):
         # improves most on the measured trees, at whichever batch size gains most.
         profile = self.fit.sample(self.rng)
         batches = self.fit.batches
-        results, _ = self.evidence()
-        trees = [r.config for r in results if r.ok and isinstance(r.config, TreeConfig)]
         table = predicted_speedups(profile, untried + trees, batches, self.fit.datasets,
                                    self.fit.tp)
         known = {b: np.log([table[c][b] for c in trees]) for b in batches} if trees else None
@@ -233,17 +231,16 @@ def model_estimates(fit: ModelFit, configs: list[TreeConfig], rng: np.random.Gen
     return out
 
 
-def blended_estimates(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResult,
-                      fit: ModelFit | None = None, seed: int = 0) -> Estimates:
-    """Model estimates for every measured tree of a study, fitting the model when no fit
-    is given (the report, the notebooks)."""
+def study_estimates(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResult,
+                    seed: int = 0) -> Estimates:
+    """Model estimates for every measured tree of a finished or running study, from a fit
+    made here (the report, the notebooks)."""
     from treetune.study.planner import resolve_prior
 
-    if fit is None:
-        prior = resolve_prior(spec)
-        if prior is None:
-            return {}
-        fit = ModelFit(prior, sorted(spec.batch), spec.dataset_names, spec.tp)
-        fit.update(results, baseline)
+    prior = resolve_prior(spec)
+    if prior is None:
+        return {}
+    fit = ModelFit(prior, sorted(spec.batch), spec.dataset_names, spec.tp)
+    fit.update(results, baseline)
     configs = [r.config for r in results if r.ok and isinstance(r.config, TreeConfig)]
     return model_estimates(fit, configs, np.random.default_rng(seed))

@@ -23,7 +23,7 @@ from treetune.errors import TreetuneError
 from treetune.perfmodel import Profile, load_profile
 from treetune.results import LaunchResult, config_key
 from treetune.space import SearchSpace
-from treetune.study.evidence import Interval, intervals, launches_of, merge
+from treetune.study.evidence import Interval, intervals, launches_of, merge, merge_all
 from treetune.study.propose import GridProposer, Proposal, RandomProposer, TPEProposer
 from treetune.study.spec import StudySpec
 from treetune.study.storage import StudyStore
@@ -77,9 +77,7 @@ class Planner:
         self.spec = spec
         self.store = store
         self.launched = list(launched)  # every finished launch, oldest first
-        self.results: dict[str, LaunchResult] = {}
-        for key in dict.fromkeys(config_key(r.config) for r in self.launched):
-            self.results[key] = merge(r for r in self.launched if config_key(r.config) == key)
+        self.results: dict[str, LaunchResult] = merge_all(self.launched)
         self.in_flight: list[Task] = []
         self.queue: list[Task] = [Task(c) for c in (BASELINE, *spec.compare)
                                   if config_key(c) not in self.results]
@@ -161,32 +159,34 @@ class Planner:
         limit = self.spec.search.max_launches_per_config
         if limit <= 1:
             return None
-        model = self.estimates() or {}
-        best_gain, pick = 0.0, None
+        names = self.spec.dataset_names  # the mixed workload's recommendation
+        candidates: list[tuple[float, str, int]] = []  # (gain over the best, key, batch)
         for batch in self.spec.batch:
-            for names in [self.spec.dataset_names]:  # the mixed workload's recommendation
-                scored = []
-                for key, result in self.results.items():
-                    if not result.ok or not isinstance(result.config, TreeConfig):
-                        continue
+            scored = []
+            for key, result in self.results.items():
+                if result.ok and isinstance(result.config, TreeConfig):
                     ivs = self.intervals(result, batch, names)
                     scored.append((statistics.fmean(i.mean for i in ivs.values()), key, ivs))
-                feasible = [m for m, _, ivs in scored
-                            if all(i.low >= self.floor for i in ivs.values())]
-                best = max(feasible, default=1.0)
-                for mean, key, ivs in scored:
-                    borderline = (all(i.mean >= self.floor for i in ivs.values())
-                                  and any(i.low < self.floor for i in ivs.values()))
-                    config = self.results[key].config
-                    if borderline and model and any(
-                            (config, batch, d) in model
-                            and math.exp(model[config, batch, d][0]) < self.floor
-                            for d in names):
-                        continue  # the model, from every launch so far, expects a regression
-                    if (borderline and mean > best and key not in busy
-                            and launches_of(self.results[key]) < limit
-                            and mean - best > best_gain):
-                        best_gain, pick = mean - best, key
+            best = max((m for m, _, ivs in scored
+                        if all(i.low >= self.floor for i in ivs.values())), default=1.0)
+            for mean, key, ivs in scored:
+                borderline = (all(i.mean >= self.floor for i in ivs.values())
+                              and any(i.low < self.floor for i in ivs.values()))
+                if (borderline and mean > best and key not in busy
+                        and launches_of(self.results[key]) < limit):
+                    candidates.append((mean - best, key, batch))
+        if not candidates:
+            return None
+        model = self.estimates() or {}  # only now: it costs a model evaluation
+
+        def expected_regression(key: str, batch: int) -> bool:
+            config = self.results[key].config
+            return any((config, batch, d) in model
+                       and math.exp(model[config, batch, d][0]) < self.floor for d in names)
+
+        # The model, from every launch so far, may expect a regression: not worth a launch.
+        viable = [c for c in candidates if not expected_regression(c[1], c[2])]
+        pick = max(viable, key=lambda c: c[0])[1] if viable else None
         if pick is None:
             return None
         assert self.baseline is not None
@@ -201,9 +201,8 @@ class Planner:
         """Record a finished launch; returns the config's merged result."""
         self.in_flight.remove(task)
         self.launched.append(result)
-        key = task.key
-        merged = merge(r for r in self.launched if config_key(r.config) == key)
-        self.results[key] = merged
+        merged = merge(r for r in self.launched if config_key(r.config) == task.key)
+        self.results[task.key] = merged
         if isinstance(task.config, TreeConfig) and not task.remeasure:
             self.pending.append((merged, task.proposal))
         if self.baseline is not None:
