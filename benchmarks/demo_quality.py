@@ -21,10 +21,10 @@ from pathlib import Path
 from treetune.config import TreeConfig
 from treetune.perfmodel import PerfModel, load_profile
 from treetune.space import load_space
-from treetune.study.recommend import recommend, write_outputs
+from treetune.study.evidence import speedups
+from treetune.study.export import write_outputs
 from treetune.study.runner import run_study
 from treetune.study.spec import load_study
-from treetune.study.storage import speedups
 
 DEMO = Path(__file__).resolve().parents[1] / "studies" / "demo.yaml"
 
@@ -41,7 +41,7 @@ def main() -> None:
     outcome = run_study(spec)
     elapsed = time.monotonic() - start
     assert outcome.baseline is not None
-    recs = recommend(spec, outcome.results, outcome.baseline, outcome.estimates)
+    recs = outcome.recommendations
     write_outputs(spec, recs, spec.output_dir)
 
     model = PerfModel(load_profile(spec.backend.profile or ""))

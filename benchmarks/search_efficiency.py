@@ -37,7 +37,7 @@ import numpy as np
 from treetune.config import TreeConfig
 from treetune.perfmodel import PerfModel, check_memory, load_profile
 from treetune.space import load_space
-from treetune.study.guided import predicted_speedups
+from treetune.strategies.model import predicted_speedups
 from treetune.study.offline import Noise, run_offline
 from treetune.study.planner import Planner
 from treetune.study.recommend import MIXED, recommend

@@ -132,7 +132,7 @@ def small_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     batch 1 and 32 on mt-bench and terminal-bench), with recommendations and launch scripts.
     In this profile the wide tree (3,4,8) regresses terminal-bench at batch 32."""
 
-    from treetune.study.recommend import recommend, write_outputs
+    from treetune.study.export import write_outputs
     from treetune.study.runner import run_study
     from treetune.study.spec import load_study
 
@@ -154,8 +154,7 @@ def small_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
         })
         outcome = run_study(spec)
     assert outcome.baseline is not None, [r.reason for r in outcome.results]
-    write_outputs(spec, recommend(spec, outcome.results, outcome.baseline, outcome.estimates),
-                  folder)
+    write_outputs(spec, outcome.recommendations, folder)
     return folder
 
 

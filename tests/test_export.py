@@ -10,10 +10,10 @@ from pathlib import Path
 import yaml
 from synthetic import BASE, NARROW, WIDE, launch, spec
 
+from treetune.backends.sglang import config_mapping, supports_config_file
 from treetune.config import TreeConfig
-from treetune.launch import supports_config_file
-from treetune.study.export import config_mapping
-from treetune.study.recommend import recommend, write_outputs
+from treetune.study.export import write_outputs
+from treetune.study.recommend import recommend
 
 SECRET = "sk-do-not-leak-4242"
 

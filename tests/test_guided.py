@@ -13,12 +13,13 @@ import pytest
 from treetune.config import BASELINE, TreeConfig
 from treetune.perfmodel import PerfModel, load_profile
 from treetune.perfmodel.calibrate import get_value
+from treetune.perfmodel.prior import neutral_prior
 from treetune.results import CellResult, LaunchResult
 from treetune.space import load_space
+from treetune.strategies.model import ModelFit
 from treetune.study.evidence import intervals, merge
-from treetune.study.guided import ModelFit, neutral_prior
 from treetune.study.offline import Noise, run_offline, simulate_launch
-from treetune.study.planner import Planner, strategy_of
+from treetune.study.planner import Planner
 from treetune.study.recommend import recommend
 from treetune.study.spec import load_study
 from treetune.study.storage import StudyStore
@@ -85,9 +86,9 @@ def test_the_model_search_finds_near_best_trees_in_a_few_launches():
     name = "qwen3-coder-next-h200"
     truth = load_profile(name)
     spec = study(name)
-    assert strategy_of(spec) == "model"
     planner = run_offline(spec, PerfModel(truth, truth.tp), seed=1, launches=12,
                           noise=Noise(0.03, 0.03))
+    assert planner.strategy_name == "model"  # auto, on the emulator: its facts are known
     recs = recommend(spec, list(planner.results.values()), planner.baseline,
                      planner.estimates())
     # Best feasible means from the noise-free model over the default space: (2,4,9) 1.456

@@ -5,16 +5,11 @@ import shlex
 
 import pytest
 
+from treetune.backends import LaunchSpec, shell_line
+from treetune.backends.emulator import emulator_command
+from treetune.backends.sglang import cuda_graph_flag, server_args, sglang_command
 from treetune.config import BASELINE, TreeConfig
 from treetune.errors import TreetuneError
-from treetune.launch import (
-    LaunchSpec,
-    cuda_graph_flag,
-    emulator_command,
-    server_args,
-    sglang_command,
-    shell_line,
-)
 
 
 def spec(**kw):
@@ -24,14 +19,14 @@ def spec(**kw):
 
 
 def test_sglang_0_5_23_uses_the_split_cuda_graph_flag():
-    args = server_args(TreeConfig(3, 4, 8), spec(sglang_version="0.5.23"))
+    args = server_args(TreeConfig(3, 4, 8), spec(engine_version="0.5.23"))
     assert "--cuda-graph-max-bs-decode" in args
     assert "--cuda-graph-max-bs" not in args
 
 
 @pytest.mark.parametrize("version", ["0.5.6", "0.4.9", "0.5.9"])
 def test_releases_before_0_5_10_use_the_old_cuda_graph_flag(version):
-    args = server_args(TreeConfig(3, 4, 8), spec(sglang_version=version))
+    args = server_args(TreeConfig(3, 4, 8), spec(engine_version=version))
     assert args[args.index("--cuda-graph-max-bs") + 1] == "64"
     assert "--cuda-graph-max-bs-decode" not in args
 

@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
+from treetune.backends import LaunchSpec
+from treetune.backends.emulator import emulator_command
 from treetune.client import ServerClient, ServerRequestError
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.datasets import Prompt, PromptSet
-from treetune.launch import LaunchSpec, emulator_command
 from treetune.loadgen import MeasurementError, measure_cell
 from treetune.perfmodel import PerfModel, load_profile
 from treetune.results import CellResult
@@ -48,7 +49,7 @@ def command(config: ServerConfig) -> Callable[[int], list[str]]:
         spec = LaunchSpec(model_path="Qwen/Qwen3-Coder-Next",
                           draft_model_path="thoughtworks/Qwen3-Coder-Next-Eagle3",
                           tp=4, port=port, max_running_requests=16)
-        return emulator_command(config, spec, PROFILE, emulator_args=EMULATOR_ARGS)
+        return emulator_command(config, spec, PROFILE, EMULATOR_ARGS)
     return build
 
 

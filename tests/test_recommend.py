@@ -7,7 +7,8 @@ import subprocess
 from synthetic import BASE, NARROW, WIDE, spec
 
 from treetune.config import BASELINE, TreeConfig
-from treetune.study.recommend import pools_advice, recommend, write_outputs
+from treetune.study.export import write_outputs
+from treetune.study.recommend import pools_advice, recommend
 
 
 def by(recs, workload, batch):

@@ -19,7 +19,7 @@ from treetune.config import TreeConfig
 from treetune.report import figures
 from treetune.report.data import load_study_data
 from treetune.report.html import write_report
-from treetune.study.runner import SPEC_COPY
+from treetune.study.spec import SPEC_COPY
 from treetune.study.storage import StudyStore
 
 pytestmark = pytest.mark.slow

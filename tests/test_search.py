@@ -17,8 +17,9 @@ from studykit import small_study
 from treetune.config import TreeConfig
 from treetune.results import config_key
 from treetune.space import load_space
-from treetune.study.propose import _holds, knob_distributions, params_of
-from treetune.study.recommend import recommend, write_outputs
+from treetune.strategies._trials import holds, knob_distributions, params_of
+from treetune.study.export import write_outputs
+from treetune.study.recommend import recommend
 from treetune.study.runner import run_study
 from treetune.study.spec import load_study
 from treetune.study.storage import StudyStore
@@ -60,7 +61,7 @@ def test_the_storage_holds_launches_and_a_constrained_study_per_batch(finished):
     # once (the model search may launch (5,1,6), whose 6 draft tokens the grid lacks).
     dists = knob_distributions(load_space(spec.space))
     trees = {config_key(r.config) for r in outcome.results if isinstance(r.config, TreeConfig)
-             and all(_holds(dists[k], v) for k, v in params_of(r.config).items())}
+             and all(holds(dists[k], v) for k, v in params_of(r.config).items())}
     assert sorted(t.user_attrs["config"] for t in trials) == sorted(trees) and len(trees) >= 3
     for trial in trials:
         assert set(trial.constraints) == {"regression:humaneval", "regression:mt-bench"}

@@ -7,6 +7,7 @@ always stopped at teardown.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -19,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from treetune.backends import LaunchSpec
+from treetune.backends.emulator import emulator_command
 from treetune.config import BASELINE, ServerConfig, TreeConfig
-from treetune.launch import LaunchSpec, emulator_command
 from treetune.server import (
     ServerProcess,
     ServerStartError,
@@ -40,12 +42,13 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(),
 
 def command(config: ServerConfig = TREE, *emulator_args: str,
             flags: tuple[tuple[str, str | None], ...] = ()) -> Callable[[int], list[str]]:
-    """The emulator command for a port, built by treetune.launch as for any server."""
+    """The emulator command for a port, built as the emulator backend builds it."""
     def build(port: int) -> list[str]:
         spec = LaunchSpec(model_path="Qwen/Qwen3-Coder-Next",
                           draft_model_path="thoughtworks/Qwen3-Coder-Next-Eagle3",
                           tp=4, port=port)
-        return emulator_command(config, spec, PROFILE, flags, [*EMULATOR_ARGS, *emulator_args])
+        spec = dataclasses.replace(spec, extra_flags=flags)
+        return emulator_command(config, spec, PROFILE, [*EMULATOR_ARGS, *emulator_args])
     return build
 
 

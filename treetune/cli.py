@@ -240,7 +240,8 @@ def search(
     (dataset, batch) cell against a no-speculation baseline, and optimizes mean speedup per
     batch size with no dataset slower than the baseline. Rerunning resumes the study.
     """
-    from treetune.study.recommend import pools_advice, recommend, write_outputs
+    from treetune.study.export import write_outputs
+    from treetune.study.recommend import pools_advice
     from treetune.study.runner import run_study
     from treetune.study.spec import load_study
 
@@ -259,16 +260,14 @@ def search(
     })
     out.print(f"study [bold]{spec.name}[/bold]: {spec.model} + {spec.draft}, batch "
               f"{', '.join(map(str, spec.batch))}, datasets {', '.join(spec.dataset_names)}, "
-              f"backend {spec.backend.kind}"
-              + (f" ({spec.backend.profile})" if spec.backend.profile else "")
-              + f", storage {spec.storage_url}")
+              f"backend {spec.backend.describe()}, storage {spec.storage_url}")
     if not is_loopback(spec.host):
         err.print(f"[bold yellow]warning:[/bold yellow] servers will listen on {spec.host}, "
                   "reachable from other machines: anyone who can reach this host can use "
                   "them (set api_key_env to require a key)", highlight=False)
     outcome = _run_with_progress(spec, run_study)  # SIGTERM stops it as Ctrl-C does
     if outcome.baseline is not None:
-        recs = recommend(spec, outcome.results, outcome.baseline, outcome.estimates)
+        recs = outcome.recommendations
         write_outputs(spec, recs, spec.output_dir)
         _print_outcome(spec, outcome, recs, pools_advice(recs))
     if outcome.interrupted:
@@ -312,8 +311,8 @@ def _run_with_progress(spec: StudySpec, run_study: Callable[..., StudyOutcome]) 
 
 def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommendation],
                    advice: str | None) -> None:
+    from treetune.study.evidence import speedups
     from treetune.study.recommend import summary_rows
-    from treetune.study.storage import speedups
 
     failed = [r for r in outcome.results if not r.ok]
     table = Table(title=f"measured speedups over no speculation ({len(outcome.results)} "

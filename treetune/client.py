@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from treetune.backends import ServerApi
+from treetune.backends.sglang import SGLANG_API
 from treetune.errors import TreetuneError
 
 if TYPE_CHECKING:
     from treetune.datasets import Prompt
 
 DATASET_HEADER = "X-Treetune-Dataset"  # the emulator picks acceptance by it; SGLang ignores it
-ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 # Servers are reached directly, as aiohttp does (trust_env=False): never through *_proxy.
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -54,9 +55,10 @@ class ServerClient:
     """An HTTP session with one server. Use `async with`, or call `aclose()`."""
 
     def __init__(self, base_url: str, api_key: str | None = None,
-                 dataset: str | None = None) -> None:
+                 dataset: str | None = None, api: ServerApi = SGLANG_API) -> None:
         self.base_url = base_url.rstrip("/")
         self.dataset = dataset
+        self.api = api  # the server's routes and metric names
         headers = {}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
@@ -81,21 +83,23 @@ class ServerClient:
 
     # ---- info -------------------------------------------------------------------------
     async def health(self) -> bool:
-        """Whether the server can generate (`/health_generate` answers 200)."""
+        """Whether the server can generate (its health route answers 200)."""
         try:
-            async with self._session.get(self.base_url + "/health_generate") as response:
+            async with self._session.get(self.base_url + self.api.health) as response:
                 return response.status == 200
         except (aiohttp.ClientError, TimeoutError):
             return False
 
     async def server_info(self) -> dict[str, Any]:
-        """Resolved server args, version and internal states (`/server_info`)."""
-        try:
-            return await self._get_json("/server_info")
-        except ServerRequestError as exc:
-            if exc.status != 404:
-                raise
-        return await self._get_json("/get_server_info")  # SGLang before /server_info
+        """Resolved server args, version and internal states (SGLang's `/server_info`)."""
+        *newer, oldest = self.api.server_info
+        for route in newer:
+            try:
+                return await self._get_json(route)
+            except ServerRequestError as exc:
+                if exc.status != 404:
+                    raise
+        return await self._get_json(oldest)
 
     async def time_scale(self) -> float:
         """How many times faster than real time the server runs: the emulator's
@@ -107,8 +111,8 @@ class ServerClient:
         return self._time_scale
 
     async def metrics(self) -> dict[str, float]:
-        """`/metrics` as sample name -> value, summed over label sets."""
-        url = self.base_url + "/metrics"
+        """The Prometheus metrics as sample name -> value, summed over label sets."""
+        url = self.base_url + self.api.metrics
         text = await self._text("GET", url, hint=" (was the server started with "
                                 "--enable-metrics?)")
         values: dict[str, float] = {}
@@ -119,7 +123,7 @@ class ServerClient:
 
     async def flush_cache(self) -> bool:
         """Reset the server's caches and cumulative accept length; False if it is busy."""
-        url = self.base_url + "/flush_cache"
+        url = self.base_url + self.api.flush_cache
         try:
             async with self._session.post(url) as response:
                 await response.read()
@@ -136,7 +140,7 @@ class ServerClient:
         Closing the iterator early closes the connection, which aborts the request
         server-side.
         """
-        url = self.base_url + ROUTES[prompt.api]
+        url = self.base_url + self.api.completions[prompt.api]
         body: dict[str, Any] = (
             {"messages": [dict(m) for m in prompt.messages]} if prompt.messages is not None
             else {"prompt": prompt.text}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from treetune.keylines import key_line
+
 
 class TreetuneError(Exception):
     """An error caused by user input or environment, shown without a traceback."""
@@ -29,8 +31,6 @@ class ConfigFileError(TreetuneError):
     """
 
     def __init__(self, path: object, message: str, key: str | None = None) -> None:
-        from treetune.yamlio import key_line  # yamlio raises this error: import it late
-
         self.path = path
         self.key = key
         self.line = key_line(str(path), key) if key is not None and _may_be_yaml(path) else None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from treetune.backends import ServerApi
 from treetune.client import ServerClient, ServerRequestError
 from treetune.errors import TreetuneError
 from treetune.results import CellResult, Latency
@@ -31,10 +32,6 @@ SETTLE_S = 1.0  # server seconds after every worker's first token before the win
 MIN_FAILURES = 5  # failed requests in a row that end a cell, at least
 ERROR_BACKOFF_S = 0.05  # wall seconds a worker waits after a failed request
 DRAIN_TIMEOUT_S = 30.0  # wall seconds to wait for the server to finish aborted requests
-GENERATED = "sglang:generation_tokens_total"
-VERIFY_CALLS = "sglang:spec_verify_calls_total"
-RUNNING = "sglang:num_running_reqs"
-QUEUED = "sglang:num_queue_reqs"
 
 
 class PromptSetLike(Protocol):
@@ -134,7 +131,8 @@ async def measure_cell(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     await _drain(client)
-    return _cell(prompts.name, batch, record, (start, end), scale, repeats, before, after)
+    return _cell(prompts.name, batch, record, (start, end), scale, repeats, client.api, before,
+                 after)
 
 
 async def _worker(client: ServerClient, prompts: PromptSetLike, index: int, offset: int,
@@ -185,19 +183,21 @@ async def _drain(client: ServerClient) -> None:
     """Wait (bounded) until the server has no running or queued requests."""
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     values: dict[str, float] = {}
+    running, queued = client.api.running, client.api.queued
     while time.monotonic() < deadline:
         with contextlib.suppress(ServerRequestError):
             values = await client.metrics()
-            if values.get(RUNNING, 0.0) == 0 and values.get(QUEUED, 0.0) == 0:
+            if values.get(running, 0.0) == 0 and values.get(queued, 0.0) == 0:
                 return
         await asyncio.sleep(0.05)
     log.warning("%s still reports %g running and %g queued requests %g s after the cell",
-                client.base_url, values.get(RUNNING, float("nan")),
-                values.get(QUEUED, float("nan")), DRAIN_TIMEOUT_S)
+                client.base_url, values.get(running, float("nan")),
+                values.get(queued, float("nan")), DRAIN_TIMEOUT_S)
 
 
 def _cell(dataset: str, batch: int, record: _Record, window: tuple[float, float], scale: float,
-          repeats: int, before: dict[str, float], after: dict[str, float]) -> CellResult:
+          repeats: int, api: ServerApi, before: dict[str, float],
+          after: dict[str, float]) -> CellResult:
     start, end = window
     bounds = np.linspace(start, end, repeats + 1)
     per_repeat = np.zeros(repeats)
@@ -219,7 +219,7 @@ def _cell(dataset: str, batch: int, record: _Record, window: tuple[float, float]
         dataset=dataset,
         batch=batch,
         output_tok_s=output_tokens / length,
-        accept_length=_accept_length(before, after),
+        accept_length=_accept_length(api, before, after),
         requests=len(completed),
         output_tokens=output_tokens,
         duration_s=length,
@@ -230,13 +230,14 @@ def _cell(dataset: str, batch: int, record: _Record, window: tuple[float, float]
     )
 
 
-def _accept_length(before: dict[str, float], after: dict[str, float]) -> float | None:
+def _accept_length(api: ServerApi, before: dict[str, float],
+                   after: dict[str, float]) -> float | None:
     """Tokens per verify call over the window (bonus token included); None without
     speculation."""
-    verify = after.get(VERIFY_CALLS, 0.0) - before.get(VERIFY_CALLS, 0.0)
+    verify = after.get(api.verify_calls, 0.0) - before.get(api.verify_calls, 0.0)
     if verify <= 0:
         return None
-    return (after.get(GENERATED, 0.0) - before.get(GENERATED, 0.0)) / verify
+    return (after.get(api.generated_tokens, 0.0) - before.get(api.generated_tokens, 0.0)) / verify
 
 
 def _percentiles(values: Sequence[float]) -> Latency | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from treetune.backends.sglang import SGLANG_API
 from treetune.client import health_status
 from treetune.errors import TreetuneError
 
@@ -139,14 +140,15 @@ class ServerProcess:
         return "\n".join(text[-lines:]) if lines > 0 else ""
 
     # ---- lifecycle --------------------------------------------------------------------
-    def wait_ready(self, timeout_s: float, poll_s: float = 0.2) -> None:
-        """Poll `GET /health_generate` until it answers 200.
+    def wait_ready(self, timeout_s: float, poll_s: float = 0.2,
+                   health: str = SGLANG_API.health) -> None:
+        """Poll `GET <health>` until it answers 200.
 
         Raises ServerStartError if the server exits first (with its exit code and the log
         line that says why), or is not healthy after `timeout_s` (then it is killed).
         """
         deadline = time.monotonic() + timeout_s
-        url = self.base_url + "/health_generate"
+        url = self.base_url + health
         while True:
             if self._leader_exited():
                 self._kill_group(signal.SIGKILL)  # whatever it spawned goes with it
@@ -159,7 +161,7 @@ class ServerProcess:
                 code = self.stop(grace_s=0)
                 raise ServerStartError(f"not healthy after {timeout_s:g} s", exit_code=code,
                                        log_tail=self.log_tail(), log_path=self.log_path)
-            # /health_generate runs a real generation on SGLang: give it time to answer.
+            # SGLang's health check runs a real generation: give it time to answer.
             if health_status(url, timeout_s=min(remaining, 10.0)) == 200:
                 return
             time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
@@ -245,7 +247,8 @@ def _clip(line: str) -> str:
 def start_server(command: Callable[[int], list[str]], *, log_path: Path,
                  env: dict[str, str] | None = None, host: str = "127.0.0.1",
                  timeout_s: float, port: int | None = None, retries: int = 3,
-                 poll_s: float = 0.2, secrets: tuple[str, ...] = ()) -> ServerProcess:
+                 poll_s: float = 0.2, secrets: tuple[str, ...] = (),
+                 health: str = SGLANG_API.health) -> ServerProcess:
     """Start `command(port)` and wait until it is healthy.
 
     If the port turns out to be taken (the server exits with "address already in use"),
@@ -257,7 +260,7 @@ def start_server(command: Callable[[int], list[str]], *, log_path: Path,
         server = ServerProcess.start(command(port), log_path=log_path, env=env, host=host,
                                      port=port, secrets=secrets)
         try:
-            server.wait_ready(timeout_s, poll_s=poll_s)
+            server.wait_ready(timeout_s, poll_s=poll_s, health=health)
             return server
         except ServerStartError as exc:
             if not exc.port_in_use or attempt == retries:

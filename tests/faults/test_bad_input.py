@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 from studykit import run_cli
 
+from treetune.backends.sglang import check_sglang
 from treetune.datasets import DatasetSpec, load_datasets
 from treetune.errors import ConfigFileError, TreetuneError
 from treetune.space import load_space
-from treetune.study.preflight import check_ray_address, check_sglang
+from treetune.study.preflight import check_ray_address
 from treetune.study.spec import load_study
 from treetune.study.storage import StudyStore
 

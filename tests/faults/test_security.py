@@ -51,7 +51,9 @@ def keyed_study(tmp_path_factory):
     key = "tt-" + secrets.token_hex(16)
     study = small_study(tmp, name="keyed", model=HOSTILE_MODEL, batch=[1],
                         datasets=["humaneval"], budget={"launches": 3}, workers=1,
-                        api_key_env="TT_TEST_API_KEY", host="0.0.0.0")
+                        api_key_env="TT_TEST_API_KEY", host="0.0.0.0",
+                        # one launch per config, so each config's server log is its own
+                        search={"max_launches_per_config": 1})
     path = tmp / "study.yaml"
     path.write_text(yaml.safe_dump(study))
     env = {**os.environ, "TT_TEST_API_KEY": key, "RAY_AUTH_MODE": "disabled",

@@ -6,13 +6,16 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 
+from treetune.backends.sglang import (
+    ALGORITHMS,
+    DEFAULT_SGLANG_VERSION,
+    SPEC_DEFAULT_MAX_RUNNING,
+)
 from treetune.config import BASELINE, ServerConfig, TreeConfig, tree_problem
 
-# With speculation on and --max-running-requests unset, SGLang caps running requests here.
-SPEC_DEFAULT_MAX_RUNNING = 48
 NO_SPEC_DEFAULT_MAX_RUNNING = 1024
 DEFAULT_TREE = (3, 1, 4)  # SGLang's automatic choice for non-Llama targets
-EMULATED_SGLANG_VERSION = "0.5.23"
+EMULATED_SGLANG_VERSION = DEFAULT_SGLANG_VERSION
 
 
 EMULATOR_KEYS = frozenset({"profile", "time_scale", "load_time", "seed", "noise",
@@ -166,7 +169,7 @@ def _tree(ns: argparse.Namespace) -> ServerConfig:
             )
         return BASELINE
     algorithm = ns.speculative_algorithm.upper()
-    if algorithm not in ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE"):
+    if algorithm not in ALGORITHMS:
         raise LaunchError(f"Unsupported speculative algorithm: {ns.speculative_algorithm}")
     if algorithm != "NEXTN" and ns.speculative_draft_model_path is None:
         raise LaunchError(f"{algorithm} requires --speculative-draft-model-path")

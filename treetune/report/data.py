@@ -12,11 +12,10 @@ import optuna
 from treetune.config import TreeConfig
 from treetune.errors import TreetuneError
 from treetune.results import LaunchResult
-from treetune.study.evidence import merge_all
+from treetune.study.evidence import judge, merge_all
 from treetune.study.recommend import Recommendation, recommend
-from treetune.study.runner import SPEC_COPY
-from treetune.study.spec import StudySpec, load_study, study_from_mapping
-from treetune.study.storage import SPEC_ATTR, StudyStore, speedups
+from treetune.study.spec import SPEC_COPY, StudySpec, load_study, study_from_mapping
+from treetune.study.storage import SPEC_ATTR, read_only_storage, read_study
 
 LAUNCHES = ":launches"
 
@@ -31,7 +30,7 @@ class ConfigRow:
     accept_length: float | None  # mean over datasets
     output_tok_s: float  # mean over datasets, whole batch
     step_time_s: float  # mean time of one round (batch * accept length / throughput)
-    feasible: bool  # every dataset >= 1 - tolerance at this batch
+    feasible: bool  # surely no regression at this batch (see evidence.Verdict.feasible)
     compared: bool  # listed in the study's `compare`
 
     @property
@@ -47,6 +46,7 @@ class StudyData:
     recommendations: list[Recommendation]
     storage_url: str
     folder: Path
+    strategy: str = ""
 
     @property
     def failed(self) -> list[LaunchResult]:
@@ -57,7 +57,6 @@ class StudyData:
         if self.baseline is None:
             return []
         names = self.spec.dataset_names
-        floor = 1.0 - self.spec.tolerance
         out = []
         for result in self.results:
             if not result.ok or not isinstance(result.config, TreeConfig):
@@ -68,14 +67,15 @@ class StudyData:
                 cells = [result.cell(d, b) for d in names]
                 if any(c is None for c in cells):
                     continue  # a launch still being measured, or cut short
-                per = speedups(result, self.baseline, b, names)
+                verdict = judge(result, self.baseline, b, names, self.spec.tolerance,
+                                self.spec.search.launch_cv)
+                per = {d: i.mean for d, i in verdict.intervals.items()}
                 accepts = [c.accept_length for c in cells if c and c.accept_length]
                 tput = statistics.fmean(c.output_tok_s for c in cells if c)
                 accept = statistics.fmean(accepts) if accepts else None
                 step = b * (accept or 1.0) / tput if tput > 0 else float("nan")
                 out.append(ConfigRow(result.config, b, per, accept, tput, step,
-                                     min(per.values()) >= floor,
-                                     result.config in self.spec.compare))
+                                     verdict.feasible, result.config in self.spec.compare))
         return out
 
     def recommended(self, batch: int, workload: str = "mixed") -> Recommendation | None:
@@ -97,29 +97,20 @@ def load_study_data(source: str | Path, study: str | None = None) -> StudyData:
             raise TreetuneError(f"{folder} is not a treetune study folder: no {SPEC_COPY} in "
                                 "it (run `treetune search` with --output pointing there)")
         spec = load_study(spec_path)
-    store = StudyStore(spec)
-    results = list(merge_all(store.results()).values())  # one per config, re-launches merged
+    stored = read_study(spec)
+    results = list(merge_all(stored.results).values())  # one per config, re-launches merged
     baseline = next((r for r in results if r.ok and not isinstance(r.config, TreeConfig)),
                     None)
-    recs = recommend(spec, results, baseline, _estimates(spec, results, baseline)) \
-        if baseline else []
-    return StudyData(spec, results, baseline, recs, spec.storage_url, folder)
-
-
-def _estimates(spec: StudySpec, results: list[LaunchResult],
-               baseline: LaunchResult | None) -> dict | None:
-    """The model search's estimates, as `treetune search` used them to rank."""
-    from treetune.study.guided import study_estimates
-    from treetune.study.planner import strategy_of
-
-    if baseline is None or strategy_of(spec) != "model":
-        return None
-    return study_estimates(spec, results, baseline, seed=spec.seed)
+    recs = stored.recommendations
+    if recs is None:  # stored before decisions were kept with the study: judge here
+        recs = recommend(spec, results, baseline) if baseline else []
+    return StudyData(spec, results, baseline, recs, spec.storage_url, folder, stored.strategy)
 
 
 def _spec_from_storage(url: str, study: str | None) -> StudySpec:
+    storage = read_only_storage(url)
     try:
-        names = [s.study_name for s in optuna.get_all_study_summaries(url)]
+        names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
     except Exception as exc:  # SQLAlchemy raises many kinds
         raise TreetuneError(f"cannot open study storage {url}: {exc}") from None
     studies = sorted(n.removesuffix(LAUNCHES) for n in names if n.endswith(LAUNCHES))
@@ -128,7 +119,7 @@ def _spec_from_storage(url: str, study: str | None) -> StudySpec:
     if study not in studies:
         raise TreetuneError(f"{url} holds the treetune studies {', '.join(studies) or '(none)'}"
                             "; name one" + (f" (not '{study}')" if study else ""))
-    attrs = optuna.load_study(study_name=f"{study}{LAUNCHES}", storage=url).user_attrs
+    attrs = optuna.load_study(study_name=f"{study}{LAUNCHES}", storage=storage).user_attrs
     if SPEC_ATTR not in attrs:
         raise TreetuneError(f"study '{study}' in {url} predates specs kept in storage; open "
                             "its output folder instead")

@@ -1,4 +1,7 @@
-"""What the measurements of a config say, with their uncertainty.
+"""What the measurements of a config say, with their uncertainty: the one place that
+computes speedups, their intervals, the floor, feasibility and the ranking. The search's
+constraints, its progress line, the recommendations, the report and the notebooks all ask
+here, so they cannot disagree.
 
 A config may be launched more than once (a borderline config is re-measured): its launches
 are merged into one `LaunchResult` whose cells keep each launch's throughput. A cell's
@@ -18,7 +21,9 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from treetune.config import ServerConfig
 from treetune.results import CellResult, LaunchResult, config_key
+from treetune.strategies import Estimates
 
 Z_LOWER = 2.0  # one-sided: the true speedup is below `low` about 2% of the time
 
@@ -111,3 +116,79 @@ def speedup_interval(result: LaunchResult, baseline: LaunchResult, dataset: str,
 def intervals(result: LaunchResult, baseline: LaunchResult, batch: int, datasets: list[str],
               launch_cv: float, z: float = Z_LOWER) -> dict[str, Interval]:
     return {d: speedup_interval(result, baseline, d, batch, launch_cv, z) for d in datasets}
+
+
+def speedups(result: LaunchResult, baseline: LaunchResult, batch: int,
+             datasets: Iterable[str]) -> dict[str, float]:
+    """Measured speedup per dataset at one batch size (0 where a cell is missing)."""
+    return {d: speedup_interval(result, baseline, d, batch, 0.0).mean for d in datasets}
+
+
+def floor_of(tolerance: float) -> float:
+    """The speedup no dataset may fall below: 1 - tolerance."""
+    return 1.0 - tolerance
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the measurements say of one config at one batch size over a workload's
+    datasets: per-dataset intervals, whether it is surely feasible, and its rank."""
+
+    config: ServerConfig
+    batch: int
+    intervals: dict[str, Interval]
+    floor: float
+    rank: float  # mean speedup, blended with the model's estimate where there is one
+
+    @property
+    def mean(self) -> float:
+        """Mean measured speedup over the datasets."""
+        return statistics.fmean(i.mean for i in self.intervals.values())
+
+    @property
+    def feasible(self) -> bool:
+        """Surely no regression: every dataset's lower bound clears the floor."""
+        return all(i.low >= self.floor for i in self.intervals.values())
+
+    @property
+    def plausible(self) -> bool:
+        """Not slower on average on any dataset (its interval may still reach below)."""
+        return all(i.mean >= self.floor for i in self.intervals.values())
+
+    @property
+    def borderline(self) -> bool:
+        """Plausible but not surely feasible: another launch could settle it."""
+        return self.plausible and not self.feasible
+
+    def shortfalls(self) -> dict[str, float]:
+        """Per dataset, how far the measured speedup falls short of the floor (<= 0: not
+        slower): the constraint the per-batch Optuna studies learn from."""
+        return {d: self.floor - i.mean for d, i in self.intervals.items()}
+
+
+def judge(result: LaunchResult, baseline: LaunchResult, batch: int, datasets: list[str],
+          tolerance: float, launch_cv: float, estimates: Estimates | None = None) -> Verdict:
+    """The verdict on one (merged) result at one batch size."""
+    ivs = intervals(result, baseline, batch, datasets, launch_cv)
+    rank = statistics.fmean(_blend(ivs[d], estimates, result.config, batch, d)
+                            for d in datasets)
+    return Verdict(result.config, batch, ivs, floor_of(tolerance), rank)
+
+
+def best(verdicts: Iterable[Verdict]) -> Verdict | None:
+    """The surely feasible verdict with the highest rank, or None."""
+    return max((v for v in verdicts if v.feasible), key=lambda v: v.rank, default=None)
+
+
+def _blend(measured: Interval, estimates: Estimates | None, config: ServerConfig,
+           batch: int, dataset: str) -> float:
+    """The measured speedup, or its inverse-variance blend with the model's estimate (the
+    model pools every launch, so it ranks near-equal trees better than one launch can);
+    feasibility never rests on it."""
+    model = estimates.get((config, batch, dataset)) if estimates else None
+    if model is None or measured.mean <= 0 or measured.high <= measured.low:
+        return measured.mean
+    sd = (math.log(measured.high) - math.log(measured.low)) / (2 * Z_LOWER)
+    weight_m, weight_p = 1 / sd ** 2, 1 / model[1]
+    return math.exp((weight_m * math.log(measured.mean) + weight_p * model[0])
+                    / (weight_m + weight_p))

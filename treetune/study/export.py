@@ -1,22 +1,22 @@
-"""Deployment forms of the recommendations, next to each launch script: an SGLang config
-file, a container argument list, and, when batch sizes want different trees, POOLS.md on
-running one server pool per tree behind SGLang's router."""
+"""Recommendations as files: recommendations.yaml/.json, a paste-ready launch script per
+recommendation and, next to each, the engine's config file and a container argument list;
+when batch sizes want different trees, POOLS.md on running one server pool per tree behind
+SGLang's router. What production runs comes from the study's backend."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import yaml
 
+from treetune.backends import Deployment, shell_line
 from treetune.config import BASELINE, ServerConfig
-from treetune.errors import TreetuneError
-from treetune.launch import shell_line, supports_config_file
-from treetune.study.recommend import MIXED, Recommendation, launch_argv, pools_advice
+from treetune.study.recommend import MIXED, Recommendation, pools_advice
 from treetune.study.spec import StudySpec
+from treetune.yamlio import dump_yaml
 
 POOLS_FILE = "POOLS.md"
 SERVER_PORT_BASE = 30000  # pool i serves on 30000 + i
@@ -32,42 +32,47 @@ def args_name(rec: Recommendation) -> str:
     return rec.script_name.removesuffix(".sh") + ".args.json"
 
 
-def config_mapping(server_args: Sequence[str]) -> dict[str, Any]:
-    """launch_server arguments as a --config mapping: long names without the leading dashes,
-    bare flags as true, numbers typed (a later repeat of a flag wins, as on the command line)."""
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(server_args):
-        flag = server_args[i]
-        if not flag.startswith("--"):
-            raise TreetuneError(f"cannot write '{flag}' to an SGLang config file: expected a "
-                                "--flag")
-        if i + 1 < len(server_args) and not server_args[i + 1].startswith("--"):
-            out[flag[2:]] = _typed(server_args[i + 1])
-            i += 2
-        else:
-            out[flag[2:]] = True
-            i += 1
-    return out
+def deployment(spec: StudySpec, rec: Recommendation, port: int | None = None) -> Deployment:
+    """How production runs one recommendation, sized for its batch; without --api-key,
+    which each output references in its own syntax."""
+    base = spec.launch_spec() if port is None else spec.launch_spec(port=port)
+    launch = dataclasses.replace(base, max_running_requests=rec.batch, cuda_graph_max_bs=rec.batch)
+    return spec.backend.deployment(launch, rec.config)
 
 
-def _typed(value: str) -> int | float | str:
-    """A number when it prints back exactly as given, so SGLang's str(value) restores it."""
-    for kind in (int, float):
-        try:
-            number = kind(value)
-        except ValueError:
-            continue
-        if str(number) == value:
-            return number
-    return value
+def launch_argv(spec: StudySpec, rec: Recommendation, port: int | None = None) -> list[str]:
+    return deployment(spec, rec, port).argv
 
 
-def config_file(spec: StudySpec, rec: Recommendation) -> str:
-    """The launch script's flags as a YAML file for `launch_server --config`."""
+def launch_script(spec: StudySpec, rec: Recommendation) -> str:
+    """A POSIX sh script: the study's environment and the full, quoted command for the
+    study's engine version, sized for this batch."""
     argv = launch_argv(spec, rec)
-    lines = [f"# SGLang server config (SGLang >= 0.5.3): python -m sglang.launch_server "
-             f"--config {config_name(rec)}",
+    if spec.api_key_env:
+        argv += ["--api-key", f"${{{spec.api_key_env}}}"]
+    lines = ["#!/bin/sh",
+             f"# treetune study '{spec.name}': {rec.workload} workload at batch {rec.batch}",
+             f"# tree {rec.config}; measured speedups [interval]: "
+             + ", ".join(rec.speedup_labels()),
+             f"# {rec.reason}"]
+    lines += [f"export {k}={shell_line([v])}" for k, v in sorted(spec.env.items())]
+    command = shell_line(argv)
+    if spec.api_key_env:
+        # The key stays in the environment: the script names the variable, never its value.
+        command = command.replace(shell_line([f"${{{spec.api_key_env}}}"]),
+                                  f'"${{{spec.api_key_env}}}"')
+    lines.append(f"exec {command}")
+    return "\n".join(lines) + "\n"
+
+
+def config_file(spec: StudySpec, rec: Recommendation) -> str | None:
+    """The launch script's flags as the engine's config file, or None when the study's
+    engine version reads none."""
+    found = deployment(spec, rec)
+    if found.config_file is None or found.config_command is None:
+        return None
+    lines = [f"# server config ({found.config_note}): "
+             f"{shell_line([*found.config_command, config_name(rec)])}",
              f"# treetune study '{spec.name}': {rec.workload} workload at batch {rec.batch}, "
              + ("no speculation" if rec.config is BASELINE else f"tree {rec.config}")]
     if spec.env:
@@ -76,7 +81,7 @@ def config_file(spec: StudySpec, rec: Recommendation) -> str:
     if spec.api_key_env:
         lines.append(f'# the API key is not in this file: add --api-key "${{{spec.api_key_env}}}" '
                      "to the command")
-    body = yaml.safe_dump(config_mapping(argv[3:]), sort_keys=False, allow_unicode=True)
+    body = yaml.safe_dump(found.config_file, sort_keys=False, allow_unicode=True)
     return "\n".join(lines) + "\n" + body
 
 
@@ -148,11 +153,13 @@ def pools_readme(spec: StudySpec, recs: list[Recommendation]) -> str | None:
         out += [f"# pool {p.index}: {p.rec.script_name} on port {p.port}",
                 command + (f" --api-key {key}" if key else "")]
     out.append("```")
-    if supports_config_file(spec.sglang_version):
+    with_files = [(p, d.config_command) for p in found
+                  if (d := deployment(spec, p.rec)).config_command is not None]
+    if with_files:
         out += ["", "or, with the config files (flags on the command line win over the file):",
                 "", "```sh"]
-        out += [f"python -m sglang.launch_server --config {config_name(p.rec)} --port {p.port}"
-                + (f" --api-key {key}" if key else "") for p in found]
+        out += [f"{shell_line([*command, config_name(p.rec)])} --port {p.port}"
+                + (f" --api-key {key}" if key else "") for p, command in with_files]
         out.append("```")
     out += ["", "## Put the router in front", "",
             "The SGLang router (`pip install sglang-router`) balances requests over the "
@@ -185,17 +192,29 @@ def _reachable(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def write_exports(spec: StudySpec, recs: list[Recommendation], out_dir: Path) -> None:
-    """Next to each launch script: `.args.json`, and `.config.yaml` when the study's SGLang
-    version reads config files; POOLS.md when batch sizes want different trees. Files that
-    no longer apply (a re-run changed the advice) are removed."""
-    with_config = supports_config_file(spec.sglang_version)
+def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path) -> None:
+    """recommendations.yaml/.json, one launch script per recommendation and, next to each
+    script, `.args.json` and `.config.yaml` (when the engine version reads config files);
+    POOLS.md when batch sizes want different trees. Files that no longer apply (a re-run
+    changed the advice) are removed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "launch").mkdir(exist_ok=True)
+    records = [r.record() for r in recs]
+    (out_dir / "recommendations.json").write_text(json.dumps(records, indent=1) + "\n")
+    advice = pools_advice(recs)
+    dump_yaml({"study": spec.name, "tolerance": spec.tolerance,
+               **({"pools": advice} if advice else {}), "recommendations": records},
+              out_dir / "recommendations.yaml")
     for rec in recs:
+        script = out_dir / rec.script_name
+        script.write_text(launch_script(spec, rec))
+        script.chmod(0o755)
         (out_dir / args_name(rec)).write_text(json.dumps(container_args(spec, rec), indent=1)
                                               + "\n")
         config = out_dir / config_name(rec)
-        if with_config:
-            config.write_text(config_file(spec, rec))
+        text = config_file(spec, rec)
+        if text is not None:
+            config.write_text(text)
         else:
             config.unlink(missing_ok=True)
     readme = pools_readme(spec, recs)

@@ -13,18 +13,26 @@ proposal.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass
 
-import numpy as np
-
+from treetune import strategies
 from treetune.config import BASELINE, ServerConfig, TreeConfig
-from treetune.errors import TreetuneError
 from treetune.perfmodel import Profile, load_profile
+from treetune.perfmodel.prior import neutral_prior, with_datasets
 from treetune.results import LaunchResult, config_key
 from treetune.space import SearchSpace
-from treetune.study.evidence import Interval, intervals, launches_of, merge, merge_all
-from treetune.study.propose import GridProposer, Proposal, RandomProposer, TPEProposer
+from treetune.strategies import BatchStudies, Proposal, SearchContext
+from treetune.study.evidence import (
+    Estimates,
+    Interval,
+    floor_of,
+    intervals,
+    judge,
+    launches_of,
+    merge,
+    merge_all,
+)
+from treetune.study.recommend import Recommendation, recommend
 from treetune.study.spec import StudySpec
 from treetune.study.storage import StudyStore
 
@@ -40,35 +48,14 @@ class Task:
         return config_key(self.config)
 
 
-def resolve_prior(spec: StudySpec) -> Profile | None:
+def study_prior(spec: StudySpec) -> Profile | None:
     """The profile the model search starts from: the study's `search.prior` as written, or
-    for the emulator its profile with every free parameter neutral (the profile itself is
-    the truth being searched)."""
-    from treetune.study.guided import neutral_prior
-
+    the hardware and model facts its backend knows, with every free parameter neutral
+    (for the emulator, its profile is the truth being searched)."""
     if spec.search.prior:
-        prior = load_profile(spec.search.prior)
-        missing = [d for d in spec.dataset_names if d not in prior.datasets]
-        if missing:
-            neutral = neutral_prior(prior, missing)
-            prior = prior.replace(datasets={**prior.datasets, **neutral.datasets})
-        return prior
-    if spec.backend.kind == "emulator" and spec.backend.profile:
-        return neutral_prior(load_profile(spec.backend.profile), spec.dataset_names)
-    return None
-
-
-def strategy_of(spec: StudySpec) -> str:
-    """The strategy a study runs: `auto` is the model search when a prior is known."""
-    chosen = spec.search.strategy
-    has_prior = bool(spec.search.prior) or spec.backend.kind == "emulator"
-    if chosen == "auto":
-        return "model" if has_prior else "tpe"
-    if chosen == "model" and not has_prior:
-        raise TreetuneError("strategy 'model' needs a prior profile with the hardware and "
-                            "model facts: give --prior NAME_OR_FILE (see `treetune profiles`),"
-                            " or choose --strategy tpe")
-    return chosen
+        return with_datasets(load_profile(spec.search.prior), spec.dataset_names)
+    facts = spec.backend.facts()
+    return neutral_prior(facts, spec.dataset_names) if facts is not None else None
 
 
 class Planner:
@@ -82,24 +69,15 @@ class Planner:
         self.queue: list[Task] = [Task(c) for c in (BASELINE, *spec.compare)
                                   if config_key(c) not in self.results]
         self.pending: list[tuple[LaunchResult, Proposal | None]] = []
-        self.strategy = strategy_of(spec)
-        self.proposer = self._proposer(space, tp)
-        self.floor = 1.0 - spec.tolerance
-
-    def _proposer(self, space: SearchSpace, tp: int | None) -> TPEProposer:
-        args = (self.store, space, self.spec.seed, self.is_known)
-        if self.strategy == "grid":
-            return GridProposer(*args)
-        if self.strategy == "random":
-            return RandomProposer(*args)
-        if self.strategy == "model":
-            from treetune.study.guided import ModelProposer
-
-            prior = resolve_prior(self.spec)
-            assert prior is not None
-            return ModelProposer(*args, prior=prior, evidence=self.evidence,
-                                 tolerance=self.spec.tolerance, tp=tp)
-        return TPEProposer(*args)
+        self.floor = floor_of(spec.tolerance)
+        self.studies = BatchStudies(store, space)
+        context = SearchContext(
+            space=space, studies=self.studies, batches=sorted(spec.batch),
+            datasets=spec.dataset_names, tolerance=spec.tolerance, seed=spec.seed,
+            is_known=self.is_known, evidence=self.evidence, prior=study_prior(spec),
+            max_batch=spec.max_batch, tp=tp)
+        self.strategy_name = strategies.resolve(spec.search.strategy, context)
+        self.strategy = strategies.make(self.strategy_name, context)
 
     # ---- state ------------------------------------------------------------------------
     @property
@@ -114,17 +92,21 @@ class Planner:
     def evidence(self) -> tuple[list[LaunchResult], LaunchResult | None]:
         return list(self.results.values()), self.baseline
 
-    def estimates(self) -> dict | None:
-        """The model search's estimate of every measured tree (None for other strategies),
-        for `recommend` to blend with the measurements."""
-        from treetune.study.guided import ModelProposer, model_estimates
-
-        if not isinstance(self.proposer, ModelProposer) or self.baseline is None:
+    def estimates(self) -> Estimates | None:
+        """The strategy's model estimates of every measured tree (None without a model),
+        for the ranking to blend with the measurements."""
+        if self.baseline is None:
             return None
-        self.proposer.refresh()
         trees = [r.config for r in self.results.values()
                  if r.ok and isinstance(r.config, TreeConfig)]
-        return model_estimates(self.proposer.fit, trees, np.random.default_rng(self.spec.seed))
+        return self.strategy.estimates(trees)
+
+    def decide(self) -> list[Recommendation]:
+        """What the launches so far recommend (nothing before the baseline)."""
+        if self.baseline is None:
+            return []
+        return recommend(self.spec, list(self.results.values()), self.baseline,
+                         self.estimates())
 
     def is_known(self, key: str) -> bool:
         return key in self.results or any(t.key == key for t in (*self.in_flight, *self.queue))
@@ -145,7 +127,7 @@ class Planner:
         else:
             task = self._remeasure()
             if task is None:
-                proposal = self.proposer.next()
+                proposal = self.strategy.propose()
                 if proposal is None:
                     return None
                 task = Task(proposal.config, proposal)
@@ -157,24 +139,20 @@ class Planner:
         feasible: re-launched (the baseline first while it has fewer launches)."""
         busy = {t.key for t in self.in_flight}
         limit = self.spec.search.max_launches_per_config
-        if limit <= 1:
+        if limit <= 1 or self.baseline is None:
             return None
         names = self.spec.dataset_names  # the mixed workload's recommendation
         candidates: list[tuple[float, str, int]] = []  # (gain over the best, key, batch)
         for batch in self.spec.batch:
-            scored = []
-            for key, result in self.results.items():
-                if result.ok and isinstance(result.config, TreeConfig):
-                    ivs = self.intervals(result, batch, names)
-                    scored.append((statistics.fmean(i.mean for i in ivs.values()), key, ivs))
-            best = max((m for m, _, ivs in scored
-                        if all(i.low >= self.floor for i in ivs.values())), default=1.0)
-            for mean, key, ivs in scored:
-                borderline = (all(i.mean >= self.floor for i in ivs.values())
-                              and any(i.low < self.floor for i in ivs.values()))
-                if (borderline and mean > best and key not in busy
+            verdicts = {key: judge(result, self.baseline, batch, names, self.spec.tolerance,
+                                   self.spec.search.launch_cv)
+                        for key, result in self.results.items()
+                        if result.ok and isinstance(result.config, TreeConfig)}
+            best = max((v.mean for v in verdicts.values() if v.feasible), default=1.0)
+            for key, verdict in verdicts.items():
+                if (verdict.borderline and verdict.mean > best and key not in busy
                         and launches_of(self.results[key]) < limit):
-                    candidates.append((mean - best, key, batch))
+                    candidates.append((verdict.mean - best, key, batch))
         if not candidates:
             return None
         model = self.estimates() or {}  # only now: it costs a model evaluation
@@ -207,7 +185,8 @@ class Planner:
             self.pending.append((merged, task.proposal))
         if self.baseline is not None:
             for told, proposal in self.pending:
-                self.proposer.observe(proposal.trials if proposal else [], told, self.baseline)
+                self.studies.record(proposal.trials if proposal else [], told, self.baseline)
+                self.strategy.observe(told, self.baseline)
             self.pending.clear()
         return merged
 
@@ -216,6 +195,11 @@ class Planner:
         self.in_flight.remove(task)
         self.queue.insert(0, task)
 
-    def unfinished_proposals(self) -> list[Proposal]:
-        return [t.proposal for t in (*self.in_flight, *self.queue) if t.proposal]
+    def abandon(self, reason: str) -> None:
+        """The search ends: proposals still waiting for a result are failed in storage, so a
+        resumed search asks again."""
+        for task in (*self.in_flight, *self.queue):
+            if task.proposal:
+                self.studies.abandon(task.proposal.trials, reason)
+        self.studies.abandon_all(reason)
 

@@ -1,13 +1,12 @@
 """Checks that refuse a study before Ray or any server starts: a bad dataset file, an
-unknown profile, SGLang missing, an unreachable cluster. Each failure is one TreetuneError
-saying what is wrong and what to do, in seconds rather than after a Ray start and a launch."""
+unreachable cluster, and whatever the backend refuses (an unknown profile, SGLang missing).
+Each failure is one TreetuneError saying what is wrong and what to do, in seconds rather
+than after a Ray start and a launch."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -15,75 +14,19 @@ from treetune.datasets import load_datasets
 from treetune.errors import TreetuneError
 from treetune.study.spec import StudySpec
 
-SGLANG_IMPORT_TIMEOUT_S = 60.0  # importing sglang pulls in torch: seconds, not minutes
 RAY_CONNECT_TIMEOUT_S = 5.0
 RAY_CLIENT_PORT = 10001  # ray:// addresses without a port
 UNCHECKED_ADDRESSES = ("auto", "local")  # Ray resolves these itself
-EMULATOR_HINT = "or run on the emulator: --profile NAME (see `treetune profiles`)"
 
 
 def check_study(spec: StudySpec) -> None:
     """Everything about `spec` that can be refused before Ray starts: its datasets load,
-    the emulator's profile exists and knows every dataset, the cluster address answers,
-    and a local SGLang run has SGLang (on a cluster, the nodes' interpreters are theirs)."""
+    the cluster address answers, and the backend's own checks pass."""
     load_datasets(spec.datasets, Path(spec.base_dir))
-    if spec.backend.kind == "emulator":
-        assert spec.backend.profile is not None  # the spec refuses an emulator without one
-        check_profile(spec.backend.profile, spec.dataset_names)
     if spec.ray_address:
         check_ray_address(spec.ray_address, RAY_CONNECT_TIMEOUT_S)
-    if spec.backend.kind == "sglang" and spec.ray_address in (None, "", "local"):
-        check_sglang(spec.backend.python, env={**os.environ, **spec.env})
-
-
-def check_profile(profile: str, datasets: list[str]) -> None:
-    """The emulator's profile loads and knows every dataset: the emulator answers only for
-    the datasets its profile was calibrated on."""
-    from treetune.perfmodel import load_profile
-
-    prof = load_profile(profile)
-    for name in datasets:
-        try:
-            prof.dataset(name)
-        except TreetuneError as exc:
-            raise TreetuneError(f"{exc}; the emulator serves only its profile's datasets: "
-                                "use those, or another profile, or --backend sglang") from None
-
-
-def check_sglang(python: str, env: dict[str, str] | None = None) -> None:
-    """`python` (backend.python) can import sglang; no shell involved."""
-    shown = python if shutil.which(python) in (None, python) else (
-        f"{python} ({shutil.which(python)})")
-    try:
-        done = subprocess.run([python, "-c", "import sglang"], stdin=subprocess.DEVNULL, env=env,
-                              capture_output=True, text=True, timeout=SGLANG_IMPORT_TIMEOUT_S)
-    except FileNotFoundError:
-        raise TreetuneError(
-            f"the SGLang interpreter '{python}' (backend.python) was not found: set "
-            f"backend.python to the Python that has SGLang installed, {EMULATOR_HINT}"
-        ) from None
-    except OSError as exc:
-        raise TreetuneError(
-            f"cannot run the SGLang interpreter '{python}' (backend.python): {exc.strerror}; "
-            f"set backend.python to the Python that has SGLang installed, {EMULATOR_HINT}"
-        ) from None
-    except subprocess.TimeoutExpired:
-        raise TreetuneError(
-            f"'import sglang' with {shown} (backend.python) took more than "
-            f"{SGLANG_IMPORT_TIMEOUT_S:.0f} s; check that installation, {EMULATOR_HINT}"
-        ) from None
-    if done.returncode == 0:
-        return
-    if "No module named 'sglang'" in done.stderr:
-        raise TreetuneError(
-            f"SGLang is not installed for {shown} (backend.python): install it on the GPU "
-            f"machine with pip install 'treetune[sglang]' (or set backend.python to the "
-            f"Python that has it), {EMULATOR_HINT}")
-    lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
-    cause = lines[-1] if lines else f"exit code {done.returncode}"
-    raise TreetuneError(
-        f"SGLang cannot be imported by {shown} (backend.python): {cause}; fix that "
-        f"installation (pip install 'treetune[sglang]'), {EMULATOR_HINT}")
+    spec.backend.check(spec.dataset_names, {**os.environ, **spec.env},
+                       local=spec.ray_address in (None, "", "local"))
 
 
 def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:

@@ -7,25 +7,24 @@ import contextlib
 import fcntl
 import os
 import signal
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from treetune.config import BASELINE, TreeConfig
+from treetune.config import BASELINE
 from treetune.errors import TreetuneError
 from treetune.results import LaunchResult
 from treetune.space import load_space
 from treetune.study.planner import Planner, Task
 from treetune.study.preflight import check_study
-from treetune.study.spec import StudySpec
-from treetune.study.storage import StudyStore, check_writable, speedups
+from treetune.study.recommend import MIXED, Recommendation
+from treetune.study.spec import SPEC_COPY, StudySpec
+from treetune.study.storage import StudyStore, check_writable
 
 RESOURCE_TIMEOUT_S = 120.0  # how long to wait for Ray to place the workers
-EMULATED_GPU = "emulated_gpu"
-SPEC_COPY = "study.yaml"
+RAY_GPU = "GPU"  # the resource Ray detects on GPU nodes by itself
 LOCK_FILE = ".treetune.lock"
 MAX_RESCHEDULES = 2  # a launch whose worker dies more often than this is recorded failed
 
@@ -62,7 +61,7 @@ class StudyOutcome:
     stale_redone: int = 0
     launches: int = 0  # server launches stored, re-measurements included
     strategy: str = ""
-    estimates: dict | None = None  # the model search's, for `recommend`
+    recommendations: list[Recommendation] = field(default_factory=list)  # as stored
 
 
 class _Ray:
@@ -86,8 +85,9 @@ class _Ray:
                                     f"{exc}") from None
         else:
             workers = spec.workers or 1
-            resources = ({EMULATED_GPU: float(workers * spec.tp)}
-                         if spec.backend.kind == "emulator" else None)
+            gpu = spec.backend.gpu_resource
+            # Ray finds real GPUs itself; a backend's own resource is declared here.
+            resources = None if gpu == RAY_GPU else {gpu: float(workers * spec.tp)}
             temp = os.environ.get("TREETUNE_RAY_TMPDIR")
             ray.init(num_cpus=workers + 1, resources=resources,
                      **({"_temp_dir": temp} if temp else {}), **kwargs)
@@ -102,21 +102,19 @@ def _worker_options(ray: Any, spec: StudySpec) -> tuple[Any, int]:
     """The launch-worker actor class, and how many GPU groups the cluster offers."""
     from treetune.study.worker import LaunchWorker
 
-    if spec.backend.kind == "emulator":
-        options: dict[str, Any] = {"resources": {EMULATED_GPU: spec.tp}, "num_cpus": 1}
-        available = ray.cluster_resources().get(EMULATED_GPU, 0)
-    else:
-        options = {"num_gpus": spec.tp, "num_cpus": 1}
-        available = ray.cluster_resources().get("GPU", 0)
+    gpu = spec.backend.gpu_resource
+    options: dict[str, Any] = ({"num_gpus": spec.tp} if gpu == RAY_GPU
+                               else {"resources": {gpu: spec.tp}})
+    available = ray.cluster_resources().get(gpu, 0)
     groups = int(available // spec.tp)
     if groups < 1:
-        kind = "emulated GPUs" if spec.backend.kind == "emulator" else "GPUs"
         raise TreetuneError(
-            f"the Ray cluster offers {available:g} {kind}, fewer than one group of tp={spec.tp}"
+            f"the Ray cluster offers {available:g} {spec.backend.gpu_label}, fewer than one "
+            f"group of tp={spec.tp}"
             + ("; without GPUs use the emulator: --backend emulator --profile NAME"
-               if spec.backend.kind == "sglang" else ""))
+               if gpu == RAY_GPU else ""))
     # Restarts are ours to make: a dead worker's launch is rescheduled, not replayed by Ray.
-    return ray.remote(LaunchWorker).options(**options, max_restarts=0), groups
+    return ray.remote(LaunchWorker).options(**options, num_cpus=1, max_restarts=0), groups
 
 
 def _start_workers(ray: Any, spec: StudySpec) -> tuple[Any, list[Any]]:
@@ -254,11 +252,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     notify = on_progress or (lambda p: None)
     if stale:
         progress.message = f"{stale} launch(es) of an earlier run were stale: redoing them"
-    base = planner.baseline
-    if base is not None:
-        for r in planner.results.values():
-            if isinstance(r.config, TreeConfig):
-                _update_best(progress, spec, r, base)
+    _decide(planner, store, progress)
     in_flight: dict[Any, _Launch] = {}  # Ray object ref -> launch under way
     reschedules: dict[str, int] = {}
     deadline = (time.monotonic() + spec.budget.wall_time_s) if spec.budget.wall_time_s else None
@@ -276,7 +270,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     if failed_base is not None and not failed_base.ok:
         raise TreetuneError(f"the baseline launch failed: {failed_base.reason}; fix the "
                             "server setup and start a new study")
-    progress.message = progress.message or f"strategy {planner.strategy}"
+    progress.message = progress.message or f"strategy {planner.strategy_name}"
     notify(progress)
     ray_session = _Ray(spec)
     _stop_on_sigterm()  # ray.init installs its own SIGTERM handler, which just exits
@@ -337,7 +331,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                 else:
                     pool.idle.append(launch.worker)
                 store.finish_launch(launch.trial, result)
-                merged = planner.finish(task, result)
+                planner.finish(task, result)
                 progress.launches_done = planner.launches
                 progress.running = running()
                 progress.message = (f"measured {config}" if result.ok
@@ -347,13 +341,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                 if config is BASELINE and not result.ok and planner.baseline is None:
                     raise TreetuneError(f"the baseline launch failed: {result.reason}\n"
                                         f"{result.log_tail}")
-                base = planner.baseline
-                if base is not None:
-                    targets = ([r for r in planner.results.values()
-                                if isinstance(r.config, TreeConfig)]
-                               if config is BASELINE else [merged])
-                    for told in targets:
-                        _update_best(progress, spec, told, base)
+                _decide(planner, store, progress)
                 notify(progress)
     except KeyboardInterrupt:
         interrupted = True
@@ -361,27 +349,22 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         for launch in in_flight.values():
             store.abandon(launch.trial, store.launches, "interrupted")
             ray.kill(launch.worker)  # its server dies with it (parent-death signal)
-        for proposal in planner.unfinished_proposals():
-            for batch, btrial, _ in proposal.trials:
-                store.abandon(btrial, store.batch_studies[batch], "interrupted")
-        planner.proposer.abandon_all("interrupted" if interrupted else "search ended")
+        planner.abandon("interrupted" if interrupted else "search ended")
         in_flight.clear()
         if pool is not None:
             pool.shutdown()
         ray_session.shutdown()
     return StudyOutcome(spec, list(planner.results.values()), planner.baseline, interrupted,
-                        stale, planner.launches, planner.strategy, planner.estimates())
+                        stale, planner.launches, planner.strategy_name,
+                        _decide(planner, store, progress))
 
 
-def _update_best(progress: Progress, spec: StudySpec, result: LaunchResult,
-                 baseline: LaunchResult) -> None:
-    if not result.ok:
-        return
-    floor = 1.0 - spec.tolerance
-    for batch in spec.batch:
-        per = speedups(result, baseline, batch, spec.dataset_names)
-        if min(per.values()) < floor:
-            continue
-        mean = statistics.fmean(per.values())
-        if batch not in progress.best or mean > progress.best[batch][1]:
-            progress.best[batch] = (result.config.label(), mean)
+def _decide(planner: Planner, store: StudyStore, progress: Progress) -> list[Recommendation]:
+    """What the launches so far recommend: stored with the study (the report and notebooks
+    read it back), and the progress line's best is the mixed recommendation per batch."""
+    recs = planner.decide()
+    if recs:
+        store.save_recommendations(recs, planner.strategy_name)
+    progress.best = {r.batch: (r.config.label(), r.mean_speedup) for r in recs
+                     if r.workload == MIXED and r.config is not BASELINE}
+    return recs

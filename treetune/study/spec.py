@@ -11,13 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from treetune import strategies
+from treetune.backends import Backend, LaunchSpec, backend_class
+from treetune.backends._base import parse_version
+from treetune.backends.sglang import ALGORITHMS, DEFAULT_SGLANG_VERSION, SGLangBackend
 from treetune.config import TreeConfig
 from treetune.datasets import DatasetSpec
 from treetune.errors import ConfigFileError, FieldError, InvalidTreeError, TreetuneError
-from treetune.launch import ALGORITHMS, DEFAULT_SGLANG_VERSION, LaunchSpec, parse_version
 from treetune.yamlio import build, dump_yaml, load_yaml
 
-BACKENDS = ("sglang", "emulator")
+SPEC_COPY = "study.yaml"  # the resolved spec, saved in the output folder for readers
 
 
 @dataclass(frozen=True)
@@ -35,74 +38,6 @@ class Budget:
             raise ValueError("give budget.launches and/or budget.wall_time_s")
 
 
-FAULT_KINDS = ("startup", "hang", "crash")
-
-
-@dataclass(frozen=True)
-class Fault:
-    """A fault the emulator injects, to rehearse how a study survives it (emulator only).
-
-    startup: the server exits with an error while loading; hang: it never becomes healthy;
-    crash: it exits abruptly partway through the benchmark."""
-
-    kind: str
-    probability: float = 1.0  # per launch attempt, drawn from the attempt's seed
-    configs: tuple[str, ...] = ()  # config keys ("3,4,8", "baseline"); empty: every tree
-    attempts: int | None = None  # only a launch's first N attempts (None: all)
-    after_requests: int | None = None  # crash: after this many requests (None: at random
-    # within the benchmark)
-
-    def __post_init__(self) -> None:
-        if self.kind not in FAULT_KINDS:
-            raise ValueError(f"fault kind must be one of {', '.join(FAULT_KINDS)}, got "
-                             f"'{self.kind}'")
-        if not 0 <= self.probability <= 1:
-            raise ValueError(f"fault probability must be in [0, 1], got {self.probability}")
-        if self.attempts is not None and self.attempts < 1:
-            raise ValueError("fault attempts must be >= 1")
-        if self.after_requests is not None and (self.kind != "crash" or self.after_requests < 1):
-            raise ValueError("fault after_requests must be >= 1, for crash faults only")
-        for key in self.configs:
-            if key != "baseline":
-                try:
-                    TreeConfig.parse(key)
-                except InvalidTreeError as exc:
-                    raise ValueError(f"fault configs: {exc}") from None
-
-    def applies(self, config_key: str, attempt: int) -> bool:
-        if self.attempts is not None and attempt >= self.attempts:
-            return False
-        return config_key in self.configs if self.configs else config_key != "baseline"
-
-
-@dataclass(frozen=True)
-class Backend:
-    kind: str = "sglang"
-    profile: str | None = None  # emulator only: shipped profile name or file
-    time_scale: float = 1.0  # emulator only: run this many times faster than the GPU
-    load_time_s: float = 2.0  # emulator only: emulated model-loading time
-    noise: bool = True  # emulator only: the profile's measurement noise
-    python: str = "python"  # sglang only: interpreter that has sglang installed
-    faults: tuple[Fault, ...] = ()  # emulator only: injected faults
-
-    def __post_init__(self) -> None:
-        # Rebuilt from plain mappings when the spec is copied field by field.
-        object.__setattr__(self, "faults", tuple(
-            f if isinstance(f, Fault) else Fault(**{**f, "configs": tuple(f.get("configs", ()))})
-            for f in self.faults))
-        if self.faults and self.kind != "emulator":
-            raise ValueError("backend.faults are injected by the emulator: they need "
-                             "backend.kind emulator")
-        if self.kind not in BACKENDS:
-            raise FieldError("kind", f"backend.kind must be one of {', '.join(BACKENDS)}, got "
-                             f"'{self.kind}'")
-        if self.kind == "emulator" and not self.profile:
-            raise FieldError("profile", "the emulator backend needs backend.profile (e.g. "
-                             "qwen3-coder-next-h200)")
-        if self.time_scale <= 0:
-            raise FieldError("time_scale", "backend.time_scale must be > 0")
-
-
 @dataclass(frozen=True)
 class Measurement:
     duration_s: float = 60.0  # measurement window per cell, server seconds
@@ -116,23 +51,20 @@ class Measurement:
                              "startup_timeout_s > 0")
 
 
-STRATEGIES = ("auto", "model", "tpe", "grid", "random")
-
-
 @dataclass(frozen=True)
 class Search:
     """How the next launch is chosen, and how sure a measurement must be."""
 
-    strategy: str = "auto"  # auto: model when a prior profile is known, else tpe
+    strategy: str = "auto"  # auto: the model search when a prior is known, else tpe
     prior: str | None = None  # profile whose hardware and model facts the model search
     # uses (default for the emulator: its profile, with every free parameter neutral)
     launch_cv: float = 0.03  # launch-to-launch spread assumed until re-launches measure it
     max_launches_per_config: int = 3  # a borderline config is re-measured up to this
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"search.strategy must be one of {', '.join(STRATEGIES)}, got "
-                             f"'{self.strategy}'")
+        if self.strategy not in strategies.names():
+            raise ValueError(f"search.strategy must be one of {', '.join(strategies.names())}, "
+                             f"got '{self.strategy}'")
         if not 0 <= self.launch_cv < 1:
             raise ValueError("search.launch_cv must be in [0, 1)")
         if self.max_launches_per_config < 1:
@@ -154,7 +86,7 @@ class StudySpec:
     space: str = "default"
     budget: Budget = field(default_factory=Budget)
     tolerance: float = 0.0
-    backend: Backend = field(default_factory=Backend)
+    backend: Backend = field(default_factory=SGLangBackend)
     ray_address: str | None = None
     workers: int | None = None  # GPU groups to use; None: all the cluster offers (local: 1)
     storage: str | None = None  # Optuna storage URL; None: SQLite in the output folder
@@ -223,7 +155,7 @@ class StudySpec:
             model_path=self.model,
             draft_model_path=self.draft,
             algorithm=self.algorithm,
-            sglang_version=self.sglang_version,
+            engine_version=self.sglang_version,
             tp=self.tp,
             host=host or self.host,
             port=port,
@@ -242,10 +174,14 @@ class StudySpec:
             "server_flags": self.server_flags, "env": self.env,
             "datasets": self.to_dict()["datasets"],  # paths resolved: copies match
             "batch": sorted(self.batch), "tolerance": self.tolerance,
-            "backend": dataclasses.asdict(self.backend), "measurement": dataclasses.asdict(
+            "backend": self.backend_dict(), "measurement": dataclasses.asdict(
                 self.measurement),
         }
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+    def backend_dict(self) -> dict[str, Any]:
+        """The backend section as a study file holds it: its kind and its own fields."""
+        return {"kind": self.backend.kind, **dataclasses.asdict(self.backend)}  # type: ignore[call-overload]
 
     def replace(self, **changes: Any) -> StudySpec:
         return dataclasses.replace(self, **changes)
@@ -260,6 +196,7 @@ class StudySpec:
                                if d["path"] else None}.items() if v is not None}
             for d in data["datasets"]]
         data["output"] = str(self.output_dir.resolve())
+        data["backend"] = self.backend_dict()
         data["batch"] = list(self.batch)
         data["compare"] = [[c.steps, c.topk, c.draft_tokens] for c in self.compare]
         data.pop("base_dir")
@@ -285,7 +222,7 @@ class _SpecFile:
     space: str = "default"
     budget: Budget = field(default_factory=Budget)
     tolerance: float = 0.0
-    backend: Backend = field(default_factory=Backend)
+    backend: dict[str, Any] = field(default_factory=dict)  # its kind's own fields
     ray_address: str | None = None
     workers: int | None = None
     storage: str | None = None
@@ -320,13 +257,16 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
     if path is not None and not space.is_absolute() and space.suffix in (".yaml", ".yml") \
             and (base / space).is_file():
         merged["space"] = str((base / space).resolve())
-    sections = {"budget": Budget, "backend": Backend, "measurement": Measurement,
+    sections = {"budget": Budget, "backend": dict, "measurement": Measurement,
                 "search": Search}
     given: set[str] = set()  # dotted keys the command line set
     for key, value in (overrides or {}).items():
         if key in sections and isinstance(value, dict):
             # Options left unset on the command line keep the file's values.
             set_here = {k: v for k, v in value.items() if v is not None}
+            if key == "backend" and set_here.get("kind", merged[key].get("kind")) != \
+                    merged[key].get("kind"):
+                merged[key] = {}  # another backend: the file's section was for the old one
             merged[key] = {**merged[key], **set_here}
             given |= {f"{key}.{k}" for k in set_here}
         elif value is not None:
@@ -343,7 +283,8 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
 
     for nested, cls in sections.items():
         try:
-            merged[nested] = cls(**merged[nested])
+            merged[nested] = (_backend(merged[nested], where, given) if cls is dict
+                              else cls(**merged[nested]))
         except ValueError as exc:
             raise refused(exc, nested) from None
     merged.pop("description", None)
@@ -361,6 +302,15 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
         return StudySpec(**merged)
     except ValueError as exc:
         raise refused(exc) from None
+
+
+def _backend(section: dict[str, Any], where: Path | str, given: set[str]) -> Backend:
+    """The backend a section names (`kind`, SGLang by default), built from its other keys,
+    which must be that backend's own fields."""
+    fields = {k: v for k, v in section.items() if k != "kind"}
+    cls = backend_class(section.get("kind") or "sglang")
+    source = "command line" if any(f"backend.{k}" in given for k in fields) else where
+    return build(cls, fields, source, "backend")
 
 
 def _default_name(model: str, path: str | Path | None) -> str:

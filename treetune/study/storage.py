@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import statistics
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import optuna
 from optuna.distributions import BaseDistribution
@@ -25,24 +26,17 @@ from optuna.trial import TrialState
 from treetune.config import ServerConfig
 from treetune.errors import TreetuneError
 from treetune.results import LaunchResult, config_key
+from treetune.study.evidence import judge
+from treetune.study.recommend import Recommendation
 from treetune.study.spec import StudySpec
 
 RESULT_ATTR = "launch_result"
+RECOMMENDATIONS_ATTR = "recommendations"  # what the search decided, as recommendations.json
+STRATEGY_ATTR = "strategy"
 CONFIG_ATTR = "config"
 FINGERPRINT_ATTR = "spec_fingerprint"
 SPEC_ATTR = "spec"
 STALE_REASON = "stale: the search that ran this launch stopped before it finished"
-
-
-def speedups(result: LaunchResult, baseline: LaunchResult, batch: int,
-             datasets: Iterable[str]) -> dict[str, float]:
-    """Measured speedup per dataset at one batch size (0 where a cell is missing)."""
-    out = {}
-    for dataset in datasets:
-        cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
-        out[dataset] = (cell.output_tok_s / base.output_tok_s
-                        if cell and base and base.output_tok_s > 0 else 0.0)
-    return out
 
 
 def default_sampler(seed: int) -> optuna.samplers.BaseSampler:
@@ -137,12 +131,7 @@ class StudyStore:
     # ---- launches ---------------------------------------------------------------------
     def results(self) -> list[LaunchResult]:
         """Every finished launch, measured or failed, oldest first."""
-        out = []
-        for trial in self.launches.get_trials(deepcopy=False,
-                                              states=(TrialState.COMPLETE, TrialState.FAIL)):
-            if RESULT_ATTR in trial.user_attrs:
-                out.append(LaunchResult.from_dict(json.loads(trial.user_attrs[RESULT_ATTR])))
-        return out
+        return _launch_results(self.launches)
 
     def mark_stale(self) -> int:
         """Launches (and proposals) left RUNNING by a search that died: failed without a
@@ -154,6 +143,11 @@ class StudyStore:
                 self.storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
                 count += study is self.launches
         return count
+
+    def save_recommendations(self, recs: list[Recommendation], strategy: str) -> None:
+        """What the search decided from the launches so far, kept with the study."""
+        self.launches.set_user_attr(RECOMMENDATIONS_ATTR, [r.record() for r in recs])
+        self.launches.set_user_attr(STRATEGY_ATTR, strategy)
 
     def begin_launch(self, config: ServerConfig,
                      flags: tuple[tuple[str, str], ...]) -> optuna.trial.Trial:
@@ -200,7 +194,56 @@ class StudyStore:
         names = self.spec.dataset_names
         if not result.ok:
             return 0.0, {f"regression:{d}": 1.0 for d in names}
-        per = speedups(result, baseline, batch, names)
-        floor = 1.0 - self.spec.tolerance
-        return statistics.fmean(per.values()), {f"regression:{d}": floor - s
-                                                for d, s in per.items()}
+        verdict = judge(result, baseline, batch, names, self.spec.tolerance,
+                        self.spec.search.launch_cv)
+        return verdict.mean, {f"regression:{d}": s for d, s in verdict.shortfalls().items()}
+
+
+@dataclass
+class StoredStudy:
+    """A study as stored, read without writing anything: its launches and what the search
+    decided from them (for the report and the notebooks, also while the search runs)."""
+
+    results: list[LaunchResult]
+    recommendations: list[Recommendation] | None  # None before any decision was stored
+    strategy: str
+
+
+def read_only_storage(url: str) -> optuna.storages.BaseStorage:
+    """An Optuna storage that cannot write: SQLite opened in read-only mode (so a reader
+    never takes the write lock a running search needs); other databases without creating
+    tables."""
+    engine_kwargs = None
+    if url.startswith("sqlite:///"):
+        path = Path(url.removeprefix("sqlite:///"))
+        if not path.is_file():
+            raise TreetuneError(f"no study storage at {path}")
+        url = f"sqlite:///file:{quote(str(path.resolve()))}?mode=ro&uri=true"
+        engine_kwargs = {"connect_args": {"timeout": 30}}
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs,
+                                          skip_compatibility_check=True,
+                                          skip_table_creation=True)
+    except Exception as exc:  # SQLAlchemy raises many kinds
+        raise TreetuneError(f"cannot open study storage {url}: {exc}") from None
+
+
+def read_study(spec: StudySpec) -> StoredStudy:
+    storage = read_only_storage(spec.storage_url)
+    try:
+        launches = optuna.load_study(study_name=f"{spec.name}:launches", storage=storage)
+    except KeyError:
+        raise TreetuneError(f"study '{spec.name}' is not in {spec.storage_url}") from None
+    results = _launch_results(launches)
+    attrs = launches.user_attrs
+    stored = attrs.get(RECOMMENDATIONS_ATTR)
+    recs = [Recommendation.from_record(r) for r in stored] if stored is not None else None
+    return StoredStudy(results, recs, attrs.get(STRATEGY_ATTR, ""))
+
+
+def _launch_results(launches: optuna.Study) -> list[LaunchResult]:
+    """Every finished launch of a launches study, measured or failed, oldest first."""
+    return [LaunchResult.from_dict(json.loads(t.user_attrs[RESULT_ATTR]))
+            for t in launches.get_trials(deepcopy=False,
+                                         states=(TrialState.COMPLETE, TrialState.FAIL))
+            if RESULT_ATTR in t.user_attrs]

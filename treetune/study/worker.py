@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import dataclasses
 import os
-import random
 import socket
 import time
 from collections.abc import Coroutine
@@ -14,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from treetune.backends import LaunchContext, server_facts
 from treetune.config import ServerConfig
-from treetune.launch import emulator_command, sglang_command
 from treetune.results import LaunchResult, config_from_key, config_key
 from treetune.study.spec import StudySpec
 
@@ -24,46 +23,15 @@ MAX_ATTEMPTS = 2  # a server that crashes mid-benchmark is retried once on a fre
 
 def launch_command(spec: StudySpec, config: ServerConfig, flags: tuple[tuple[str, str], ...],
                    port: int, attempt: int = 0, api_key: str | None = None) -> list[str]:
-    """The server command for this backend; SGLang and the emulator get the same flags."""
+    """The server command of the study's backend for one launch attempt."""
     launch = spec.launch_spec(port=port)
     if api_key:
         flags = (*flags, ("--api-key", api_key))
-    if spec.backend.kind == "emulator":
-        assert spec.backend.profile is not None
-        seed = launch_seed(spec, config, attempt)
-        extra = ["--time-scale", f"{spec.backend.time_scale:g}",
-                 "--load-time", f"{spec.backend.load_time_s:g}", "--seed", str(seed)]
-        if not spec.backend.noise:
-            extra.append("--no-noise")
-        extra += fault_switches(spec, config, attempt)
-        return emulator_command(config, launch, spec.backend.profile, flags, extra)
-    return sglang_command(config, launch, flags, python=spec.backend.python)
-
-
-def launch_seed(spec: StudySpec, config: ServerConfig, attempt: int = 0) -> int:
-    """Reproducible per-launch randomness (the emulator's launch noise and faults)."""
-    text = f"{spec.seed}:{config_key(config)}:{attempt}"
-    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
-
-
-def fault_switches(spec: StudySpec, config: ServerConfig, attempt: int) -> list[str]:
-    """The emulator's fault switches for this launch attempt: the first rule that applies
-    and fires (drawn from the attempt's seed) decides."""
-    key = config_key(config)
-    rng = random.Random(launch_seed(spec, config, attempt) ^ 0x5EED)
-    for fault in spec.backend.faults:
-        roll = rng.random()  # drawn for every rule, so one rule's draws never shift another's
-        if not fault.applies(key, attempt) or roll >= fault.probability:
-            continue
-        if fault.kind == "startup":
-            return ["--fail-on-startup"]
-        if fault.kind == "hang":
-            return ["--hang-on-startup"]
-        # At random within the benchmark: every cell sends at least `batch` requests.
-        least = sum(spec.batch) * len(spec.datasets)
-        after = fault.after_requests or rng.randint(1, max(1, least - 1))
-        return ["--crash-after-requests", str(after)]
-    return []
+    launch = dataclasses.replace(launch, extra_flags=(*launch.extra_flags, *flags))
+    # Every cell sends at least `batch` requests: a crash fault is drawn within that.
+    context = LaunchContext(study_seed=spec.seed, attempt=attempt,
+                            min_requests=sum(spec.batch) * len(spec.datasets))
+    return spec.backend.command(launch, config, context)
 
 
 class LaunchWorker:
@@ -114,7 +82,7 @@ class LaunchWorker:
                                             api_key),
                 log_path=log_path, env=env, host=self.spec.host,
                 timeout_s=self.spec.measurement.startup_timeout_s,
-                secrets=(api_key,) if api_key else ())
+                secrets=(api_key,) if api_key else (), health=self.spec.backend.api.health)
         except ServerStartError as exc:
             result.reason = exc.reason
             result.exit_code = exc.exit_code
@@ -157,9 +125,11 @@ class LaunchWorker:
             for name, prompts in self.prompts.items():
                 if result.cell(name, batch) is not None:
                     continue  # measured by an earlier server of this launch
-                async with ServerClient(base_url, api_key=api_key, dataset=name) as client:
+                async with ServerClient(base_url, api_key=api_key, dataset=name,
+                                        api=self.spec.backend.api) as client:
                     if not result.server_info:
-                        result.server_info = _public_info(await client.server_info())
+                        result.server_info = server_facts(self.spec.backend.api,
+                                                          await client.server_info())
                     cell = await measure_cell(client, prompts, batch, duration_s=m.duration_s,
                                               warmup_s=m.warmup_s, repeats=m.repeats)
                 result.cells.append(cell)
@@ -176,13 +146,3 @@ def _run_coroutine(coroutine: Coroutine[Any, Any, None]) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
-def _public_info(info: dict) -> dict:
-    """What to keep of /server_info: resolved args that matter, never secrets."""
-    keep = ("version", "attention_backend", "max_running_requests", "speculative_algorithm",
-            "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
-            "tp_size", "emulator")
-    return {k: info[k] for k in keep if k in info}
-
-

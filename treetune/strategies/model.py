@@ -13,13 +13,12 @@ wrong cannot trap the search.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import numpy as np
 
 from treetune.config import BASELINE, TreeConfig
 from treetune.perfmodel import PerfModel, Profile, check_memory
-from treetune.perfmodel.acceptance import Acceptance
 from treetune.perfmodel.calibrate import (
     CALIBRATION_BOUNDS,
     CalibrationResult,
@@ -30,37 +29,20 @@ from treetune.perfmodel.calibrate import (
     set_values,
     values_of,
 )
-from treetune.perfmodel.profile import Calibration, Dataset
 from treetune.results import LaunchResult, config_key
-from treetune.space import SearchSpace
-from treetune.study.propose import Proposal, TPEProposer, nearest_config
-from treetune.study.spec import StudySpec
-from treetune.study.storage import StudyStore
+from treetune.strategies._base import Estimates, Proposal, SearchContext, register
+from treetune.strategies._trials import nearest_config
+from treetune.strategies.tpe import TPEStrategy
 
 EXPLORE = 0.1  # share of proposals drawn at random from the untried configs
 NOVELTY = 0.005  # a proposal must be predicted this different (log) from measured trees
 MARGIN = 0.02  # a config must be predicted this far above the floor on every dataset
 ONLINE_DATASET_FIT = ("acceptance.top1", "acceptance.top1_decay", "acceptance.rank_mass",
                       "context_tokens")
-NEUTRAL_ACCEPTANCE = Acceptance(top1=0.6, top1_decay=0.05, rank_mass=0.5, rank_ratio=0.5)
-NEUTRAL_CONTEXT = 2048.0
 # First launches after the baseline, before the model has anything to go on: a deep chain
 # (acceptance along depth: top-1 and its decay) and a wide tree (the lower ranks' share),
 # which also span draft and verify costs. Mapped to the nearest configs of the space.
 INITIAL_DESIGN = (TreeConfig(5, 1, 6), TreeConfig(3, 8, 24))
-
-
-def neutral_prior(profile: Profile, datasets: list[str]) -> Profile:
-    """The profile's hardware and model facts with every free parameter at a neutral
-    value: what the search may assume before it has measured anything."""
-    shapes = {}
-    for name in datasets:
-        known = profile.datasets.get(name)
-        shapes[name] = Dataset(
-            acceptance=NEUTRAL_ACCEPTANCE, context_tokens=NEUTRAL_CONTEXT,
-            prompt_tokens=known.prompt_tokens if known else 512,
-            output_tokens=known.output_tokens if known else 512)
-    return profile.replace(calibration=Calibration(), datasets=shapes)
 
 
 def measurements(results: list[LaunchResult], baseline: LaunchResult, batches: list[int],
@@ -141,29 +123,38 @@ def predicted_speedups(profile: Profile, configs: list[TreeConfig], batches: lis
             for c in configs}
 
 
-class ModelProposer(TPEProposer):
-    """Proposes the config a posterior draw of the fitted model predicts to improve most on
-    the measured trees, at whichever batch size gains most; every launch is still told to
-    the per-batch Optuna studies."""
+def _no_prior(context: SearchContext) -> str | None:
+    if context.prior is None:
+        return ("strategy 'model' needs a prior profile with the hardware and model facts: "
+                "give --prior NAME_OR_FILE (see `treetune profiles`), or choose --strategy tpe")
+    return None
 
-    def __init__(self, store: StudyStore, space: SearchSpace, seed: int,
-                 is_known: Callable[[str], bool], prior: Profile,
-                 evidence: Callable[[], tuple[list[LaunchResult], LaunchResult | None]],
-                 tolerance: float = 0.0, tp: int | None = None) -> None:
-        super().__init__(store, space, seed, is_known)
-        spec = store.spec
-        self.floor = 1.0 - tolerance
-        self.evidence = evidence
-        self.fit = ModelFit(prior, sorted(spec.batch), spec.dataset_names, tp)
+
+@register("model", "fit the performance model to what was measured and launch the tree a "
+          "posterior draw predicts best", auto=0, unavailable=_no_prior)
+class ModelStrategy:
+    """Proposes the config a posterior draw of the fitted model predicts to improve most on
+    the measured trees, at whichever batch size gains most."""
+
+    def __init__(self, context: SearchContext) -> None:
+        assert context.prior is not None  # see _no_prior
+        self.context = context
+        self.space = context.space
+        self.floor = 1.0 - context.tolerance
+        self.rng = np.random.default_rng(context.seed)
+        self.fit = ModelFit(context.prior, context.batches, context.datasets, context.tp)
         self.fitted_on: tuple[int, int] = (-1, -1)
+        # Nothing left but configs the memory model says cannot start: TPE's own fallback.
+        self.fallback = TPEStrategy(context)
         # Configs the memory model says cannot start are never proposed (facts, not fits).
-        self.candidates = [c for c in space.configs() if isinstance(c, TreeConfig)
-                           and check_memory(prior, c, max(spec.batch), tp=tp).fits]
+        self.candidates = [c for c in context.space.configs()
+                           if check_memory(context.prior, c, context.max_batch,
+                                           tp=context.tp).fits]
 
     def refresh(self) -> list[TreeConfig]:
         """Refit when there is news (a new measured tree, or a re-measurement); returns
         the measured trees."""
-        results, baseline = self.evidence()
+        results, baseline = self.context.evidence()
         measured = [r for r in results if r.ok and isinstance(r.config, TreeConfig)]
         news = (len(measured), sum(len(c.launch_tok_s) for r in measured for c in r.cells[:1]))
         if baseline is not None and measured and news != self.fitted_on:
@@ -171,10 +162,23 @@ class ModelProposer(TPEProposer):
             self.fitted_on = news
         return [r.config for r in measured if isinstance(r.config, TreeConfig)]
 
-    def next(self) -> Proposal | None:
-        untried = [c for c in self.candidates if not self.is_known(config_key(c))]
+    def observe(self, result: LaunchResult, baseline: LaunchResult) -> None:
+        """Nothing to do now: the next proposal refits from every result (see refresh)."""
+
+    def estimates(self, configs: Sequence[TreeConfig]) -> Estimates | None:
+        """The fitted model's estimates for `configs`, from every launch so far."""
+        _, baseline = self.context.evidence()
+        if baseline is None:
+            return None
+        self.refresh()
+        return model_estimates(self.fit, list(configs),
+                               np.random.default_rng(self.context.seed))
+
+    def propose(self) -> Proposal | None:
+        is_known = self.context.is_known
+        untried = [c for c in self.candidates if not is_known(config_key(c))]
         if not untried:
-            return super().next()  # TPE's own fallback: nothing left but OOM configs
+            return self.fallback.propose()
         trees = self.refresh()
         measured = len(trees)
         for design in INITIAL_DESIGN[measured:]:
@@ -209,11 +213,8 @@ class ModelProposer(TPEProposer):
         return Proposal(best_pick[1])
 
 
-Estimates = dict[tuple[TreeConfig, int, str], tuple[float, float]]
-
-
 def model_estimates(fit: ModelFit, configs: list[TreeConfig], rng: np.random.Generator,
-                    samples: int = 12) -> Estimates:
+                    samples: int = 12) -> dict[tuple[TreeConfig, int, str], tuple[float, float]]:
     """The fitted model's log-speedup per (config, batch, dataset), with its variance over
     parameter sets drawn from the fit's posterior: how much the model knows, pooled from
     every launch so far."""
@@ -221,7 +222,7 @@ def model_estimates(fit: ModelFit, configs: list[TreeConfig], rng: np.random.Gen
         return {}
     draws = [predicted_speedups(fit.sample(rng, inflate=1.0), configs, fit.batches,
                                 fit.datasets, fit.tp) for _ in range(samples)]
-    out: Estimates = {}
+    out: dict[tuple[TreeConfig, int, str], tuple[float, float]] = {}
     for config in configs:
         for batch in fit.batches:
             for i, dataset in enumerate(fit.datasets):
@@ -229,18 +230,3 @@ def model_estimates(fit: ModelFit, configs: list[TreeConfig], rng: np.random.Gen
                 out[config, batch, dataset] = (float(logs.mean()),
                                                max(float(logs.var()), 1e-6))
     return out
-
-
-def study_estimates(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResult,
-                    seed: int = 0) -> Estimates:
-    """Model estimates for every measured tree of a finished or running study, from a fit
-    made here (the report, the notebooks)."""
-    from treetune.study.planner import resolve_prior
-
-    prior = resolve_prior(spec)
-    if prior is None:
-        return {}
-    fit = ModelFit(prior, sorted(spec.batch), spec.dataset_names, spec.tp)
-    fit.update(results, baseline)
-    configs = [r.config for r in results if r.ok and isinstance(r.config, TreeConfig)]
-    return model_estimates(fit, configs, np.random.default_rng(seed))

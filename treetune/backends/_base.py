@@ -1,0 +1,145 @@
+"""What a serving backend is to a study: the small protocol every backend module implements.
+
+A backend is a frozen dataclass whose fields are its section of the study spec
+(`backend: {kind: NAME, ...fields}`) and whose methods say what it launches, on which Ray
+resource, what it checks before anything starts, how its server is read and what it emits
+for production. The study never asks which backend it holds.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+from treetune.config import ServerConfig
+from treetune.errors import FieldError, TreetuneError
+
+if TYPE_CHECKING:
+    from treetune.perfmodel import Profile
+
+
+@dataclass(frozen=True)
+class ServerApi:
+    """What a server's HTTP API calls things: routes, and the metrics a cell is read from."""
+
+    health: str  # 200 once the server can generate
+    server_info: tuple[str, ...]  # tried in order (older releases use later names)
+    flush_cache: str
+    metrics: str
+    completions: Mapping[str, str]  # "chat" / "completion" -> route
+    generated_tokens: str  # counter: output tokens
+    verify_calls: str  # counter: speculative verify passes (accept length = tokens / calls)
+    running: str  # gauge: requests running
+    queued: str  # gauge: requests waiting
+    info_keys: tuple[str, ...]  # server facts worth keeping from server_info (never secrets)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything about a server launch except the tree being tried."""
+
+    model_path: str
+    draft_model_path: str | None = None
+    algorithm: str = "EAGLE3"
+    engine_version: str = ""  # the engine release the flags target ("" = the backend's default)
+    tp: int = 1
+    host: str = "127.0.0.1"
+    port: int = 30000
+    max_running_requests: int | None = None
+    cuda_graph_max_bs: int | None = None
+    attention_backend: str | None = None
+    mem_fraction_static: float | None = None
+    enable_metrics: bool = True
+    extra_flags: tuple[tuple[str, str | None], ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """What one launch attempt needs beyond its flags: reproducible randomness and the
+    benchmark's size (a backend that injects faults draws from them)."""
+
+    study_seed: int = 0
+    attempt: int = 0  # 0 for the first server of a launch, 1 for its replacement
+    launch_index: int = 0  # how many launches of this config came before this one
+    min_requests: int = 1  # requests the benchmark sends at least, over all cells
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """How production runs one recommended server."""
+
+    argv: list[str]  # the whole command, program first
+    # The same flags as the engine's config file, and the command that reads it (None when
+    # the engine release cannot read config files).
+    config_file: dict[str, Any] | None = None
+    config_command: list[str] | None = None
+    config_note: str = ""  # which release first reads config files, for the file's header
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A serving backend: one module, one class, registered under its `kind`."""
+
+    kind: ClassVar[str]  # its name in study files and on the command line
+    gpu_resource: ClassVar[str]  # the Ray resource one GPU of a server is counted in
+    gpu_label: ClassVar[str]  # that resource, in words
+    api: ClassVar[ServerApi]
+
+    def command(self, launch: LaunchSpec, config: ServerConfig,
+                context: LaunchContext) -> list[str]:
+        """The program and arguments that start one server for `config`."""
+        ...
+
+    def deployment(self, launch: LaunchSpec, config: ServerConfig) -> Deployment:
+        """What a user pastes into production for `config` (never with secrets)."""
+        ...
+
+    def check(self, datasets: list[str], env: Mapping[str, str], local: bool) -> None:
+        """Refuse, with a TreetuneError saying what to do, what cannot work before Ray or
+        any server starts. `local`: servers run on this machine."""
+        ...
+
+    def facts(self) -> Profile | None:
+        """Hardware and model facts the model search may start from, or None."""
+        ...
+
+    def describe(self) -> str:
+        """One line for the study's header: the backend and its main setting."""
+        ...
+
+
+BACKENDS: dict[str, type[Backend]] = {}
+
+
+def register(cls: type[Any]) -> type[Any]:
+    """Class decorator: make a backend available under `cls.kind`."""
+    BACKENDS[cls.kind] = cls
+    return cls
+
+
+def backend_class(kind: str) -> type[Backend]:
+    try:
+        return BACKENDS[kind]
+    except KeyError:
+        raise FieldError("kind", f"backend.kind must be one of {', '.join(BACKENDS)}, got "
+                         f"'{kind}'") from None
+
+
+def server_facts(api: ServerApi, info: Mapping[str, Any]) -> dict[str, Any]:
+    """What to keep of a server's info: the resolved settings that matter, never secrets."""
+    return {k: info[k] for k in api.info_keys if k in info}
+
+
+def shell_line(argv: Sequence[str]) -> str:
+    """A command line safe to paste into a POSIX shell: every word quoted as needed."""
+    return shlex.join(argv)
+
+
+def parse_version(text: str, engine: str = "SGLang") -> tuple[int, ...]:
+    match = re.match(r"^v?(\d+)\.(\d+)(?:\.(\d+))?", text.strip())
+    if not match:
+        raise TreetuneError(f"{engine} version '{text}' is not of the form MAJOR.MINOR[.PATCH]")
+    return tuple(int(g or 0) for g in match.groups())

@@ -1,0 +1,174 @@
+"""treetune's emulator as a backend: SGLang's flags and API, served without a GPU by
+`python -m treetune.emulator`, timed by a performance profile; plus fault switches to
+rehearse how a study survives servers that fail."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import random
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from treetune.backends._base import (
+    Deployment,
+    LaunchContext,
+    LaunchSpec,
+    ServerApi,
+    register,
+)
+from treetune.backends.sglang import SGLANG_API, server_args, sglang_deployment
+from treetune.config import ServerConfig, TreeConfig
+from treetune.errors import FieldError, InvalidTreeError, TreetuneError
+from treetune.results import config_key
+
+if TYPE_CHECKING:
+    from treetune.perfmodel import Profile
+
+FAULT_KINDS = ("startup", "hang", "crash")
+# The emulator answers SGLang's API, and says in server_info that it is the emulator.
+EMULATOR_API = dataclasses.replace(SGLANG_API, info_keys=(*SGLANG_API.info_keys, "emulator"))
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault the emulator injects, to rehearse how a study survives it.
+
+    startup: the server exits with an error while loading; hang: it never becomes healthy;
+    crash: it exits abruptly partway through the benchmark."""
+
+    kind: str
+    probability: float = 1.0  # per launch attempt, drawn from the attempt's seed
+    configs: tuple[str, ...] = ()  # config keys ("3,4,8", "baseline"); empty: every tree
+    attempts: int | None = None  # only a launch's first N attempts (None: all)
+    after_requests: int | None = None  # crash: after this many requests (None: at random
+    # within the benchmark)
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {', '.join(FAULT_KINDS)}, got "
+                             f"'{self.kind}'")
+        if not 0 <= self.probability <= 1:
+            raise ValueError(f"fault probability must be in [0, 1], got {self.probability}")
+        if self.attempts is not None and self.attempts < 1:
+            raise ValueError("fault attempts must be >= 1")
+        if self.after_requests is not None and (self.kind != "crash" or self.after_requests < 1):
+            raise ValueError("fault after_requests must be >= 1, for crash faults only")
+        for key in self.configs:
+            if key != "baseline":
+                try:
+                    TreeConfig.parse(key)
+                except InvalidTreeError as exc:
+                    raise ValueError(f"fault configs: {exc}") from None
+
+    def applies(self, config_key: str, attempt: int) -> bool:
+        if self.attempts is not None and attempt >= self.attempts:
+            return False
+        return config_key in self.configs if self.configs else config_key != "baseline"
+
+
+def launch_seed(study_seed: int, config: ServerConfig, attempt: int = 0) -> int:
+    """Reproducible per-launch randomness (the emulator's launch noise and faults)."""
+    text = f"{study_seed}:{config_key(config)}:{attempt}"
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
+
+
+def check_profile(profile: str, datasets: list[str]) -> Profile:
+    """The emulator's profile loads and knows every dataset: the emulator answers only for
+    the datasets its profile was calibrated on."""
+    from treetune.perfmodel import load_profile
+
+    prof = load_profile(profile)
+    for name in datasets:
+        try:
+            prof.dataset(name)
+        except TreetuneError as exc:
+            raise TreetuneError(f"{exc}; the emulator serves only its profile's datasets: "
+                                "use those, or another profile, or --backend sglang") from None
+    return prof
+
+
+def emulator_command(config: ServerConfig, launch: LaunchSpec, profile: str,
+                     emulator_args: Sequence[str] = ()) -> list[str]:
+    """SGLang's flags for `config`, served by treetune's emulator with `emulator_args`."""
+    return [sys.executable, "-m", "treetune.emulator", "--profile", profile, *emulator_args,
+            *server_args(config, launch)]
+
+
+@register
+@dataclass(frozen=True)
+class EmulatorBackend:
+    """SGLang-compatible servers emulated on the CPU; no GPU needed."""
+
+    kind: ClassVar[str] = "emulator"
+    # Ray counts emulated GPUs as a custom resource: a laptop has none of the real kind.
+    gpu_resource: ClassVar[str] = "emulated_gpu"
+    gpu_label: ClassVar[str] = "emulated GPUs"
+    api: ClassVar[ServerApi] = EMULATOR_API
+
+    profile: str | None = None  # shipped profile name or profile YAML: the emulated truth
+    time_scale: float = 1.0  # run this many times faster than the GPU
+    load_time_s: float = 2.0  # emulated model-loading time
+    noise: bool = True  # the profile's measurement noise
+    faults: tuple[Fault, ...] = ()  # injected faults
+
+    def __post_init__(self) -> None:
+        # Rebuilt from plain mappings when the spec is copied field by field.
+        object.__setattr__(self, "faults", tuple(
+            f if isinstance(f, Fault) else Fault(**{**f, "configs": tuple(f.get("configs", ()))})
+            for f in self.faults))
+        if not self.profile:
+            raise FieldError("profile", "the emulator backend needs backend.profile (e.g. "
+                             "qwen3-coder-next-h200)")
+        if self.time_scale <= 0:
+            raise FieldError("time_scale", "backend.time_scale must be > 0")
+
+    def command(self, launch: LaunchSpec, config: ServerConfig,
+                context: LaunchContext) -> list[str]:
+        """The SGLang flags, served by the emulator, with its own switches first."""
+        assert self.profile is not None
+        seed = launch_seed(context.study_seed, config, context.attempt)
+        extra = ["--time-scale", f"{self.time_scale:g}", "--load-time", f"{self.load_time_s:g}",
+                 "--seed", str(seed)]
+        if not self.noise:
+            extra.append("--no-noise")
+        extra += self.fault_switches(config, context)
+        return emulator_command(config, launch, self.profile, extra)
+
+    def fault_switches(self, config: ServerConfig, context: LaunchContext) -> list[str]:
+        """The fault switches for this launch attempt: the first rule that applies and
+        fires (drawn from the attempt's seed) decides."""
+        key = config_key(config)
+        attempt = context.attempt
+        rng = random.Random(launch_seed(context.study_seed, config, attempt) ^ 0x5EED)
+        for fault in self.faults:
+            roll = rng.random()  # drawn for every rule, so one rule's draws never shift another's
+            if not fault.applies(key, attempt) or roll >= fault.probability:
+                continue
+            if fault.kind == "startup":
+                return ["--fail-on-startup"]
+            if fault.kind == "hang":
+                return ["--hang-on-startup"]
+            # At random within the benchmark: every cell sends at least `batch` requests.
+            after = fault.after_requests or rng.randint(1, max(1, context.min_requests - 1))
+            return ["--crash-after-requests", str(after)]
+        return []
+
+    def deployment(self, launch: LaunchSpec, config: ServerConfig) -> Deployment:
+        # What the emulator stands in for is what production runs.
+        return sglang_deployment(launch, config)
+
+    def check(self, datasets: list[str], env: Mapping[str, str], local: bool) -> None:
+        assert self.profile is not None  # refused at construction otherwise
+        check_profile(self.profile, datasets)
+
+    def facts(self) -> Profile:
+        from treetune.perfmodel import load_profile
+
+        assert self.profile is not None
+        return load_profile(self.profile)
+
+    def describe(self) -> str:
+        return f"{self.kind} ({self.profile})"

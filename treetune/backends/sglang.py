@@ -1,0 +1,237 @@
+"""SGLang: every fact treetune relies on about it, and the backend that launches it.
+
+Flag names follow the SGLang version a command targets: 0.5.10 split
+`--cuda-graph-max-bs` into `--cuda-graph-max-bs-decode` / `--cuda-graph-max-bs-prefill`.
+The emulator speaks the same flags and HTTP API, so it reads them from here too.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from treetune.backends._base import (
+    Deployment,
+    LaunchContext,
+    LaunchSpec,
+    ServerApi,
+    parse_version,
+    register,
+)
+from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.errors import TreetuneError
+
+DEFAULT_SGLANG_VERSION = "0.5.23"
+ALGORITHMS = ("EAGLE3", "EAGLE", "NEXTN", "STANDALONE")
+CUDA_GRAPH_FLAG_SPLIT = (0, 5, 10)
+# `python -m sglang.launch_server --config FILE.yaml` first shipped in SGLang 0.5.3: the 0.5.2
+# wheel's srt/server_args.py has no --config, 0.5.3's has it and
+# srt/server_args_config_parser.py (sgl-project/sglang PR #10534, "Initial support for input
+# config files", Sept 2025). From 0.5.3 to 0.5.23 each key becomes `--{key}` verbatim, so keys
+# are the long flag names with dashes; `true` on a store-true flag becomes the bare flag;
+# other values are passed as str(value); the file must end in .yaml or .yml; the file's
+# arguments go before the command line's, so flags on the command line win.
+CONFIG_FILE_SINCE = (0, 5, 3)
+# With speculation on and --max-running-requests unset, SGLang caps running requests here.
+SPEC_DEFAULT_MAX_RUNNING = 48
+SGLANG_IMPORT_TIMEOUT_S = 60.0  # importing sglang pulls in torch: seconds, not minutes
+EMULATOR_HINT = "or run on the emulator: --profile NAME (see `treetune profiles`)"
+
+SGLANG_API = ServerApi(
+    health="/health_generate",  # runs a real generation: 200 only once the server can generate
+    server_info=("/server_info", "/get_server_info"),  # the second before SGLang 0.5
+    flush_cache="/flush_cache",
+    metrics="/metrics",  # with --enable-metrics
+    completions={"chat": "/v1/chat/completions", "completion": "/v1/completions"},
+    generated_tokens="sglang:generation_tokens_total",
+    verify_calls="sglang:spec_verify_calls_total",
+    running="sglang:num_running_reqs",
+    queued="sglang:num_queue_reqs",
+    info_keys=("version", "attention_backend", "max_running_requests", "speculative_algorithm",
+               "speculative_num_steps", "speculative_eagle_topk",
+               "speculative_num_draft_tokens", "tp_size"),
+)
+
+
+def version_of(launch: LaunchSpec) -> str:
+    return launch.engine_version or DEFAULT_SGLANG_VERSION
+
+
+def supports_config_file(sglang_version: str) -> bool:
+    """Whether `launch_server --config FILE` exists in this SGLang version."""
+    return parse_version(sglang_version) >= CONFIG_FILE_SINCE
+
+
+def cuda_graph_flag(sglang_version: str) -> str:
+    if parse_version(sglang_version) >= CUDA_GRAPH_FLAG_SPLIT:
+        return "--cuda-graph-max-bs-decode"
+    return "--cuda-graph-max-bs"
+
+
+def check_algorithm(algorithm: str, draft: str | None) -> None:
+    if algorithm not in ALGORITHMS:
+        raise TreetuneError(
+            f"speculative algorithm '{algorithm}' is not one of {', '.join(ALGORITHMS)}")
+    if draft is None and algorithm != "NEXTN":
+        raise TreetuneError(f"{algorithm} needs a draft model path (--draft)")
+
+
+def speculative_args(config: ServerConfig, spec: LaunchSpec) -> list[str]:
+    """The speculative flags: all three knobs together, or none for the baseline."""
+    if config is BASELINE:
+        return []
+    assert isinstance(config, TreeConfig)
+    check_algorithm(spec.algorithm, spec.draft_model_path)
+    args = ["--speculative-algorithm", spec.algorithm]
+    if spec.draft_model_path is not None:
+        args += ["--speculative-draft-model-path", spec.draft_model_path]
+    return [
+        *args,
+        "--speculative-num-steps", str(config.steps),
+        "--speculative-eagle-topk", str(config.topk),
+        "--speculative-num-draft-tokens", str(config.draft_tokens),
+    ]
+
+
+def server_args(
+    config: ServerConfig, spec: LaunchSpec, flags: Sequence[tuple[str, str | None]] = ()
+) -> list[str]:
+    """SGLang `launch_server` arguments for one server (without the program)."""
+    version = version_of(spec)
+    args = ["--model-path", spec.model_path, *speculative_args(config, spec)]
+    args += ["--tp-size", str(spec.tp), "--host", spec.host, "--port", str(spec.port)]
+    if spec.max_running_requests is not None:
+        # With speculation on and this unset, SGLang caps running requests at 48.
+        args += ["--max-running-requests", str(spec.max_running_requests)]
+    if spec.cuda_graph_max_bs is not None:
+        args += [cuda_graph_flag(version), str(spec.cuda_graph_max_bs)]
+    if spec.attention_backend is not None:
+        args += ["--attention-backend", spec.attention_backend]
+    if spec.mem_fraction_static is not None:
+        args += ["--mem-fraction-static", f"{spec.mem_fraction_static:g}"]
+    if spec.enable_metrics:
+        args.append("--enable-metrics")
+    for name, value in (*spec.extra_flags, *flags):
+        args += [name] if value is None else [name, value]
+    return args
+
+
+def sglang_command(
+    config: ServerConfig,
+    spec: LaunchSpec,
+    flags: Sequence[tuple[str, str | None]] = (),
+    python: str = "python",
+) -> list[str]:
+    return [python, "-m", "sglang.launch_server", *server_args(config, spec, flags)]
+
+
+def config_mapping(server_args: Sequence[str]) -> dict[str, Any]:
+    """launch_server arguments as a --config mapping: long names without the leading dashes,
+    bare flags as true, numbers typed (a later repeat of a flag wins, as on the command line)."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(server_args):
+        flag = server_args[i]
+        if not flag.startswith("--"):
+            raise TreetuneError(f"cannot write '{flag}' to an SGLang config file: expected a "
+                                "--flag")
+        if i + 1 < len(server_args) and not server_args[i + 1].startswith("--"):
+            out[flag[2:]] = _typed(server_args[i + 1])
+            i += 2
+        else:
+            out[flag[2:]] = True
+            i += 1
+    return out
+
+
+def _typed(value: str) -> int | float | str:
+    """A number when it prints back exactly as given, so SGLang's str(value) restores it."""
+    for kind in (int, float):
+        try:
+            number = kind(value)
+        except ValueError:
+            continue
+        if str(number) == value:
+            return number
+    return value
+
+
+def sglang_deployment(launch: LaunchSpec, config: ServerConfig) -> Deployment:
+    """What production runs: `python -m sglang.launch_server ...`, and the same flags as a
+    config file where the SGLang version reads one."""
+    argv = sglang_command(config, launch, python="python")
+    if not supports_config_file(version_of(launch)):
+        return Deployment(argv)
+    return Deployment(argv, config_mapping(argv[3:]),
+                      ["python", "-m", "sglang.launch_server", "--config"],
+                      "SGLang >= 0.5.3")
+
+
+def check_sglang(python: str, env: Mapping[str, str] | None = None) -> None:
+    """`python` (backend.python) can import sglang; no shell involved."""
+    shown = python if shutil.which(python) in (None, python) else (
+        f"{python} ({shutil.which(python)})")
+    try:
+        done = subprocess.run([python, "-c", "import sglang"], stdin=subprocess.DEVNULL,
+                              env=dict(env) if env is not None else None,
+                              capture_output=True, text=True, timeout=SGLANG_IMPORT_TIMEOUT_S)
+    except FileNotFoundError:
+        raise TreetuneError(
+            f"the SGLang interpreter '{python}' (backend.python) was not found: set "
+            f"backend.python to the Python that has SGLang installed, {EMULATOR_HINT}"
+        ) from None
+    except OSError as exc:
+        raise TreetuneError(
+            f"cannot run the SGLang interpreter '{python}' (backend.python): {exc.strerror}; "
+            f"set backend.python to the Python that has SGLang installed, {EMULATOR_HINT}"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise TreetuneError(
+            f"'import sglang' with {shown} (backend.python) took more than "
+            f"{SGLANG_IMPORT_TIMEOUT_S:.0f} s; check that installation, {EMULATOR_HINT}"
+        ) from None
+    if done.returncode == 0:
+        return
+    if "No module named 'sglang'" in done.stderr:
+        raise TreetuneError(
+            f"SGLang is not installed for {shown} (backend.python): install it on the GPU "
+            f"machine with pip install 'treetune[sglang]' (or set backend.python to the "
+            f"Python that has it), {EMULATOR_HINT}")
+    lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    cause = lines[-1] if lines else f"exit code {done.returncode}"
+    raise TreetuneError(
+        f"SGLang cannot be imported by {shown} (backend.python): {cause}; fix that "
+        f"installation (pip install 'treetune[sglang]'), {EMULATOR_HINT}")
+
+
+@register
+@dataclass(frozen=True)
+class SGLangBackend:
+    """Real SGLang servers on real GPUs (`pip install 'treetune[sglang]'`)."""
+
+    kind: ClassVar[str] = "sglang"
+    gpu_resource: ClassVar[str] = "GPU"
+    gpu_label: ClassVar[str] = "GPUs"
+    api: ClassVar[ServerApi] = SGLANG_API
+
+    python: str = "python"  # the interpreter that has sglang installed
+
+    def command(self, launch: LaunchSpec, config: ServerConfig,
+                context: LaunchContext) -> list[str]:
+        return sglang_command(config, launch, python=self.python)
+
+    def deployment(self, launch: LaunchSpec, config: ServerConfig) -> Deployment:
+        return sglang_deployment(launch, config)
+
+    def check(self, datasets: list[str], env: Mapping[str, str], local: bool) -> None:
+        if local:  # on a cluster, the nodes' interpreters are theirs
+            check_sglang(self.python, env)
+
+    def facts(self) -> None:
+        return None
+
+    def describe(self) -> str:
+        return self.kind

@@ -1,0 +1,20 @@
+"""Search strategies: what to launch next. One module per strategy, one name each, behind
+the `Strategy` protocol; `make(name, context)` builds one for the planner."""
+
+from treetune.strategies import grid, model, random, tpe
+from treetune.strategies._base import (
+    AUTO,
+    STRATEGIES,
+    Estimates,
+    Proposal,
+    SearchContext,
+    Strategy,
+    make,
+    names,
+    register,
+    resolve,
+)
+from treetune.strategies._trials import BatchStudies
+
+__all__ = ["AUTO", "STRATEGIES", "BatchStudies", "Estimates", "Proposal", "SearchContext",
+           "Strategy", "grid", "make", "model", "names", "random", "register", "resolve", "tpe"]

@@ -1,0 +1,123 @@
+"""What a search strategy is to the planner: a small protocol and a registry of names.
+
+A strategy proposes the next tree to launch and may estimate speedups; the planner hands it
+a `SearchContext` when the study starts and never asks which class it holds (as Optuna's
+study takes any sampler). Every launch is recorded in the per-batch Optuna studies by the
+planner's `BatchStudies`, whatever proposed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import optuna
+
+from treetune.config import TreeConfig
+from treetune.errors import TreetuneError
+from treetune.results import LaunchResult
+from treetune.space import SearchSpace
+
+if TYPE_CHECKING:
+    from treetune.perfmodel import Profile
+    from treetune.strategies._trials import BatchStudies
+
+AUTO = "auto"
+# A model's estimate of log-speedup and its variance, per (config, batch, dataset).
+Estimates = Mapping[tuple[TreeConfig, int, str], tuple[float, float]]
+
+
+@dataclass
+class Proposal:
+    config: TreeConfig
+    # Trials (per batch size) waiting for this config's measurement.
+    trials: list[tuple[int, optuna.trial.Trial, dict[str, int]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SearchContext:
+    """What a strategy may know of the study it searches."""
+
+    space: SearchSpace
+    studies: BatchStudies  # the per-batch Optuna studies (TPE asks them; all record there)
+    batches: list[int]  # sorted
+    datasets: list[str]
+    tolerance: float
+    seed: int
+    is_known: Callable[[str], bool]  # a config key launched, failed, running or queued
+    # Every config's merged result so far, and the baseline's (None before it is measured).
+    evidence: Callable[[], tuple[list[LaunchResult], LaunchResult | None]]
+    prior: Profile | None = None  # hardware and model facts, when known
+    max_batch: int = 1
+    tp: int | None = None
+
+
+class Strategy(Protocol):
+    """Proposes what to launch next."""
+
+    name: ClassVar[str]
+
+    def propose(self) -> Proposal | None:
+        """A config not yet launched, or None when the space is exhausted."""
+        ...
+
+    def observe(self, result: LaunchResult, baseline: LaunchResult) -> None:
+        """A config's (merged) result is in: measured, re-measured or failed."""
+        ...
+
+    def estimates(self, configs: Sequence[TreeConfig]) -> Estimates | None:
+        """A model's log-speedup estimates for `configs`, or None (no model)."""
+        ...
+
+
+@dataclass(frozen=True)
+class StrategyInfo:
+    name: str
+    make: Callable[[SearchContext], Strategy]
+    # Why the strategy cannot run this study (None: it can); `auto` takes the first that can.
+    unavailable: Callable[[SearchContext], str | None]
+    help: str
+
+
+STRATEGIES: dict[str, StrategyInfo] = {}
+AUTO_ORDER: list[str] = []  # what `auto` tries, in order
+_auto_rank: dict[str, int] = {}
+
+
+def register(name: str, help: str, *, auto: int | None = None,
+             unavailable: Callable[[SearchContext], str | None] = lambda context: None
+             ) -> Callable[[Any], Any]:
+    """Class decorator: the strategy is available by `name`; with `auto`, `auto` tries it
+    (lower first)."""
+
+    def add(cls: Any) -> Any:
+        cls.name = name
+        STRATEGIES[name] = StrategyInfo(name, cls, unavailable, help)
+        if auto is not None:
+            _auto_rank[name] = auto
+            AUTO_ORDER[:] = sorted(_auto_rank, key=_auto_rank.__getitem__)
+        return cls
+
+    return add
+
+
+def names() -> list[str]:
+    return [AUTO, *STRATEGIES]
+
+
+def resolve(name: str, context: SearchContext) -> str:
+    """The strategy a study runs: `auto` is the first strategy of AUTO_ORDER that can run;
+    a named strategy that cannot run is refused, saying why."""
+    if name == AUTO:
+        return next(n for n in AUTO_ORDER if STRATEGIES[n].unavailable(context) is None)
+    if name not in STRATEGIES:
+        raise TreetuneError(f"unknown strategy '{name}': choose one of {', '.join(names())}")
+    why = STRATEGIES[name].unavailable(context)
+    if why is not None:
+        raise TreetuneError(why)
+    return name
+
+
+def make(name: str, context: SearchContext) -> Strategy:
+    return STRATEGIES[resolve(name, context)].make(context)
