@@ -172,7 +172,7 @@ def test_predict_tables_in_a_log_keep_every_dataset_name_whole(capsys):
     assert max(len(line) for line in out.splitlines()) < 200, "not padded to some huge width"
 
 
-def test_search_outcome_in_a_log_keeps_every_batch_and_dataset_column_name_whole(
+def test_search_outcome_in_a_log_prints_every_column_name_whole_brackets_included(
         capsys, tmp_path):
     from synthetic import launch, spec
 
@@ -193,3 +193,5 @@ def test_search_outcome_in_a_log_keeps_every_batch_and_dataset_column_name_whole
     out = capsys.readouterr().out
     assert all(lines_with(out, f"b{b} {d}") == 1 for b in (1, 32) for d in DATASETS), out
     assert not pieces(out, DATASETS), out
+    assert lines_with(out, "measured speedups [interval]") == 1, "the header shows brackets"
+    assert lines_with(out, "[interval]: where the true speedup lies") == 1, out

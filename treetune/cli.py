@@ -351,11 +351,12 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
         tag = " *" if config in spec.compare else ""
         table.add_row(config.label() + tag, *cells)
     out.print(table)
-    rec_table = Table(title="recommendations", caption="[interval]: where the true speedup "
-                      "lies, given the measurement noise; a tree is recommended only when "
-                      "every lower bound clears 1 - tolerance")
+    # escape: rich would take "[interval]" for a markup tag and print nothing of it.
+    rec_table = Table(title="recommendations", caption=escape(
+        "[interval]: where the true speedup lies, given the measurement noise; a tree is "
+        "recommended only when every lower bound clears 1 - tolerance"))
     for col in ("workload", "batch", "tree S,K,N", "measured speedups [interval]"):
-        rec_table.add_column(col)
+        rec_table.add_column(escape(col))
     for row in summary_rows(recs):
         rec_table.add_row(*row)
     out.print(rec_table)
