@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 import subprocess
 import sys
 
@@ -144,3 +145,53 @@ def test_every_command_explains_itself_with_help(command):
     result = subprocess.run([sys.executable, "-m", "treetune", *command, "--help"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "Usage" in result.stdout
+
+
+DATASETS = ["mt-bench", "humaneval", "swebench-verified", "terminal-bench"]
+
+
+def lines_with(out: str, text: str) -> int:
+    return sum(text in line for line in out.splitlines())
+
+
+def pieces(out: str, names: list[str]) -> list[str]:
+    """Cells holding a piece of a name: rich folds a narrow column's header into
+    'swebench-v' / 'erified'."""
+    return [piece for line in out.splitlines() for piece in re.split(r"[\s│┃]+", line)
+            if len(piece) >= 3 and any(piece != n and (n.startswith(piece) or n.endswith(piece))
+                                       for n in names)]
+
+
+def test_predict_tables_in_a_log_keep_every_dataset_name_whole(capsys):
+    """Captured stdout is not a terminal: tables take the width they need, not 80 columns."""
+    code, out, _ = run(capsys, "predict", "--profile", "qwen3-coder-next-h200",
+                       "--tree", "3,4,8", "--batch", "1", "32")
+    assert code == 0
+    assert all(lines_with(out, d) == 2 for d in DATASETS), out  # one header per batch size
+    assert not pieces(out, DATASETS), out
+    assert max(len(line) for line in out.splitlines()) < 200, "not padded to some huge width"
+
+
+def test_search_outcome_in_a_log_prints_every_column_name_whole_brackets_included(
+        capsys, tmp_path):
+    from synthetic import launch, spec
+
+    from treetune.cli import _print_outcome
+    from treetune.study.recommend import pools_advice, recommend
+    from treetune.study.runner import StudyOutcome
+
+    def per_batch(b1: float, b32: float) -> dict[int, dict[str, float]]:
+        return {1: dict.fromkeys(DATASETS, b1), 32: dict.fromkeys(DATASETS, b32)}
+
+    study = spec(tmp_path, datasets=DATASETS, compare=["3,4,8"])
+    base = launch(BASELINE, per_batch(100, 1000))
+    results = [base, launch(TreeConfig(3, 4, 8), per_batch(150, 950)),
+               launch(TreeConfig(5, 1, 6), per_batch(130, 1100))]
+    recs = recommend(study, results, base)
+    _print_outcome(study, StudyOutcome(study, results, base, launches=3, strategy="grid"),
+                   recs, pools_advice(recs))
+    out = capsys.readouterr().out
+    assert all(lines_with(out, f"b{b} {d}") == 1 for b in (1, 32) for d in DATASETS), out
+    assert not pieces(out, DATASETS), out
+    assert lines_with(out, "measured speedups [interval]") == 1, "the header shows brackets"
+    assert lines_with(out, "[interval]: where the true speedup lies") == 1, out

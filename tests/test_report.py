@@ -13,12 +13,14 @@ import zlib
 from pathlib import Path
 
 import pytest
+import synthetic
 
 from treetune.cli import main
-from treetune.config import TreeConfig
+from treetune.config import BASELINE, TreeConfig
 from treetune.report import figures
-from treetune.report.data import load_study_data
+from treetune.report.data import StudyData, load_study_data
 from treetune.report.html import write_report
+from treetune.study.recommend import recommend
 from treetune.study.spec import SPEC_COPY
 from treetune.study.storage import StudyStore
 
@@ -39,12 +41,91 @@ def test_pareto_front_shows_both_published_trees_and_the_wide_one_infeasible_at_
     fig = figures.pareto_front(data)
     assert fig.layout.title.text.startswith("Pareto front")
     names = [t.name for t in fig.data]
-    assert "Pareto front" in names and "recommended" in names
-    assert any(n.startswith("infeasible at batch") and "32" in n
-               for n in trace_holding(fig, WIDE.label()))
+    assert "Pareto front" in names
+    assert {"recommended for batch 1", "recommended for batch 32"} <= set(names)
+    assert any(n.endswith("regresses at batch 32") for n in trace_holding(fig, WIDE.label()))
     assert trace_holding(fig, NARROW.label()), "the narrow tree is plotted"
-    recommended = next(t for t in fig.data if t.name == "recommended")
-    assert len(recommended.x) >= 1
+    for batch in (1, 32):
+        ring = next(t for t in fig.data if t.name.startswith(f"recommended for batch {batch}"))
+        rec = data.recommended(batch)
+        assert rec is not None
+        assert list(ring.customdata) == ([rec.config.label()]
+                                         if isinstance(rec.config, TreeConfig) else [])
+
+
+def feasible_at(legend: str) -> set[int]:
+    """The batch sizes a feasibility legend entry calls a tree feasible at."""
+    match = re.match(r"feasible at batch ([\d and]+)", legend)
+    return {int(b) for b in match.group(1).split(" and ")} if match else set()
+
+
+def test_every_recommendation_ring_sits_on_a_tree_feasible_at_its_batch_size(data):
+    """The advice is per batch size: a ring must never read as recommended-and-infeasible."""
+    fig = figures.pareto_front(data)
+    rings = [t for t in fig.data if t.name.startswith("recommended for batch ")]
+    assert rings and sum(len(t.customdata) for t in rings) >= 1
+    for ring in rings:
+        batch = int(re.findall(r"\d+", ring.name)[0])
+        for label in ring.customdata:
+            legends = [n for n in trace_holding(fig, label) if n != ring.name
+                       and not n.startswith("recommended")]
+            assert len(legends) == 1 and batch in feasible_at(legends[0]), (label, legends)
+
+
+LATE, LOST = TreeConfig(2, 1, 3), TreeConfig(6, 4, 24)
+
+
+@pytest.fixture
+def two_pools(tmp_path) -> StudyData:
+    """Synthetic: the wide tree is best at batch 1 and regresses humaneval at batch 32, the
+    chain is best at batch 32; one tree pays at batch 32 only, one nowhere."""
+    spec = synthetic.spec(tmp_path, compare=["3,4,8", "5,1,6"])
+    late = synthetic.launch(LATE, {1: {"sharegpt": 95, "humaneval": 120},
+                                   32: {"sharegpt": 1050, "humaneval": 1010}})
+    lost = synthetic.launch(LOST, {1: {"sharegpt": 90, "humaneval": 140},
+                                   32: {"sharegpt": 700, "humaneval": 800}})
+    results = [synthetic.BASE, synthetic.WIDE, synthetic.NARROW, late, lost]
+    recs = recommend(spec, results, synthetic.BASE)
+    return StudyData(spec, results, synthetic.BASE, recs, spec.storage_url, tmp_path)
+
+
+def test_pareto_legend_names_the_batch_sizes_each_tree_is_feasible_at(two_pools):
+    fig = figures.pareto_front(two_pools)
+    legend = {label: [n for n in trace_holding(fig, label) if not n.startswith("recommended")]
+              for label in (WIDE.label(), NARROW.label(), LATE.label(), LOST.label())}
+    assert legend == {WIDE.label(): ["feasible at batch 1, regresses at batch 32"],
+                      NARROW.label(): ["feasible at batch 1 and 32"],
+                      LATE.label(): ["feasible at batch 32, regresses at batch 1"],
+                      LOST.label(): ["regresses at batch 1 and 32"]}
+    crosses = [t.name for t in fig.data if t.marker.symbol == "x"]
+    assert crosses == ["regresses at batch 1 and 32"], "a cross means no batch size is safe"
+
+
+def test_a_tree_recommended_at_batch_1_that_regresses_at_32_is_ringed_for_batch_1_only(
+        two_pools):
+    fig = figures.pareto_front(two_pools)
+    assert trace_holding(fig, WIDE.label()) == [
+        "feasible at batch 1, regresses at batch 32", "recommended for batch 1"]
+    assert trace_holding(fig, NARROW.label()) == [
+        "feasible at batch 1 and 32", "recommended for batch 32"]
+    ring = next(t for t in fig.data if t.name == "recommended for batch 1")
+    assert list(ring.text) == ["for batch 1"]
+    hover = ring.hovertext[0]
+    assert hover.startswith(f"{WIDE.label()} recommended for batch 1 (mixed workload); "
+                            "feasible at batch 1, regresses at batch 32")
+    assert "humaneval 0.890" in hover, "the hover keeps the measured speedups"
+    colours = {t.name: t.marker.line.color for t in fig.data if t.name.startswith("recommended")}
+    assert len(set(colours.values())) == 2, "each batch size's ring has its own colour"
+
+
+def test_a_batch_size_best_without_speculation_says_so_in_the_legend(two_pools):
+    only_risky = [r for r in two_pools.results if r.config in (BASELINE, WIDE, LOST)]
+    recs = recommend(two_pools.spec, only_risky, synthetic.BASE)
+    fig = figures.pareto_front(dataclasses.replace(two_pools, results=only_risky,
+                                                   recommendations=recs))
+    ring = next(t for t in fig.data if t.name.startswith("recommended for batch 32"))
+    assert ring.name == "recommended for batch 32: no speculation" and len(ring.x) == 0
+    assert trace_holding(fig, WIDE.label())[-1] == "recommended for batch 1"
 
 
 def test_regression_map_marks_every_cell_below_one(data):

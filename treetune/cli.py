@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.table import Table
 
@@ -32,7 +32,22 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()
+
+
+class _StdoutConsole(Console):
+    """stdout, as wide as its content when it is a log or a pipe: there rich would squeeze
+    tables to 80 columns (or the width of a terminal on stdin or stderr) and fold dataset
+    names mid-word, and a log is never resized. Asked at each print, not at import, so
+    that output redirected later (tests capturing it) is seen as what it is."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        return size if self.is_terminal else ConsoleDimensions(LOG_WIDTH, size.height)
+
+
+LOG_WIDTH = 1000  # wider than any table; tables and text take only the width they need
+out = _StdoutConsole()
 err = Console(stderr=True, soft_wrap=True)  # messages stay one greppable line
 
 # Options that take several values after one flag, as in `--batch 1 32`.
@@ -335,11 +350,12 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
         tag = " *" if config in spec.compare else ""
         table.add_row(config.label() + tag, *cells)
     out.print(table)
-    rec_table = Table(title="recommendations", caption="[interval]: where the true speedup "
-                      "lies, given the measurement noise; a tree is recommended only when "
-                      "every lower bound clears 1 - tolerance")
+    # escape: rich would take "[interval]" for a markup tag and print nothing of it.
+    rec_table = Table(title="recommendations", caption=escape(
+        "[interval]: where the true speedup lies, given the measurement noise; a tree is "
+        "recommended only when every lower bound clears 1 - tolerance"))
     for col in ("workload", "batch", "tree S,K,N", "measured speedups [interval]"):
-        rec_table.add_column(col)
+        rec_table.add_column(escape(col))
     for row in summary_rows(recs):
         rec_table.add_row(*row)
     out.print(rec_table)

@@ -28,42 +28,65 @@ def _hover(rows: list[ConfigRow]) -> str:
     return "<br>".join(parts)
 
 
-def _group_colour(group: str, bx: int, by: int) -> str:
-    if group == "feasible":
-        return GREEN
-    if group == f"infeasible at batch {by}" and bx != by:
-        return ORANGE  # fine at the first batch size only
-    if group == f"infeasible at batch {bx}" and bx != by:
-        return PURPLE
-    return RED
-
-
 def _batches(data: StudyData) -> list[int]:
     return sorted(data.spec.batch)
+
+
+def _where_feasible(verdicts: dict[int, bool]) -> str:
+    """Legend words for a tree's feasibility, batch size by batch size: advice is given per
+    batch size, so a tree regressing at one must still read as feasible at the others."""
+    def at(batches: list[int]) -> str:
+        return "batch " + " and ".join(map(str, batches))
+
+    good = [b for b, ok in sorted(verdicts.items()) if ok]
+    bad = [b for b, ok in sorted(verdicts.items()) if not ok]
+    if not bad:
+        return f"feasible at {at(good)}"
+    if not good:
+        return f"regresses at {at(bad)}"
+    return f"feasible at {at(good)}, regresses at {at(bad)}"
+
+
+def _marker(verdicts: dict[int, bool], bx: int) -> dict[str, object]:
+    """Green circles are safe at every plotted batch size, red crosses at none; a diamond
+    is safe at one of the two only, orange when that one is the x axis's batch size."""
+    if all(verdicts.values()):
+        return {"color": GREEN, "symbol": "circle"}
+    if not any(verdicts.values()):
+        return {"color": RED, "symbol": "x"}
+    return {"color": ORANGE if verdicts[bx] else PURPLE, "symbol": "diamond"}
+
+
+# Rings of recommendations, one colour per batch size; none is a feasibility colour.
+RINGS = [BLUE, "#17becf", "#8c564b", "#e377c2", "#000000"]
 
 
 def pareto_front(data: StudyData, batch_x: int | None = None,
                  batch_y: int | None = None) -> go.Figure:
     """Mean speedup at one batch size against another, per launched tree: the trade-off a
-    single server pool has to make, with the non-dominated feasible trees joined."""
+    single server pool has to make, with the non-dominated trees feasible at both joined.
+    Feasibility and recommendations are per batch size, as the advice is: a tree ringed
+    as recommended for batch 1 may well regress at batch 32 (the case for two pools)."""
     batches = _batches(data)
     bx = batch_x if batch_x is not None else batches[0]
     by = batch_y if batch_y is not None else batches[-1]
     fig = go.Figure()
     at = {b: {r.config: r for r in data.rows(b)} for b in {bx, by}}
     configs = [c for c in at[bx] if c in at[by]]
-    rec_configs = {r.config for r in data.recommendations if r.workload == "mixed"}
+    verdicts = {c: {b: at[b][c].feasible for b in at} for c in configs}
 
     def point(c: TreeConfig) -> tuple[float, float]:
         if bx == by:  # one batch size: speedup against tree size
             return float(c.draft_tokens), at[by][c].mean_speedup
         return at[bx][c].mean_speedup, at[by][c].mean_speedup
 
-    groups: dict[str, list[TreeConfig]] = {"feasible": []}
-    for c in configs:
-        bad = [b for b in sorted({bx, by}) if not at[b][c].feasible]
-        key = "feasible" if not bad else "infeasible at batch " + " and ".join(map(str, bad))
-        groups.setdefault(key, []).append(c)
+    def hover(c: TreeConfig) -> str:
+        return _hover([at[bx][c]] + ([at[by][c]] if by != bx else []))
+
+    groups: dict[str, list[TreeConfig]] = {}
+    # Safe everywhere first, so the legend reads from the best news to the worst.
+    for c in sorted(configs, key=lambda c: -sum(verdicts[c].values())):
+        groups.setdefault(_where_feasible(verdicts[c]), []).append(c)
     for name, members in groups.items():
         fig.add_trace(go.Scatter(
             x=[point(c)[0] for c in members], y=[point(c)[1] for c in members],
@@ -71,23 +94,34 @@ def pareto_front(data: StudyData, batch_x: int | None = None,
             text=[c.label() if c in data.spec.compare else "" for c in members],
             textposition="top center",
             customdata=[c.label() for c in members],
-            hovertext=[_hover([at[bx][c]] + ([at[by][c]] if by != bx else [])) for c in members],
-            hoverinfo="text",
-            marker={"color": _group_colour(name, bx, by), "size": 9,
-                    "symbol": "circle" if name == "feasible" else "x"}))
-    feasible = groups["feasible"]
+            hovertext=[f"{c.label()}: {name}<br>{hover(c)}" for c in members],
+            hoverinfo="text", marker={"size": 9, **_marker(verdicts[members[0]], bx)}))
+    feasible = [c for c in configs if all(verdicts[c].values())]
     front = [c for c in feasible if not any(
         point(o)[0] >= point(c)[0] and point(o)[1] >= point(c)[1] and point(o) != point(c)
         for o in feasible)] if bx != by else []
     front.sort(key=lambda c: point(c)[0])
     fig.add_trace(go.Scatter(x=[point(c)[0] for c in front], y=[point(c)[1] for c in front],
                              mode="lines", name="Pareto front", line={"color": GREEN}))
-    recommended = [c for c in configs if c in rec_configs]
-    fig.add_trace(go.Scatter(
-        x=[point(c)[0] for c in recommended], y=[point(c)[1] for c in recommended],
-        mode="markers", name="recommended", customdata=[c.label() for c in recommended],
-        hovertext=[c.label() for c in recommended], hoverinfo="text",
-        marker={"size": 18, "color": "rgba(0,0,0,0)", "line": {"color": BLUE, "width": 3}}))
+    for i, batch in enumerate(batches):
+        # The mixed-workload advice of each batch size. No speculation is not a point here,
+        # so the legend says it rather than show a ring with nothing in it.
+        rec = data.recommended(batch)
+        picked = [rec.config] if rec is not None and rec.config in configs else []
+        name = f"recommended for batch {batch}" + (
+            ": no speculation" if rec is not None and not isinstance(rec.config, TreeConfig)
+            else "")
+        fig.add_trace(go.Scatter(
+            x=[point(c)[0] for c in picked], y=[point(c)[1] for c in picked],
+            mode="markers+text", name=name, text=[f"for batch {batch}" for c in picked],
+            textposition="bottom center", textfont={"color": RINGS[i % len(RINGS)]},
+            customdata=[c.label() for c in picked],
+            hovertext=[f"{c.label()} {name} (mixed workload); "
+                       f"{_where_feasible(verdicts[c])}<br>{hover(c)}" for c in picked],
+            hoverinfo="text",
+            # Nested rings: a tree recommended at several batch sizes shows each.
+            marker={"size": 18 + 8 * i, "color": "rgba(0,0,0,0)",
+                    "line": {"color": RINGS[i % len(RINGS)], "width": 3}}))
     xtitle = "draft tokens" if bx == by else f"mean speedup at batch {bx}"
     fig.update_layout(title=f"Pareto front: mean speedup at batch {bx} vs batch {by}"
                       if bx != by else f"Pareto front: mean speedup at batch {by} vs tree size",
