@@ -128,33 +128,33 @@ def module_emulators(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emula
 
 @pytest.fixture(scope="session")
 def small_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished emulated study folder (baseline, (3,4,8), (5,1,6) and searched trees at
-    batch 1 and 32 on mt-bench and terminal-bench), with recommendations and launch scripts.
-    In this profile the wide tree (3,4,8) regresses terminal-bench at batch 32."""
-
+    """A finished study folder (baseline, (3,4,8), (5,1,6) and searched trees at batch 1
+    and 32 on mt-bench and terminal-bench), with recommendations and launch scripts, as
+    `treetune search` leaves it. Its launches are drawn in-process from the emulator's own
+    profile (treetune.study.offline): the report and notebooks read a study's files and
+    storage, not its servers, and the search itself is tested against real servers
+    elsewhere. In this profile the wide tree (3,4,8) regresses terminal-bench at batch 32."""
+    from treetune.perfmodel import PerfModel
     from treetune.study.export import write_outputs
-    from treetune.study.runner import run_study
-    from treetune.study.spec import load_study
+    from treetune.study.offline import Noise, run_offline
+    from treetune.study.spec import SPEC_COPY, load_study
+    from treetune.study.storage import StudyStore
 
     folder = tmp_path_factory.mktemp("small-study")
-    with pytest.MonkeyPatch.context() as env:
-        # Ray's socket paths break past ~100 characters: a short directory.
-        env.setenv("TREETUNE_RAY_TMPDIR", tempfile.mkdtemp(prefix="rt", dir="/tmp"))
-        env.setenv("RAY_AUTH_MODE", "disabled")
-        spec = load_study(None, {
-            "name": "small", "model": "Qwen/Qwen3-Coder-Next", "draft": "d", "tp": 4,
-            "datasets": ["mt-bench", "terminal-bench"], "batch": [1, 32],
-            "space": "default", "budget": {"launches": 6}, "workers": 2, "seed": 0,
-            # Time scale 5: at batch 32 a faster clock outruns two emulators on 2 cores
-            # and the measured speedups drift.
-            "backend": {"kind": "emulator", "profile": "qwen3-coder-next-h200",
-                        "time_scale": 5.0, "load_time_s": 5.0, "noise": False},
-            "measurement": {"duration_s": 6.0, "repeats": 2, "startup_timeout_s": 30.0},
-            "compare": ["3,4,8", "5,1,6"], "output": str(folder),
-        })
-        outcome = run_study(spec)
-    assert outcome.baseline is not None, [r.reason for r in outcome.results]
-    write_outputs(spec, outcome.recommendations, folder)
+    spec = load_study(None, {
+        "name": "small", "model": "Qwen/Qwen3-Coder-Next", "draft": "d", "tp": 4,
+        "datasets": ["mt-bench", "terminal-bench"], "batch": [1, 32],
+        "space": "default", "budget": {"launches": 6}, "seed": 0,
+        "backend": {"kind": "emulator", "profile": "qwen3-coder-next-h200", "noise": False},
+        "measurement": {"duration_s": 6.0, "repeats": 2},
+        "compare": ["3,4,8", "5,1,6"], "output": str(folder),
+    })
+    spec.save(folder / SPEC_COPY)
+    truth = spec.backend.facts()
+    planner = run_offline(spec, PerfModel(truth, spec.tp), seed=0, launches=6,
+                          noise=Noise(0.01, 0.01), store=StudyStore(spec))
+    assert planner.baseline is not None
+    write_outputs(spec, planner.decide(), folder)
     return folder
 
 

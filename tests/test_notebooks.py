@@ -112,3 +112,44 @@ def test_the_compare_notebook_tabulates_workloads_and_shows_the_two_pool_choice(
         assert "Two pools" in printed(nb)
     else:
         assert f"One pool: {name(one)}" in printed(nb)
+
+
+@pytest.mark.slow
+def test_recommendations_json_the_report_and_the_notebook_agree_exactly(small_study, tmp_path):
+    """One stored study, three readers: what `treetune search` wrote, the HTML report's
+    table and the compare notebook's table name the same tree for every workload and batch
+    size (the report and notebook read the decisions stored with the study)."""
+    import html
+    import re
+
+    from treetune.report.data import load_study_data
+    from treetune.report.html import write_report
+
+    def label(record: dict) -> str:
+        if record["steps"] is None:
+            return "no speculation"
+        return f"({record['steps']},{record['topk']},{record['draft_tokens']})"
+
+    written = {(r["workload"], r["batch"]): label(r)
+               for r in json.loads((small_study / "recommendations.json").read_text())}
+    assert len(written) == 3 * 2  # mixed and two datasets, at two batch sizes
+
+    index = write_report(load_study_data(small_study), tmp_path / "report").index
+    rows = re.findall(r"<tr><td>([^<]*)</td><td>(\d+)</td><td>(?:<a [^>]*>)?([^<]*)",
+                      index.read_text())
+    reported = {(html.unescape(w), int(b)): html.unescape(t) for w, b, t in rows}
+    assert reported == written
+
+    nb = execute("compare-workloads.ipynb", small_study)
+    tables = "\n".join(o["data"].get("text/markdown", "") for c in nb.cells
+                       for o in c.get("outputs", []) if "data" in o)
+    header = re.search(r"\| workload \| (.*) \|", tables)
+    assert header is not None
+    batches = [int(b.removeprefix("batch ")) for b in header.group(1).split(" | ")]
+    shown_trees = {}
+    for workload in {w for w, _ in written}:
+        row = re.search(rf"^\| {re.escape(workload)} \| (.*) \|$", tables, re.M)
+        assert row is not None, workload
+        for batch, cell in zip(batches, row.group(1).split(" | "), strict=True):
+            shown_trees[workload, batch] = cell.split(", worst")[0]
+    assert shown_trees == written

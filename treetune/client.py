@@ -91,7 +91,7 @@ class ServerClient:
             return False
 
     async def server_info(self) -> dict[str, Any]:
-        """Resolved server args, version and internal states (SGLang's `/server_info`)."""
+        """Resolved server args, version and internal states (the API's server-info route)."""
         *newer, oldest = self.api.server_info
         for route in newer:
             try:

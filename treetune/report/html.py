@@ -98,7 +98,7 @@ datasets {e(", ".join(spec.dataset_names))}; batch sizes {e(", ".join(map(str, s
 {notices}
 <p>Measured: {measured}.</p>
 <h2>Recommendations</h2>
-<p>Each tree links to its launch script (<code>python -m sglang.launch_server ...</code>).</p>
+<p>Each tree links to its launch script: the production server command, sized for its batch.</p>
 <table><tr><th>workload</th><th>batch</th><th>tree (steps, topk, draft tokens)</th>
 <th>measured speedups [interval]</th><th>why</th></tr>
 {"".join(rows)}</table>

@@ -54,19 +54,29 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
 
 def run_offline(spec: StudySpec, truth: PerfModel, seed: int, launches: int,
                 noise: Noise = Noise(),
-                after_launch: Callable[[Planner], None] | None = None) -> Planner:
-    """One study of `launches` launches (one at a time) in memory; `after_launch` sees the
-    planner after every launch."""
-    store = StudyStore(spec, storage=optuna.storages.InMemoryStorage())
+                after_launch: Callable[[Planner], None] | None = None,
+                store: StudyStore | None = None) -> Planner:
+    """One study of `launches` launches (one at a time); `after_launch` sees the planner
+    after every launch. Kept in memory unless a `store` is given: then every launch and
+    the final recommendations are stored as `treetune search` stores them, so the report
+    and the notebooks read the study like any other."""
+    store = store or StudyStore(spec, storage=optuna.storages.InMemoryStorage())
     planner = Planner(spec, store, load_space(spec.space), [], tp=truth.cost.tp)
     rng = np.random.default_rng(seed)
     while planner.launches < launches:
         task = planner.next()
         if task is None:
             break
-        planner.finish(task, simulate_launch(truth, task.config, spec, rng, noise))
+        trial = store.begin_launch(task.config, ())
+        result = simulate_launch(truth, task.config, spec, rng, noise)
+        store.finish_launch(trial, result)
+        planner.finish(task, result)
         if after_launch:
             after_launch(planner)
+    planner.abandon("search ended")
+    recs = planner.decide()
+    if recs:
+        store.save_recommendations(recs, planner.strategy_name)
     return planner
 
 
