@@ -163,3 +163,71 @@ def test_grid_and_random_strategies_launch_each_config_once(tmp_path):
         planner = run_offline(spec, PerfModel(truth, truth.tp), seed=0, launches=20)
         keys = [r.config for r in planner.launched]
         assert len(keys) == len(set(keys)) == 9  # the baseline and narrow's 8 chains
+
+
+def one_dataset_study(**over):
+    return load_study(None, {"name": "c", "model": "m", "draft": "d", "datasets": ["humaneval"],
+                             "batch": [1], "space": "narrow", "search": {"strategy": "tpe"},
+                             **over})
+
+
+def test_a_tree_feasible_on_one_launch_is_confirmed_by_a_second_before_it_is_recommended():
+    spec = one_dataset_study()
+    chain = TreeConfig(3, 1, 4)
+    base = launch(BASELINE, 100.0, (99.8, 100, 100.2))
+    lucky = launch(chain, 110.0, (109.8, 110, 110.2))  # 10%: feasible, but one launch
+    assert intervals(lucky, base, 1, ["humaneval"], 0.03)["humaneval"].low >= 1.0
+    recs = recommend(spec, [base, lucky], base)
+    assert recs[0].config is BASELINE and "confirmed by a second launch" in recs[0].reason
+    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                      load_space("narrow"), [base, lucky])
+    first = planner.next()  # the baseline first: its noise moves every speedup
+    assert first is not None and first.remeasure and first.config is BASELINE
+    planner.finish(first, launch(BASELINE, 100.2, (100, 100.2, 100.4)))
+    second = planner.next()
+    assert second is not None and second.remeasure and second.config == chain
+    planner.finish(second, launch(chain, 109.0, (108.8, 109, 109.2)))
+    recs = recommend(spec, list(planner.results.values()), planner.baseline)
+    assert recs[0].config == chain
+
+
+def test_a_tree_far_above_the_floor_needs_no_second_launch():
+    spec = one_dataset_study()
+    base = launch(BASELINE, 100.0, (99.8, 100, 100.2))
+    clear = launch(TreeConfig(3, 1, 4), 160.0, (159.8, 160, 160.2))
+    assert recommend(spec, [base, clear], base)[0].config == TreeConfig(3, 1, 4)
+
+
+def test_without_re_measurement_one_launch_is_enough():
+    spec = one_dataset_study(search={"strategy": "tpe", "max_launches_per_config": 1})
+    base = launch(BASELINE, 100.0, (99.8, 100, 100.2))
+    lucky = launch(TreeConfig(3, 1, 4), 110.0, (109.8, 110, 110.2))
+    assert recommend(spec, [base, lucky], base)[0].config == TreeConfig(3, 1, 4)
+
+
+def test_every_launch_of_a_config_draws_its_own_seed_and_writes_its_own_log():
+    from treetune.study.worker import launch_command, log_name
+
+    spec = load_study("studies/demo.yaml")
+
+    def seed(index: int, attempt: int = 0) -> str:
+        argv = launch_command(spec, BASELINE, (), 30000, attempt, launch_index=index)
+        return argv[argv.index("--seed") + 1]
+
+    seeds = {seed(0), seed(1), seed(2), seed(0, attempt=1)}
+    assert len(seeds) == 4, "a re-measurement must not replay the first launch's speed"
+    assert seed(0) == seed(0)  # reproducible
+    names = {log_name("baseline", i, a) for i in range(3) for a in range(2)}
+    assert len(names) == 6 and log_name("3,4,8") == "3-4-8.log"
+
+
+def test_the_planner_numbers_the_launches_of_a_config():
+    spec = one_dataset_study()
+    base = launch(BASELINE, 100.0, (99, 100, 101))
+    chain = launch(TreeConfig(3, 1, 4), 106.0, (105, 106, 107))
+    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                      load_space("narrow"), [base, chain])
+    first = planner.next()
+    assert first is not None and first.config is BASELINE and first.index == 1
+    second = planner.next()  # while the baseline's second launch runs
+    assert second is not None and second.config == TreeConfig(3, 1, 4) and second.index == 1

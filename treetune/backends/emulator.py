@@ -69,9 +69,14 @@ class Fault:
         return config_key in self.configs if self.configs else config_key != "baseline"
 
 
-def launch_seed(study_seed: int, config: ServerConfig, attempt: int = 0) -> int:
-    """Reproducible per-launch randomness (the emulator's launch noise and faults)."""
+def launch_seed(study_seed: int, config: ServerConfig, attempt: int = 0,
+                launch_index: int = 0) -> int:
+    """Reproducible per-launch randomness (the emulator's launch noise and faults). Every
+    server differs: a re-measurement of a config draws a new launch speed, as a real
+    relaunch does (intervals would otherwise narrow on agreement that is not real)."""
     text = f"{study_seed}:{config_key(config)}:{attempt}"
+    if launch_index:
+        text += f":{launch_index}"  # the first launch keeps the seed it always had
     return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
 
 
@@ -129,7 +134,7 @@ class EmulatorBackend:
                 context: LaunchContext) -> list[str]:
         """The SGLang flags, served by the emulator, with its own switches first."""
         assert self.profile is not None
-        seed = launch_seed(context.study_seed, config, context.attempt)
+        seed = launch_seed(context.study_seed, config, context.attempt, context.launch_index)
         extra = ["--time-scale", f"{self.time_scale:g}", "--load-time", f"{self.load_time_s:g}",
                  "--seed", str(seed)]
         if not self.noise:
@@ -142,7 +147,8 @@ class EmulatorBackend:
         fires (drawn from the attempt's seed) decides."""
         key = config_key(config)
         attempt = context.attempt
-        rng = random.Random(launch_seed(context.study_seed, config, attempt) ^ 0x5EED)
+        rng = random.Random(launch_seed(context.study_seed, config, attempt,
+                                        context.launch_index) ^ 0x5EED)
         for fault in self.faults:
             roll = rng.random()  # drawn for every rule, so one rule's draws never shift another's
             if not fault.applies(key, attempt) or roll >= fault.probability:

@@ -26,6 +26,9 @@ from treetune.results import CellResult, LaunchResult, config_key
 from treetune.strategies import Estimates
 
 Z_LOWER = 2.0  # one-sided: the true speedup is below `low` about 2% of the time
+# A single launch is trusted on its own only when even twice the interval's reach keeps it
+# clear of the floor: one launch can be lucky (a fast allocator draw, a warm clock).
+Z_SURE = 2 * Z_LOWER
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,9 @@ class Verdict:
     intervals: dict[str, Interval]
     floor: float
     rank: float  # mean speedup, blended with the model's estimate where there is one
+    launches: int = 1  # successful launches merged into the measurement
+    sure: bool = False  # feasible by a wide margin (Z_SURE), even on one launch
+    needs_launches: int = 1  # launches a feasible tree needs unless it is sure
 
     @property
     def mean(self) -> float:
@@ -156,9 +162,20 @@ class Verdict:
         return all(i.mean >= self.floor for i in self.intervals.values())
 
     @property
+    def confirmed(self) -> bool:
+        """Feasible, and resting on enough launches (or on a margin no launch noise
+        explains away): what a recommendation needs."""
+        return self.feasible and (self.sure or self.launches >= self.needs_launches)
+
+    @property
     def borderline(self) -> bool:
         """Plausible but not surely feasible: another launch could settle it."""
         return self.plausible and not self.feasible
+
+    @property
+    def unsettled(self) -> bool:
+        """Plausible but not confirmed: another launch could make it a recommendation."""
+        return self.plausible and not self.confirmed
 
     def shortfalls(self) -> dict[str, float]:
         """Per dataset, how far the measured speedup falls short of the floor (<= 0: not
@@ -167,17 +184,23 @@ class Verdict:
 
 
 def judge(result: LaunchResult, baseline: LaunchResult, batch: int, datasets: list[str],
-          tolerance: float, launch_cv: float, estimates: Estimates | None = None) -> Verdict:
-    """The verdict on one (merged) result at one batch size."""
+          tolerance: float, launch_cv: float, estimates: Estimates | None = None,
+          needs_launches: int = 1) -> Verdict:
+    """The verdict on one (merged) result at one batch size; `needs_launches`: how many
+    launches a feasible tree needs before it may be recommended, unless it is sure."""
     ivs = intervals(result, baseline, batch, datasets, launch_cv)
     rank = statistics.fmean(_blend(ivs[d], estimates, result.config, batch, d)
                             for d in datasets)
-    return Verdict(result.config, batch, ivs, floor_of(tolerance), rank)
+    floor = floor_of(tolerance)
+    sure = all(i.low >= floor
+               for i in intervals(result, baseline, batch, datasets, launch_cv, Z_SURE).values())
+    return Verdict(result.config, batch, ivs, floor, rank, launches_of(result), sure,
+                   needs_launches)
 
 
 def best(verdicts: Iterable[Verdict]) -> Verdict | None:
-    """The surely feasible verdict with the highest rank, or None."""
-    return max((v for v in verdicts if v.feasible), key=lambda v: v.rank, default=None)
+    """The confirmed verdict with the highest rank, or None."""
+    return max((v for v in verdicts if v.confirmed), key=lambda v: v.rank, default=None)
 
 
 def _blend(measured: Interval, estimates: Estimates | None, config: ServerConfig,

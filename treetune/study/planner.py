@@ -42,6 +42,7 @@ class Task:
     config: ServerConfig
     proposal: Proposal | None = None
     remeasure: bool = False
+    index: int = 0  # launches of this config before this one (finished or under way)
 
     @property
     def key(self) -> str:
@@ -131,12 +132,15 @@ class Planner:
                 if proposal is None:
                     return None
                 task = Task(proposal.config, proposal)
+        task.index = (sum(1 for r in self.launched if config_key(r.config) == task.key)
+                      + sum(1 for t in self.in_flight if t.key == task.key))
         self.in_flight.append(task)
         return task
 
     def _remeasure(self) -> Task | None:
-        """A borderline config that would become a recommendation if it were surely
-        feasible: re-launched (the baseline first while it has fewer launches)."""
+        """A config that would become a recommendation if it were confirmed (borderline,
+        or feasible on one launch only): re-launched, the baseline first while it has
+        fewer launches."""
         busy = {t.key for t in self.in_flight}
         limit = self.spec.search.max_launches_per_config
         if limit <= 1 or self.baseline is None:
@@ -145,12 +149,13 @@ class Planner:
         candidates: list[tuple[float, str, int]] = []  # (gain over the best, key, batch)
         for batch in self.spec.batch:
             verdicts = {key: judge(result, self.baseline, batch, names, self.spec.tolerance,
-                                   self.spec.search.launch_cv)
+                                   self.spec.search.launch_cv,
+                                   needs_launches=self.spec.search.confirming_launches)
                         for key, result in self.results.items()
                         if result.ok and isinstance(result.config, TreeConfig)}
-            best = max((v.mean for v in verdicts.values() if v.feasible), default=1.0)
+            best = max((v.mean for v in verdicts.values() if v.confirmed), default=1.0)
             for key, verdict in verdicts.items():
-                if (verdict.borderline and verdict.mean > best and key not in busy
+                if (verdict.unsettled and verdict.mean > best and key not in busy
                         and launches_of(self.results[key]) < limit):
                     candidates.append((verdict.mean - best, key, batch))
         if not candidates:

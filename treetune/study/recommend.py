@@ -80,19 +80,22 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
         workloads = [(MIXED, spec.dataset_names)] + [(d, [d]) for d in spec.dataset_names]
         for workload, names in workloads:
             verdicts = [judge(r, baseline, batch, names, spec.tolerance, spec.search.launch_cv,
-                              estimates) for r in measured]
+                              estimates, spec.search.confirming_launches) for r in measured]
             chosen = best(verdicts)
             if chosen is None:
                 out.append(Recommendation(workload, batch, BASELINE, {d: 1.0 for d in names},
                                           _why_none(verdicts, batch)))
                 continue
             per = {d: i.mean for d, i in chosen.intervals.items()}
-            feasible = sum(v.feasible for v in verdicts)
+            confirmed = sum(v.confirmed for v in verdicts)
+            once = sum(v.feasible and not v.confirmed for v in verdicts)
             unsure = sum(v.borderline for v in verdicts)
-            reason = (f"best mean speedup {chosen.mean:.3f} of {feasible} surely feasible "
+            reason = (f"best mean speedup {chosen.mean:.3f} of {confirmed} surely feasible "
                       f"configs out of {len(verdicts)} measured"
                       + (f" ({unsure} more were not slower on average but their interval "
-                         "reaches below the floor)" if unsure else ""))
+                         "reaches below the floor)" if unsure else "")
+                      + (f" ({once} more looked feasible on a single launch, not yet "
+                         "confirmed by a second)" if once else ""))
             out.append(Recommendation(
                 workload, batch, chosen.config, per, reason,
                 {d: (i.low, i.high) for d, i in chosen.intervals.items()}))
@@ -102,6 +105,12 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
 def _why_none(verdicts: list[Verdict], batch: int) -> str:
     if not verdicts:
         return "no speculative config was measured successfully"
+    once = [v for v in verdicts if v.feasible]
+    if once:
+        top = max(once, key=lambda v: v.rank)
+        return (f"no speculation: {len(once)} config(s) looked feasible at batch {batch} on a "
+                f"single launch (best {top.config} at {top.mean:.3f}) but none was confirmed "
+                "by a second launch; raise the budget to confirm them")
     closest = max(verdicts, key=lambda v: min(i.low for i in v.intervals.values()))
     worst, iv = min(closest.intervals.items(), key=lambda kv: kv[1].low)
     return (f"no speculation: no measured config is surely as fast as no speculation on "

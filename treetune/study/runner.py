@@ -286,7 +286,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                     break
                 worker = pool.idle.pop(0)
                 trial = store.begin_launch(task.config, ())
-                ref = worker.run.remote(task.key, [])
+                ref = worker.run.remote(task.key, [], task.index)
                 in_flight[ref] = _Launch(task, trial, worker)
                 progress.running = running()
                 progress.message = (f"re-measuring {task.config} (borderline)" if task.remeasure

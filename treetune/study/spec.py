@@ -61,6 +61,13 @@ class Search:
     launch_cv: float = 0.03  # launch-to-launch spread assumed until re-launches measure it
     max_launches_per_config: int = 3  # a borderline config is re-measured up to this
 
+    @property
+    def confirming_launches(self) -> int:
+        """Launches a feasible tree needs before it is recommended (unless its margin is
+        wide): two, so that one lucky launch is never shipped; one when re-measuring is
+        off."""
+        return min(2, self.max_launches_per_config)
+
     def __post_init__(self) -> None:
         if self.strategy not in strategies.names():
             raise ValueError(f"search.strategy must be one of {', '.join(strategies.names())}, "

@@ -22,16 +22,25 @@ MAX_ATTEMPTS = 2  # a server that crashes mid-benchmark is retried once on a fre
 
 
 def launch_command(spec: StudySpec, config: ServerConfig, flags: tuple[tuple[str, str], ...],
-                   port: int, attempt: int = 0, api_key: str | None = None) -> list[str]:
-    """The server command of the study's backend for one launch attempt."""
+                   port: int, attempt: int = 0, api_key: str | None = None,
+                   launch_index: int = 0) -> list[str]:
+    """The server command of the study's backend for one launch attempt (`launch_index`:
+    how many launches of this config came before)."""
     launch = spec.launch_spec(port=port)
     if api_key:
         flags = (*flags, ("--api-key", api_key))
     launch = dataclasses.replace(launch, extra_flags=(*launch.extra_flags, *flags))
     # Every cell sends at least `batch` requests: a crash fault is drawn within that.
-    context = LaunchContext(study_seed=spec.seed, attempt=attempt,
+    context = LaunchContext(study_seed=spec.seed, attempt=attempt, launch_index=launch_index,
                             min_requests=sum(spec.batch) * len(spec.datasets))
     return spec.backend.command(launch, config, context)
+
+
+def log_name(key: str, launch_index: int = 0, attempt: int = 0) -> str:
+    """One log per server: `3-4-8.log`, a re-measurement `3-4-8.launch2.log`, a crashed
+    launch's replacement server `3-4-8-1.log` (or `3-4-8.launch2-1.log`)."""
+    name = key.replace(",", "-") + (f".launch{launch_index + 1}" if launch_index else "")
+    return f"{name}{'-' + str(attempt) if attempt else ''}.log"
 
 
 class LaunchWorker:
@@ -50,7 +59,7 @@ class LaunchWorker:
         self.api_key()
         return self.name
 
-    def run(self, key: str, flags: list[list[str]]) -> dict:
+    def run(self, key: str, flags: list[list[str]], launch_index: int = 0) -> dict:
         """Launch, measure every cell, stop. A server that crashes mid-benchmark is
         replaced once by a fresh one, which measures only the cells still missing. Never
         raises for a server's failure: the result says what happened, with the log tail."""
@@ -59,7 +68,7 @@ class LaunchWorker:
         result = LaunchResult(config, flag_pairs, worker=self.name, started_at=time.time())
         for attempt in range(MAX_ATTEMPTS):
             result.attempts = attempt + 1
-            if not self._attempt(result, attempt) or result.ok:
+            if not self._attempt(result, attempt, launch_index) or result.ok:
                 break  # a failed start is not retried: it would fail the same way
             if attempt + 1 < MAX_ATTEMPTS:
                 result.retried_because = result.reason
@@ -67,19 +76,19 @@ class LaunchWorker:
         result.finished_at = time.time()
         return result.to_dict()
 
-    def _attempt(self, result: LaunchResult, attempt: int) -> bool:
+    def _attempt(self, result: LaunchResult, attempt: int, launch_index: int) -> bool:
         """One server: start it, measure the missing cells, stop it. False if it never
         became healthy."""
         from treetune.server import ServerStartError, start_server
 
         config, key = result.config, config_key(result.config)
-        log_path = self.logs / f"{key.replace(',', '-')}{'-' + str(attempt) if attempt else ''}.log"
+        log_path = self.logs / log_name(key, launch_index, attempt)
         env = {**os.environ, **self.spec.env}
         api_key = self.api_key()
         try:
             server = start_server(
                 lambda port: launch_command(self.spec, config, result.flags, port, attempt,
-                                            api_key),
+                                            api_key, launch_index),
                 log_path=log_path, env=env, host=self.spec.host,
                 timeout_s=self.spec.measurement.startup_timeout_s,
                 secrets=(api_key,) if api_key else (), health=self.spec.backend.api.health)
