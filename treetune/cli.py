@@ -397,6 +397,56 @@ def profiles() -> None:
         out.print(f"    datasets: {', '.join(prof.datasets)}")
 
 
+@app.command()
+def worlds() -> None:
+    """List the shipped worlds: truths the emulator can serve (--world) and the
+    search-efficiency benchmark judges by, which the search's own model cannot express."""
+    from treetune.worlds import load_world, shipped_worlds
+
+    for name in shipped_worlds():
+        world = load_world(name)
+        out.print(f"[bold]{name}[/bold]: {escape(world.description)}")
+        out.print(f"    datasets: {', '.join(world.profile.datasets)}")
+
+
+@app.command()
+def grid(
+    world: Annotated[str, typer.Option(help="A world or profile (name or file) to measure.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="CSV file to write.")],
+    space: Annotated[str, typer.Option(help="Search space whose trees to measure.")]
+    = "bench-speculative",
+    batch: Annotated[list[int], typer.Option(help="Batch sizes, e.g. --batch 1 32.")]
+    = [1, 8, 32, 64],  # noqa: B006
+) -> None:
+    """Write a world's noise-free cells as a replay table (CSV): every tree of the space and
+    the baseline at every batch size and dataset, in the format replay worlds read."""
+    import csv
+
+    from treetune.config import BASELINE
+    from treetune.perfmodel import check_memory
+    from treetune.space import load_space
+    from treetune.worlds import load_world
+
+    found = load_world(world)
+    model = found.model()
+    trees = [c for c in load_space(space).configs()
+             if check_memory(found.profile, c, max(batch), tp=found.profile.tp).fits]
+    with output.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["steps", "topk", "draft_tokens", "batch", "dataset", "throughput",
+                         "accept_length"])
+        for b in batch:
+            for dataset in found.profile.datasets:
+                writer.writerow(["", "", "", b, dataset,
+                                 f"{model.throughput(BASELINE, b, dataset):.6g}", ""])
+                for c in trees:
+                    writer.writerow([c.steps, c.topk, c.draft_tokens, b, dataset,
+                                     f"{model.throughput(c, b, dataset):.6g}",
+                                     f"{model.accept_length(c, dataset):.6g}"])
+    out.print(f"wrote {output}: {len(trees)} trees and the baseline at batch "
+              f"{', '.join(map(str, batch))} on {len(found.profile.datasets)} datasets")
+
+
 def expand_multi_values(argv: list[str]) -> list[str]:
     """Turn `--batch 1 32` into `--batch 1 --batch 32` (click options take one value)."""
     result: list[str] = []

@@ -81,11 +81,14 @@ def launch_seed(study_seed: int, config: ServerConfig, attempt: int = 0,
 
 
 def check_profile(profile: str, datasets: list[str]) -> Profile:
-    """The emulator's profile loads and knows every dataset: the emulator answers only for
-    the datasets its profile was calibrated on."""
+    """The emulator's profile loads and knows every dataset."""
     from treetune.perfmodel import load_profile
 
-    prof = load_profile(profile)
+    return check_datasets(load_profile(profile), datasets)
+
+
+def check_datasets(prof: Profile, datasets: list[str]) -> Profile:
+    """The emulator answers only for the datasets its profile was calibrated on."""
     for name in datasets:
         try:
             prof.dataset(name)
@@ -95,10 +98,12 @@ def check_profile(profile: str, datasets: list[str]) -> Profile:
     return prof
 
 
-def emulator_command(config: ServerConfig, launch: LaunchSpec, profile: str,
-                     emulator_args: Sequence[str] = ()) -> list[str]:
-    """SGLang's flags for `config`, served by treetune's emulator with `emulator_args`."""
-    return [sys.executable, "-m", "treetune.emulator", "--profile", profile, *emulator_args,
+def emulator_command(config: ServerConfig, launch: LaunchSpec, profile: str | None = None,
+                     emulator_args: Sequence[str] = (), world: str | None = None) -> list[str]:
+    """SGLang's flags for `config`, served by treetune's emulator with `emulator_args`,
+    from a profile or a world."""
+    source = ["--world", world] if world is not None else ["--profile", str(profile)]
+    return [sys.executable, "-m", "treetune.emulator", *source, *emulator_args,
             *server_args(config, launch)]
 
 
@@ -114,6 +119,9 @@ class EmulatorBackend:
     api: ClassVar[ServerApi] = EMULATOR_API
 
     profile: str | None = None  # shipped profile name or profile YAML: the emulated truth
+    # Or a world: a profile plus effects the search's model cannot express, or replayed
+    # measurements (treetune/worlds/). The search sees only its `facts`.
+    world: str | None = None
     time_scale: float = 1.0  # run this many times faster than the GPU
     load_time_s: float = 2.0  # emulated model-loading time
     noise: bool = True  # the profile's measurement noise
@@ -124,23 +132,24 @@ class EmulatorBackend:
         object.__setattr__(self, "faults", tuple(
             f if isinstance(f, Fault) else Fault(**{**f, "configs": tuple(f.get("configs", ()))})
             for f in self.faults))
-        if not self.profile:
+        if not self.profile and not self.world:
             raise FieldError("profile", "the emulator backend needs backend.profile (e.g. "
-                             "qwen3-coder-next-h200)")
+                             "qwen3-coder-next-h200) or backend.world")
+        if self.profile and self.world:
+            raise FieldError("world", "give backend.profile or backend.world, not both")
         if self.time_scale <= 0:
             raise FieldError("time_scale", "backend.time_scale must be > 0")
 
     def command(self, launch: LaunchSpec, config: ServerConfig,
                 context: LaunchContext) -> list[str]:
         """The SGLang flags, served by the emulator, with its own switches first."""
-        assert self.profile is not None
         seed = launch_seed(context.study_seed, config, context.attempt, context.launch_index)
         extra = ["--time-scale", f"{self.time_scale:g}", "--load-time", f"{self.load_time_s:g}",
                  "--seed", str(seed)]
         if not self.noise:
             extra.append("--no-noise")
         extra += self.fault_switches(config, context)
-        return emulator_command(config, launch, self.profile, extra)
+        return emulator_command(config, launch, self.profile, extra, self.world)
 
     def fault_switches(self, config: ServerConfig, context: LaunchContext) -> list[str]:
         """The fault switches for this launch attempt: the first rule that applies and
@@ -167,14 +176,25 @@ class EmulatorBackend:
         return sglang_deployment(launch, config)
 
     def check(self, datasets: list[str], env: Mapping[str, str], local: bool) -> None:
-        assert self.profile is not None  # refused at construction otherwise
-        check_profile(self.profile, datasets)
+        if self.world is not None:
+            from treetune.worlds import load_world
+
+            check_datasets(load_world(self.world).profile, datasets)
+        else:
+            assert self.profile is not None  # refused at construction otherwise
+            check_profile(self.profile, datasets)
 
     def facts(self) -> Profile:
+        """The emulated system's hardware and model facts; for a world, only what it lets
+        a prior know (its hidden effects stay hidden)."""
+        if self.world is not None:
+            from treetune.worlds import load_world
+
+            return load_world(self.world).facts
         from treetune.perfmodel import load_profile
 
         assert self.profile is not None
         return load_profile(self.profile)
 
     def describe(self) -> str:
-        return f"{self.kind} ({self.profile})"
+        return f"{self.kind} ({self.world or self.profile})"

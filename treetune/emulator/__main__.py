@@ -1,4 +1,4 @@
-"""`python -m treetune.emulator --profile P <SGLang launch flags>`."""
+"""`python -m treetune.emulator --profile P | --world W <SGLang launch flags>`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from treetune.emulator.args import LaunchError, parse, warn_ignored
 from treetune.emulator.server import EmulatedServer, log
 from treetune.errors import TreetuneError
 from treetune.perfmodel import check_memory, load_profile
+from treetune.worlds import load_world
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +22,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[emulator] ERROR: {exc}", file=sys.stderr, flush=True)
         return 1
     try:
-        profile = load_profile(settings.profile)
+        if settings.world is not None:
+            world = load_world(settings.world)
+            profile, model = world.profile, world.model(settings.tp)
+        else:
+            assert settings.profile is not None  # parse() wants one of the two
+            profile, model = load_profile(settings.profile), None
     except TreetuneError as exc:
         print(f"[emulator] ERROR: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -38,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
               f"--mem-fraction-static or reduce --max-running-requests. ({memory.reason})",
               file=sys.stderr, flush=True)
         return 1
-    server = EmulatedServer(settings, profile)
+    server = EmulatedServer(settings, profile, model)
     log(f"emulating {settings.model_path} as profile '{profile.name}', "
         f"speculative config {settings.config}, max running requests "
         f"{settings.max_running_requests}, time scale {settings.time_scale:g}")

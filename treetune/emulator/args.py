@@ -18,7 +18,7 @@ DEFAULT_TREE = (3, 1, 4)  # SGLang's automatic choice for non-Llama targets
 EMULATED_SGLANG_VERSION = DEFAULT_SGLANG_VERSION
 
 
-EMULATOR_KEYS = frozenset({"profile", "time_scale", "load_time", "seed", "noise",
+EMULATOR_KEYS = frozenset({"profile", "world", "time_scale", "load_time", "seed", "noise",
                            "crash_after_requests", "hang_on_startup", "fail_on_startup",
                            "emulate_version"})
 
@@ -29,7 +29,7 @@ class LaunchError(Exception):
 
 @dataclass
 class EmulatorSettings:
-    profile: str
+    profile: str | None
     model_path: str
     config: ServerConfig
     algorithm: str | None
@@ -53,6 +53,7 @@ class EmulatorSettings:
     hang_on_startup: bool
     fail_on_startup: bool
     sglang_version: str
+    world: str | None = None
     ignored_flags: list[str] = field(default_factory=list)
     raw_args: dict[str, object] = field(default_factory=dict)
 
@@ -65,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
         "flags are ignored with a warning.",
     )
     emu = p.add_argument_group("emulator")
-    emu.add_argument("--profile", required=True, help="shipped profile name or YAML path")
+    emu.add_argument("--profile", default=None, help="shipped profile name or YAML path")
+    emu.add_argument("--world", default=None,
+                     help="a world (shipped name or YAML path) to serve instead of a profile: "
+                     "a profile plus effects its model cannot express, or replayed cells")
     emu.add_argument("--time-scale", type=float, default=1.0,
                      help="run this many times faster than the emulated GPU (default 1)")
     emu.add_argument("--load-time", type=float, default=2.0,
@@ -110,6 +114,8 @@ def parse(argv: list[str]) -> EmulatorSettings:
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
     ignored = [a for a in unknown if a.startswith("--")]
+    if (ns.profile is None) == (ns.world is None):
+        raise LaunchError("give exactly one of --profile and --world")
     if ns.time_scale <= 0:
         raise LaunchError(f"--time-scale must be > 0, got {ns.time_scale}")
     if ns.tp_size < 1:
@@ -126,6 +132,7 @@ def parse(argv: list[str]) -> EmulatorSettings:
     )
     return EmulatorSettings(
         profile=ns.profile,
+        world=ns.world,
         model_path=ns.model_path,
         config=config,
         algorithm=ns.speculative_algorithm,

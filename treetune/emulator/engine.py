@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from treetune.config import BASELINE, TreeConfig
+from treetune.config import TreeConfig
 from treetune.emulator.metrics import ServerMetrics
-from treetune.perfmodel import DraftTree, NoiseModel, PerfModel, Profile, build_tree
-from treetune.perfmodel.acceptance import sample_accepted
+from treetune.perfmodel import NoiseModel, PerfModel, Profile
 
 
 @dataclass
@@ -57,21 +56,20 @@ class Engine:
         noise: NoiseModel,
         rng: np.random.Generator,
         metrics: ServerMetrics,
+        model: PerfModel | None = None,
     ) -> None:
+        """`model`: the truth's timing and acceptance (a world's); the profile's own
+        performance model by default."""
         self.profile = profile
         self.config = config
-        self.model = PerfModel(profile, tp)
+        self.model = model or PerfModel(profile, tp)
         self.max_running = max_running_requests
         self.time_scale = time_scale
         self.rng = rng
         self.metrics = metrics
         self.launch_factor = noise.launch_factor(rng)
         self.drift = noise.drift(rng)
-        self.trees: dict[str, DraftTree] = {}
-        if isinstance(config, TreeConfig):
-            self.trees = {
-                name: build_tree(config, data.acceptance) for name, data in profile.datasets.items()
-            }
+        self.speculative = isinstance(config, TreeConfig)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._wake = asyncio.Event()
@@ -185,7 +183,7 @@ class Engine:
             prompt = float(np.mean([r.prompt_tokens for r in group]))
             data = self.profile.dataset(dataset)
             seconds += self.model.cost.target_pass(len(group), prompt, data, prefill=True)
-            if self.trees:
+            if self.speculative:
                 seconds += self.model.cost.draft_pass(len(group) * prompt, len(group), prompt)
         self.clock += self._speed(seconds)
         await self._sleep_until(self.clock)
@@ -208,12 +206,7 @@ class Engine:
         seconds = self._speed(seconds)
         gains: dict[str, int] = {}
         for dataset, group in groups.items():
-            if self.config is BASELINE:
-                accepted = np.zeros(len(group), dtype=np.int64)
-            else:
-                tree = self.trees[dataset]
-                accepted = sample_accepted(tree, self.profile.dataset(dataset).acceptance,
-                                           self.rng, len(group))
+            accepted = self.model.sample_accepted(self.config, dataset, self.rng, len(group))
             for req, acc in zip(group, accepted, strict=True):
                 gains[req.rid] = int(acc) + 1
         self.clock += seconds
@@ -225,7 +218,7 @@ class Engine:
                 continue  # cancelled while the round ran
             gained = min(gains[req.rid], req.stop_after - req.generated)
             verified += 1
-            if self.trees:
+            if self.speculative:
                 req.verify_ct += 1
                 self.verify_calls += 1
             self._emit(req, gained)
@@ -236,9 +229,9 @@ class Engine:
         self.metrics.round(
             running=len(self.running),
             gen_throughput=self.last_gen_throughput,
-            accept_length=produced / verified if self.trees and verified else None,
+            accept_length=produced / verified if self.speculative and verified else None,
             steps=self.config.steps if isinstance(self.config, TreeConfig) else None,
-            verify_calls=verified if self.trees else 0,
+            verify_calls=verified if self.speculative else 0,
             token_usage=self._token_usage(),
         )
         self._retire()

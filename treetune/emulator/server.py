@@ -20,7 +20,7 @@ from treetune.config import TreeConfig
 from treetune.emulator.args import EmulatorSettings
 from treetune.emulator.engine import Engine, Request
 from treetune.emulator.metrics import ServerMetrics
-from treetune.perfmodel import NoiseModel, Profile
+from treetune.perfmodel import NoiseModel, PerfModel, Profile
 
 DATASET_HEADER = "X-Treetune-Dataset"
 CRASH_EXIT_CODE = 70
@@ -43,7 +43,8 @@ def token_text(seed: int, start: int, end: int) -> str:
 
 
 class EmulatedServer:
-    def __init__(self, settings: EmulatorSettings, profile: Profile) -> None:
+    def __init__(self, settings: EmulatorSettings, profile: Profile,
+                 model: PerfModel | None = None) -> None:
         self.settings = settings
         self.profile = profile
         self.ready = False
@@ -60,6 +61,7 @@ class EmulatedServer:
             noise=NoiseModel.from_profile(profile.noise, settings.noise),
             rng=rng,
             metrics=self.metrics,
+            model=model,
         )
         self.app = web.Application(middlewares=[self._auth])
         self.app.add_routes([
@@ -248,7 +250,7 @@ class EmulatedServer:
                               else {"type": "stop", "matched": None}),
             "e2e_latency": ((req.finished_at or self.engine.clock) - req.arrival),
         }
-        if self.engine.trees:
+        if self.engine.speculative:
             meta["spec_verify_ct"] = req.verify_ct
             meta["spec_accept_length"] = req.generated / req.verify_ct if req.verify_ct else 0.0
         return meta

@@ -27,6 +27,8 @@ class Acceptance:
     rank_mass: share of the top-1 miss probability (1 - p_j(1)) that the draft's lower
         ranks capture, summed over all ranks; 0 makes trees no better than chains.
     rank_ratio: each lower rank holds this fraction of the one above it.
+    rank_shares: the lower ranks' shares of the top-1 miss probability, rank 2 first;
+        overrides rank_mass/rank_ratio where given (ranks past the list get nothing).
     """
 
     top1: float
@@ -34,6 +36,7 @@ class Acceptance:
     rank_mass: float = 0.5
     rank_ratio: float = 0.5
     top1_by_position: tuple[float, ...] | None = None
+    rank_shares: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         checks = {
@@ -42,9 +45,12 @@ class Acceptance:
             "rank_ratio": self.rank_ratio,
             **{f"top1_by_position[{i}]": p for i, p in enumerate(self.top1_by_position or ())},
         }
+        checks |= {f"rank_shares[{i}]": p for i, p in enumerate(self.rank_shares or ())}
         for name, value in checks.items():
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be between 0 and 1, got {value}")
+        if self.rank_shares and sum(self.rank_shares) > 1.0 + 1e-9:
+            raise ValueError(f"rank_shares must sum to at most 1, got {sum(self.rank_shares)}")
         if self.top1_decay < 0:
             raise ValueError(f"top1_decay must be >= 0, got {self.top1_decay}")
 
@@ -59,11 +65,18 @@ class Acceptance:
     def matrix(self, depths: int, ranks: int) -> np.ndarray:
         """p[j, r-1] for depths 0..depths-1 and ranks 1..ranks; each row sums to <= 1."""
         p = np.zeros((depths, ranks))
-        lower = (1.0 - self.rank_ratio) * self.rank_ratio ** np.arange(max(ranks - 1, 0))
+        if self.rank_shares is not None:
+            lower = np.zeros(max(ranks - 1, 0))
+            given = np.array(self.rank_shares[:len(lower)], dtype=float)
+            lower[:len(given)] = given
+            scale = 1.0  # the shares already say how much of the miss the lower ranks hold
+        else:
+            lower = (1.0 - self.rank_ratio) * self.rank_ratio ** np.arange(max(ranks - 1, 0))
+            scale = self.rank_mass
         for j in range(depths):
             a = self.top1_at(j)
             p[j, 0] = a
-            p[j, 1:] = (1.0 - a) * self.rank_mass * lower
+            p[j, 1:] = (1.0 - a) * scale * lower
         return p
 
 

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from treetune.config import BASELINE, ServerConfig, TreeConfig
-from treetune.perfmodel.acceptance import expected_accept_length
+from treetune.perfmodel.acceptance import (
+    DraftTree,
+    build_tree,
+    expected_accept_length,
+    sample_accepted,
+)
 from treetune.perfmodel.cost import CostModel, RoundTime
 from treetune.perfmodel.memory import check_memory
 from treetune.perfmodel.profile import Profile
@@ -46,6 +53,7 @@ class PerfModel:
     def __init__(self, profile: Profile, tp: int | None = None) -> None:
         self.profile = profile
         self.cost = CostModel(profile, tp)
+        self._trees: dict[tuple[TreeConfig, str], DraftTree] = {}
 
     def accept_length(self, config: ServerConfig, dataset: str) -> float:
         if config is BASELINE:
@@ -59,6 +67,17 @@ class PerfModel:
             return self.cost.baseline_step(batch, data)
         assert isinstance(config, TreeConfig)
         return self.cost.spec_round(config, batch, data)
+
+    def sample_accepted(self, config: ServerConfig, dataset: str, rng: np.random.Generator,
+                        count: int) -> np.ndarray:
+        """Accepted drafts (bonus excluded) of `count` requests in one verify round."""
+        if not isinstance(config, TreeConfig):
+            return np.zeros(count, dtype=np.int64)
+        acceptance = self.profile.dataset(dataset).acceptance
+        tree = self._trees.get((config, dataset))
+        if tree is None:
+            tree = self._trees[config, dataset] = build_tree(config, acceptance)
+        return sample_accepted(tree, acceptance, rng, count)
 
     def throughput(self, config: ServerConfig, batch: float, dataset: str) -> float:
         """Output tokens/s over the whole batch."""

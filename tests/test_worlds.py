@@ -1,0 +1,186 @@
+"""Worlds: truths the search's model cannot express, as data files, served by the emulator
+and judged by the benchmark; the search sees only their facts."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+import pytest
+
+from treetune.client import ServerClient
+from treetune.config import BASELINE, TreeConfig
+from treetune.datasets import Prompt, PromptSet
+from treetune.errors import TreetuneError
+from treetune.loadgen import measure_cell
+from treetune.perfmodel import PerfModel
+from treetune.perfmodel.prior import neutral_prior
+from treetune.study.planner import study_prior
+from treetune.study.spec import load_study
+from treetune.worlds import load_world, shipped_worlds
+
+WIDE, CHAIN = TreeConfig(3, 4, 8), TreeConfig(2, 1, 3)
+
+
+def speedup(model: PerfModel, config, batch: int, dataset: str) -> float:
+    return model.throughput(config, batch, dataset) / model.throughput(BASELINE, batch, dataset)
+
+
+def test_at_least_six_worlds_ship_and_each_differs_from_its_own_model():
+    names = shipped_worlds()
+    assert len(names) >= 6
+    for name in names:
+        world = load_world(name)
+        assert not world.own_model and world.description
+        truth, own = world.model(), PerfModel(world.facts)
+        differs = any(abs(speedup(truth, c, b, d) - speedup(own, c, b, d)) > 0.01
+                      for c in (WIDE, CHAIN, TreeConfig(4, 8, 32)) for b in (1, 32)
+                      for d in world.profile.datasets)
+        wrong_facts = world.facts.hardware != world.profile.hardware
+        assert differs or wrong_facts, f"{name} is the search's own model"
+
+
+def test_a_profile_is_the_world_of_the_searchs_own_model():
+    world = load_world("qwen3-8b-h100")
+    assert world.own_model and world.facts == world.profile
+    assert speedup(world.model(), WIDE, 32, "mt-bench") == pytest.approx(
+        speedup(PerfModel(world.profile), WIDE, 32, "mt-bench"))
+
+
+def test_verify_cliffs_make_a_staircase_the_smooth_model_has_not():
+    world = load_world("cliffs")
+    truth, own = world.model(), PerfModel(world.profile)
+
+    def penalty(config: TreeConfig, batch: int) -> float:
+        return speedup(truth, config, batch, "humaneval") / speedup(own, config, batch,
+                                                                      "humaneval")
+
+    # At batch 4: 8 draft tokens make 32 tokens a step (no bucket crossed past 16), 9 make
+    # 36 (past 32): one more draft token costs a whole step of the staircase.
+    below, above = penalty(TreeConfig(2, 4, 8), 4), penalty(TreeConfig(2, 4, 9), 4)
+    assert above < below - 0.03
+
+
+def test_moe_dispatch_makes_the_wide_tree_regress_further_at_batch_32():
+    world = load_world("moe-dispatch")
+    truth, own = world.model(), PerfModel(world.profile)
+    assert min(speedup(truth, WIDE, 32, d) for d in world.profile.datasets) < 0.85
+    assert speedup(truth, WIDE, 32, "terminal-bench") < speedup(own, WIDE, 32,
+                                                                 "terminal-bench") - 0.05
+    assert speedup(truth, WIDE, 1, "humaneval") == pytest.approx(
+        speedup(own, WIDE, 1, "humaneval"), rel=0.02)  # batch 1 barely dispatches
+
+
+def test_acceptance_shape_is_a_plateau_then_a_drop_with_a_dataset_rank_two_share():
+    world = load_world("acceptance-shape")
+    humaneval = world.profile.dataset("humaneval").acceptance
+    p = humaneval.matrix(5, 3)
+    assert p[0, 0] == p[1, 0] + 0.01 == pytest.approx(0.8)
+    assert p[3, 0] < p[2, 0] - 0.3  # the drop
+    assert p[0, 1] == pytest.approx((1 - 0.8) * 0.6)  # rank 2's share of the miss
+    mt = world.profile.dataset("mt-bench").acceptance.matrix(1, 2)
+    assert mt[0, 1] / (1 - mt[0, 0]) == pytest.approx(0.3)
+
+
+def test_launch_bias_is_deterministic_per_config_and_within_its_spread():
+    world = load_world("launch-bias")
+    bias = world.effects.launch_bias
+    assert bias is not None
+    factors = {c: bias.factor(c) for c in (BASELINE, WIDE, CHAIN, TreeConfig(4, 8, 32))}
+    assert all(abs(f - 1) <= bias.spread for f in factors.values())
+    assert len({round(f, 6) for f in factors.values()}) == 4
+    assert factors[WIDE] == bias.factor(TreeConfig(3, 4, 8))  # every launch shares it
+
+
+def test_the_search_sees_a_worlds_facts_never_its_effects(tmp_path):
+    world = load_world("wrong-prior")
+    assert world.facts.hardware.bandwidth_tb_s == pytest.approx(3.35)
+    assert world.profile.hardware.bandwidth_tb_s > 4.5
+    spec = load_study(None, {"name": "w", "model": "m", "draft": "d", "tp": 4,
+                             "datasets": ["humaneval"], "batch": [1],
+                             "backend": {"kind": "emulator", "world": "wrong-prior"}})
+    prior = study_prior(spec)
+    assert prior == neutral_prior(world.facts, ["humaneval"])
+    shaped = load_study(None, {"name": "s", "model": "m", "draft": "d",
+                               "datasets": ["humaneval"], "batch": [1],
+                               "backend": {"kind": "emulator", "world": "acceptance-shape"}})
+    assert study_prior(shaped).dataset("humaneval").acceptance.top1_by_position is None
+
+
+def test_replay_returns_the_measured_cells_and_fills_the_rest_by_the_nearest_tree():
+    model = load_world("replay-published").model()
+    assert model.throughput(BASELINE, 32, "terminal-bench") == pytest.approx(2310.5)
+    assert model.throughput(WIDE, 32, "terminal-bench") == pytest.approx(2057.1)
+    # (5,1,5) is nearest to the measured chain (5,1,6); (3,4,9) to the wide tree.
+    assert speedup(model, TreeConfig(5, 1, 6), 32, "mt-bench") == pytest.approx(1688.6 / 1529.1)
+    assert speedup(model, TreeConfig(3, 4, 9), 32, "mt-bench") == pytest.approx(2009.4 / 1529.1)
+    # Batch 8 lies between the measured 1 and 32: per-request baseline throughput is
+    # interpolated in log space.
+    base1, base32 = 166.5, 1529.1 / 32
+    assert model.throughput(BASELINE, 8, "mt-bench") / 8 == pytest.approx(
+        base1 * (base32 / base1) ** (3 / 5))  # log 8 is 3/5 of the way from log 1 to log 32
+    # Published cells carry no accept length: the profile's model fills it, capped at S+1.
+    assert 1.0 < model.accept_length(WIDE, "humaneval") <= 4.0
+
+
+def test_a_replay_table_without_a_baseline_names_the_cell(tmp_path):
+    (tmp_path / "grid.csv").write_text(
+        "steps,topk,draft_tokens,batch,dataset,throughput,accept_length\n"
+        "3,4,8,1,humaneval,200,3.1\n")
+    (tmp_path / "w.yaml").write_text("name: w\nprofile: qwen3-coder-next-h200\n"
+                                     "replay: {file: grid.csv}\n")
+    with pytest.raises(TreetuneError, match="no baseline row for batch 1, dataset 'humaneval'"):
+        load_world(tmp_path / "w.yaml").model()
+    (tmp_path / "grid.csv").write_text(
+        "steps,topk,draft_tokens,batch,dataset,throughput,accept_length\n"
+        "3,4,,1,humaneval,200,3.1\n")
+    with pytest.raises(TreetuneError, match="row 2: give steps, topk and draft_tokens"):
+        load_world(tmp_path / "w.yaml").model()
+
+
+def test_an_unknown_world_names_the_shipped_ones():
+    with pytest.raises(TreetuneError, match=r"unknown world 'clifs'.*did you mean 'cliffs'"):
+        load_world("clifs")
+
+
+def test_treetune_grid_writes_a_table_that_replays_the_world_exactly(tmp_path):
+    from treetune.cli import main
+
+    out = tmp_path / "grid.csv"
+    main(["grid", "--world", "cliffs", "--space", "narrow", "--batch", "1", "32",
+          "-o", str(out)])
+    (tmp_path / "w.yaml").write_text(f"name: g\nprofile: qwen3-coder-next-h200\n"
+                                     f"replay: {{file: {out.name}}}\n")
+    replayed, truth = load_world(tmp_path / "w.yaml").model(), load_world("cliffs").model()
+    for config in (TreeConfig(3, 1, 4), TreeConfig(5, 1, 6)):
+        for batch in (1, 32):
+            assert replayed.throughput(config, batch, "mt-bench") == pytest.approx(
+                truth.throughput(config, batch, "mt-bench"), rel=1e-5)
+
+
+@pytest.mark.parametrize("world", ["replay-published", "moe-dispatch"])
+def test_the_emulator_serves_a_world_at_its_truths_throughput(emulators, world):
+    truth = load_world(world).model(4)
+    server = emulators.healthy("--world", world, "--model-path", "m",
+                               "--speculative-algorithm", "EAGLE3",
+                               "--speculative-draft-model-path", "d",
+                               "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
+                               "--speculative-num-draft-tokens", "8", "--tp-size", "4",
+                               "--max-running-requests", "8", "--enable-metrics",
+                               "--time-scale", "3", "--load-time", "0.2", "--no-noise",
+                               "--seed", "1")
+    prompts = PromptSet(name="mt-bench", prompts=[Prompt(id=str(i), text=f"say {i}")
+                                                  for i in range(4)],
+                        max_new_tokens=512, api="completion", source="test")
+
+    async def measure():
+        async with ServerClient(server.url, dataset="mt-bench") as client:
+            return await measure_cell(client, prompts, 8, duration_s=12.0, repeats=2,
+                                      ignore_eos=True)
+
+    cell = asyncio.run(measure())
+    expected = truth.throughput(WIDE, 8, "mt-bench")
+    # Prefill and request turnover cost a little on top of the decode rounds.
+    assert cell.output_tok_s == pytest.approx(expected, rel=0.08)
+    assert cell.accept_length == pytest.approx(truth.accept_length(WIDE, "mt-bench"), rel=0.1)
+    assert statistics.fmean(cell.repeats) > 0

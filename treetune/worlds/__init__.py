@@ -1,0 +1,17 @@
+"""Worlds: the truth the emulator serves and the benchmark judges by, kept apart from the
+model the search fits (see `_world.py` for the file format, `replay.py` for replays)."""
+
+from treetune.worlds._world import (
+    AcceptanceShape,
+    Effects,
+    LaunchBias,
+    MoEDispatch,
+    VerifyCliffs,
+    World,
+    WorldModel,
+    load_world,
+    shipped_worlds,
+)
+
+__all__ = ["AcceptanceShape", "Effects", "LaunchBias", "MoEDispatch", "VerifyCliffs", "World",
+           "WorldModel", "load_world", "shipped_worlds"]

@@ -1,0 +1,254 @@
+"""Worlds: what the emulator and the search-efficiency benchmark treat as the truth.
+
+A world is a data file, separate from the model the search fits, so the two can differ on
+purpose: a profile plus effects that the search's performance model cannot express (cost
+cliffs, MoE dispatch that grows faster than the model's form, acceptance of odd shapes,
+per-config launch bias), a prior with wrong facts, or a replayed table of measurements.
+The search never reads a world: it sees what a server shows (throughput, accept length)
+and, as its prior, only the world's `facts`.
+
+    name: cliffs                      # a world file (YAML)
+    description: ...
+    profile: qwen3-coder-next-h200    # the truth's base profile (name or file)
+    facts: {hardware: {bandwidth_tb_s: 3.35}}   # optional: what a prior is told instead
+    effects:
+      verify_cliffs: {buckets: [8, 16, 32, 64, 128, 256], jump: 0.12}
+      moe_dispatch: {per_token_us: 0.05, exponent: 1.5, saturation_ms: 8}
+      launch_bias: {spread: 0.03, seed: 7}
+      acceptance:
+        mt-bench: {top1_by_position: [0.8, 0.8, 0.8, 0.3], rank_shares: [0.6, 0.05]}
+    replay: {file: grid.csv, fill: nearest}     # instead of effects: measured cells
+
+A profile file is a world too: the search's own model, with no effect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from treetune.config import ServerConfig, TreeConfig
+from treetune.errors import ConfigFileError, TreetuneError
+from treetune.perfmodel import PerfModel, Profile, load_profile
+from treetune.perfmodel.acceptance import Acceptance
+from treetune.perfmodel.cost import RoundTime
+from treetune.results import config_key
+from treetune.yamlio import build, closest, load_yaml
+
+
+@dataclass(frozen=True)
+class VerifyCliffs:
+    """The verify pass slows by `jump` (a share of its time) for every kernel-tile or
+    CUDA-graph bucket its token count (batch x draft tokens) exceeds: a staircase, where
+    the model's cost is smooth."""
+
+    buckets: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
+    jump: float = 0.12
+
+    def __post_init__(self) -> None:
+        if self.jump < 0 or any(b < 1 for b in self.buckets):
+            raise ValueError("verify_cliffs needs jump >= 0 and buckets >= 1")
+
+    def factor(self, tokens: float) -> float:
+        return 1.0 + self.jump * sum(1 for b in self.buckets if tokens > b)
+
+
+@dataclass(frozen=True)
+class MoEDispatch:
+    """Expert dispatch (all-to-all, token permutation) that grows as tokens^exponent, up
+    to a saturation: at large batch x draft tokens a wide tree pays more than the model's
+    distinct-expert count says (why the published wide tree regresses at batch 32)."""
+
+    per_token_us: float = 0.05
+    exponent: float = 1.5
+    saturation_ms: float = 8.0
+
+    def __post_init__(self) -> None:
+        if self.per_token_us < 0 or self.exponent < 1 or self.saturation_ms < 0:
+            raise ValueError("moe_dispatch needs per_token_us >= 0, exponent >= 1, "
+                             "saturation_ms >= 0")
+
+    def seconds(self, tokens: float) -> float:
+        return min(self.per_token_us * 1e-6 * tokens ** self.exponent,
+                   self.saturation_ms * 1e-3)
+
+
+@dataclass(frozen=True)
+class LaunchBias:
+    """A deterministic speed factor per config, uniform within +-`spread` (allocator and
+    graph-capture luck; the baseline has its own): every launch of a config shares it, so
+    re-launching cannot average it away."""
+
+    spread: float = 0.03
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.spread < 1:
+            raise ValueError("launch_bias.spread must be in [0, 1)")
+
+    def factor(self, config: ServerConfig) -> float:
+        digest = hashlib.sha256(f"{self.seed}:{config_key(config)}".encode()).digest()
+        unit = int.from_bytes(digest[:8], "little") / 2 ** 64  # uniform in [0, 1)
+        return 1.0 + self.spread * (2 * unit - 1)
+
+
+@dataclass(frozen=True)
+class AcceptanceShape:
+    """A dataset's acceptance in a shape the model's decay form cannot take."""
+
+    top1_by_position: tuple[float, ...] | None = None
+    rank_shares: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Effects:
+    verify_cliffs: VerifyCliffs | None = None
+    moe_dispatch: MoEDispatch | None = None
+    launch_bias: LaunchBias | None = None
+    acceptance: dict[str, AcceptanceShape] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Replay:
+    file: str  # CSV or YAML of measured cells, relative to the world file
+    fill: str = "nearest"  # how unmeasured configs are filled (see replay.py)
+
+    def __post_init__(self) -> None:
+        if self.fill not in ("nearest",):
+            raise ValueError(f"replay.fill must be 'nearest', got '{self.fill}'")
+
+
+@dataclass(frozen=True)
+class _WorldFile:
+    name: str
+    profile: str
+    description: str = ""
+    facts: dict[str, Any] = field(default_factory=dict)
+    effects: Effects = field(default_factory=Effects)
+    replay: Replay | None = None
+
+
+class WorldModel(PerfModel):
+    """The truth of a world with effects: the model's cost and acceptance, then the
+    effects the model cannot express."""
+
+    def __init__(self, profile: Profile, effects: Effects, tp: int | None = None) -> None:
+        super().__init__(profile, tp)
+        self.effects = effects
+
+    def _target_extra(self, tokens: float, verify_s: float) -> float:
+        e = self.effects
+        out = verify_s * (e.verify_cliffs.factor(tokens) - 1.0) if e.verify_cliffs else 0.0
+        if e.moe_dispatch and self.profile.target.moe is not None:
+            out += e.moe_dispatch.seconds(tokens)
+        return out
+
+    def round_time(self, config: ServerConfig, batch: float, dataset: str) -> RoundTime:
+        base = super().round_time(config, batch, dataset)
+        tokens = batch * (config.draft_tokens if isinstance(config, TreeConfig) else 1)
+        verify = base.verify_s + self._target_extra(tokens, base.verify_s)
+        bias = self.effects.launch_bias.factor(config) if self.effects.launch_bias else 1.0
+        return RoundTime(base.draft_s / bias, verify / bias, base.overhead_s / bias)
+
+
+@dataclass(frozen=True)
+class World:
+    name: str
+    description: str
+    profile: Profile  # the truth's profile (the acceptance effects applied)
+    facts: Profile  # what a prior may know: hardware and model facts (maybe wrong)
+    effects: Effects = field(default_factory=Effects)
+    replay_path: Path | None = None
+    own_model: bool = False  # a plain profile: the search's own model is the truth
+
+    def model(self, tp: int | None = None) -> PerfModel:
+        """The truth, for one tensor-parallel size."""
+        if self.replay_path is not None:
+            from treetune.worlds.replay import ReplayModel
+
+            return ReplayModel(self.profile, self.replay_path, tp)
+        return WorldModel(self.profile, self.effects, tp)
+
+
+def shipped_worlds() -> list[str]:
+    folder = resources.files("treetune") / "worlds" / "shipped"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def _path(name_or_path: str | Path) -> Path | None:
+    text = str(name_or_path)
+    candidate = Path(text)
+    if candidate.suffix in (".yaml", ".yml") or candidate.exists() or "/" in text:
+        return candidate
+    shipped = resources.files("treetune") / "worlds" / "shipped" / f"{text}.yaml"
+    return Path(str(shipped)) if shipped.is_file() else None
+
+
+def load_world(name_or_path: str | Path) -> World:
+    """A shipped world's name, a world file, or a profile (name or file): the profile is
+    the world of the search's own model."""
+    path = _path(name_or_path)
+    if path is None:
+        from treetune.perfmodel import shipped_profiles
+
+        try:
+            profile = load_profile(name_or_path)
+        except TreetuneError:
+            names = shipped_worlds() + shipped_profiles()
+            raise TreetuneError(
+                f"unknown world '{name_or_path}'{closest(str(name_or_path), names)}: give a "
+                f"world or profile file, or one of: {', '.join(names)}") from None
+        return World(profile.name, profile.description, profile, profile, own_model=True)
+    data = load_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigFileError(path, "a world must be a mapping with name, profile, ...")
+    if "hardware" in data and "target" in data:  # a profile file
+        profile = load_profile(path)
+        return World(profile.name, profile.description, profile, profile, own_model=True)
+    raw = build(_WorldFile, data, path)
+    base_ref = Path(raw.profile)
+    if not base_ref.is_absolute() and (path.parent / base_ref).is_file():
+        base_ref = path.parent / base_ref
+    base = load_profile(base_ref if base_ref.exists() else raw.profile)
+    truth = _with_acceptance(base, raw.effects.acceptance, path)
+    facts = _with_facts(base, raw.facts, path)
+    replay = None
+    if raw.replay is not None:
+        replay = (path.parent / raw.replay.file).resolve()
+        if not replay.is_file():
+            raise ConfigFileError(path, f"replay file {replay} not found", "replay.file")
+    return World(raw.name, raw.description.strip(), truth, facts, raw.effects, replay)
+
+
+def _with_acceptance(profile: Profile, shapes: dict[str, AcceptanceShape],
+                     path: Path) -> Profile:
+    datasets = dict(profile.datasets)
+    for name, shape in shapes.items():
+        if name not in datasets:
+            raise ConfigFileError(path, f"profile '{profile.name}' has no dataset '{name}'"
+                                  f"{closest(name, datasets)}", f"effects.acceptance.{name}")
+        data = datasets[name]
+        changes = {k: v for k, v in dataclasses.asdict(shape).items() if v is not None}
+        try:
+            acceptance = Acceptance(**{**dataclasses.asdict(data.acceptance), **changes})
+        except ValueError as exc:
+            raise ConfigFileError(path, str(exc), f"effects.acceptance.{name}") from None
+        datasets[name] = dataclasses.replace(data, acceptance=acceptance)
+    return profile.replace(datasets=datasets)
+
+
+def _with_facts(profile: Profile, changes: dict[str, Any], path: Path) -> Profile:
+    """The facts a prior is told: the profile with the world's (wrong) facts over it."""
+    if not changes:
+        return profile
+    data = profile.to_dict()
+    for section, values in changes.items():
+        if section not in ("hardware", "target", "draft") or not isinstance(values, dict):
+            raise ConfigFileError(path, "facts may change hardware, target or draft, as a "
+                                  "mapping of their fields", f"facts.{section}")
+        data[section] = {**data[section], **values}
+    return build(Profile, data, path, "facts")

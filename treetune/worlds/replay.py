@@ -1,0 +1,190 @@
+"""Replay worlds: a table of measured cells is the truth, so anyone with a measured grid
+can replay it against the search.
+
+The table is CSV (a header row) or YAML (a list of mappings) with the columns
+`steps, topk, draft_tokens, batch, dataset, throughput, accept_length`; a baseline row
+leaves `steps, topk, draft_tokens` empty (CSV) or null (YAML) and `accept_length` may be
+empty. Throughput is output tokens/s over the whole batch. Every (batch, dataset) that has
+tree rows needs a baseline row.
+
+Cells that were not measured are filled by one rule, documented here and in the README:
+- a measured tree without an accept length takes the profile's model estimate for it;
+- a tree that was not measured takes the speedup and accept length of the nearest measured
+  tree at the same batch size and dataset (distance |d steps| + |d log2 topk| +
+  |d log2 draft_tokens|, first in table order on ties), its accept length capped at
+  steps + 1;
+- a batch size between two measured ones interpolates linearly in log(batch): per-request
+  baseline throughput in log space, speedups linearly; outside the measured range the
+  nearest batch size's values are used.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.errors import ConfigFileError
+from treetune.perfmodel import PerfModel, Profile
+from treetune.perfmodel.cost import RoundTime
+from treetune.yamlio import load_yaml
+
+COLUMNS = ("steps", "topk", "draft_tokens", "batch", "dataset", "throughput", "accept_length")
+
+
+@dataclass(frozen=True)
+class Cell:
+    config: ServerConfig
+    batch: int
+    dataset: str
+    throughput: float
+    accept_length: float | None
+
+
+def load_cells(path: Path) -> list[Cell]:
+    """The measured cells of a replay file; errors name the row."""
+    if path.suffix.lower() == ".csv":
+        with path.open(newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        where = [f"row {i + 2}" for i in range(len(rows))]
+    else:
+        loaded = load_yaml(path)
+        if not isinstance(loaded, list):
+            raise ConfigFileError(path, "a replay table must be a list of cells")
+        rows = loaded
+        where = [f"cells[{i}]" for i in range(len(rows))]
+    cells = []
+    for row, at in zip(rows, where, strict=True):
+        try:
+            cells.append(_cell(row))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigFileError(path, f"{at}: {exc} (columns: {', '.join(COLUMNS)})") from None
+    if not cells:
+        raise ConfigFileError(path, "a replay table needs at least one cell")
+    return cells
+
+
+def _number(value: object) -> float | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    return float(value)  # type: ignore[arg-type]
+
+
+def _cell(row: dict) -> Cell:
+    knobs = [_number(row.get(k)) for k in ("steps", "topk", "draft_tokens")]
+    if all(k is None for k in knobs):
+        config: ServerConfig = BASELINE
+    elif any(k is None for k in knobs):
+        raise ValueError("give steps, topk and draft_tokens together, or none (baseline)")
+    else:
+        config = TreeConfig.of(*(int(k) for k in knobs))  # type: ignore[arg-type]
+    throughput = _number(row["throughput"])
+    if throughput is None or throughput <= 0:
+        raise ValueError("throughput must be a positive number")
+    return Cell(config, int(row["batch"]), str(row["dataset"]), throughput,
+                _number(row.get("accept_length")))
+
+
+class ReplayModel(PerfModel):
+    """Measured cells as the truth; the profile supplies only what the table cannot
+    (prefill costs, memory, the datasets' request shapes)."""
+
+    def __init__(self, profile: Profile, path: Path, tp: int | None = None) -> None:
+        super().__init__(profile, tp)
+        self.path = path
+        cells = load_cells(path)
+        self.baseline: dict[tuple[int, str], float] = {}
+        self.trees: dict[tuple[int, str], list[Cell]] = {}
+        for cell in cells:
+            if cell.dataset not in profile.datasets:
+                raise ConfigFileError(path, f"dataset '{cell.dataset}' is not in profile "
+                                      f"'{profile.name}'")
+            if cell.config is BASELINE:
+                self.baseline[cell.batch, cell.dataset] = cell.throughput
+            else:
+                self.trees.setdefault((cell.batch, cell.dataset), []).append(cell)
+        missing = sorted(set(self.trees) - set(self.baseline))
+        if missing:
+            raise ConfigFileError(path, f"no baseline row for batch {missing[0][0]}, dataset "
+                                  f"'{missing[0][1]}'")
+        self.batches = {d: sorted(b for b, dd in self.baseline if dd == d)
+                        for d in profile.datasets}
+
+    def datasets(self) -> list[str]:
+        return sorted({d for _, d in self.baseline})
+
+    @lru_cache(maxsize=65536)  # noqa: B019 - one model per world, alive as long as its cache
+    def _at(self, config: ServerConfig, batch: int, dataset: str) -> tuple[float, float]:
+        """(speedup, accept length) at a measured batch size, filled by the nearest tree."""
+        if config is BASELINE:
+            return 1.0, 1.0
+        assert isinstance(config, TreeConfig)
+        cells = self.trees.get((batch, dataset))
+        if not cells:
+            raise ConfigFileError(self.path, f"no tree measured at batch {batch} on "
+                                  f"'{dataset}'")
+        base = self.baseline[batch, dataset]
+
+        def distance(cell: Cell) -> float:
+            other = cell.config
+            assert isinstance(other, TreeConfig)
+            return (abs(other.steps - config.steps) + abs(math.log2(other.topk / config.topk))
+                    + abs(math.log2(other.draft_tokens / config.draft_tokens)))
+
+        nearest = min(cells, key=distance)
+        accept = (nearest.accept_length if nearest.accept_length is not None
+                  else super().accept_length(nearest.config, dataset))
+        return nearest.throughput / base, min(accept, config.steps + 1.0)
+
+    def _interpolated(self, config: ServerConfig, batch: float,
+                      dataset: str) -> tuple[float, float, float]:
+        """(baseline throughput, speedup, accept length) at any batch size."""
+        measured = self.batches.get(dataset) or []
+        if not measured:
+            raise ConfigFileError(self.path, f"no baseline measured on '{dataset}'")
+        i = bisect.bisect_left(measured, batch)
+        if (i < len(measured) and measured[i] == batch) or len(measured) == 1:
+            b = measured[min(i, len(measured) - 1)]
+            speedup, accept = self._at(config, b, dataset)
+            per_request = self.baseline[b, dataset] / b
+            return per_request * batch, speedup, accept
+        lo, hi = measured[max(i - 1, 0)], measured[min(i, len(measured) - 1)]
+        if i == 0 or i == len(measured):  # outside: the nearest measured batch size
+            b = lo if i == len(measured) else hi
+            speedup, accept = self._at(config, b, dataset)
+            return self.baseline[b, dataset] / b * batch, speedup, accept
+        w = (math.log(batch) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        s_lo, a_lo = self._at(config, lo, dataset)
+        s_hi, a_hi = self._at(config, hi, dataset)
+        r_lo, r_hi = self.baseline[lo, dataset] / lo, self.baseline[hi, dataset] / hi
+        per_request = math.exp((1 - w) * math.log(r_lo) + w * math.log(r_hi))
+        return per_request * batch, (1 - w) * s_lo + w * s_hi, (1 - w) * a_lo + w * a_hi
+
+    def accept_length(self, config: ServerConfig, dataset: str) -> float:
+        if config is BASELINE:
+            return 1.0
+        batches = [b for b in self.batches.get(dataset) or [] if (b, dataset) in self.trees]
+        return float(np.mean([self._at(config, b, dataset)[1] for b in batches]))
+
+    def throughput(self, config: ServerConfig, batch: float, dataset: str) -> float:
+        base, speedup, _ = self._interpolated(config, batch, dataset)
+        return base * speedup
+
+    def round_time(self, config: ServerConfig, batch: float, dataset: str) -> RoundTime:
+        """A round lasts as long as the table's throughput says for its tokens."""
+        tokens = batch * self.accept_length(config, dataset)
+        return RoundTime(0.0, tokens / self.throughput(config, batch, dataset), 0.0)
+
+    def sample_accepted(self, config: ServerConfig, dataset: str, rng: np.random.Generator,
+                        count: int) -> np.ndarray:
+        """Accepted drafts per request with the table's mean (a binomial over the depth)."""
+        if not isinstance(config, TreeConfig):
+            return np.zeros(count, dtype=np.int64)
+        mean = self.accept_length(config, dataset) - 1.0
+        return rng.binomial(config.steps, min(max(mean / config.steps, 0.0), 1.0), count)
