@@ -147,7 +147,7 @@ def coverage(planner: Planner, table: dict, datasets: list[str], batches: tuple[
         if not result.ok or true is None:
             continue
         for batch in batches:
-            ivs = intervals(result, planner.baseline, batch, datasets, launch_cv)
+            ivs = intervals(result, planner.baseline, batch, datasets, planner.noise())
             for i, dataset in enumerate(datasets):
                 judged += 1
                 covered += ivs[dataset].low <= true[batch][i] <= ivs[dataset].high

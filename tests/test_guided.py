@@ -14,10 +14,10 @@ from treetune.config import BASELINE, TreeConfig
 from treetune.perfmodel import PerfModel, load_profile
 from treetune.perfmodel.calibrate import get_value
 from treetune.perfmodel.prior import neutral_prior
-from treetune.results import CellResult, LaunchResult
+from treetune.results import CellResult, LaunchResult, config_key
 from treetune.space import load_space
 from treetune.strategies.model import ModelFit
-from treetune.study.evidence import intervals, merge
+from treetune.study.evidence import StudyNoise, intervals, merge, merge_all
 from treetune.study.offline import Noise, run_offline, simulate_launch
 from treetune.study.planner import Planner
 from treetune.study.recommend import recommend
@@ -121,8 +121,8 @@ def test_repeated_launches_merge_and_narrow_the_interval():
     three = merge([one, launch(tree, 101.0, (100, 101, 102)), launch(tree, 102.0, (101, 102, 103))])
     assert three.cells[0].launch_tok_s == (103.0, 101.0, 102.0)
     assert three.cells[0].output_tok_s == pytest.approx(102.0)
-    wide = intervals(one, base, 1, ["humaneval"], 0.03)["humaneval"]
-    narrow = intervals(three, base, 1, ["humaneval"], 0.03)["humaneval"]
+    wide = intervals(one, base, 1, ["humaneval"], StudyNoise.prior(0.03))["humaneval"]
+    narrow = intervals(three, base, 1, ["humaneval"], StudyNoise.prior(0.03))["humaneval"]
     assert wide.low < 1.0 < wide.mean, "one launch 3% faster is not surely faster"
     assert narrow.high - narrow.low < wide.high - wide.low
     # Recommended only when the lower bound clears 1: not on one launch.
@@ -176,7 +176,7 @@ def test_a_tree_feasible_on_one_launch_is_confirmed_by_a_second_before_it_is_rec
     chain = TreeConfig(3, 1, 4)
     base = launch(BASELINE, 100.0, (99.8, 100, 100.2))
     lucky = launch(chain, 110.0, (109.8, 110, 110.2))  # 10%: feasible, but one launch
-    assert intervals(lucky, base, 1, ["humaneval"], 0.03)["humaneval"].low >= 1.0
+    assert intervals(lucky, base, 1, ["humaneval"], StudyNoise.prior(0.03))["humaneval"].low >= 1.0
     recs = recommend(spec, [base, lucky], base)
     assert recs[0].config is BASELINE and "confirmed by a second launch" in recs[0].reason
     planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
@@ -231,3 +231,29 @@ def test_the_planner_numbers_the_launches_of_a_config():
     assert first is not None and first.config is BASELINE and first.index == 1
     second = planner.next()  # while the baseline's second launch runs
     assert second is not None and second.config == TreeConfig(3, 1, 4) and second.index == 1
+
+
+def test_the_study_learns_its_launch_noise_from_repeated_launches():
+    from treetune.study.evidence import study_noise
+
+    truth = load_profile("qwen3-8b-h100")
+    model = PerfModel(truth, truth.tp)
+    spec = study("qwen3-8b-h100")
+    rng = np.random.default_rng(3)
+    quiet = Noise(launch_cv=0.008, measurement_cv=0.01)  # SGLang-like: well under 1%
+    configs = [BASELINE, *(TreeConfig.of(*t) for t in DESIGN[:9])]
+    launches = [simulate_launch(model, c, spec, rng, quiet) for c in configs for _ in range(3)]
+    merged = list(merge_all(launches).values())
+    noise = study_noise(merged, prior_launch_cv=0.03)
+    assert noise.launch_dof == 2 * len(configs) and noise.window_dof > 100
+    assert 0.004 < noise.launch_cv < 0.014, noise  # learned, not the 3% prior
+    assert noise.window_cv == pytest.approx(0.01, rel=0.25)
+    # Without any repeated launch the prior stands.
+    once = list(merge_all(launches[::3]).values())
+    assert study_noise(once, 0.03).launch_cv == pytest.approx(0.03)
+    # Learned noise narrows the intervals a fixed 3% prior would draw.
+    base = merge_all(launches)["baseline"]
+    tree = merge_all(launches)[config_key(configs[1])]
+    learned = intervals(tree, base, 1, ["mt-bench"], noise)["mt-bench"]
+    fixed = intervals(tree, base, 1, ["mt-bench"], StudyNoise.prior(0.03))["mt-bench"]
+    assert learned.high - learned.low < 0.6 * (fixed.high - fixed.low)

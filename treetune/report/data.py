@@ -12,7 +12,7 @@ import optuna
 from treetune.config import TreeConfig
 from treetune.errors import TreetuneError
 from treetune.results import LaunchResult
-from treetune.study.evidence import judge, merge_all
+from treetune.study.evidence import judge, merge_all, study_noise
 from treetune.study.recommend import Recommendation, recommend
 from treetune.study.spec import SPEC_COPY, StudySpec, load_study, study_from_mapping
 from treetune.study.storage import SPEC_ATTR, read_only_storage, read_study
@@ -57,6 +57,7 @@ class StudyData:
         if self.baseline is None:
             return []
         names = self.spec.dataset_names
+        noise = study_noise(self.results, self.spec.search.launch_cv)
         out = []
         for result in self.results:
             if not result.ok or not isinstance(result.config, TreeConfig):
@@ -67,8 +68,7 @@ class StudyData:
                 cells = [result.cell(d, b) for d in names]
                 if any(c is None for c in cells):
                     continue  # a launch still being measured, or cut short
-                verdict = judge(result, self.baseline, b, names, self.spec.tolerance,
-                                self.spec.search.launch_cv)
+                verdict = judge(result, self.baseline, b, names, self.spec.tolerance, noise)
                 per = {d: i.mean for d, i in verdict.intervals.items()}
                 accepts = [c.accept_length for c in cells if c and c.accept_length]
                 tput = statistics.fmean(c.output_tok_s for c in cells if c)

@@ -6,8 +6,9 @@ here, so they cannot disagree.
 A config may be launched more than once (a borderline config is re-measured): its launches
 are merged into one `LaunchResult` whose cells keep each launch's throughput. A cell's
 relative variance has two parts: the spread of its sub-windows within a launch, and the
-launch-to-launch spread (clock boost, placement), which sub-windows cannot see. The latter
-comes from repeated launches when there are any, and from a prior (`launch_cv`) otherwise.
+launch-to-launch spread (clock boost, placement), which sub-windows cannot see. Both are
+learned from the whole study (`study_noise`): the launch spread from every config launched
+more than once, shrunk toward a prior (`search.launch_cv`) while there are few.
 
 A speedup's interval combines the config's cell and the baseline's cell (the baseline's own
 launch noise shifts every speedup alike, which is why it is re-measured too).
@@ -87,44 +88,109 @@ def merge_all(results: Iterable[LaunchResult]) -> dict[str, LaunchResult]:
     return {key: merge(group) for key, group in grouped.items()}
 
 
-def relative_variance(cell: CellResult, launch_cv: float) -> float:
-    """Variance of log(measured / true throughput) of a cell's (merged) measurement."""
-    launches = cell.launch_tok_s or (cell.output_tok_s,)
-    count = len(launches)
-    within = 0.0
+PRIOR_LAUNCHES = 2  # the prior launch spread counts as this many degrees of freedom
+
+
+@dataclass(frozen=True)
+class StudyNoise:
+    """How much a measurement moves, learned from the study itself: the launch-to-launch
+    spread (clock boost, placement: common to every cell of a launch) and the spread of a
+    cell's sub-windows, as coefficients of variation. A fixed prior would either block
+    trees that are truly faster (SGLang's own spread is well under the 3% default) or, on
+    a noisier engine, ship regressions."""
+
+    launch_cv: float
+    window_cv: float | None = None  # None: each cell's own sub-window spread
+    launch_dof: int = 0  # degrees of freedom behind launch_cv (0: the prior alone)
+    window_dof: int = 0
+
+    @classmethod
+    def prior(cls, launch_cv: float) -> StudyNoise:
+        return cls(launch_cv)
+
+
+def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float) -> StudyNoise:
+    """The study's noise from its (merged) results: sub-window spread pooled over every
+    launch and cell; launch spread pooled over every config launched more than once (the
+    baseline first of all), less what the sub-windows explain, shrunk toward the prior by
+    PRIOR_LAUNCHES degrees of freedom."""
+    window_ss = 0.0
+    window_dof = 0
+    repeated: list[LaunchResult] = []
+    for result in results:
+        if not result.ok:
+            continue
+        for cell in result.cells:
+            launches = len(cell.launch_tok_s) or 1
+            per = len(cell.repeats) // launches
+            for i in range(launches if per >= 2 else 0):
+                logs = [math.log(v) for v in cell.repeats[i * per:(i + 1) * per] if v > 0]
+                if len(logs) >= 2:
+                    mean = statistics.fmean(logs)
+                    window_ss += sum((v - mean) ** 2 for v in logs)
+                    window_dof += len(logs) - 1
+        if result.cells and len(result.cells[0].launch_tok_s) >= 2:
+            repeated.append(result)
+    window_var = window_ss / window_dof if window_dof else None
+    launch_ss = 0.0
+    launch_dof = 0
+    for result in repeated:
+        cells = [c for c in result.cells if len(c.launch_tok_s) >= 2
+                 and all(v > 0 for v in c.launch_tok_s)]
+        if not cells:
+            continue
+        k = min(len(c.launch_tok_s) for c in cells)
+        # The launch factor is common to the cells of a launch: average it over them.
+        deviations = [statistics.fmean(
+            math.log(c.launch_tok_s[i]) - statistics.fmean(math.log(v) for v in c.launch_tok_s[:k])
+            for c in cells) for i in range(k)]
+        ss = sum(d * d for d in deviations)
+        if window_var is not None:
+            windows = max(len(cells[0].repeats) // len(cells[0].launch_tok_s), 1)
+            ss -= (k - 1) * window_var / (windows * len(cells))
+        launch_ss += max(ss, 0.0)
+        launch_dof += k - 1
+    launch_var = ((launch_ss + PRIOR_LAUNCHES * prior_launch_cv ** 2)
+                  / (launch_dof + PRIOR_LAUNCHES))
+    return StudyNoise(math.sqrt(launch_var),
+                      math.sqrt(window_var) if window_var is not None else None,
+                      launch_dof, window_dof)
+
+
+def relative_variance(cell: CellResult, noise: StudyNoise) -> float:
+    """Variance of log(measured / true throughput) of a cell's (merged) measurement: each
+    launch's factor plus the mean of its sub-windows, averaged over the launches."""
+    count = len(cell.launch_tok_s) or 1
     per_launch_repeats = len(cell.repeats) // count if cell.repeats else 0
-    if per_launch_repeats > 1 and cell.output_tok_s > 0:
-        spread = statistics.pvariance(cell.repeats) / cell.output_tok_s ** 2
+    within = 0.0
+    if noise.window_cv is not None and per_launch_repeats >= 1:
+        within = noise.window_cv ** 2 / per_launch_repeats
+    elif per_launch_repeats > 1 and cell.output_tok_s > 0:
+        spread = statistics.variance(cell.repeats) / cell.output_tok_s ** 2
         within = spread / per_launch_repeats  # one launch's mean of its sub-windows
-    prior = (launch_cv ** 2 + within) / count
-    if count >= 2:
-        mean = statistics.fmean(launches)
-        sample = statistics.variance(launches) / mean ** 2 / count
-        # Pooled with the prior as if it were worth 3 launches: 2 launches alone can agree
-        # by luck.
-        return ((count - 1) * sample + 3 * prior) / (count + 2)
-    return prior
+    return (noise.launch_cv ** 2 + within) / count
 
 
 def speedup_interval(result: LaunchResult, baseline: LaunchResult, dataset: str, batch: int,
-                     launch_cv: float, z: float = Z_LOWER) -> Interval:
+                     noise: StudyNoise, z: float = Z_LOWER) -> Interval:
     cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
     if cell is None or base is None or base.output_tok_s <= 0 or cell.output_tok_s <= 0:
         return Interval(0.0, 0.0, 0.0)
     mean = cell.output_tok_s / base.output_tok_s
-    sd = math.sqrt(relative_variance(cell, launch_cv) + relative_variance(base, launch_cv))
+    sd = math.sqrt(relative_variance(cell, noise) + relative_variance(base, noise))
     return Interval(mean, mean * math.exp(-z * sd), mean * math.exp(z * sd))
 
 
 def intervals(result: LaunchResult, baseline: LaunchResult, batch: int, datasets: list[str],
-              launch_cv: float, z: float = Z_LOWER) -> dict[str, Interval]:
-    return {d: speedup_interval(result, baseline, d, batch, launch_cv, z) for d in datasets}
+              noise: StudyNoise, z: float = Z_LOWER) -> dict[str, Interval]:
+    return {d: speedup_interval(result, baseline, d, batch, noise, z) for d in datasets}
 
 
 def speedups(result: LaunchResult, baseline: LaunchResult, batch: int,
              datasets: Iterable[str]) -> dict[str, float]:
     """Measured speedup per dataset at one batch size (0 where a cell is missing)."""
-    return {d: speedup_interval(result, baseline, d, batch, 0.0).mean for d in datasets}
+    return {d: speedup_interval(result, baseline, d, batch, StudyNoise(0.0)).mean
+            for d in datasets}
 
 
 def floor_of(tolerance: float) -> float:
@@ -184,16 +250,16 @@ class Verdict:
 
 
 def judge(result: LaunchResult, baseline: LaunchResult, batch: int, datasets: list[str],
-          tolerance: float, launch_cv: float, estimates: Estimates | None = None,
+          tolerance: float, noise: StudyNoise, estimates: Estimates | None = None,
           needs_launches: int = 1) -> Verdict:
     """The verdict on one (merged) result at one batch size; `needs_launches`: how many
     launches a feasible tree needs before it may be recommended, unless it is sure."""
-    ivs = intervals(result, baseline, batch, datasets, launch_cv)
+    ivs = intervals(result, baseline, batch, datasets, noise)
     rank = statistics.fmean(_blend(ivs[d], estimates, result.config, batch, d)
                             for d in datasets)
     floor = floor_of(tolerance)
     sure = all(i.low >= floor
-               for i in intervals(result, baseline, batch, datasets, launch_cv, Z_SURE).values())
+               for i in intervals(result, baseline, batch, datasets, noise, Z_SURE).values())
     return Verdict(result.config, batch, ivs, floor, rank, launches_of(result), sure,
                    needs_launches)
 

@@ -25,12 +25,14 @@ from treetune.strategies import BatchStudies, Proposal, SearchContext
 from treetune.study.evidence import (
     Estimates,
     Interval,
+    StudyNoise,
     floor_of,
     intervals,
     judge,
     launches_of,
     merge,
     merge_all,
+    study_noise,
 )
 from treetune.study.recommend import Recommendation, recommend
 from treetune.study.spec import StudySpec
@@ -112,11 +114,15 @@ class Planner:
     def is_known(self, key: str) -> bool:
         return key in self.results or any(t.key == key for t in (*self.in_flight, *self.queue))
 
+    def noise(self) -> StudyNoise:
+        """The study's measurement noise, learned from its launches so far."""
+        return study_noise(self.results.values(), self.spec.search.launch_cv)
+
     def intervals(self, result: LaunchResult, batch: int, names: list[str] | None = None
                   ) -> dict[str, Interval]:
         assert self.baseline is not None
         return intervals(result, self.baseline, batch, names or self.spec.dataset_names,
-                         self.spec.search.launch_cv)
+                         self.noise())
 
     # ---- what next --------------------------------------------------------------------
     def next(self) -> Task | None:
@@ -146,11 +152,11 @@ class Planner:
         if limit <= 1 or self.baseline is None:
             return None
         names = self.spec.dataset_names  # the mixed workload's recommendation
+        noise = self.noise()
         candidates: list[tuple[float, str, int]] = []  # (gain over the best, key, batch)
         for batch in self.spec.batch:
             verdicts = {key: judge(result, self.baseline, batch, names, self.spec.tolerance,
-                                   self.spec.search.launch_cv,
-                                   needs_launches=self.spec.search.confirming_launches)
+                                   noise, needs_launches=self.spec.search.confirming_launches)
                         for key, result in self.results.items()
                         if result.ok and isinstance(result.config, TreeConfig)}
             best = max((v.mean for v in verdicts.values() if v.confirmed), default=1.0)

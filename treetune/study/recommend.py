@@ -10,7 +10,7 @@ from typing import Any
 
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.results import LaunchResult, config_from_key, config_key
-from treetune.study.evidence import Estimates, Verdict, best, judge, merge_all
+from treetune.study.evidence import Estimates, Verdict, best, judge, merge_all, study_noise
 from treetune.study.spec import StudySpec
 
 MIXED = "mixed"
@@ -75,12 +75,13 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
     merged = merge_all(results)
     baseline = merged.get("baseline", baseline)
     measured = [r for r in merged.values() if r.ok and isinstance(r.config, TreeConfig)]
+    noise = study_noise(merged.values(), spec.search.launch_cv)
     out = []
     for batch in sorted(spec.batch):
         workloads = [(MIXED, spec.dataset_names)] + [(d, [d]) for d in spec.dataset_names]
         for workload, names in workloads:
-            verdicts = [judge(r, baseline, batch, names, spec.tolerance, spec.search.launch_cv,
-                              estimates, spec.search.confirming_launches) for r in measured]
+            verdicts = [judge(r, baseline, batch, names, spec.tolerance, noise, estimates,
+                              spec.search.confirming_launches) for r in measured]
             chosen = best(verdicts)
             if chosen is None:
                 out.append(Recommendation(workload, batch, BASELINE, {d: 1.0 for d in names},

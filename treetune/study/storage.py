@@ -26,7 +26,7 @@ from optuna.trial import TrialState
 from treetune.config import ServerConfig
 from treetune.errors import TreetuneError
 from treetune.results import LaunchResult, config_key
-from treetune.study.evidence import judge
+from treetune.study.evidence import StudyNoise, judge
 from treetune.study.recommend import Recommendation
 from treetune.study.spec import StudySpec
 
@@ -194,8 +194,9 @@ class StudyStore:
         names = self.spec.dataset_names
         if not result.ok:
             return 0.0, {f"regression:{d}": 1.0 for d in names}
+        # Only the measured means feed the sampler: noise does not change them.
         verdict = judge(result, baseline, batch, names, self.spec.tolerance,
-                        self.spec.search.launch_cv)
+                        StudyNoise.prior(self.spec.search.launch_cv))
         return verdict.mean, {f"regression:{d}": s for d, s in verdict.shortfalls().items()}
 
 
