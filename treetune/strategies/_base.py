@@ -49,6 +49,10 @@ class SearchContext:
     # Every config's merged result so far, and the baseline's (None before it is measured).
     evidence: Callable[[], tuple[list[LaunchResult], LaunchResult | None]]
     prior: Profile | None = None  # hardware and model facts, when known
+    # Variance of a measured log speedup (result, baseline, batch, dataset), from the
+    # study's learned noise: how far a model may be off before it is misfit.
+    measurement_variance: Callable[[LaunchResult, LaunchResult, int, str], float] = (
+        lambda result, baseline, batch, dataset: 0.03 ** 2 * 2)
     max_batch: int = 1
     tp: int | None = None
 

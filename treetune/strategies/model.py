@@ -31,10 +31,12 @@ from treetune.perfmodel.calibrate import (
 )
 from treetune.results import LaunchResult, config_key
 from treetune.strategies._base import Estimates, Proposal, SearchContext, register
+from treetune.strategies._misfit import Correction, Residual
 from treetune.strategies._trials import nearest_config
 from treetune.strategies.tpe import TPEStrategy
 
 EXPLORE = 0.1  # share of proposals drawn at random from the untried configs
+EXPLORE_MISFIT = 0.25  # the same while the model does not fit the measurements
 NOVELTY = 0.005  # a proposal must be predicted this different (log) from measured trees
 MARGIN = 0.02  # a config must be predicted this far above the floor on every dataset
 ONLINE_DATASET_FIT = ("acceptance.top1", "acceptance.top1_decay", "acceptance.rank_mass",
@@ -143,6 +145,7 @@ class ModelStrategy:
         self.floor = 1.0 - context.tolerance
         self.rng = np.random.default_rng(context.seed)
         self.fit = ModelFit(context.prior, context.batches, context.datasets, context.tp)
+        self.correction = Correction(context.datasets)
         self.fitted_on: tuple[int, int] = (-1, -1)
         # Nothing left but configs the memory model says cannot start: TPE's own fallback.
         self.fallback = TPEStrategy(context)
@@ -159,8 +162,43 @@ class ModelStrategy:
         news = (len(measured), sum(len(c.launch_tok_s) for r in measured for c in r.cells[:1]))
         if baseline is not None and measured and news != self.fitted_on:
             self.fit.update(results, baseline)
+            self.correction.update(self._residuals(measured, baseline))
             self.fitted_on = news
         return [r.config for r in measured if isinstance(r.config, TreeConfig)]
+
+    def _residuals(self, measured: list[LaunchResult], baseline: LaunchResult) -> list[Residual]:
+        """Every measured cell against the fitted model, with its measurement variance."""
+        trees = [r.config for r in measured if isinstance(r.config, TreeConfig)]
+        table = predicted_speedups(self.fit.profile, trees, self.fit.batches,
+                                   self.fit.datasets, self.fit.tp)
+        out = []
+        for result in measured:
+            assert isinstance(result.config, TreeConfig)
+            for batch in self.fit.batches:
+                for i, dataset in enumerate(self.fit.datasets):
+                    cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
+                    if not cell or not base or cell.output_tok_s <= 0 or base.output_tok_s <= 0:
+                        continue
+                    measured_log = np.log(cell.output_tok_s / base.output_tok_s)
+                    out.append(Residual(
+                        result.config, batch, dataset,
+                        float(measured_log - np.log(table[result.config][batch][i])),
+                        self.context.measurement_variance(result, baseline, batch, dataset)))
+        return out
+
+    def corrected(self, table: dict[TreeConfig, dict[int, list[float]]],
+                  draw: np.random.Generator | None = None) -> None:
+        """Apply the learned correction to a table of predicted speedups, in place: its
+        mean, or with `draw` one sample of it per cell (Thompson sampling)."""
+        if not self.correction.misfit:
+            return
+        configs = list(table)
+        for batch in self.fit.batches:
+            for i, dataset in enumerate(self.fit.datasets):
+                mean, var = self.correction.predict(configs, batch, dataset)
+                shift = mean if draw is None else draw.normal(mean, np.sqrt(var))
+                for config, delta in zip(configs, shift, strict=True):
+                    table[config][batch][i] *= float(np.exp(delta))
 
     def observe(self, result: LaunchResult, baseline: LaunchResult) -> None:
         """Nothing to do now: the next proposal refits from every result (see refresh)."""
@@ -171,8 +209,18 @@ class ModelStrategy:
         if baseline is None:
             return None
         self.refresh()
-        return model_estimates(self.fit, list(configs),
-                               np.random.default_rng(self.context.seed))
+        out = model_estimates(self.fit, list(configs), np.random.default_rng(self.context.seed))
+        if not self.correction.misfit or not out:
+            return out
+        # A model that does not fit: corrected, and trusted less against the measurements.
+        for batch in self.fit.batches:
+            for dataset in self.fit.datasets:
+                mean, var = self.correction.predict(list(configs), batch, dataset)
+                for config, m, v in zip(configs, mean, var, strict=True):
+                    log_mean, log_var = out[config, batch, dataset]
+                    out[config, batch, dataset] = (log_mean + float(m),
+                                                   log_var * self.correction.ratio + float(v))
+        return out
 
     def propose(self) -> Proposal | None:
         is_known = self.context.is_known
@@ -185,7 +233,8 @@ class ModelStrategy:
             config = nearest_config(self.space, design.steps, design.topk, design.draft_tokens)
             if config in untried:
                 return Proposal(config)
-        if self.rng.random() < EXPLORE and measured >= 2:
+        explore = EXPLORE_MISFIT if self.correction.misfit else EXPLORE
+        if self.rng.random() < explore and measured >= 2:
             return Proposal(untried[int(self.rng.integers(len(untried)))])
         # Thompson sampling: one draw of the model, and the untried tree that draw says
         # improves most on the measured trees, at whichever batch size gains most.
@@ -193,6 +242,7 @@ class ModelStrategy:
         batches = self.fit.batches
         table = predicted_speedups(profile, untried + trees, batches, self.fit.datasets,
                                    self.fit.tp)
+        self.corrected(table, draw=self.rng)
         known = {b: np.log([table[c][b] for c in trees]) for b in batches} if trees else None
         best_pick: tuple[float, TreeConfig] | None = None
         for batch in batches:

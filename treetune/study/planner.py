@@ -32,6 +32,7 @@ from treetune.study.evidence import (
     launches_of,
     merge,
     merge_all,
+    relative_variance,
     study_noise,
 )
 from treetune.study.recommend import Recommendation, recommend
@@ -78,7 +79,7 @@ class Planner:
             space=space, studies=self.studies, batches=sorted(spec.batch),
             datasets=spec.dataset_names, tolerance=spec.tolerance, seed=spec.seed,
             is_known=self.is_known, evidence=self.evidence, prior=study_prior(spec),
-            max_batch=spec.max_batch, tp=tp)
+            measurement_variance=self.measurement_variance, max_batch=spec.max_batch, tp=tp)
         self.strategy_name = strategies.resolve(spec.search.strategy, context)
         self.strategy = strategies.make(self.strategy_name, context)
 
@@ -113,6 +114,15 @@ class Planner:
 
     def is_known(self, key: str) -> bool:
         return key in self.results or any(t.key == key for t in (*self.in_flight, *self.queue))
+
+    def measurement_variance(self, result: LaunchResult, baseline: LaunchResult, batch: int,
+                             dataset: str) -> float:
+        """Variance of one measured log speedup, from the study's learned noise."""
+        noise = self.noise()
+        cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
+        if cell is None or base is None:
+            return math.inf
+        return relative_variance(cell, noise) + relative_variance(base, noise)
 
     def noise(self) -> StudyNoise:
         """The study's measurement noise, learned from its launches so far."""
@@ -171,9 +181,11 @@ class Planner:
         def expected_regression(key: str, batch: int) -> bool:
             config = self.results[key].config
             return any((config, batch, d) in model
-                       and math.exp(model[config, batch, d][0]) < self.floor for d in names)
+                       and model[config, batch, d][0] + 2 * math.sqrt(model[config, batch, d][1])
+                       < math.log(self.floor) for d in names)
 
-        # The model, from every launch so far, may expect a regression: not worth a launch.
+        # The model, from every launch so far, may be sure of a regression: not worth a
+        # launch. A model that does not fit is not sure of much (its variance says so).
         viable = [c for c in candidates if not expected_regression(c[1], c[2])]
         pick = max(viable, key=lambda c: c[0])[1] if viable else None
         if pick is None:

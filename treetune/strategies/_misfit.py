@@ -1,0 +1,95 @@
+"""When the performance model is wrong: a posterior predictive check on its residuals, and
+a learned correction.
+
+Real GPUs do not follow the model's equations (kernel cliffs, MoE dispatch, acceptance of
+odd shapes). After each fit the measured log-speedups are compared with the model's: if the
+residuals are larger than the study's measurement noise explains (their mean squared
+z-score beyond the chi-square test's 99th percentile), the model is misfit. A Gaussian
+process (scikit-learn) then learns the log residual over the tree's features, and the
+search predicts model + correction, explores more, and trusts measurements over the model.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats
+
+from treetune.config import TreeConfig
+
+MISFIT_P = 0.01  # false alarm rate of the check when the model is right
+
+
+@dataclass(frozen=True)
+class Residual:
+    config: TreeConfig
+    batch: int
+    dataset: str
+    log_residual: float  # log(measured speedup / the model's)
+    variance: float  # of the measurement's log speedup
+
+
+def features(config: TreeConfig, batch: float, dataset: str,
+             datasets: Sequence[str]) -> list[float]:
+    """Where a tree sits for the correction: its shape, the verify size, the batch size and
+    the dataset (one-hot)."""
+    return [float(config.steps), math.log2(config.topk), math.log2(config.draft_tokens),
+            math.log2(batch), math.log2(batch * config.draft_tokens),
+            *(1.0 if dataset == d else 0.0 for d in datasets)]
+
+
+class Correction:
+    """The check and, when it fails, the learned correction of the model's log-speedups."""
+
+    def __init__(self, datasets: Sequence[str]) -> None:
+        self.datasets = list(datasets)
+        self.ratio = 1.0  # mean squared z-score of the residuals (about 1 when the model fits)
+        self.misfit = False
+        self.points = 0
+        self._gp = None
+
+    def update(self, residuals: Sequence[Residual]) -> None:
+        n = len(residuals)
+        self.points = n
+        if n < 4:
+            self.ratio, self.misfit, self._gp = 1.0, False, None
+            return
+        z2 = np.array([r.log_residual ** 2 / max(r.variance, 1e-8) for r in residuals])
+        self.ratio = float(z2.mean())
+        # The fit has spent some of the points' freedom: a check at the 99th percentile of
+        # chi-square with n degrees of freedom still flags a model that is truly off.
+        self.misfit = self.ratio > stats.chi2.ppf(1 - MISFIT_P, n) / n
+        self._gp = self._fit(residuals) if self.misfit else None
+
+    def _fit(self, residuals: Sequence[Residual]):
+        from sklearn.exceptions import ConvergenceWarning
+        from sklearn.gaussian_process import GaussianProcessRegressor
+        from sklearn.gaussian_process.kernels import ConstantKernel, Matern
+
+        x = np.array([features(r.config, r.batch, r.dataset, self.datasets) for r in residuals])
+        y = np.array([r.log_residual for r in residuals])
+        kernel = ConstantKernel(0.01, (1e-5, 1.0)) * Matern(
+            length_scale=np.ones(x.shape[1]), length_scale_bounds=(0.1, 100.0), nu=1.5)
+        gp = GaussianProcessRegressor(kernel=kernel, alpha=np.array([r.variance
+                                                                     for r in residuals]),
+                                      normalize_y=False, n_restarts_optimizer=0,
+                                      random_state=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            gp.fit(x, y)
+        return gp
+
+    def predict(self, configs: Sequence[TreeConfig], batch: float,
+                dataset: str) -> tuple[np.ndarray, np.ndarray]:
+        """The correction's mean and variance of the log residual for each config (zeros
+        while the model fits)."""
+        if self._gp is None or not configs:
+            zeros = np.zeros(len(configs))
+            return zeros, zeros
+        x = np.array([features(c, batch, dataset, self.datasets) for c in configs])
+        mean, sd = self._gp.predict(x, return_std=True)
+        return mean, sd ** 2
