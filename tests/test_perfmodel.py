@@ -100,6 +100,18 @@ def test_wide_trees_cost_more_to_verify_at_large_batch_on_moe():
             model.round_time(narrow, 32, dataset).verify_s
 
 
+def test_the_draft_extend_reads_the_accepted_path_whatever_the_tree_size():
+    # SGLang sizes the draft-extend pass at steps + 1 tokens a request: draft time depends
+    # on steps and topk, never on draft_tokens.
+    model = PerfModel(load_profile("qwen3-30b-a3b-h100"))
+    narrow, wide = TreeConfig.of(3, 4, 6), TreeConfig.of(3, 4, 20)
+    for batch in (1, 64):
+        assert model.round_time(narrow, batch, "mt-bench").draft_s == pytest.approx(
+            model.round_time(wide, batch, "mt-bench").draft_s)
+        assert model.round_time(narrow, batch, "mt-bench").verify_s < \
+            model.round_time(wide, batch, "mt-bench").verify_s
+
+
 def test_memory_model_marks_large_trees_out_of_memory_at_high_concurrency():
     profile = load_profile("qwen3-30b-a3b-h100")
     big, small = TreeConfig.of(2, 8, 44), TreeConfig.of(3, 1, 4)

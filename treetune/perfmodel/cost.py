@@ -118,10 +118,15 @@ class CostModel:
         return RoundTime(0.0, self.target_pass(batch, 1, data), 0.0)
 
     def spec_round(self, config: TreeConfig, batch: float, data: Dataset) -> RoundTime:
-        """One draft-extend pass, S-1 draft-decode passes over B*K tokens, one verify over
-        B*N tokens (tree attention reads each request's KV once)."""
+        """One draft-extend pass over B*(S+1) tokens, S-1 draft-decode passes over B*K
+        tokens, one verify over B*N tokens (tree attention reads each request's KV once).
+
+        The draft extend re-reads only the accepted path, at most S+1 tokens a request:
+        SGLang's EAGLE worker sizes it (and its CUDA graphs) as `speculative_num_steps + 1`
+        tokens per request whatever N is, so a wide tree's N does not enter it.
+        """
         ctx = data.context_tokens
-        draft = self.draft_pass(batch * config.draft_tokens, batch, ctx) + (
+        draft = self.draft_pass(batch * (config.steps + 1), batch, ctx) + (
             config.steps - 1
         ) * self.draft_pass(batch * config.topk, batch, ctx)
         verify = self.target_pass(batch, config.draft_tokens, data)
