@@ -90,7 +90,10 @@ class CostModel:
         # Linear-attention layers read each request's recurrent state once and, to roll back
         # rejected drafts, write one state per processed token (a tree node forks the state).
         state = t.state_bytes_per_request * (2 if prefill else 1 + tokens_per_request)
-        kv_bytes = requests * (context * t.kv_bytes_per_token + state)
+        # Each rank reads its share of the KV cache, or all of it when TP cannot split it
+        # (an MLA latent); sliding-window layers read no more than their window.
+        kv = t.kv_bytes(context) * (self.tp if t.kv_replicated else 1)
+        kv_bytes = requests * (kv + state)
         kv_s = kv_bytes / (self.bandwidth * c.kv_bandwidth_eff)
         flops = 2.0 * t.active_params_b * 1e9 * tokens
         compute_s = flops / (self.flops_peak * c.compute_eff)
