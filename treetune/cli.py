@@ -163,9 +163,11 @@ def calibrate(
 ) -> None:
     """Fit a profile's free parameters to measured points and write the fitted profile.
 
-    A point is steps, topk, draft_tokens, batch, dataset, baseline_tok_s, spec_tok_s and
-    optionally accept_length. Hardware and model facts are kept; the calibration block and
-    each measured dataset's acceptance and workload shape are fitted.
+    A point is steps, topk, draft_tokens, batch, dataset and either baseline_tok_s and
+    spec_tok_s or a speedup (or all three), optionally accept_length. Hardware and model
+    facts are kept; of the calibration block and each measured dataset's acceptance and
+    workload shape, the parameters the points determine are fitted and the others keep
+    the profile's values (named in a warning).
     """
     from treetune.perfmodel.calibrate import calibrate as fit
     from treetune.perfmodel.calibrate import free_parameters, load_measurements
@@ -173,22 +175,38 @@ def calibrate(
     base = load_profile(profile)
     points = load_measurements(measurements, entry)
     params = free_parameters(base, points)
-    err.print(f"fitting {len(params)} parameters to {len(points)} points ...")
-    result = fit(base, points, params, starts=starts)
+    ratio_only = sum(m.baseline_tok_s is None for m in points)
+    if ratio_only == len(points):
+        err.print("note: no point has a baseline throughput: speedups fix ratios of costs, "
+                  "not absolute speed, so only what they determine is fitted and baseline "
+                  "throughputs stay as the profile predicts them")
+    elif ratio_only:
+        err.print(f"note: {ratio_only} of {len(points)} points have no baseline throughput: "
+                  "they fit through their speedups (ratios of costs) only")
+    err.print(f"fitting up to {len(params)} parameters to {len(points)} points ...")
+    result = fit(base, points, params, starts=starts, keep_unidentified=True)
+    if result.kept:
+        err.print(f"[yellow]warning:[/] {len(points)} points cannot determine "
+                  f"{len(result.kept)} of the {len(params)} parameters; kept at "
+                  f"{escape(base.name)}'s values: {', '.join(result.kept)}")
     table = Table(title=f"calibration of {base.name} to {measurements}")
     for col in ("tree", "batch", "dataset", "measured", "predicted", "error", "baseline err"):
         table.add_column(col, justify="right")
     for e in result.points:
         m = e.measurement
+        base_error = e.baseline_rel_error
         table.add_row(m.config.label(), str(m.batch), m.dataset, f"{m.speedup:.3f}",
                       f"{e.predicted_speedup:.3f}", f"{e.speedup_error:+.3f}",
-                      f"{e.baseline_rel_error:+.1%}")
+                      "n/a" if base_error is None else f"{base_error:+.1%}")
     out.print(table)
+    base_max = result.max_baseline_error
+    base_text = "n/a (speedups only)" if base_max is None else f"{base_max:.1%}"
     out.print(f"max speedup error {result.max_speedup_error:.3f}, "
-              f"max baseline error {result.max_baseline_error:.1%}")
+              f"max baseline error {base_text}")
+    kept = f", {len(result.kept)} parameters kept as given" if result.kept else ""
     note = (f"Calibrated to {Path(measurements).name}"
             f"{f' ({entry})' if entry else ''}: {len(points)} points, max speedup error "
-            f"{result.max_speedup_error:.3f}, max baseline error {result.max_baseline_error:.1%}.")
+            f"{result.max_speedup_error:.3f}, max baseline error {base_text}{kept}.")
     fitted = result.profile.replace(
         name=name or base.name,
         description=f"{base.description.split(' Calibrated to ')[0]} {note}".strip(),

@@ -30,10 +30,16 @@ class ConfigFileError(TreetuneError):
     "study.yaml, line 7: key 'backend.profle': unknown key (did you mean 'profile'?)".
     """
 
-    def __init__(self, path: object, message: str, key: str | None = None) -> None:
+    def __init__(self, path: object, message: str, key: str | None = None, *,
+                 line_of: str | None = None) -> None:
+        """`line_of`: the key whose line to give when `key` names something the file does
+        not spell out (a point of a bare YAML list is "points[3]", found at "[3]")."""
         self.path = path
         self.key = key
-        self.line = key_line(str(path), key) if key is not None and _may_be_yaml(path) else None
+        self.message = message
+        where_key = line_of or key
+        self.line = (key_line(str(path), where_key)
+                     if where_key is not None and _may_be_yaml(path) else None)
         where = f"{path}" if self.line is None else f"{path}, line {self.line}"
         if key is not None:
             where += f": key '{key}'"

@@ -1,9 +1,16 @@
-"""Fit a profile's free parameters to measured throughputs and accept lengths.
+"""Fit a profile's free parameters to measured throughputs, speedups and accept lengths.
 
 Only the calibration block and the per-dataset acceptance and workload shape are free;
 hardware and model facts stay as written. Residuals are log-ratios of predicted to
-measured throughput (baseline and speculative) and relative accept-length errors, with a
-weak pull towards the starting profile so that parameters the data cannot see stay put.
+measured speedup and baseline throughput and relative accept-length errors, with a weak
+pull towards the starting profile so that parameters the data cannot see stay put.
+
+What people publish is often a few speedups without absolute throughputs: such points
+fit ratios only (the baseline's speed is unknown), and a handful of points cannot
+determine twenty parameters. `identify` finds which parameters the points do determine,
+from the fit's Jacobian; `calibrate(..., keep_unidentified=True)` fits only those and
+keeps the rest at the profile's values instead of letting them wander to whatever
+unphysical value happens to fit (a 0.012 ms draft step).
 """
 
 from __future__ import annotations
@@ -22,36 +29,54 @@ from treetune.config import BASELINE, TreeConfig
 from treetune.errors import ConfigFileError, InvalidTreeError, TreetuneError
 from treetune.perfmodel.predict import PerfModel
 from treetune.perfmodel.profile import Profile
-from treetune.yamlio import build, load_yaml
+from treetune.yamlio import build, closest, load_yaml
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """One measured cell: a config on a dataset at a batch size, with its baseline."""
+    """One measured cell: a config on a dataset at a batch size, against its baseline.
+
+    Throughputs may be unknown when only the speedup was published: the baseline's speed
+    is then unknown and the point constrains ratios only."""
 
     config: TreeConfig
     batch: int
     dataset: str
-    baseline_tok_s: float
-    spec_tok_s: float
+    baseline_tok_s: float | None
+    spec_tok_s: float | None
     accept_length: float | None = None
     launch: str | None = None  # points of one launch share its speed factor (see calibrate)
+    reported_speedup: float | None = None  # as published, for points without throughputs
+
+    def __post_init__(self) -> None:
+        if self.reported_speedup is None and (self.baseline_tok_s is None
+                                              or self.spec_tok_s is None):
+            raise ValueError("a measurement needs both throughputs or a speedup")
 
     @property
     def speedup(self) -> float:
-        return self.spec_tok_s / self.baseline_tok_s
+        if self.baseline_tok_s is not None and self.spec_tok_s is not None:
+            return self.spec_tok_s / self.baseline_tok_s
+        assert self.reported_speedup is not None  # __post_init__
+        return self.reported_speedup
 
 
 @dataclass(frozen=True)
 class _Row:
+    """A point as a measurement file writes it: throughputs, or a speedup, or both."""
+
     steps: int
     topk: int
     draft_tokens: int
     batch: int
     dataset: str
-    baseline_tok_s: float
-    spec_tok_s: float
+    baseline_tok_s: float | None = None
+    spec_tok_s: float | None = None
+    speedup: float | None = None
     accept_length: float | None = None
+
+
+SPEEDUP_AGREEMENT = 0.02  # a published speedup rounded to 2 decimals is within this of spec/base
 
 
 @dataclass(frozen=True)
@@ -112,8 +137,10 @@ class PointError:
         return self.predicted_speedup - self.measurement.speedup
 
     @property
-    def baseline_rel_error(self) -> float:
-        return self.predicted_baseline / self.measurement.baseline_tok_s - 1.0
+    def baseline_rel_error(self) -> float | None:
+        """None for a point whose baseline throughput was not measured (speedup only)."""
+        measured = self.measurement.baseline_tok_s
+        return None if measured is None else self.predicted_baseline / measured - 1.0
 
 
 @dataclass(frozen=True)
@@ -124,69 +151,136 @@ class CalibrationResult:
     cost: float
     x: np.ndarray | None = None  # the fitted parameters in fitting space (log where log)
     covariance: np.ndarray | None = None  # of x: Gauss-Newton, residual variance scaled
+    kept: tuple[str, ...] = ()  # left at the profile's values: the data cannot determine them
 
     @property
     def max_speedup_error(self) -> float:
         return max(abs(p.speedup_error) for p in self.points)
 
     @property
-    def max_baseline_error(self) -> float:
-        return max(abs(p.baseline_rel_error) for p in self.points)
+    def max_baseline_error(self) -> float | None:
+        """None when no point has a measured baseline throughput."""
+        errors = [abs(e) for p in self.points if (e := p.baseline_rel_error) is not None]
+        return max(errors) if errors else None
 
 
 def load_measurements(path: str | Path, entry: str | None = None) -> list[Measurement]:
-    """Measured points from CSV, a YAML list of records, or the published-results layout
-    (`runs: [{batch, tree: [S,K,N], results: {dataset: [baseline, spec, speedup]}}]`)."""
+    """Measured points from CSV, a YAML list of records, a `points:` list, or the
+    published-results layout (`runs: [{batch, tree: [S,K,N], results: {dataset: [baseline,
+    spec, speedup]}}]`). A point gives both throughputs, or a speedup (null or absent
+    throughputs), or all three. Errors name the entry as the file writes it, with its line.
+    """
     path = Path(path)
     if path.suffix.lower() == ".csv":
-        rows = _csv_rows(path)
+        return _measurements(path, _csv_rows(path))
+    data = load_yaml(path)
+    prefix = ""
+    if isinstance(data, dict) and entry is not None:
+        if entry not in data:
+            raise ConfigFileError(path, f"no entry '{entry}'{closest(entry, map(str, data))}; "
+                                  f"entries: {', '.join(map(str, data))}")
+        data, prefix = data[entry], f"{entry}."
+    if isinstance(data, dict) and "runs" in data:
+        rows = _published_rows(data["runs"], path, f"{prefix}runs")
+    elif isinstance(data, dict) and "points" in data:
+        points = data["points"]
+        if not isinstance(points, list):
+            raise ConfigFileError(path, "expected a list of points", f"{prefix}points")
+        rows = [(_Where(path, f"{prefix}points[{i}]"), raw) for i, raw in enumerate(points)]
+    elif isinstance(data, list):
+        # A bare list's points have no key of their own: call them points[i] and find
+        # their lines at [i].
+        rows = [(_Where(path, f"{prefix}points[{i}]", line_of=f"{prefix}[{i}]"), raw)
+                for i, raw in enumerate(data)]
     else:
-        data = load_yaml(path)
-        if isinstance(data, dict) and entry is not None:
-            if entry not in data:
-                raise ConfigFileError(path, f"no entry '{entry}'; entries: {', '.join(data)}")
-            data = data[entry]
-        if isinstance(data, dict) and "runs" in data:
-            rows = _published_rows(data["runs"], path)
-        elif isinstance(data, dict) and "points" in data:
-            rows = data["points"]
-        elif isinstance(data, list):
-            rows = data
-        else:
-            raise ConfigFileError(
-                path,
-                "expected a list of points (steps, topk, draft_tokens, batch, dataset, "
-                "baseline_tok_s, spec_tok_s[, accept_length]), a 'points' list, or 'runs'"
-                + ("; this file has several entries: pick one with --entry" if entry is None
-                   and isinstance(data, dict) else ""),
-            )
-    points = []
-    for i, raw in enumerate(rows):
-        row = build(_Row, raw, path, f"points[{i}]")
-        try:
-            config = TreeConfig.of(row.steps, row.topk, row.draft_tokens)
-        except InvalidTreeError as exc:
-            raise ConfigFileError(path, str(exc), f"points[{i}]") from None
-        if row.batch < 1 or row.baseline_tok_s <= 0 or row.spec_tok_s <= 0:
-            raise ConfigFileError(path, "batch and throughputs must be > 0", f"points[{i}]")
-        points.append(
-            Measurement(config, row.batch, row.dataset, row.baseline_tok_s, row.spec_tok_s,
-                        row.accept_length)
+        raise ConfigFileError(
+            path,
+            "expected a list of points (steps, topk, draft_tokens, batch, dataset, "
+            "baseline_tok_s, spec_tok_s, speedup, accept_length), a 'points' list, or 'runs'"
+            + ("; this file has several entries: pick one with --entry" if entry is None
+               and isinstance(data, dict) else ""),
         )
+    return _measurements(path, rows)
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where a point sits in its file: a YAML key (whose line errors give) or a CSV line."""
+
+    path: Path
+    key: str | None = None
+    csv_line: int | None = None
+    line_of: str | None = None
+
+    def error(self, message: str, field: str | None = None) -> ConfigFileError:
+        if self.csv_line is not None:
+            column = f"column '{field}': " if field else ""
+            return ConfigFileError(self.path, f"line {self.csv_line}: {column}{message}")
+        key = f"{self.key}.{field}" if field and self.key else self.key
+        return ConfigFileError(self.path, message, key, line_of=self.line_of)
+
+    def build(self, raw: Any) -> _Row:
+        try:
+            return build(_Row, raw, self.path, self.key or "")
+        except ConfigFileError as exc:
+            if self.csv_line is not None:  # the key is a column: name the line instead
+                raise self.error(exc.message, exc.key) from None
+            if self.line_of is None or self.key is None:
+                raise
+            key = exc.key or self.key
+            raise ConfigFileError(self.path, exc.message, key,
+                                  line_of=key.replace(self.key, self.line_of, 1)) from None
+
+
+def _measurements(path: Path, rows: list[tuple[_Where, Any]]) -> list[Measurement]:
+    points = [_measurement(where, where.build(raw)) for where, raw in rows]
     if not points:
         raise ConfigFileError(path, "no measured points")
     return points
 
 
-def _csv_rows(path: Path) -> list[dict[str, Any]]:
+def _measurement(where: _Where, row: _Row) -> Measurement:
+    try:
+        config = TreeConfig.of(row.steps, row.topk, row.draft_tokens)
+    except InvalidTreeError as exc:
+        raise where.error(str(exc)) from None
+    if row.batch < 1:
+        raise where.error(f"must be >= 1, got {row.batch}", "batch")
+    for name in ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length"):
+        value = getattr(row, name)
+        if value is not None and value <= 0:
+            raise where.error(f"must be > 0, got {value:g}", name)
+    base, spec, speedup = row.baseline_tok_s, row.spec_tok_s, row.speedup
+    if speedup is None and (base is None or spec is None):
+        missing = " and ".join(n for n, v in (("baseline_tok_s", base), ("spec_tok_s", spec))
+                               if v is None)
+        raise where.error(f"no {missing}: give baseline_tok_s and spec_tok_s, or a speedup "
+                          "(e.g. speedup: 1.31 when only the speedup was published)")
+    if speedup is not None and base is not None and spec is not None:
+        if abs(spec / base / speedup - 1) > SPEEDUP_AGREEMENT:
+            raise where.error(f"{speedup:g} disagrees with spec_tok_s / baseline_tok_s = "
+                              f"{spec / base:.3f}", "speedup")
+    elif speedup is not None:
+        # Any two of the three give the third: a known spec throughput fixes the baseline's.
+        if base is not None:
+            spec = base * speedup
+        elif spec is not None:
+            base = spec / speedup
+    return Measurement(config, row.batch, row.dataset, base, spec, row.accept_length,
+                       reported_speedup=speedup)
+
+
+def _csv_rows(path: Path) -> list[tuple[_Where, Any]]:
     numeric_int = {"steps", "topk", "draft_tokens", "batch"}
     rows = []
     try:
         with path.open(newline="") as fh:
             for line, rec in enumerate(csv.DictReader(fh), start=2):
+                where = _Where(path, csv_line=line)
                 row: dict[str, Any] = {}
                 for key, value in rec.items():
-                    if key is None or value in (None, ""):
+                    # An empty cell is an unknown value (a speedup-only point's throughputs).
+                    if key is None or value is None or not value.strip():
                         continue
                     key = key.strip()
                     try:
@@ -195,30 +289,60 @@ def _csv_rows(path: Path) -> list[dict[str, Any]]:
                             else value.strip() if key == "dataset" else float(value)
                         )
                     except ValueError:
-                        raise ConfigFileError(
-                            path, f"line {line}: '{value}' is not a number", key
-                        ) from None
-                rows.append(row)
+                        raise where.error(f"'{value}' is not a number", key) from None
+                rows.append((where, row))
     except FileNotFoundError:
         raise ConfigFileError(path, "file not found") from None
     return rows
 
 
-def _published_rows(runs: Any, path: Path) -> list[dict[str, Any]]:
+PUBLISHED_VALUES = ("baseline_tok_s", "spec_tok_s", "speedup")
+
+
+def _published_rows(runs: Any, path: Path, key: str) -> list[tuple[_Where, Any]]:
+    """Points of the published-results layout, each keyed by where the file writes it
+    (`runs[1].results.humaneval`)."""
+    if not isinstance(runs, list):
+        raise ConfigFileError(path, "expected a list of runs", key)
     rows = []
-    for i, run in enumerate(runs or []):
-        try:
-            steps, topk, draft_tokens = run["tree"]
-            for dataset, values in run["results"].items():
-                base, spec = values[0], values[1]
-                rows.append(dict(steps=steps, topk=topk, draft_tokens=draft_tokens,
-                                 batch=run["batch"], dataset=dataset,
-                                 baseline_tok_s=base, spec_tok_s=spec))
-        except (KeyError, TypeError, ValueError):
-            raise ConfigFileError(
-                path, "each run needs batch, tree [S,K,N] and results {dataset: [base, spec]}",
-                f"runs[{i}]",
-            ) from None
+    for i, run in enumerate(runs):
+        run_key = f"{key}[{i}]"
+        if not isinstance(run, dict):
+            raise ConfigFileError(path, "expected a mapping with batch, tree and results",
+                                  run_key)
+        for name in ("batch", "tree", "results"):
+            if name not in run:
+                raise ConfigFileError(path, "missing required key (a run has batch, tree "
+                                      "[S,K,N] and results {dataset: [baseline, spec, "
+                                      "speedup]})", f"{run_key}.{name}")
+        tree = run["tree"]
+        if not (isinstance(tree, list) and len(tree) == 3
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in tree)):
+            raise ConfigFileError(path, "expected [steps, topk, draft_tokens]",
+                                  f"{run_key}.tree")
+        if not isinstance(run["results"], dict):
+            raise ConfigFileError(path, "expected {dataset: [baseline, spec, speedup]}",
+                                  f"{run_key}.results")
+        shape = dict(zip(("steps", "topk", "draft_tokens"), tree, strict=True),
+                     batch=run["batch"])
+        for dataset, values in run["results"].items():
+            cell = f"{run_key}.results.{dataset}"
+            if isinstance(values, dict):  # {speedup: 1.31, accept_length: 2.8, ...}
+                record = dict(values)
+            elif isinstance(values, list) and 1 <= len(values) <= 3:
+                for j, value in enumerate(values):
+                    if value is not None and (isinstance(value, bool)
+                                              or not isinstance(value, int | float)):
+                        raise ConfigFileError(
+                            path, f"{PUBLISHED_VALUES[j]} must be a number or null, got "
+                            f"{value!r}", f"{cell}[{j}]")
+                record = {n: v for n, v in zip(PUBLISHED_VALUES, values, strict=False)
+                          if v is not None}
+            else:
+                raise ConfigFileError(
+                    path, "expected [baseline_tok_s, spec_tok_s, speedup] (null for what "
+                    "was not published) or a mapping of them", cell)
+            rows.append((_Where(path, cell), {**shape, "dataset": dataset, **record}))
     return rows
 
 
@@ -291,6 +415,153 @@ def point_errors(profile: Profile, measurements: Sequence[Measurement]) -> list[
     return errors
 
 
+class _Objective:
+    """The residuals a fit minimises: data rows (launch effects, then per point its
+    speedup and accept length, then each measured baseline) and a weak pull of every
+    parameter towards its starting value."""
+
+    def __init__(self, profile: Profile, measurements: Sequence[Measurement],
+                 params: Sequence[Parameter], speedup_weight: float) -> None:
+        self.profile, self.measurements, self.params = profile, measurements, list(params)
+        self.speedup_weight = speedup_weight
+        self.low = np.array([_to_x(p, p.low) for p in self.params])
+        self.high = np.array([_to_x(p, p.high) for p in self.params])
+        self.x0 = np.clip([_to_x(p, get_value(profile, p.name)) for p in self.params],
+                          self.low, self.high)
+        # Speedup-only points have no baseline to fit: their cells are left out here.
+        self.baselines = {(m.batch, m.dataset): m.baseline_tok_s for m in measurements
+                          if m.baseline_tok_s is not None}
+        self.groups: dict[str, list[int]] = {}
+        for i, m in enumerate(measurements):
+            if m.launch is not None:
+                self.groups.setdefault(m.launch, []).append(i)
+
+    def data(self, x: np.ndarray) -> np.ndarray:
+        fitted = set_values(self.profile, _values(self.params, x))
+        w = self.speedup_weight
+        out = []
+        errors = point_errors(fitted, self.measurements)
+        logs = np.array([np.log(e.predicted_speedup / e.measurement.speedup) for e in errors])
+        # A launch runs at its own speed (clock boost, placement): every point of one launch
+        # is off by the same factor. It is profiled out, shrunk towards 1, so that the
+        # model is fitted to what differs between configs, not to launch luck.
+        for members in self.groups.values():
+            effect = -logs[members].sum() / (len(members) + LAUNCH_SHRINK)
+            logs[members] += effect
+            out.append(w * np.sqrt(LAUNCH_SHRINK) * effect)
+        for e, log_error in zip(errors, logs, strict=True):
+            m = e.measurement
+            out.append(w * log_error)
+            if m.accept_length is not None:
+                out.append((e.predicted_accept - m.accept_length) / m.accept_length)
+        for (batch, dataset), measured in self.baselines.items():
+            pred = next(e.predicted_baseline for e in errors
+                        if e.measurement.batch == batch and e.measurement.dataset == dataset)
+            out.append(np.log(pred / measured))
+        return np.asarray(out, dtype=float)
+
+    def noise(self, cv: float) -> np.ndarray:
+        """Standard deviation of each data row for a relative measurement noise `cv`, in
+        the order of `data`."""
+        w = self.speedup_weight
+        rows = [w * cv] * len(self.groups)
+        for m in self.measurements:
+            rows.append(w * cv)
+            if m.accept_length is not None:
+                rows.append(cv)
+        rows += [cv] * len(self.baselines)
+        return np.asarray(rows, dtype=float)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        prior = PRIOR_WEIGHT * (x - self.x0) / np.maximum(self.high - self.low, 1e-9)
+        return np.concatenate([self.data(x), prior])
+
+    def jacobian(self, x: np.ndarray) -> np.ndarray:
+        """d data / d x by central differences (one-sided at a bound)."""
+        base = self.data(x)
+        jac = np.zeros((len(base), len(x)))
+        for j in range(len(x)):
+            h = 1e-4 * max(self.high[j] - self.low[j], 1e-6)
+            up, down = x.copy(), x.copy()
+            up[j], down[j] = min(x[j] + h, self.high[j]), max(x[j] - h, self.low[j])
+            jac[:, j] = (self.data(up) - self.data(down)) / max(up[j] - down[j], 1e-12)
+        return jac
+
+
+@dataclass(frozen=True)
+class Identification:
+    """Which free parameters the measurements determine, and which they cannot."""
+
+    fitted: tuple[Parameter, ...]
+    kept: tuple[Parameter, ...]  # the data leave these where the profile has them
+    points: int
+    residuals: int  # data rows: speedups, accept lengths, baselines
+
+    @property
+    def kept_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.kept)
+
+
+# A parameter counts as determined when the points shrink its uncertainty to at most this
+# share of the prior's (the prior: its bounds span four standard deviations).
+IDENTIFIED_SHRINK = 0.3
+MIN_NOISE_CV = 0.01
+
+
+def identify(
+    profile: Profile,
+    measurements: Sequence[Measurement],
+    parameters: Sequence[Parameter] | None = None,
+    *,
+    speedup_weight: float = 3.0,
+    noise_cv: float | None = None,
+) -> Identification:
+    """The largest set of parameters the points determine, taken greedily, most
+    determined first, given that the others stay at the profile's values.
+
+    The information the points carry is the Jacobian of their residuals at the
+    profile's values, whitened by the measurement noise (the profile's launch and
+    measurement noise, unless given). A parameter joins while every chosen parameter's
+    posterior standard deviation stays within IDENTIFIED_SHRINK of its prior's: four
+    speedups cannot spread over twenty parameters, and a pair that only acts together
+    (context length and KV bandwidth; every time cost, when no baseline throughput was
+    measured) gives one of them, not both.
+    """
+    params = list(parameters or free_parameters(profile, measurements))
+    objective = _Objective(profile, measurements, params, speedup_weight)
+    cv = noise_cv if noise_cv is not None else max(
+        float(np.hypot(profile.noise.launch_cv, profile.noise.measurement_cv)), MIN_NOISE_CV)
+    jac = objective.jacobian(objective.x0) / objective.noise(cv)[:, None]
+    prior_sd = np.maximum(objective.high - objective.low, 1e-9) / 4
+    chosen = _most_determined(jac.T @ jac, prior_sd)
+    return Identification(
+        fitted=tuple(p for i, p in enumerate(params) if i in chosen),
+        kept=tuple(p for i, p in enumerate(params) if i not in chosen),
+        points=len(measurements), residuals=jac.shape[0])
+
+
+def _most_determined(information: np.ndarray, prior_sd: np.ndarray) -> set[int]:
+    chosen: list[int] = []
+    prior_precision = 1.0 / prior_sd**2
+    while True:
+        best: tuple[float, int] | None = None
+        for j in range(len(prior_sd)):
+            if j in chosen:
+                continue
+            idx = [*chosen, j]
+            posterior = information[np.ix_(idx, idx)] + np.diag(prior_precision[idx])
+            try:
+                sd = np.sqrt(np.diag(np.linalg.inv(posterior)))
+            except np.linalg.LinAlgError:
+                continue
+            ratios = sd / prior_sd[idx]
+            if ratios.max() <= IDENTIFIED_SHRINK and (best is None or ratios[-1] < best[0]):
+                best = (float(ratios[-1]), j)
+        if best is None:
+            return set(chosen)
+        chosen.append(best[1])
+
+
 def calibrate(
     profile: Profile,
     measurements: Sequence[Measurement],
@@ -302,54 +573,41 @@ def calibrate(
     start: Profile | None = None,
     max_nfev: int = 4000,
     tolerance: float = 1e-8,
+    keep_unidentified: bool = False,
 ) -> CalibrationResult:
     """Least-squares fit of the free parameters; returns the fitted profile and errors.
 
     The fit is pulled weakly towards `profile`'s values and starts there, or at `start`
-    (a previous fit, when refitting with more data)."""
+    (a previous fit, when refitting with more data). With `keep_unidentified`, only the
+    parameters the points determine at `profile`'s values are fitted (see `identify`);
+    the rest keep `profile`'s values and are named in the result's `kept`."""
     params = list(parameters or free_parameters(profile, measurements))
     if not params:
         raise TreetuneError("nothing to fit: no free parameters selected")
-    low = np.array([_to_x(p, p.low) for p in params])
-    high = np.array([_to_x(p, p.high) for p in params])
-    x0 = np.clip([_to_x(p, get_value(profile, p.name)) for p in params], low, high)
-    baselines = {(m.batch, m.dataset): m.baseline_tok_s for m in measurements}
-    groups: dict[str, list[int]] = {}
-    for i, m in enumerate(measurements):
-        if m.launch is not None:
-            groups.setdefault(m.launch, []).append(i)
+    if not keep_unidentified:
+        return _fit(profile, measurements, params, speedup_weight, starts, seed, start,
+                    max_nfev, tolerance)
+    ident = identify(profile, measurements, params, speedup_weight=speedup_weight)
+    return _fit(profile, measurements, list(ident.fitted), speedup_weight, starts, seed,
+                start, max_nfev, tolerance, ident.kept_names)
 
-    def residuals(x: np.ndarray) -> np.ndarray:
-        fitted = set_values(profile, _values(params, x))
-        out = []
-        errors = point_errors(fitted, measurements)
-        logs = np.array([np.log(e.predicted_speedup / e.measurement.speedup) for e in errors])
-        # A launch runs at its own speed (clock boost, placement): every point of one launch
-        # is off by the same factor. It is profiled out, shrunk towards 1, so that the
-        # model is fitted to what differs between configs, not to launch luck.
-        for members in groups.values():
-            effect = -logs[members].sum() / (len(members) + LAUNCH_SHRINK)
-            logs[members] += effect
-            out.append(speedup_weight * np.sqrt(LAUNCH_SHRINK) * effect)
-        for e, log_error in zip(errors, logs, strict=True):
-            m = e.measurement
-            out.append(speedup_weight * log_error)
-            if m.accept_length is not None:
-                out.append((e.predicted_accept - m.accept_length) / m.accept_length)
-        for (batch, dataset), measured in baselines.items():
-            pred = next(e.predicted_baseline for e in errors
-                        if e.measurement.batch == batch and e.measurement.dataset == dataset)
-            out.append(np.log(pred / measured))
-        out.extend(PRIOR_WEIGHT * (x - x0) / np.maximum(high - low, 1e-9))
-        return np.asarray(out)
 
+def _fit(profile: Profile, measurements: Sequence[Measurement], params: list[Parameter],
+         speedup_weight: float, starts: int, seed: int, start: Profile | None,
+         max_nfev: int, tolerance: float, kept: tuple[str, ...] = ()) -> CalibrationResult:
+    objective = _Objective(profile, measurements, params, speedup_weight)
+    if not params:  # nothing the points determine: the profile as it is
+        cost = 0.5 * float(np.sum(objective.data(objective.x0) ** 2))
+        return CalibrationResult(profile, {}, point_errors(profile, measurements), cost,
+                                 kept=kept)
+    low, high = objective.low, objective.high
     rng = np.random.default_rng(seed)
-    first = x0 if start is None else np.clip(
+    first = objective.x0 if start is None else np.clip(
         [_to_x(p, get_value(start, p.name)) for p in params], low, high)
     best = None
     for attempt in range(max(starts, 1)):
         x_start = first if attempt == 0 else rng.uniform(low, high)
-        fit = least_squares(residuals, x_start, bounds=(low, high), x_scale="jac",
+        fit = least_squares(objective, x_start, bounds=(low, high), x_scale="jac",
                             max_nfev=max_nfev, ftol=tolerance, xtol=tolerance,
                             gtol=tolerance)
         if best is None or fit.cost < best.cost:
@@ -358,7 +616,7 @@ def calibrate(
     values = _values(params, best.x)
     fitted = set_values(profile, values)
     return CalibrationResult(fitted, values, point_errors(fitted, measurements),
-                             float(best.cost), best.x, _covariance(best, len(params)))
+                             float(best.cost), best.x, _covariance(best, len(params)), kept)
 
 
 def _covariance(fit: Any, n: int) -> np.ndarray | None:

@@ -90,7 +90,10 @@ class CostModel:
         # Linear-attention layers read each request's recurrent state once and, to roll back
         # rejected drafts, write one state per processed token (a tree node forks the state).
         state = t.state_bytes_per_request * (2 if prefill else 1 + tokens_per_request)
-        kv_bytes = requests * (context * t.kv_bytes_per_token + state)
+        # Each rank reads its share of the KV cache, or all of it when TP cannot split it
+        # (an MLA latent); sliding-window layers read no more than their window.
+        kv = t.kv_bytes(context) * (self.tp if t.kv_replicated else 1)
+        kv_bytes = requests * (kv + state)
         kv_s = kv_bytes / (self.bandwidth * c.kv_bandwidth_eff)
         flops = 2.0 * t.active_params_b * 1e9 * tokens
         compute_s = flops / (self.flops_peak * c.compute_eff)
@@ -118,10 +121,15 @@ class CostModel:
         return RoundTime(0.0, self.target_pass(batch, 1, data), 0.0)
 
     def spec_round(self, config: TreeConfig, batch: float, data: Dataset) -> RoundTime:
-        """One draft-extend pass, S-1 draft-decode passes over B*K tokens, one verify over
-        B*N tokens (tree attention reads each request's KV once)."""
+        """One draft-extend pass over B*(S+1) tokens, S-1 draft-decode passes over B*K
+        tokens, one verify over B*N tokens (tree attention reads each request's KV once).
+
+        The draft extend re-reads only the accepted path, at most S+1 tokens a request:
+        SGLang's EAGLE worker sizes it (and its CUDA graphs) as `speculative_num_steps + 1`
+        tokens per request whatever N is, so a wide tree's N does not enter it.
+        """
         ctx = data.context_tokens
-        draft = self.draft_pass(batch * config.draft_tokens, batch, ctx) + (
+        draft = self.draft_pass(batch * (config.steps + 1), batch, ctx) + (
             config.steps - 1
         ) * self.draft_pass(batch * config.topk, batch, ctx)
         verify = self.target_pass(batch, config.draft_tokens, data)

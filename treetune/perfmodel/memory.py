@@ -37,16 +37,19 @@ def check_memory(
     t, d, server = profile.target, profile.draft, profile.server
     available = profile.hardware.memory_gb * GB * fraction
     weights = t.total_params_b * 1e9 * t.weight_bytes / tp
-    kv_per_token = t.kv_bytes_per_token / tp
     slots = server.reserve_context_tokens
     in_flight = max_running_requests
+    draft_kv_per_token = 0.0
     if config is not BASELINE:
         assert isinstance(config, TreeConfig)
         weights += d.params_m * 1e6 * d.weight_bytes / tp
-        kv_per_token += d.kv_bytes_per_token / tp
+        draft_kv_per_token = d.kv_bytes_per_token / tp
         slots += config.kv_slots_per_round
         in_flight *= config.draft_tokens
-    kv = max_running_requests * (slots * kv_per_token + t.state_bytes_per_request / tp)
+    # An MLA latent is not split by tensor parallelism: every rank holds all of it.
+    target_kv = t.kv_bytes(slots) / (1 if t.kv_replicated else tp)
+    kv = max_running_requests * (target_kv + slots * draft_kv_per_token
+                                 + t.state_bytes_per_request / tp)
     per_token = server.activation_bytes_per_token or (
         t.vocab_size * LOGIT_BYTES + 16 * t.hidden_size * 2
     )

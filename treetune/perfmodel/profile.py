@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from treetune.errors import ConfigFileError, TreetuneError
+from treetune.errors import ConfigFileError, FieldError, TreetuneError
 from treetune.perfmodel.acceptance import Acceptance
 from treetune.yamlio import build, closest, dump_yaml, load_yaml
 
@@ -49,24 +49,102 @@ class MoE:
 
 
 @dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): the KV cache holds one
+    compressed latent per token and layer, shared by every head, instead of K and V per
+    KV head."""
+
+    kv_lora_rank: int  # width of the latent (512 on DeepSeek-V3)
+    rope_dim: int = 64  # the decoupled RoPE key stored beside it (qk_rope_head_dim)
+    bytes_per_element: float = 2.0  # bf16 cache; 1 for an fp8 KV cache
+
+    def __post_init__(self) -> None:
+        _positive(self, "kv_lora_rank", "bytes_per_element")
+        if self.rope_dim < 0:
+            raise ValueError(f"rope_dim must be >= 0, got {self.rope_dim}")
+
+    @property
+    def bytes_per_token_and_layer(self) -> float:
+        return (self.kv_lora_rank + self.rope_dim) * self.bytes_per_element
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """Attention layers that only see the last `window` tokens (gpt-oss, Gemma 2/3,
+    Mistral): their KV reads, and what SGLang's hybrid SWA pool keeps of them, stop
+    growing with context at the window."""
+
+    window: int  # tokens a windowed layer attends to
+    layers: int  # attention layers with the window; the other attention layers see it all
+
+    def __post_init__(self) -> None:
+        _positive(self, "window", "layers")
+
+
+@dataclass(frozen=True)
 class Target:
     name: str
     total_params_b: float
     active_params_b: float
     layers: int
     hidden_size: int
-    kv_bytes_per_token: float  # K and V of all attention layers, whole model
+    # KV cache of one token, all attention layers, whole model (K and V, or the MLA
+    # latent). May be left out when `mla` says it: it is then derived from the latent.
+    kv_bytes_per_token: float = 0.0
     weight_bytes: float = 2.0  # per parameter: 2 for bf16, 1 for fp8
     state_bytes_per_request: float = 0.0  # recurrent (linear-attention) state
     vocab_size: int = 151936
-    attention_layers: int | None = None
+    attention_layers: int | None = None  # layers with a KV cache (default: all)
     moe: MoE | None = None
+    mla: MLA | None = None
+    sliding_window: SlidingWindow | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "total_params_b", "active_params_b", "layers", "hidden_size",
-                  "kv_bytes_per_token", "weight_bytes")
+                  "weight_bytes")
         if self.active_params_b > self.total_params_b:
             raise ValueError("active_params_b cannot exceed total_params_b")
+        if self.attention_layers is not None and not 0 < self.attention_layers <= self.layers:
+            raise FieldError("attention_layers", f"must be in 1..layers ({self.layers}), "
+                             f"got {self.attention_layers}")
+        if self.mla is not None:
+            latent = self.kv_layers * self.mla.bytes_per_token_and_layer
+            if self.kv_bytes_per_token == 0:
+                object.__setattr__(self, "kv_bytes_per_token", latent)  # frozen: derive once
+            elif abs(self.kv_bytes_per_token / latent - 1) > 0.01:
+                raise FieldError("kv_bytes_per_token", (
+                    f"{self.kv_bytes_per_token:g} disagrees with the MLA latent: "
+                    f"{self.kv_layers} layers x ({self.mla.kv_lora_rank} + "
+                    f"{self.mla.rope_dim}) x {self.mla.bytes_per_element:g} bytes = "
+                    f"{latent:g}; leave kv_bytes_per_token out or fix one of them"))
+        if self.kv_bytes_per_token <= 0:
+            raise FieldError("kv_bytes_per_token",
+                             f"must be > 0, got {self.kv_bytes_per_token:g} (or give mla)")
+        if self.sliding_window is not None and self.sliding_window.layers > self.kv_layers:
+            raise FieldError("sliding_window.layers", (
+                f"{self.sliding_window.layers} windowed layers but only {self.kv_layers} "
+                "attention layers"))
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that hold a KV cache (hybrid models' linear-attention layers hold none)."""
+        return self.attention_layers or self.layers
+
+    @property
+    def kv_replicated(self) -> bool:
+        """Whether every tensor-parallel rank holds the whole KV cache: an MLA latent is
+        one "head" shared by all heads, so TP cannot split it (SGLang replicates it)."""
+        return self.mla is not None
+
+    def kv_bytes(self, context: float) -> float:
+        """Bytes of one request's KV cache at `context` tokens, whole model: what a decode
+        step reads, and what the cache holds. Windowed layers stop at their window."""
+        if self.sliding_window is None:
+            return context * self.kv_bytes_per_token
+        per_layer = self.kv_bytes_per_token / self.kv_layers
+        windowed = self.sliding_window.layers
+        return per_layer * ((self.kv_layers - windowed) * context
+                            + windowed * min(context, self.sliding_window.window))
 
     @property
     def expert_params(self) -> float:

@@ -1,0 +1,213 @@
+"""`treetune calibrate` takes what people publish (speedups without throughputs, nulls,
+several studies in one file), names the entry the user wrote when it refuses one, and
+fits only what the points determine."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+from studykit import run_cli
+
+from treetune.config import BASELINE, TreeConfig
+from treetune.errors import ConfigFileError
+from treetune.perfmodel import PerfModel, load_profile
+from treetune.perfmodel.calibrate import (
+    Measurement,
+    calibrate,
+    free_parameters,
+    get_value,
+    identify,
+    load_measurements,
+)
+
+PRIOR = load_profile("qwen3-30b-a3b-h100")
+# What the measured server "is": the prior with other overheads and acceptance.
+TRUTH = PRIOR.replace(
+    calibration=dataclasses.replace(PRIOR.calibration, step_overhead_ms=3.0,
+                                    token_overhead_us=8.0),
+    datasets={**PRIOR.datasets, "humaneval": dataclasses.replace(
+        PRIOR.datasets["humaneval"], acceptance=dataclasses.replace(
+            PRIOR.datasets["humaneval"].acceptance, top1=0.72))})
+CELLS = [((3, 4, 8), 1), ((3, 4, 8), 32), ((5, 1, 6), 32)]
+
+
+def true_speedup(tree, batch, dataset) -> float:
+    model, config = PerfModel(TRUTH), TreeConfig.of(*tree)
+    return model.throughput(config, batch, dataset) / model.throughput(BASELINE, batch, dataset)
+
+
+def speedup_points(datasets=("mt-bench", "humaneval")) -> list[dict]:
+    return [dict(steps=t[0], topk=t[1], draft_tokens=t[2], batch=b, dataset=d,
+                 speedup=round(true_speedup(t, b, d), 4))
+            for t, b in CELLS for d in datasets]
+
+
+def write(tmp_path, name: str, data) -> str:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+def test_speedup_only_yaml_points_are_accepted_and_fitted(capsys, tmp_path):
+    data = write(tmp_path, "points.yaml", {"points": speedup_points()})
+    points = load_measurements(data)
+    assert all(m.baseline_tok_s is None and m.spec_tok_s is None for m in points)
+    out_path = tmp_path / "fitted.yaml"
+    code, out, err = run_cli(capsys, "calibrate", "-p", "qwen3-30b-a3b-h100",
+                             "--measurements", data, "-o", str(out_path), "--starts", "2")
+    assert code == 0, err
+    assert "no point has a baseline throughput" in err and "n/a (speedups only)" in out
+    fitted = PerfModel(load_profile(out_path))
+    for p in speedup_points():
+        config = TreeConfig.of(p["steps"], p["topk"], p["draft_tokens"])
+        assert fitted.predict(config, p["dataset"], p["batch"]).speedup == pytest.approx(
+            p["speedup"], abs=0.02)
+    # Speedups fix ratios only: the fitted model does not claim to know absolute speed,
+    # it keeps at least one of the time costs where the profile had it.
+    times = {"calibration.step_overhead_ms", "calibration.draft_overhead_ms",
+             "calibration.round_overhead_ms", "calibration.token_overhead_us",
+             "calibration.weight_bandwidth_eff", "calibration.compute_eff"}
+    result = calibrate(PRIOR, points, free_parameters(PRIOR, points), starts=1,
+                       keep_unidentified=True)
+    assert times & set(result.kept)
+
+
+def test_speedup_only_csv_points_are_accepted_with_empty_throughput_cells(tmp_path):
+    rows = speedup_points()
+    header = "steps,topk,draft_tokens,batch,dataset,baseline_tok_s,spec_tok_s,speedup\n"
+    body = "".join(f"{r['steps']},{r['topk']},{r['draft_tokens']},{r['batch']},{r['dataset']}"
+                   f",,,{r['speedup']}\n" for r in rows)
+    points = load_measurements(write(tmp_path, "points.csv", header + body))
+    assert [m.speedup for m in points] == [r["speedup"] for r in rows]
+    result = calibrate(PRIOR, points, starts=1, keep_unidentified=True)
+    assert result.max_speedup_error < 0.02 and result.max_baseline_error is None
+
+
+def test_a_null_baseline_is_accepted_when_a_speedup_is_given(tmp_path):
+    data = write(tmp_path, "published.yaml", """\
+mine:
+  runs:
+    - batch: 32
+      tree: [3, 4, 8]
+      results:
+        mt-bench: [null, 2009.4, 1.31]      # the baseline follows from spec / speedup
+        humaneval: [null, null, 1.03]       # a speedup only
+        terminal-bench: {speedup: 0.89, accept_length: 2.4}
+    - batch: 1
+      tree: [3, 4, 8]
+      results:
+        mt-bench: [166.5, 196.0]            # throughputs only
+""")
+    chat, code, terminal, single = load_measurements(data, "mine")
+    assert chat.baseline_tok_s == pytest.approx(2009.4 / 1.31) and chat.speedup == 1.31
+    assert code.baseline_tok_s is None and code.speedup == 1.03
+    assert terminal.speedup == 0.89 and terminal.accept_length == 2.4
+    assert single.speedup == pytest.approx(196.0 / 166.5)
+
+
+def line_of(path: str, text: str, after: str = "") -> int:
+    lines = Path(path).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if after in line) if after else 0
+    return next(i for i, line in enumerate(lines) if i >= start and text in line) + 1
+
+
+@pytest.mark.parametrize(("cell", "fragment"), [
+    ("[null, null, null]", "give baseline_tok_s and spec_tok_s, or a speedup"),
+    ("[100, 150, 1.9]", "1.9 disagrees with spec_tok_s / baseline_tok_s = 1.500"),
+    ("[100, -5]", "must be > 0"),
+    ("fast", "expected [baseline_tok_s, spec_tok_s, speedup]"),
+])
+def test_a_refused_published_cell_is_named_as_the_file_writes_it_with_its_line(
+        capsys, tmp_path, cell, fragment):
+    data = write(tmp_path, "measurements.yaml", f"""\
+other: {{runs: []}}
+mine:
+  source: a blog post
+  runs:
+    - batch: 1
+      tree: [3, 4, 8]
+      results:
+        humaneval: [171.1, 237.9, 1.39]
+    - batch: 32
+      tree: [3, 4, 8]
+      results:
+        mt-bench: [1529.1, 2009.4, 1.31]
+        humaneval: {cell}
+""")
+    with pytest.raises(ConfigFileError) as exc:
+        load_measurements(data, "mine")
+    message = str(exc.value)
+    line = line_of(data, "humaneval:", after="batch: 32")
+    assert f"measurements.yaml, line {line}: key 'mine.runs[1].results.humaneval" in message
+    assert fragment in message and "points[" not in message
+    code, _, err = run_cli(capsys, "calibrate", "-p", "qwen3-30b-a3b-h100", "--entry", "mine",
+                           "--measurements", data, "-o", str(tmp_path / "out.yaml"))
+    assert code == 2 and f"line {line}" in err
+
+
+def test_a_refused_point_names_its_key_or_csv_line(tmp_path):
+    points = speedup_points()
+    points[2]["speedup"] = "fast"
+    data = write(tmp_path, "points.yaml", {"points": points})
+    with pytest.raises(ConfigFileError) as exc:
+        load_measurements(data)
+    assert "key 'points[2].speedup'" in str(exc.value)
+    assert f"line {line_of(data, 'speedup: fast')}" in str(exc.value)
+    bare = write(tmp_path, "bare.yaml", yaml.safe_dump(points, sort_keys=False))
+    with pytest.raises(ConfigFileError) as exc:
+        load_measurements(bare)
+    assert "points[2].speedup" in str(exc.value)
+    assert f"line {line_of(bare, 'speedup: fast')}" in str(exc.value)
+    csv = write(tmp_path, "points.csv", "steps,topk,draft_tokens,batch,dataset,speedup\n"
+                "3,4,8,1,mt-bench,1.2\n3,4,8,32,mt-bench,\n")
+    with pytest.raises(ConfigFileError, match=r"points\.csv: line 3: no baseline_tok_s"):
+        load_measurements(csv)
+    misspelt = write(tmp_path, "misspelt.csv", "steps,topk,draft_tokens,batch,dataset,speedups\n"
+                     "3,4,8,1,mt-bench,1.2\n")
+    with pytest.raises(ConfigFileError, match=r"line 2: column 'speedups': unknown key "
+                       r"\(did you mean 'speedup'\?\)"):
+        load_measurements(misspelt)
+
+
+def test_four_points_cannot_determine_twenty_parameters_and_the_rest_stay_at_the_prior(
+        capsys, tmp_path):
+    datasets = ("mt-bench", "humaneval", "sharegpt", "swebench-verified")
+    four = [p for p in speedup_points(datasets) if p["batch"] == 32 and p["topk"] == 4]
+    assert len(four) == 4
+    points = load_measurements(write(tmp_path, "four.yaml", four))
+    params = free_parameters(PRIOR, points)
+    assert len(params) >= 20
+    ident = identify(PRIOR, points, params)
+    assert 1 <= len(ident.fitted) <= len(points) and len(ident.kept) >= len(params) - 4
+    result = calibrate(PRIOR, points, params, starts=2, keep_unidentified=True)
+    assert "calibration.draft_overhead_ms" in result.kept
+    for name in result.kept:  # left exactly as the profile has them
+        assert get_value(result.profile, name) == get_value(PRIOR, name), name
+    assert result.max_speedup_error < 0.02
+
+    out_path = tmp_path / "fitted.yaml"
+    code, _, err = run_cli(capsys, "calibrate", "-p", "qwen3-30b-a3b-h100", "--measurements",
+                           str(tmp_path / "four.yaml"), "-o", str(out_path), "--starts", "2")
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert code == 0 and len(warnings) == 1
+    assert "4 points cannot determine" in warnings[0]
+    assert "calibration.draft_overhead_ms" in warnings[0]
+    fitted = load_profile(out_path)
+    assert fitted.calibration.draft_overhead_ms == PRIOR.calibration.draft_overhead_ms
+
+
+def test_a_pair_that_only_acts_together_is_not_fitted_twice():
+    # KV bandwidth only ever divides the KV bytes a context makes: many points with
+    # throughputs determine the product, so one of the two stays where it was.
+    model, points = PerfModel(TRUTH), []
+    for tree in ((3, 4, 8), (5, 1, 6), (2, 4, 6), (6, 4, 24)):
+        config = TreeConfig.of(*tree)
+        for batch in (1, 16, 64):
+            points.append(Measurement(
+                config, batch, "mt-bench", model.throughput(BASELINE, batch, "mt-bench"),
+                model.throughput(config, batch, "mt-bench"),
+                model.accept_length(config, "mt-bench")))
+    fitted = {p.name for p in identify(PRIOR, points).fitted}
+    assert not {"calibration.kv_bandwidth_eff", "datasets.mt-bench.context_tokens"} <= fitted
+    assert "datasets.mt-bench.acceptance.top1" in fitted
