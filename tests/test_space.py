@@ -33,7 +33,7 @@ def test_bench_speculative_space_is_exactly_sglangs_grid():
     space = load_space("bench-speculative")
     assert set(space.configs()) == {TreeConfig.of(*t) for t in raw}
     assert len(space.configs()) == 43
-    assert space.candidates()[0].config is BASELINE
+    assert BASELINE not in space.configs()  # the study measures it, whatever the space
 
 
 def test_enumeration_yields_each_canonical_config_once():
@@ -42,14 +42,30 @@ def test_enumeration_yields_each_canonical_config_once():
     assert configs == sorted(configs)
 
 
-def test_extra_flags_are_categorical_dimensions(tmp_path):
+def test_flags_in_a_space_are_refused_on_their_line_pointing_to_server_flags(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text("steps: [3]\ntopk: [1, 4]\ndraft_tokens: [8]\n"
                     "flags:\n  --attention-backend: [triton, flashinfer]\n")
-    space = load_space(path)
-    assert len(space.candidates()) == 3 * 2  # baseline, (3,1,4), (3,4,8) x two backends
-    assert {c.flags for c in space.candidates()} == {
-        (("--attention-backend", "triton"),), (("--attention-backend", "flashinfer"),)}
+    with pytest.raises(ConfigFileError) as info:
+        load_space(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}, line 4: key 'flags': SGLang flags are not searched")
+    assert "server_flags" in message and "\n" not in message
+
+
+def test_a_space_cannot_leave_out_the_baseline(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("steps: [3]\ntopk: [1]\ninclude_baseline: false\ndraft_tokens: [4]\n")
+    with pytest.raises(ConfigFileError) as info:
+        load_space(path)
+    assert str(info.value) == (f"{path}, line 3: key 'include_baseline': the baseline is "
+                               "always measured: remove include_baseline")
+
+
+def test_include_baseline_true_is_accepted_since_it_is_what_happens(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("steps: [3]\ntopk: [1]\ndraft_tokens: [4]\ninclude_baseline: true\n")
+    assert load_space(path).configs() == [TreeConfig.of(3, 1, 4)]
 
 
 @pytest.mark.parametrize(

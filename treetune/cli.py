@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import ipaddress
 import json
 import os
@@ -9,7 +11,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console, ConsoleDimensions
@@ -19,6 +21,7 @@ from rich.table import Table
 from treetune.config import ServerConfig, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.perfmodel import PerfModel, Prediction, load_profile, shipped_profiles
+from treetune.study.spec import search_options
 
 if TYPE_CHECKING:
     from treetune.study.recommend import Recommendation
@@ -49,9 +52,6 @@ class _StdoutConsole(Console):
 LOG_WIDTH = 1000  # wider than any table; tables and text take only the width they need
 out = _StdoutConsole()
 err = Console(stderr=True, soft_wrap=True)  # messages stay one greppable line
-
-# Options that take several values after one flag, as in `--batch 1 32`.
-MULTI_VALUE_OPTIONS = {"--batch", "--tree", "--dataset", "--datasets", "--compare"}
 
 ProfileOpt = Annotated[
     str, typer.Option("--profile", "-p", help="A shipped profile's name or a profile YAML path.")
@@ -215,58 +215,7 @@ def calibrate(
     out.print(f"wrote {output}")
 
 
-@app.command()
-def search(
-    study: Annotated[Path | None, typer.Option(help="Study spec YAML (see studies/).")] = None,
-    model: Annotated[str | None, typer.Option(help="Target model path or name.")] = None,
-    draft: Annotated[str | None, typer.Option(help="Draft head path or name.")] = None,
-    name: Annotated[str | None, typer.Option(help="Study name (default: file or model).")]
-    = None,
-    algorithm: Annotated[str | None, typer.Option(help="EAGLE3 (default), EAGLE, NEXTN.")]
-    = None,
-    sglang_version: Annotated[str | None, typer.Option(help="SGLang version the launch "
-                                                       "flags target (default 0.5.23).")] = None,
-    tp: Annotated[int | None, typer.Option(help="Tensor-parallel size (GPUs per server).")]
-    = None,
-    batch: Annotated[list[int] | None, typer.Option(help="Batch sizes, e.g. --batch 1 32.")]
-    = None,
-    datasets: Annotated[list[str] | None, typer.Option(
-        help="Datasets (built-in names), e.g. --datasets mt-bench humaneval.")] = None,
-    space: Annotated[str | None, typer.Option(help="Search space name or YAML path.")] = None,
-    budget_launches: Annotated[int | None, typer.Option(
-        help="Server launches, baseline included.")] = None,
-    budget_time: Annotated[float | None, typer.Option(help="Wall-time budget, seconds.")]
-    = None,
-    tolerance: Annotated[float | None, typer.Option(
-        help="Allowed slowdown per dataset (0: never slower than no speculation).")] = None,
-    backend: Annotated[str | None, typer.Option(help="sglang or emulator.")] = None,
-    profile: Annotated[str | None, typer.Option(
-        help="Emulator profile (implies --backend emulator).")] = None,
-    time_scale: Annotated[float | None, typer.Option(help="Emulator speed-up.")] = None,
-    ray_address: Annotated[str | None, typer.Option(help="Ray cluster (default: local).")]
-    = None,
-    workers: Annotated[int | None, typer.Option(help="GPU groups to use in parallel.")] = None,
-    storage: Annotated[str | None, typer.Option(help="Optuna storage URL (default: SQLite "
-                                                "in the output folder).")] = None,
-    seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
-    compare: Annotated[list[str] | None, typer.Option(
-        help="Trees always measured, e.g. --compare 3,4,8 5,1,6.")] = None,
-    output: Annotated[str | None, typer.Option("--output", "-o",
-                                               help="Output folder (default runs/<name>).")]
-    = None,
-    host: Annotated[str | None, typer.Option(help="Address servers listen on (default "
-                                             "127.0.0.1; others are warned about).")] = None,
-    api_key_env: Annotated[str | None, typer.Option(
-        help="Environment variable holding SGLang's --api-key; the key itself is never "
-        "written anywhere.")] = None,
-    strategy: Annotated[str | None, typer.Option(
-        help="How the next tree is chosen: model (fit the performance model to what was "
-        "measured and launch its predicted best), tpe, grid or random. Default auto: model "
-        "when a prior profile is known (the emulator's, or --prior), else tpe.")] = None,
-    prior: Annotated[str | None, typer.Option(
-        help="Profile (name or YAML) with the hardware and model facts the model search "
-        "starts from; its fitted values are refined by the measurements.")] = None,
-) -> None:
+def search(study: Path | None = None, **options: Any) -> None:
     """Search for the best tree per batch size and workload, and write launch commands.
 
     Launches servers (SGLang, or the emulator with --profile) on Ray workers, measures every
@@ -276,21 +225,10 @@ def search(
     from treetune.study.export import write_outputs
     from treetune.study.recommend import pools_advice
     from treetune.study.runner import run_study
-    from treetune.study.spec import load_study
+    from treetune.study.spec import load_study, option_overrides
 
-    backend_over: dict[str, object] = {"kind": backend, "profile": profile,
-                                       "time_scale": time_scale}
-    if profile and not backend:
-        backend_over["kind"] = "emulator"
-    spec = load_study(study, {
-        "name": name, "model": model, "draft": draft, "algorithm": algorithm,
-        "sglang_version": sglang_version, "tp": tp, "batch": batch, "datasets": datasets,
-        "space": space, "budget": {"launches": budget_launches, "wall_time_s": budget_time},
-        "tolerance": tolerance, "backend": backend_over, "ray_address": ray_address,
-        "workers": workers, "storage": storage, "seed": seed, "compare": compare,
-        "output": output, "host": host, "api_key_env": api_key_env,
-        "search": {"strategy": strategy, "prior": prior},
-    })
+    spec = load_study(study, option_overrides(
+        {option.key: options[option.param] for option in search_options()}))
     out.print(f"study [bold]{spec.name}[/bold]: {spec.model} + {spec.draft}, batch "
               f"{', '.join(map(str, spec.batch))}, datasets {', '.join(spec.dataset_names)}, "
               f"backend {spec.backend.describe()}, storage {spec.storage_url}")
@@ -309,6 +247,24 @@ def search(
         sys.exit(130)
     if outcome.baseline is None:
         raise TreetuneError("no baseline was measured, so there is nothing to recommend")
+
+
+def _search_signature() -> inspect.Signature:
+    """`search`'s parameters as typer reads them: `--study`, then one option per study
+    field that has one (`spec.search_options`), so none is written out twice."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("study", keyword, default=None, annotation=Annotated[
+        Path | None, typer.Option(help="Study spec YAML (see studies/).")])]
+    for option in search_options():
+        value: Any = list[option.value_type] if option.multiple else option.value_type
+        names = [option.flag, *([option.short] if option.short else [])]
+        params.append(inspect.Parameter(option.param, keyword, default=None, annotation=Annotated[
+            value | None, typer.Option(*names, help=option.help)]))
+    return inspect.Signature(params)
+
+
+search.__signature__ = _search_signature()  # type: ignore[attr-defined]
+app.command()(search)
 
 
 def is_loopback(host: str) -> bool:
@@ -465,13 +421,22 @@ def grid(
               f"{', '.join(map(str, batch))} on {len(found.profile.datasets)} datasets")
 
 
+@functools.cache
+def multi_value_options() -> frozenset[str]:
+    """Options that take several values after one flag, as in `--batch 1 32`: those of any
+    command declared as a list (click calls them `multiple`)."""
+    commands = typer.main.get_command(app).commands.values()  # type: ignore[attr-defined]
+    return frozenset(name for command in commands for param in command.params
+                     if getattr(param, "multiple", False) for name in param.opts)
+
+
 def expand_multi_values(argv: list[str]) -> list[str]:
     """Turn `--batch 1 32` into `--batch 1 --batch 32` (click options take one value)."""
     result: list[str] = []
     current: str | None = None
     for arg in argv:
         if arg.startswith("-") and not _is_number(arg):
-            current = arg if arg in MULTI_VALUE_OPTIONS else None
+            current = arg if arg in multi_value_options() else None
             result.append(arg)
         elif current is not None and result and result[-1] != current:
             result += [current, arg]

@@ -1,4 +1,4 @@
-"""Search spaces: ranges or choices per knob, extra SGLang flags as categorical dimensions.
+"""Search spaces: ranges or choices per tree knob.
 
 A space file is YAML:
 
@@ -6,37 +6,23 @@ A space file is YAML:
     topk: [1, 2, 3, 4, 6, 8]
     draft_tokens: {min: 2, max: 64}
     draft_tokens_rule: sglang        # or steps_times_topk_plus_one (bench_speculative.py)
-    include_baseline: true
-    flags:                           # optional categorical SGLang flags
-      --attention-backend: [triton, flashinfer]
 
 Enumeration yields each valid canonical TreeConfig once, however many raw triples map to it.
+The baseline is not part of a space: every study measures it.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from treetune.config import BASELINE, ServerConfig, TreeConfig, tree_problem
+from treetune.config import TreeConfig, tree_problem
 from treetune.errors import ConfigFileError, TreetuneError
 from treetune.yamlio import build, closest, load_yaml
 
 RULES = ("sglang", "steps_times_topk_plus_one")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One server to launch: a tree (or the baseline) plus values of the extra flags."""
-
-    config: ServerConfig
-    flags: tuple[tuple[str, str], ...] = ()
-
-    def label(self) -> str:
-        extra = " ".join(f"{k}={v}" for k, v in self.flags)
-        return f"{self.config.label()} {extra}".strip()
 
 
 @dataclass(frozen=True)
@@ -45,8 +31,11 @@ class _SpaceFile:
     topk: Any
     draft_tokens: Any
     draft_tokens_rule: str = "sglang"
+    # Keys older space files hold, kept known so that load_space answers them with a
+    # reason instead of ignoring them: `flags` is refused, `include_baseline: true` only
+    # says what every study does anyway.
     include_baseline: bool = True
-    flags: dict[str, list[str]] = field(default_factory=dict)
+    flags: Any = None
     description: str = ""
 
 
@@ -57,8 +46,6 @@ class SearchSpace:
     topk: tuple[int, ...]
     draft_tokens: tuple[int, ...]
     draft_tokens_rule: str = "sglang"
-    include_baseline: bool = True
-    flags: tuple[tuple[str, tuple[str, ...]], ...] = ()
     description: str = ""
 
     def allows(self, steps: int, topk: int, draft_tokens: int) -> bool:
@@ -86,15 +73,6 @@ class SearchSpace:
     def contains(self, config: TreeConfig) -> bool:
         return config in set(self.configs())
 
-    def candidates(self) -> list[Candidate]:
-        """Trees (and the baseline, if included) crossed with every extra-flag combination."""
-        servers: list[ServerConfig] = [*([BASELINE] if self.include_baseline else []),
-                                       *self.configs()]
-        names = [name for name, _ in self.flags]
-        combos = list(itertools.product(*(values for _, values in self.flags)))
-        return [Candidate(c, tuple(zip(names, combo, strict=True)))
-                for c in servers for combo in combos]
-
 
 def shipped_spaces() -> dict[str, Path]:
     """Spaces in the checkout's search_spaces/ folder, by name."""
@@ -114,7 +92,16 @@ def load_space(name_or_path: str | Path) -> SearchSpace:
                 f"or one of: {', '.join(shipped) or '(none found)'}"
             )
         path = shipped[text]
-    raw = build(_SpaceFile, load_yaml(path), path)
+    data = load_yaml(path)
+    raw = build(_SpaceFile, data, path)
+    # The search varies the tree only; a space's flags used to be accepted and then ignored,
+    # so a user who set them thought they were searched.
+    if "flags" in data:
+        raise ConfigFileError(path, "SGLang flags are not searched: pin them in the study's "
+                              "server_flags instead, and remove flags from the space", "flags")
+    if not raw.include_baseline:
+        raise ConfigFileError(path, "the baseline is always measured: remove include_baseline",
+                              "include_baseline")
     if raw.draft_tokens_rule not in RULES:
         raise ConfigFileError(
             path, f"must be one of {', '.join(RULES)}, got '{raw.draft_tokens_rule}'",
@@ -123,15 +110,8 @@ def load_space(name_or_path: str | Path) -> SearchSpace:
     steps = _knob(raw.steps, path, "steps", minimum=1)
     topk = _knob(raw.topk, path, "topk", minimum=1)
     draft_tokens = _knob(raw.draft_tokens, path, "draft_tokens", minimum=2)
-    flags = []
-    for flag, values in raw.flags.items():
-        if not flag.startswith("--"):
-            raise ConfigFileError(path, "flag names start with '--'", f"flags.{flag}")
-        if not values:
-            raise ConfigFileError(path, "needs at least one value", f"flags.{flag}")
-        flags.append((flag, tuple(str(v) for v in values)))
     space = SearchSpace(path.stem, steps, topk, draft_tokens, raw.draft_tokens_rule,
-                        raw.include_baseline, tuple(flags), raw.description)
+                        raw.description)
     if not space.configs():
         raise ConfigFileError(path, _impossible(space), "draft_tokens")
     return space

@@ -187,9 +187,10 @@ def test_brackets_in_the_user_s_text_are_shown_as_written(capsys, tmp_path, valu
 EMPTY_SPACES = {
     "no steps": ("steps: []\ntopk: [1, 2]\ndraft_tokens: [2, 4]\n", "steps", 1,
                  "no values given, so the space is empty"),
+    # A space's flags are not searched, so none of their values is checked: the key is refused.
     "no flag values": ("steps: [2]\ntopk: [2]\ndraft_tokens: [4]\n"
-                       "flags:\n  --attention-backend: []\n", "flags.--attention-backend", 5,
-                       "needs at least one value"),
+                       "flags:\n  --attention-backend: []\n", "flags", 4,
+                       "SGLang flags are not searched: pin them in the study's server_flags"),
     "reversed range": ("steps: {min: 5, max: 2}\ntopk: [2]\ndraft_tokens: [4]\n", "steps", 1,
                        "empty range min 5 max 2 step 1, so the space is empty"),
     # topk 2 proposes 2 candidates per step: one step verifies at most 3 tokens.

@@ -1,5 +1,11 @@
-"""Study specs: what to tune, on what, with which budget. YAML in studies/, every field
-also settable on the command line (the command line wins). Validated here, once."""
+"""Study specs: what to tune, on what, with which budget. YAML in studies/, fields also
+settable on the command line (the command line wins). Validated here, once.
+
+`StudySpec` and its sections are the one source of both: the study file's schema is derived
+from their fields (`file_schema`), and so are `treetune search`'s options (`search_options`,
+from each field's metadata, made with `meta`). Adding a field adds its key, and with
+`meta(option=...)` its option.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +13,14 @@ import dataclasses
 import hashlib
 import json
 import re
+import types
+import typing
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from treetune import strategies
-from treetune.backends import Backend, LaunchSpec, backend_class
+from treetune.backends import BACKENDS, Backend, LaunchSpec, backend_class
 from treetune.backends._base import parse_version
 from treetune.backends.sglang import ALGORITHMS, DEFAULT_SGLANG_VERSION, SGLangBackend
 from treetune.config import TreeConfig
@@ -23,10 +31,25 @@ from treetune.yamlio import build, dump_yaml, load_yaml
 SPEC_COPY = "study.yaml"  # the resolved spec, saved in the output folder for readers
 
 
+def meta(option: str | None = None, help: str = "", *, short: str | None = None,
+         file_type: Any = None, in_file: bool = True) -> dict[str, Any]:
+    """A spec field's metadata: the `treetune search` option that sets it (with its help
+    and short form), the type a study file holds for it when looser than the field's own
+    (names and mappings the loader turns into typed values), or that no file may set it."""
+    data: dict[str, Any] = {"in_file": in_file}
+    if option is not None:
+        data |= {"option": option, "help": help, "short": short}
+    if file_type is not None:
+        data["file_type"] = file_type
+    return data
+
+
 @dataclass(frozen=True)
 class Budget:
-    launches: int | None = 30  # server launches, the baseline included
-    wall_time_s: float | None = None
+    launches: int | None = field(default=30, metadata=meta(
+        "--budget-launches", "Server launches, baseline included."))
+    wall_time_s: float | None = field(default=None, metadata=meta(
+        "--budget-time", "Wall-time budget, seconds."))
 
     def __post_init__(self) -> None:
         if self.launches is not None and self.launches < 2:
@@ -55,9 +78,15 @@ class Measurement:
 class Search:
     """How the next launch is chosen, and how sure a measurement must be."""
 
-    strategy: str = "auto"  # auto: the model search when a prior is known, else tpe
-    prior: str | None = None  # profile whose hardware and model facts the model search
-    # uses (default for the emulator: its profile, with every free parameter neutral)
+    strategy: str = field(default="auto", metadata=meta(
+        "--strategy", "How the next tree is chosen: model (fit the performance model to what "
+        "was measured and launch its predicted best), tpe, grid or random. Default auto: model "
+        "when a prior profile is known (the emulator's, or --prior), else tpe."))
+    # The profile whose hardware and model facts the model search uses (default for the
+    # emulator: its profile, with every free parameter neutral).
+    prior: str | None = field(default=None, metadata=meta(
+        "--prior", "Profile (name or YAML) with the hardware and model facts the model search "
+        "starts from; its fitted values are refined by the measurements."))
     launch_cv: float = 0.03  # launch-to-launch spread assumed until re-launches measure it
     max_launches_per_config: int = 3  # a borderline config is re-measured up to this
 
@@ -69,6 +98,10 @@ class Search:
         return min(2, self.max_launches_per_config)
 
     def __post_init__(self) -> None:
+        # Imported here: the strategies pull in SciPy and Optuna, and every `treetune`
+        # command imports this module for the options of `search`.
+        from treetune import strategies
+
         if self.strategy not in strategies.names():
             raise ValueError(f"search.strategy must be one of {', '.join(strategies.names())}, "
                              f"got '{self.strategy}'")
@@ -80,31 +113,59 @@ class Search:
 
 @dataclass(frozen=True)
 class StudySpec:
-    name: str
-    model: str
-    datasets: tuple[DatasetSpec, ...]
-    batch: tuple[int, ...]
-    draft: str | None = None
-    algorithm: str = "EAGLE3"
-    sglang_version: str = DEFAULT_SGLANG_VERSION
-    tp: int = 1
-    server_flags: dict[str, str | None] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
-    space: str = "default"
+    # Every field may be left out of a study file (the command line may give it); a file's
+    # `name: null` means the default name, and `model: null` a model from the command line.
+    name: str = field(metadata=meta("--name", "Study name (default: file or model).",
+                                    file_type=str | None))
+    model: str = field(metadata=meta("--model", "Target model path or name.",
+                                     file_type=str | None))
+    datasets: tuple[DatasetSpec, ...] = field(metadata=meta(
+        "--datasets", "Datasets (built-in names), e.g. --datasets mt-bench humaneval.",
+        file_type=list[Any]))  # names, or mappings with a file
+    batch: tuple[int, ...] = field(metadata=meta(
+        "--batch", "Batch sizes, e.g. --batch 1 32.", file_type=list[int]))
+    draft: str | None = field(default=None, metadata=meta("--draft",
+                                                          "Draft head path or name."))
+    algorithm: str = field(default="EAGLE3", metadata=meta(
+        "--algorithm", "EAGLE3 (default), EAGLE, NEXTN."))
+    sglang_version: str = field(default=DEFAULT_SGLANG_VERSION, metadata=meta(
+        "--sglang-version", f"SGLang version the launch flags target (default "
+        f"{DEFAULT_SGLANG_VERSION})."))
+    tp: int = field(default=1, metadata=meta("--tp", "Tensor-parallel size (GPUs per server)."))
+    # Values may be numbers in a file; null marks a bare flag.
+    server_flags: dict[str, str | None] = field(default_factory=dict,
+                                                metadata=meta(file_type=dict[str, Any]))
+    env: dict[str, str] = field(default_factory=dict, metadata=meta(file_type=dict[str, Any]))
+    space: str = field(default="default", metadata=meta(
+        "--space", "Search space name or YAML path."))
     budget: Budget = field(default_factory=Budget)
-    tolerance: float = 0.0
-    backend: Backend = field(default_factory=SGLangBackend)
-    ray_address: str | None = None
-    workers: int | None = None  # GPU groups to use; None: all the cluster offers (local: 1)
-    storage: str | None = None  # Optuna storage URL; None: SQLite in the output folder
-    seed: int = 0
-    compare: tuple[TreeConfig, ...] = ()
-    output: str | None = None  # None: runs/<name>
-    host: str = "127.0.0.1"
-    api_key_env: str | None = None  # environment variable holding SGLang's --api-key
+    tolerance: float = field(default=0.0, metadata=meta(
+        "--tolerance", "Allowed slowdown per dataset (0: never slower than no speculation)."))
+    # In a file: {kind: NAME, ...that backend's own fields}; options in BACKEND_OPTIONS.
+    backend: Backend = field(default_factory=SGLangBackend,
+                             metadata=meta(file_type=dict[str, Any]))
+    ray_address: str | None = field(default=None, metadata=meta(
+        "--ray-address", "Ray cluster (default: local)."))
+    # GPU groups to use; None: all the cluster offers (local: 1).
+    workers: int | None = field(default=None, metadata=meta(
+        "--workers", "GPU groups to use in parallel."))
+    storage: str | None = field(default=None, metadata=meta(
+        "--storage", "Optuna storage URL (default: SQLite in the output folder)."))
+    seed: int = field(default=0, metadata=meta("--seed", "Random seed."))
+    compare: tuple[TreeConfig, ...] = field(default=(), metadata=meta(
+        "--compare", "Trees always measured, e.g. --compare 3,4,8 5,1,6.",
+        file_type=list[Any]))  # [S, K, N] lists or "S,K,N" strings
+    output: str | None = field(default=None, metadata=meta(
+        "--output", "Output folder (default runs/<name>).", short="-o"))
+    host: str = field(default="127.0.0.1", metadata=meta(
+        "--host", "Address servers listen on (default 127.0.0.1; others are warned about)."))
+    api_key_env: str | None = field(default=None, metadata=meta(
+        "--api-key-env", "Environment variable holding SGLang's --api-key; the key itself is "
+        "never written anywhere."))
     measurement: Measurement = field(default_factory=Measurement)
     search: Search = field(default_factory=Search)
-    base_dir: str = "."  # folder relative dataset paths resolve against
+    # The folder relative dataset paths resolve against: where the file is, never in it.
+    base_dir: str = field(default=".", metadata=meta(in_file=False))
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
@@ -214,33 +275,116 @@ class StudySpec:
         dump_yaml(self.to_dict(), path)
 
 
+def _fields(cls: type[Any]) -> Iterator[tuple[dataclasses.Field[Any], Any]]:
+    """A dataclass's fields with their resolved types."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        yield f, hints[f.name]
+
+
+# The study file's sections: a mapping each, merged key by key with the command line's.
+# The backend's keys depend on its kind, so it is read by `_backend`, not by one class.
+SECTIONS: dict[str, type[Any] | None] = {
+    **{f.name: hint for f, hint in _fields(StudySpec) if dataclasses.is_dataclass(hint)},
+    "backend": None,
+}
+
+
+def file_schema() -> type[Any]:
+    """The study file's schema for `yamlio.build`: StudySpec's fields at their file types
+    (see `meta`), sections as their own dataclasses, plus the file-only `description`.
+
+    Every key defaults to None because only the keys a file holds are read: StudySpec's
+    own defaults fill the rest, so they are written once.
+    """
+    keys = [(f.name, f.metadata.get("file_type", hint), field(default=None))
+            for f, hint in _fields(StudySpec) if f.metadata.get("in_file", True)]
+    return dataclasses.make_dataclass(
+        "StudyFile", [*keys, ("description", str, field(default=""))], frozen=True,
+        namespace={"__module__": __name__, "__doc__": "A study file, as written."})
+
+
+_StudyFile = file_schema()
+
+
 @dataclass(frozen=True)
-class _SpecFile:
-    name: str | None = None
-    model: str | None = None
-    draft: str | None = None
-    algorithm: str = "EAGLE3"
-    sglang_version: str = DEFAULT_SGLANG_VERSION
-    tp: int = 1
-    server_flags: dict[str, Any] = field(default_factory=dict)
-    env: dict[str, Any] = field(default_factory=dict)
-    datasets: list[Any] = field(default_factory=list)
-    batch: list[int] = field(default_factory=list)
-    space: str = "default"
-    budget: Budget = field(default_factory=Budget)
-    tolerance: float = 0.0
-    backend: dict[str, Any] = field(default_factory=dict)  # its kind's own fields
-    ray_address: str | None = None
-    workers: int | None = None
-    storage: str | None = None
-    seed: int = 0
-    compare: list[Any] = field(default_factory=list)
-    output: str | None = None
-    host: str = "127.0.0.1"
-    api_key_env: str | None = None
-    measurement: Measurement = field(default_factory=Measurement)
-    search: Search = field(default_factory=Search)
-    description: str = ""
+class SpecOption:
+    """One `treetune search` option: the dotted study key it sets and its help."""
+
+    key: str  # "tp", "budget.launches", "backend.profile"
+    flag: str  # "--tp"
+    help: str
+    value_type: type[Any]  # one value on the command line: int, float or str
+    multiple: bool = False  # several values after one flag: `--batch 1 32`
+    short: str | None = None
+    implies: tuple[tuple[str, Any], ...] = ()  # keys it also sets, unless given too
+
+    @property
+    def param(self) -> str:
+        """The option's Python parameter name: `--budget-launches` -> budget_launches."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+def _either(names: typing.Iterable[str]) -> str:
+    *rest, last = names
+    return f"{', '.join(rest)} or {last}" if rest else last
+
+
+# The only hand-written options: the backend section's keys depend on its kind, so they are
+# not one dataclass's fields (tests/test_spec_single_source.py checks that each names a
+# field of a registered backend). `--profile` alone means the emulator, the one backend
+# with a profile.
+BACKEND_OPTIONS = (
+    SpecOption("backend.kind", "--backend", f"{_either(BACKENDS)}.", str),
+    SpecOption("backend.profile", "--profile", "Emulator profile (implies --backend emulator).",
+               str, implies=(("backend.kind", "emulator"),)),
+    SpecOption("backend.time_scale", "--time-scale", "Emulator speed-up.", float),
+)
+
+
+def search_options() -> list[SpecOption]:
+    """Every option `treetune search` takes, in StudySpec's field order: from the metadata
+    of its fields and its sections' fields, with BACKEND_OPTIONS in the backend's place."""
+    return list(_options(StudySpec, ""))
+
+
+def _options(cls: type[Any], prefix: str) -> Iterator[SpecOption]:
+    for f, hint in _fields(cls):
+        key = prefix + f.name
+        if hint is Backend:
+            yield from BACKEND_OPTIONS
+        elif dataclasses.is_dataclass(hint):
+            yield from _options(hint, f"{key}.")  # type: ignore[arg-type]
+        elif "option" in f.metadata:
+            value = _value_type(hint)
+            multiple = typing.get_origin(value) in (list, tuple)
+            item = typing.get_args(value)[0] if multiple else value
+            yield SpecOption(key, f.metadata["option"], f.metadata["help"],
+                             # Trees, datasets and names are text on the command line.
+                             item if item in (int, float) else str, multiple,
+                             f.metadata["short"])
+
+
+def _value_type(hint: Any) -> Any:
+    """The type without its None: an option left out is None anyway."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        (hint,) = (a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def option_overrides(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`load_study`'s overrides from option values by dotted key (None: not given), with
+    what the given ones imply: {"budget.launches": 5} -> {"budget": {"launches": 5}}."""
+    given = {k: v for k, v in values.items() if v is not None}
+    for option in search_options():
+        if option.key in given:
+            for key, value in option.implies:
+                given.setdefault(key, value)
+    overrides: dict[str, Any] = {}
+    for key, value in given.items():
+        section, _, name = key.rpartition(".")
+        (overrides.setdefault(section, {}) if section else overrides)[name] = value
+    return overrides
 
 
 def load_study(path: str | Path | None, overrides: dict[str, Any] | None = None) -> StudySpec:
@@ -257,24 +401,25 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
                        overrides: dict[str, Any] | None = None) -> StudySpec:
     """A study from already-parsed fields; `where` names their source in errors."""
     path = where if isinstance(where, Path) else None
-    raw = build(_SpecFile, data, where)
-    merged = dataclasses.asdict(raw)
+    raw = build(_StudyFile, data, where)
+    # Only the keys the file holds (sections as mappings, to merge with the command line's).
+    merged = {key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+              for key, value in ((k, getattr(raw, k)) for k in data)}
     # A space file named in a study file is found next to it, as dataset files are.
-    space = Path(merged["space"])
+    space = Path(merged.get("space", ""))
     if path is not None and not space.is_absolute() and space.suffix in (".yaml", ".yml") \
             and (base / space).is_file():
         merged["space"] = str((base / space).resolve())
-    sections = {"budget": Budget, "backend": dict, "measurement": Measurement,
-                "search": Search}
     given: set[str] = set()  # dotted keys the command line set
     for key, value in (overrides or {}).items():
-        if key in sections and isinstance(value, dict):
+        if key in SECTIONS and isinstance(value, dict):
             # Options left unset on the command line keep the file's values.
             set_here = {k: v for k, v in value.items() if v is not None}
-            if key == "backend" and set_here.get("kind", merged[key].get("kind")) != \
-                    merged[key].get("kind"):
-                merged[key] = {}  # another backend: the file's section was for the old one
-            merged[key] = {**merged[key], **set_here}
+            section = merged.get(key) or {}
+            if key == "backend" and set_here.get("kind", section.get("kind")) != \
+                    section.get("kind"):
+                section = {}  # another backend: the file's section was for the old one
+            merged[key] = {**section, **set_here}
             given |= {f"{key}.{k}" for k in set_here}
         elif value is not None:
             merged[key] = value
@@ -288,9 +433,11 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
         source = "command line" if key in given or key.split(".")[0] in given else where
         return ConfigFileError(source, str(exc), key)
 
-    for nested, cls in sections.items():
+    for nested, cls in SECTIONS.items():
+        if nested not in merged:
+            continue  # StudySpec's default
         try:
-            merged[nested] = (_backend(merged[nested], where, given) if cls is dict
+            merged[nested] = (_backend(merged[nested], where, given) if cls is None
                               else cls(**merged[nested]))
         except ValueError as exc:
             raise refused(exc, nested) from None
@@ -298,12 +445,13 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
     if not merged.get("model"):
         raise TreetuneError(f"{where}: no model: give --model or set 'model' in the study file")
     merged["name"] = merged.get("name") or _default_name(merged["model"], path)
-    merged["datasets"] = tuple(_dataset(d, where, i) for i, d in enumerate(merged["datasets"]))
-    merged["batch"] = tuple(merged["batch"])
-    merged["compare"] = tuple(_tree(t, where, i) for i, t in enumerate(merged["compare"]))
+    merged["datasets"] = tuple(_dataset(d, where, i)
+                               for i, d in enumerate(merged.get("datasets", ())))
+    merged["batch"] = tuple(merged.get("batch", ()))
+    merged["compare"] = tuple(_tree(t, where, i) for i, t in enumerate(merged.get("compare", ())))
     merged["server_flags"] = {str(k): None if v is None else str(v)
-                              for k, v in merged["server_flags"].items()}
-    merged["env"] = {str(k): str(v) for k, v in merged["env"].items()}
+                              for k, v in merged.get("server_flags", {}).items()}
+    merged["env"] = {str(k): str(v) for k, v in merged.get("env", {}).items()}
     merged["base_dir"] = str(base)
     try:
         return StudySpec(**merged)
