@@ -100,7 +100,9 @@ SAMPLES = {
 
 
 def test_every_option_sets_its_field(capsys, monkeypatch, tmp_path):
-    assert set(SAMPLES) == {o.flag for o in search_options()}
+    # --world and --profile are two ways to name what the emulator serves: --world has its
+    # own test below.
+    assert set(SAMPLES) | {"--world"} == {o.flag for o in search_options()}
     seen = []
 
     def capture(spec, run_study):
@@ -127,3 +129,19 @@ def test_every_option_sets_its_field(capsys, monkeypatch, tmp_path):
     assert (spec.host, spec.api_key_env) == ("127.0.0.2", "MY_KEY")
     assert (spec.search.strategy, spec.search.prior) == ("grid", "qwen3-8b-h100")
 
+
+
+def test_the_world_option_names_the_emulated_world_and_implies_the_emulator(capsys,
+                                                                             monkeypatch):
+    seen = []
+
+    def capture(spec, run_study):
+        seen.append(spec)
+        return SimpleNamespace(baseline=None, interrupted=False)
+
+    monkeypatch.setattr(treetune.cli, "_run_with_progress", capture)
+    code, _, err = run_cli(capsys, "search", "--model", "m", "--draft", "d", "--datasets",
+                           "humaneval", "--batch", "1", "--world", "cliffs")
+    assert code == 2 and "no baseline was measured" in err
+    assert seen[0].backend.kind == "emulator" and seen[0].backend.world == "cliffs"
+    assert seen[0].backend.profile is None

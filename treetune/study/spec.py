@@ -338,6 +338,9 @@ BACKEND_OPTIONS = (
     SpecOption("backend.kind", "--backend", f"{_either(BACKENDS)}.", str),
     SpecOption("backend.profile", "--profile", "Emulator profile (implies --backend emulator).",
                str, implies=(("backend.kind", "emulator"),)),
+    SpecOption("backend.world", "--world", "Emulate a world instead of a profile: a shipped "
+               "world (see `treetune worlds`) or a world file (implies --backend emulator).",
+               str, implies=(("backend.kind", "emulator"),)),
     SpecOption("backend.time_scale", "--time-scale", "Emulator speed-up.", float),
 )
 
