@@ -2,8 +2,10 @@
 a learned correction.
 
 Real GPUs do not follow the model's equations (kernel cliffs, MoE dispatch, acceptance of
-odd shapes). After each fit the measured log-speedups are compared with the model's: if the
-residuals are larger than the study's measurement noise explains (their mean squared
+odd shapes). Every newly measured tree is first compared with what the model predicted for
+it before it was measured (a posterior predictive check: a model with many free parameters
+fits what it has seen, so only its predictions can show it wrong). If those surprises are
+larger than the prediction's and the measurement's variance explain (their mean squared
 z-score beyond the chi-square test's 99th percentile), the model is misfit. A Gaussian
 process (scikit-learn) then learns the log residual over the tree's features, and the
 search predicts model + correction, explores more, and trusts measurements over the model.
@@ -22,6 +24,8 @@ from scipy import stats
 from treetune.config import TreeConfig
 
 MISFIT_P = 0.01  # false alarm rate of the check when the model is right
+MIN_SURPRISES = 8  # predictions judged before the check may fail
+RECENT = 48  # the check looks at this many latest predictions: a fit can recover
 
 
 @dataclass(frozen=True)
@@ -47,23 +51,30 @@ class Correction:
 
     def __init__(self, datasets: Sequence[str]) -> None:
         self.datasets = list(datasets)
-        self.ratio = 1.0  # mean squared z-score of the residuals (about 1 when the model fits)
+        self.ratio = 1.0  # mean squared z-score of the surprises (about 1 when it fits)
         self.misfit = False
         self.points = 0
+        self.surprises: list[float] = []  # squared z-scores of predictions, oldest first
         self._gp = None
 
+    def surprise(self, z2: Sequence[float]) -> None:
+        """Squared z-scores of a new tree's cells against the model's prediction for it."""
+        self.surprises += list(z2)
+
     def update(self, residuals: Sequence[Residual]) -> None:
-        n = len(residuals)
-        self.points = n
-        if n < 4:
+        """Judge the surprises so far; when the model is misfit, learn the correction from
+        the residuals of the current fit."""
+        self.points = len(residuals)
+        recent = self.surprises[-RECENT:]
+        if len(recent) < MIN_SURPRISES:
             self.ratio, self.misfit, self._gp = 1.0, False, None
             return
-        z2 = np.array([r.log_residual ** 2 / max(r.variance, 1e-8) for r in residuals])
-        self.ratio = float(z2.mean())
-        # The fit has spent some of the points' freedom: a check at the 99th percentile of
-        # chi-square with n degrees of freedom still flags a model that is truly off.
-        self.misfit = self.ratio > stats.chi2.ppf(1 - MISFIT_P, n) / n
-        self._gp = self._fit(residuals) if self.misfit else None
+        self.ratio = float(np.mean(recent))
+        # A launch's cells share its speed factor, so its datasets are not independent:
+        # count one degree of freedom per tree and batch size.
+        dof = max(len(recent) // max(len(self.datasets), 1), 1)
+        self.misfit = self.ratio > stats.chi2.ppf(1 - MISFIT_P, dof) / dof
+        self._gp = self._fit(residuals) if self.misfit and len(residuals) >= 4 else None
 
     def _fit(self, residuals: Sequence[Residual]):
         from sklearn.exceptions import ConvergenceWarning

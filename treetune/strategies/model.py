@@ -147,6 +147,7 @@ class ModelStrategy:
         self.fit = ModelFit(context.prior, context.batches, context.datasets, context.tp)
         self.correction = Correction(context.datasets)
         self.fitted_on: tuple[int, int] = (-1, -1)
+        self.fitted_configs: set[object] = set()
         # Nothing left but configs the memory model says cannot start: TPE's own fallback.
         self.fallback = TPEStrategy(context)
         # Configs the memory model says cannot start are never proposed (facts, not fits).
@@ -161,10 +162,34 @@ class ModelStrategy:
         measured = [r for r in results if r.ok and isinstance(r.config, TreeConfig)]
         news = (len(measured), sum(len(c.launch_tok_s) for r in measured for c in r.cells[:1]))
         if baseline is not None and measured and news != self.fitted_on:
+            self._judge_predictions(measured, baseline)
             self.fit.update(results, baseline)
             self.correction.update(self._residuals(measured, baseline))
             self.fitted_on = news
+            self.fitted_configs = {r.config for r in measured}
         return [r.config for r in measured if isinstance(r.config, TreeConfig)]
+
+    def _judge_predictions(self, measured: list[LaunchResult], baseline: LaunchResult) -> None:
+        """The posterior predictive check: trees measured since the last fit, against what
+        that fit predicted for them."""
+        new = [r for r in measured if r.config not in self.fitted_configs]
+        if self.fit.result is None or not new:
+            return
+        configs = [r.config for r in new if isinstance(r.config, TreeConfig)]
+        predicted = model_estimates(self.fit, configs, np.random.default_rng(self.context.seed))
+        z2 = []
+        for result in new:
+            for batch in self.fit.batches:
+                for dataset in self.fit.datasets:
+                    cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
+                    guess = predicted.get((result.config, batch, dataset))
+                    if not cell or not base or guess is None or cell.output_tok_s <= 0:
+                        continue
+                    variance = guess[1] + self.context.measurement_variance(
+                        result, baseline, batch, dataset)
+                    shift = np.log(cell.output_tok_s / base.output_tok_s) - guess[0]
+                    z2.append(float(shift ** 2 / variance))
+        self.correction.surprise(z2)
 
     def _residuals(self, measured: list[LaunchResult], baseline: LaunchResult) -> list[Residual]:
         """Every measured cell against the fitted model, with its measurement variance."""
