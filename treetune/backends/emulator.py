@@ -164,7 +164,7 @@ class EmulatorBackend:
         assert self.profile is not None  # refused at construction otherwise
         check_profile(self.profile, datasets)
 
-    def facts(self) -> Profile:
+    def facts(self, launch: LaunchSpec, env: Mapping[str, str]) -> Profile:
         from treetune.perfmodel import load_profile
 
         assert self.profile is not None

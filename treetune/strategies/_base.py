@@ -51,6 +51,7 @@ class SearchContext:
     prior: Profile | None = None  # hardware and model facts, when known
     max_batch: int = 1
     tp: int | None = None
+    prior_why_not: str = ""  # why there is no prior, in one line, when there is none
 
 
 class Strategy(Protocol):

@@ -174,8 +174,10 @@ class StudySpec:
             "server_flags": self.server_flags, "env": self.env,
             "datasets": self.to_dict()["datasets"],  # paths resolved: copies match
             "batch": sorted(self.batch), "tolerance": self.tolerance,
-            "backend": self.backend_dict(), "measurement": dataclasses.asdict(
-                self.measurement),
+            # Unset backend fields are left out, so a field added later with a None
+            # default does not orphan the studies stored before it.
+            "backend": {k: v for k, v in self.backend_dict().items() if v is not None},
+            "measurement": dataclasses.asdict(self.measurement),
         }
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
