@@ -217,3 +217,33 @@ def test_a_study_on_sglang_gathers_its_prior_on_a_worker_and_runs_the_model_sear
         (r.reason, r.log_tail) for r in outcome.results]
     # Ray gave the worker 4 GPUs: nvidia-smi was asked about those, not the whole node.
     assert (bin_dir / "args").read_text().split()[-1].startswith("--id=")
+
+
+def test_facts_that_fail_unexpectedly_leave_the_study_to_tpe_with_the_cause():
+    from treetune.backends import LaunchSpec, gather_facts
+
+    class Broken:
+        kind = "broken"
+
+        def facts(self, launch, env):
+            raise RuntimeError("driver exploded")
+
+    facts = gather_facts(Broken(), LaunchSpec("m"), {})  # type: ignore[arg-type]
+    assert facts.profile is None
+    assert facts.why_not == "building them failed: RuntimeError: driver exploded"
+
+
+def test_a_note_from_the_search_is_printed_once_above_the_progress_line(tmp_path, capsys):
+    from treetune.cli import _run_with_progress
+    from treetune.study.runner import Progress
+
+    def fake_run(spec, show):
+        progress = Progress(budget=2)
+        progress.notes.append("strategy tpe: no performance-model prior (a reason)")
+        show(progress)
+        show(progress)
+        return "done"
+
+    assert _run_with_progress(sglang_study(tmp_path), fake_run) == "done"
+    err = capsys.readouterr().err
+    assert err.count("note: strategy tpe: no performance-model prior (a reason)") == 1

@@ -373,3 +373,12 @@ def test_different_gpus_on_one_worker_are_refused(tmp_path):
                                   "NVIDIA H200, 143771 MiB\n")
     with pytest.raises(TreetuneError, match=r"GPUs on .* differ .*--gpu NAME"):
         detect_gpu({"PATH": str(bin_dir)})
+
+
+def test_a_config_of_a_shape_the_counting_does_not_know_is_a_one_line_error():
+    data = read_config(HF / "Qwen/Qwen3-8B/config.json")
+    del data["head_dim"]
+    data["num_attention_heads"] = 0
+    with pytest.raises(TreetuneError, match=r"z\.json: cannot count this model "
+                       r"\(ZeroDivisionError.*--prior"):
+        facts_from_config(data, "z", Path("z.json"))

@@ -130,6 +130,8 @@ def gather_facts(backend: Backend, launch: LaunchSpec, env: Mapping[str, str]) -
         profile = backend.facts(launch, env)
     except TreetuneError as exc:
         return BackendFacts(None, str(exc))
+    except Exception as exc:  # a model or machine the facts code did not foresee
+        return BackendFacts(None, f"building them failed: {type(exc).__name__}: {exc}")
     return BackendFacts(profile, "" if profile is not None else
                         f"the {backend.kind} backend knows no hardware or model facts")
 

@@ -177,6 +177,16 @@ class _Config:
 def facts_from_config(data: Mapping[str, Any], name: str, path: Path,
                       kv_cache_bytes: float | None = None) -> ModelFacts:
     """Count a model from its parsed config.json (`path` names it in errors)."""
+    try:
+        return _count(data, name, path, kv_cache_bytes)
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError, KeyError) as exc:
+        # A config of a shape the counting does not know (nulls, strings for numbers).
+        raise ConfigFileError(path, f"cannot count this model ({type(exc).__name__}: {exc}); "
+                              "write the profile by hand and give it with --prior") from None
+
+
+def _count(data: Mapping[str, Any], name: str, path: Path,
+           kv_cache_bytes: float | None) -> ModelFacts:
     merged = dict(data)
     # Multimodal configs nest the language model; EAGLE3 heads in the `speculators` format
     # nest their decoder layer. Either way the outer keys (draft vocabulary, dtype) stay.
