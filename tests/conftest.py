@@ -150,7 +150,7 @@ def small_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "compare": ["3,4,8", "5,1,6"], "output": str(folder),
     })
     spec.save(folder / SPEC_COPY)
-    truth = spec.backend.facts()
+    truth = spec.backend.facts(spec.launch_spec(), {})
     planner = run_offline(spec, PerfModel(truth, spec.tp), seed=0, launches=6,
                           noise=Noise(0.01, 0.01), store=StudyStore(spec))
     assert planner.baseline is not None

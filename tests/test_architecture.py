@@ -168,7 +168,7 @@ class ToyBackend:
         if self.checked_marker:
             Path(self.checked_marker).write_text(",".join(datasets))
 
-    def facts(self) -> None:
+    def facts(self, launch: LaunchSpec, env: Mapping[str, str]) -> None:
         return None
 
     def describe(self) -> str:

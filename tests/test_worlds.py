@@ -99,12 +99,14 @@ def test_the_search_sees_a_worlds_facts_never_its_effects(tmp_path):
     spec = load_study(None, {"name": "w", "model": "m", "draft": "d", "tp": 4,
                              "datasets": ["humaneval"], "batch": [1],
                              "backend": {"kind": "emulator", "world": "wrong-prior"}})
-    prior = study_prior(spec)
+    prior, _ = study_prior(spec)
     assert prior == neutral_prior(world.facts, ["humaneval"])
     shaped = load_study(None, {"name": "s", "model": "m", "draft": "d",
                                "datasets": ["humaneval"], "batch": [1],
                                "backend": {"kind": "emulator", "world": "acceptance-shape"}})
-    assert study_prior(shaped).dataset("humaneval").acceptance.top1_by_position is None
+    prior, _ = study_prior(shaped)
+    assert prior is not None
+    assert prior.dataset("humaneval").acceptance.top1_by_position is None
 
 
 def test_replay_returns_the_measured_cells_and_fills_the_rest_by_the_nearest_tree():

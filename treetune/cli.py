@@ -215,6 +215,61 @@ def calibrate(
     out.print(f"wrote {output}")
 
 
+@app.command()
+def prior(
+    model: Annotated[str, typer.Option(help="Target model: a local directory, or a hub name "
+                                       "in the local Hugging Face cache.")],
+    draft: Annotated[str, typer.Option(help="Draft head, found the same way.")],
+    tp: Annotated[int, typer.Option(help="Tensor-parallel size (GPUs per server).")] = 1,
+    gpu: Annotated[str | None, typer.Option(
+        help="The GPU, by its name in treetune's GPU table (A100-40GB-SXM, A100-80GB-SXM, "
+        "A100-40GB-PCIe, A100-80GB-PCIe, H100-SXM, H100-PCIe, H100-NVL, H200, H200-NVL, B200, "
+        "GB200, L40S, MI300X, MI325X) or as nvidia-smi prints it; default: what nvidia-smi "
+        "shows here.")] = None,
+    datasets: Annotated[list[str] | None, typer.Option(
+        help="Datasets the profile holds, all neutral (default: the built-in ones).")] = None,
+    kv_cache_dtype: Annotated[str | None, typer.Option(
+        help="SGLang's --kv-cache-dtype, when the server stores the KV cache in another "
+        "dtype than the model's (e.g. fp8_e4m3).")] = None,
+    name: Annotated[str | None, typer.Option(help="The profile's name.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the profile "
+                                                "here (default: print it).")] = None,
+) -> None:
+    """Build a profile from the models' config.json and the GPU: the prior the model search
+    starts from on SGLang, with every fitted value neutral.
+
+    Nothing is downloaded: a hub name must already be in the local Hugging Face cache
+    (HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub). Use the file with
+    `treetune search --prior FILE`, `treetune predict --profile FILE` or `treetune calibrate`.
+    """
+    import yaml
+
+    from treetune.backends.sglang import KV_CACHE_BYTES
+    from treetune.facts import auto_prior, detect_gpu, gpu_facts, model_facts
+
+    if tp < 1:
+        raise TreetuneError(f"--tp must be >= 1, got {tp}")
+    kv_bytes = None
+    if kv_cache_dtype is not None and kv_cache_dtype != "auto":
+        if kv_cache_dtype not in KV_CACHE_BYTES:
+            raise TreetuneError(f"--kv-cache-dtype '{kv_cache_dtype}' is not one of auto, "
+                                f"{', '.join(KV_CACHE_BYTES)}")
+        kv_bytes = KV_CACHE_BYTES[kv_cache_dtype]
+    target_facts = model_facts(model, kv_cache_bytes=kv_bytes)
+    draft_facts = model_facts(draft, kv_cache_bytes=kv_bytes)
+    gpu_entry = gpu_facts(gpu, "--gpu") if gpu else detect_gpu()
+    profile = auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets or (), name)
+    t = profile.target
+    err.print(f"{t.name}: {t.total_params_b:.2f}B parameters ({t.active_params_b:.2f}B "
+              f"active), {t.kv_bytes_per_token:.0f} KV bytes per token; draft "
+              f"{profile.draft.params_m:.0f}M; {tp} x {gpu_entry.name}", highlight=False)
+    if output is None:
+        sys.stdout.write(yaml.safe_dump(profile.to_dict(), sort_keys=False))
+        return
+    profile.save(output)
+    err.print(f"wrote {output}", highlight=False)
+
+
 def search(study: Path | None = None, **options: Any) -> None:
     """Search for the best tree per batch size and workload, and write launch commands.
 
@@ -284,9 +339,15 @@ def _run_with_progress(spec: StudySpec, run_study: Callable[..., StudyOutcome]) 
     bar = Progress(*columns, console=err, transient=False)
     task = bar.add_task("", total=spec.budget.launches)
 
+    said = 0
+
     def show(p: StudyProgress) -> None:
+        nonlocal said
         if not bar.live.is_started:
             bar.start()
+        for note in p.notes[said:]:  # printed above the bar, kept in the scrollback
+            bar.console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
+        said = len(p.notes)
         best = "  ".join(f"b{b}: {c} {m:.3f}" for b, (c, m) in sorted(p.best.items()))
         running = f" running {', '.join(p.running)}" if p.running else ""
         bar.update(task, completed=p.launches_done, refresh=True,

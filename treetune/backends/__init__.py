@@ -8,15 +8,18 @@ from treetune.backends import emulator, sglang
 from treetune.backends._base import (
     BACKENDS,
     Backend,
+    BackendFacts,
     Deployment,
     LaunchContext,
     LaunchSpec,
     ServerApi,
     backend_class,
+    gather_facts,
     register,
     server_facts,
     shell_line,
 )
 
-__all__ = ["BACKENDS", "Backend", "Deployment", "LaunchContext", "LaunchSpec", "ServerApi",
-           "backend_class", "emulator", "register", "server_facts", "sglang", "shell_line"]
+__all__ = ["BACKENDS", "Backend", "BackendFacts", "Deployment", "LaunchContext", "LaunchSpec",
+           "ServerApi", "backend_class", "emulator", "gather_facts", "register", "server_facts",
+           "sglang", "shell_line"]

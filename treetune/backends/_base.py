@@ -102,13 +102,38 @@ class Backend(Protocol):
         any server starts. `local`: servers run on this machine."""
         ...
 
-    def facts(self) -> Profile | None:
-        """Hardware and model facts the model search may start from, or None."""
+    def facts(self, launch: LaunchSpec, env: Mapping[str, str]) -> Profile | None:
+        """Hardware and model facts the model search may start from, or None when the
+        backend knows none. Runs where its servers run (on a launch worker, with the
+        study's environment), so it sees their GPUs and their model files; raises
+        TreetuneError saying why when it cannot build them."""
         ...
 
     def describe(self) -> str:
         """One line for the study's header: the backend and its main setting."""
         ...
+
+
+@dataclass(frozen=True)
+class BackendFacts:
+    """A backend's facts, or in one line why there are none (the search then goes without
+    a performance model)."""
+
+    profile: Profile | None
+    why_not: str = ""
+
+
+def gather_facts(backend: Backend, launch: LaunchSpec, env: Mapping[str, str]) -> BackendFacts:
+    """`backend.facts`, never raising for what a user can fix: facts are a head start for
+    the search, and a study runs without them."""
+    try:
+        profile = backend.facts(launch, env)
+    except TreetuneError as exc:
+        return BackendFacts(None, str(exc))
+    except Exception as exc:  # a model or machine the facts code did not foresee
+        return BackendFacts(None, f"building them failed: {type(exc).__name__}: {exc}")
+    return BackendFacts(profile, "" if profile is not None else
+                        f"the {backend.kind} backend knows no hardware or model facts")
 
 
 BACKENDS: dict[str, type[Backend]] = {}

@@ -184,7 +184,7 @@ class EmulatorBackend:
             assert self.profile is not None  # refused at construction otherwise
             check_profile(self.profile, datasets)
 
-    def facts(self) -> Profile:
+    def facts(self, launch: LaunchSpec, env: Mapping[str, str]) -> Profile:
         """The emulated system's hardware and model facts; for a world, only what it lets
         a prior know (its hidden effects stay hidden)."""
         if self.world is not None:

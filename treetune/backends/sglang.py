@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from treetune.backends._base import (
     Deployment,
@@ -23,6 +23,9 @@ from treetune.backends._base import (
 )
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.errors import TreetuneError
+
+if TYPE_CHECKING:
+    from treetune.perfmodel import Profile
 
 DEFAULT_SGLANG_VERSION = "0.5.23"
 ALGORITHMS = ("EAGLE3", "EAGLE", "NEXTN", "STANDALONE")
@@ -170,6 +173,17 @@ def sglang_deployment(launch: LaunchSpec, config: ServerConfig) -> Deployment:
                       "SGLang >= 0.5.3")
 
 
+# --kv-cache-dtype values and the bytes each stores per element ("auto": the model's dtype).
+KV_CACHE_BYTES = {"fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "fp4_e2m1": 0.5, "bf16": 2.0,
+                  "bfloat16": 2.0, "float16": 2.0, "half": 2.0}
+
+
+def kv_cache_bytes(launch: LaunchSpec) -> float | None:
+    """Bytes per KV-cache element the launch's flags ask for; None: the model's dtype."""
+    value = dict(launch.extra_flags).get("--kv-cache-dtype")
+    return KV_CACHE_BYTES.get(value or "auto")
+
+
 def check_sglang(python: str, env: Mapping[str, str] | None = None) -> None:
     """`python` (backend.python) can import sglang; no shell involved."""
     shown = python if shutil.which(python) in (None, python) else (
@@ -218,6 +232,9 @@ class SGLangBackend:
     api: ClassVar[ServerApi] = SGLANG_API
 
     python: str = "python"  # the interpreter that has sglang installed
+    # The GPU the model search assumes, by its name in treetune's GPU table (`treetune
+    # prior --help`); None: the one nvidia-smi shows a launch worker.
+    gpu: str | None = None
 
     def command(self, launch: LaunchSpec, config: ServerConfig,
                 context: LaunchContext) -> list[str]:
@@ -230,8 +247,14 @@ class SGLangBackend:
         if local:  # on a cluster, the nodes' interpreters are theirs
             check_sglang(self.python, env)
 
-    def facts(self) -> None:
-        return None
+    def facts(self, launch: LaunchSpec, env: Mapping[str, str]) -> Profile:
+        """The auto prior: the target's and draft's config.json (local paths or the local
+        Hugging Face cache) on this worker's GPU (or `gpu`), with the KV-cache dtype the
+        server flags ask for."""
+        from treetune.facts import build_prior
+
+        return build_prior(launch.model_path, launch.draft_model_path, tp=launch.tp,
+                           gpu=self.gpu, env=env, kv_cache_bytes=kv_cache_bytes(launch))
 
     def describe(self) -> str:
         return self.kind

@@ -55,6 +55,7 @@ class SearchContext:
         lambda result, baseline, batch, dataset: 0.03 ** 2 * 2)
     max_batch: int = 1
     tp: int | None = None
+    prior_why_not: str = ""  # why there is no prior, in one line, when there is none
 
 
 class Strategy(Protocol):

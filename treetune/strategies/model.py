@@ -127,8 +127,10 @@ def predicted_speedups(profile: Profile, configs: list[TreeConfig], batches: lis
 
 def _no_prior(context: SearchContext) -> str | None:
     if context.prior is None:
-        return ("strategy 'model' needs a prior profile with the hardware and model facts: "
-                "give --prior NAME_OR_FILE (see `treetune profiles`), or choose --strategy tpe")
+        why = f" ({context.prior_why_not})" if context.prior_why_not else ""
+        return ("strategy 'model' needs a prior profile with the hardware and model facts"
+                f"{why}: give --prior NAME_OR_FILE (see `treetune profiles` and `treetune "
+                "prior`), or choose --strategy tpe")
     return None
 
 

@@ -13,9 +13,11 @@ proposal.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from treetune import strategies
+from treetune.backends import BackendFacts, gather_facts
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.perfmodel import Profile, load_profile
 from treetune.perfmodel.prior import neutral_prior, with_datasets
@@ -52,19 +54,30 @@ class Task:
         return config_key(self.config)
 
 
-def study_prior(spec: StudySpec) -> Profile | None:
-    """The profile the model search starts from: the study's `search.prior` as written, or
-    the hardware and model facts its backend knows, with every free parameter neutral
-    (for the emulator, its profile is the truth being searched)."""
+def local_facts(spec: StudySpec) -> BackendFacts:
+    """The backend's facts gathered in this process, with the study's environment (the
+    runner gathers them on a launch worker instead, where the servers run)."""
+    return gather_facts(spec.backend, spec.launch_spec(), {**os.environ, **spec.env})
+
+
+def study_prior(spec: StudySpec, facts: BackendFacts | None = None
+                ) -> tuple[Profile | None, str]:
+    """The profile the model search starts from, and why there is none (else ""): the
+    study's `search.prior` as written, or the hardware and model facts its backend knows
+    (`facts`, gathered here when not given), with every free parameter neutral (for the
+    emulator, its profile is the truth being searched)."""
     if spec.search.prior:
-        return with_datasets(load_profile(spec.search.prior), spec.dataset_names)
-    facts = spec.backend.facts()
-    return neutral_prior(facts, spec.dataset_names) if facts is not None else None
+        return with_datasets(load_profile(spec.search.prior), spec.dataset_names), ""
+    facts = facts or local_facts(spec)
+    if facts.profile is None:
+        return None, facts.why_not
+    return neutral_prior(facts.profile, spec.dataset_names), ""
 
 
 class Planner:
     def __init__(self, spec: StudySpec, store: StudyStore, space: SearchSpace,
-                 launched: list[LaunchResult], tp: int | None = None) -> None:
+                 launched: list[LaunchResult], tp: int | None = None,
+                 facts: BackendFacts | None = None) -> None:
         self.spec = spec
         self.store = store
         self.launched = list(launched)  # every finished launch, oldest first
@@ -75,13 +88,19 @@ class Planner:
         self.pending: list[tuple[LaunchResult, Proposal | None]] = []
         self.floor = floor_of(spec.tolerance)
         self.studies = BatchStudies(store, space)
+        prior, why_not = study_prior(spec, facts)
         context = SearchContext(
             space=space, studies=self.studies, batches=sorted(spec.batch),
             datasets=spec.dataset_names, tolerance=spec.tolerance, seed=spec.seed,
-            is_known=self.is_known, evidence=self.evidence, prior=study_prior(spec),
-            measurement_variance=self.measurement_variance, max_batch=spec.max_batch, tp=tp)
+            is_known=self.is_known, evidence=self.evidence, prior=prior,
+            measurement_variance=self.measurement_variance, max_batch=spec.max_batch, tp=tp,
+            prior_why_not=why_not)
         self.strategy_name = strategies.resolve(spec.search.strategy, context)
         self.strategy = strategies.make(self.strategy_name, context)
+        # Said once when `auto` had to go without the model search, so a user sees why.
+        self.note = (f"strategy {self.strategy_name}: no performance-model prior ({why_not})"
+                     if prior is None and why_not and spec.search.strategy == strategies.AUTO
+                     else "")
 
     # ---- state ------------------------------------------------------------------------
     @property

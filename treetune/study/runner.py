@@ -13,10 +13,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from treetune.backends import BackendFacts
 from treetune.config import BASELINE
 from treetune.errors import TreetuneError
 from treetune.results import LaunchResult
 from treetune.space import load_space
+from treetune.study.evidence import merge_all
 from treetune.study.planner import Planner, Task
 from treetune.study.preflight import check_study
 from treetune.study.recommend import MIXED, Recommendation
@@ -39,6 +41,7 @@ class Progress:
     started: float = field(default_factory=time.monotonic)
     best: dict[int, tuple[str, float]] = field(default_factory=dict)  # batch -> (config, mean)
     message: str = ""
+    notes: list[str] = field(default_factory=list)  # said once each, above the progress line
 
     @property
     def elapsed_s(self) -> float:
@@ -180,6 +183,17 @@ class _Pool:
                              f"{self.alive}")
         return notes
 
+    def facts(self) -> BackendFacts:
+        """The backend's facts as a worker sees them (the workers are alike: the first
+        idle one is asked)."""
+        try:
+            return self.ray.get(self.idle[0].facts.remote(), timeout=RESOURCE_TIMEOUT_S)
+        except self.ray.exceptions.GetTimeoutError:
+            return BackendFacts(None, f"a launch worker took more than "
+                                f"{RESOURCE_TIMEOUT_S:.0f} s to gather them")
+        except self.ray.exceptions.RayError as exc:
+            return BackendFacts(None, f"a launch worker could not gather them: {_cause(exc)}")
+
     def shutdown(self) -> None:
         for worker, _ in self.starting.values():
             self.ray.kill(worker)
@@ -247,17 +261,18 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     space = load_space(spec.space)
     spec.save(spec.output_dir / SPEC_COPY)  # what `treetune report` reads back
     stale = store.mark_stale()
-    planner = Planner(spec, store, space, store.results(), tp=spec.tp)
-    progress = Progress(budget=spec.budget.launches, launches_done=planner.launches)
+    launched = store.results()
+    progress = Progress(budget=spec.budget.launches, launches_done=len(launched))
     notify = on_progress or (lambda p: None)
     if stale:
         progress.message = f"{stale} launch(es) of an earlier run were stale: redoing them"
-    _decide(planner, store, progress)
     in_flight: dict[Any, _Launch] = {}  # Ray object ref -> launch under way
     reschedules: dict[str, int] = {}
     deadline = (time.monotonic() + spec.budget.wall_time_s) if spec.budget.wall_time_s else None
+    planner: Planner | None = None
 
     def budget_left() -> bool:
+        assert planner is not None
         used = planner.launches + len(in_flight)
         if spec.budget.launches is not None and used >= spec.budget.launches:
             return False
@@ -266,12 +281,10 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     def running() -> list[str]:
         return [x.task.key for x in in_flight.values()]
 
-    failed_base = planner.results.get("baseline")
+    failed_base = merge_all(launched).get("baseline")
     if failed_base is not None and not failed_base.ok:
         raise TreetuneError(f"the baseline launch failed: {failed_base.reason}; fix the "
                             "server setup and start a new study")
-    progress.message = progress.message or f"strategy {planner.strategy_name}"
-    notify(progress)
     ray_session = _Ray(spec)
     _stop_on_sigterm()  # ray.init installs its own SIGTERM handler, which just exits
     ray = ray_session.ray
@@ -279,6 +292,13 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     pool: _Pool | None = None
     try:
         pool = _Pool(ray, *_start_workers(ray, spec))
+        # The search's prior comes from a worker: the GPUs and model files servers use.
+        planner = Planner(spec, store, space, launched, tp=spec.tp, facts=pool.facts())
+        _decide(planner, store, progress)
+        progress.message = progress.message or f"strategy {planner.strategy_name}"
+        if planner.note:
+            progress.notes.append(planner.note)
+        notify(progress)
         while True:
             while pool.idle and budget_left():
                 task = planner.next()
@@ -349,11 +369,14 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         for launch in in_flight.values():
             store.abandon(launch.trial, store.launches, "interrupted")
             ray.kill(launch.worker)  # its server dies with it (parent-death signal)
-        planner.abandon("interrupted" if interrupted else "search ended")
+        if planner is not None:
+            planner.abandon("interrupted" if interrupted else "search ended")
         in_flight.clear()
         if pool is not None:
             pool.shutdown()
         ray_session.shutdown()
+    if planner is None:  # interrupted before the search began: nothing new to report
+        raise KeyboardInterrupt
     return StudyOutcome(spec, list(planner.results.values()), planner.baseline, interrupted,
                         stale, planner.launches, planner.strategy_name,
                         _decide(planner, store, progress))

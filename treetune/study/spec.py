@@ -81,7 +81,8 @@ class Search:
     strategy: str = field(default="auto", metadata=meta(
         "--strategy", "How the next tree is chosen: model (fit the performance model to what "
         "was measured and launch its predicted best), tpe, grid or random. Default auto: model "
-        "when a prior profile is known (the emulator's, or --prior), else tpe."))
+        "when a prior is known (the emulator's profile, --prior, or on SGLang the auto prior "
+        "from the models' config.json and the GPU), else tpe."))
     # The profile whose hardware and model facts the model search uses (default for the
     # emulator: its profile, with every free parameter neutral).
     prior: str | None = field(default=None, metadata=meta(
@@ -242,8 +243,10 @@ class StudySpec:
             "server_flags": self.server_flags, "env": self.env,
             "datasets": self.to_dict()["datasets"],  # paths resolved: copies match
             "batch": sorted(self.batch), "tolerance": self.tolerance,
-            "backend": self.backend_dict(), "measurement": dataclasses.asdict(
-                self.measurement),
+            # Unset backend fields are left out, so a field added later with a None
+            # default does not orphan the studies stored before it.
+            "backend": {k: v for k, v in self.backend_dict().items() if v is not None},
+            "measurement": dataclasses.asdict(self.measurement),
         }
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -342,6 +345,9 @@ BACKEND_OPTIONS = (
                "world (see `treetune worlds`) or a world file (implies --backend emulator).",
                str, implies=(("backend.kind", "emulator"),)),
     SpecOption("backend.time_scale", "--time-scale", "Emulator speed-up.", float),
+    SpecOption("backend.gpu", "--gpu", "SGLang: the GPU the auto prior assumes (a name in "
+               "treetune's GPU table, see `treetune prior --help`); default: what nvidia-smi "
+               "shows a launch worker.", str),
 )
 
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from treetune.backends import LaunchContext, server_facts
+from treetune.backends import BackendFacts, LaunchContext, gather_facts, server_facts
 from treetune.config import ServerConfig
 from treetune.results import LaunchResult, config_from_key, config_key
 from treetune.study.spec import StudySpec
@@ -58,6 +58,12 @@ class LaunchWorker:
         """The worker's name, once it can launch: its node must hold the API key too."""
         self.api_key()
         return self.name
+
+    def facts(self) -> BackendFacts:
+        """The backend's hardware and model facts, gathered here: this actor holds the GPUs
+        a server runs on, and its node has the model files a server loads."""
+        return gather_facts(self.spec.backend, self.spec.launch_spec(),
+                            {**os.environ, **self.spec.env})
 
     def run(self, key: str, flags: list[list[str]], launch_index: int = 0) -> dict:
         """Launch, measure every cell, stop. A server that crashes mid-benchmark is

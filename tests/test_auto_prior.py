@@ -1,0 +1,249 @@
+"""The auto prior in use: `treetune prior` prints a profile the rest of treetune loads, and
+a study on the SGLang backend builds the same prior by itself, so `auto` runs the model
+search; when it cannot, auto falls back to TPE and says why in one line."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import optuna
+import pytest
+import yaml
+from studykit import run_cli, small_study
+from test_facts import cache_with, fixture, stand_in_nvidia_smi
+
+from treetune.errors import TreetuneError
+from treetune.facts import auto_prior, gpu_facts, model_facts
+from treetune.perfmodel import load_profile
+from treetune.perfmodel.profile import Profile
+from treetune.space import load_space
+from treetune.study.planner import Planner
+from treetune.study.spec import load_study
+from treetune.study.storage import StudyStore
+from treetune.yamlio import build
+
+TARGET, DRAFT = fixture("Qwen/Qwen3-Coder-Next-FP8"), fixture(
+    "thoughtworks/Qwen3-Coder-Next-Eagle3")
+
+
+# ---- treetune prior ----------------------------------------------------------------------
+
+def test_treetune_prior_writes_a_profile_that_loads_and_predicts(capsys, tmp_path):
+    out = tmp_path / "prior.yaml"
+    code, _, err = run_cli(capsys, "prior", "--model", TARGET, "--draft", DRAFT, "--tp", "4",
+                           "--gpu", "H200", "-o", str(out))
+    assert code == 0, err
+    profile = load_profile(out)
+    assert profile.tp == 4 and profile.hardware.gpu == "H200"
+    assert profile.target.attention_layers == 12 and profile.target.weight_bytes == 1.0
+    assert set(profile.datasets) >= {"mt-bench", "humaneval", "swebench-verified"}
+    assert "wrote" in err
+    code, stdout, err = run_cli(capsys, "predict", "--profile", str(out), "--tree", "3,4,8",
+                                "--batch", "1", "--json")
+    assert code == 0, err
+    assert all(row["speedup"] > 0 for row in yaml.safe_load(stdout))
+
+
+def test_treetune_prior_prints_the_shipped_profiles_schema_with_neutral_free_values(capsys):
+    code, stdout, err = run_cli(capsys, "prior", "--model", fixture("Qwen/Qwen3-8B"),
+                                "--draft", fixture("thoughtworks/Qwen3-8B-Eagle3"),
+                                "--gpu", "NVIDIA H100 80GB HBM3", "--datasets", "mt-bench",
+                                "sharegpt")
+    assert code == 0, err
+    data = yaml.safe_load(stdout)
+    shipped = load_profile("qwen3-8b-h100").to_dict()
+    assert set(data) == set(shipped)
+    for section in ("hardware", "target", "draft", "calibration", "noise"):
+        assert set(data[section]) <= set(shipped[section]) | {"attention_layers"}, section
+    profile = build(Profile, data, "stdout")
+    assert list(profile.datasets) == ["mt-bench", "sharegpt"]
+    acceptance = {d.acceptance for d in profile.datasets.values()}
+    assert len(acceptance) == 1  # every dataset the same neutral guess
+    assert profile.calibration == type(profile.calibration)()
+
+
+def test_treetune_prior_reads_the_gpu_from_nvidia_smi(capsys, tmp_path, monkeypatch):
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "NVIDIA H100 80GB HBM3, 81559 MiB\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    code, stdout, err = run_cli(capsys, "prior", "--model", fixture("Qwen/Qwen3-8B"),
+                                "--draft", fixture("thoughtworks/Qwen3-8B-Eagle3"))
+    assert code == 0, err
+    assert yaml.safe_load(stdout)["hardware"]["gpu"] == "H100-SXM"
+
+
+def test_treetune_prior_on_an_unknown_gpu_is_one_line_naming_the_gpu_option(capsys):
+    code, stdout, err = run_cli(capsys, "prior", "--model", TARGET, "--draft", DRAFT,
+                                "--gpu", "RTX 9999")
+    assert code == 2 and stdout == ""
+    assert err.count("\n") == 1 and "--gpu NAME" in err and "'RTX 9999'" in err
+
+
+def test_treetune_prior_without_a_config_names_where_it_looked(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    code, _, err = run_cli(capsys, "prior", "--model", "Org/Not-Here", "--draft", DRAFT,
+                           "--gpu", "H200")
+    assert code == 2
+    assert "no config.json for 'Org/Not-Here'" in err
+    assert str(tmp_path / "cache" / "models--Org--Not-Here" / "snapshots") in err
+
+
+def test_treetune_prior_finds_hub_names_in_the_local_cache(capsys, tmp_path, monkeypatch):
+    cache_with(tmp_path, "Qwen/Qwen3-8B")
+    cache_with(tmp_path, "thoughtworks/Qwen3-8B-Eagle3")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    code, stdout, err = run_cli(capsys, "prior", "--model", "Qwen/Qwen3-8B", "--draft",
+                                "thoughtworks/Qwen3-8B-Eagle3", "--gpu", "H100-SXM")
+    assert code == 0, err
+    data = yaml.safe_load(stdout)
+    assert data["target"]["name"] == "Qwen/Qwen3-8B" and data["name"] == "auto-qwen3-8b-h100-sxm"
+
+
+# ---- the study's prior on the SGLang backend ----------------------------------------------
+
+def sglang_study(tmp_path, **over):
+    fields = {"model": TARGET, "draft": DRAFT, "tp": 4, "batch": [1, 32],
+              "datasets": ["mt-bench", "terminal-bench"], "space": "default", **over,
+              "backend": {"kind": "sglang", "python": sys.executable,
+                          **over.get("backend", {})}}
+    return load_study(None, small_study(tmp_path, **fields))
+
+
+def planner_for(spec):
+    store = StudyStore(spec, storage=optuna.storages.InMemoryStorage())
+    return Planner(spec, store, load_space(spec.space), [], tp=spec.tp)
+
+
+def test_the_sglang_backend_builds_the_auto_prior_and_auto_picks_the_model_search(tmp_path):
+    spec = sglang_study(tmp_path, backend={"gpu": "H200"})
+    planner = planner_for(spec)
+    assert planner.strategy_name == "model" and planner.note == ""
+    prior = planner.strategy.context.prior
+    expected = auto_prior(model_facts(TARGET), model_facts(DRAFT), gpu_facts("H200"), 4)
+    assert prior.target == expected.target and prior.hardware == expected.hardware
+    assert list(prior.datasets) == ["mt-bench", "terminal-bench"]
+
+
+def test_the_sglang_backend_asks_nvidia_smi_with_the_studys_environment(tmp_path):
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "NVIDIA H200, 143771 MiB\n")
+    spec = sglang_study(tmp_path, env={"PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin"})
+    planner = planner_for(spec)
+    assert planner.strategy_name == "model"
+    assert planner.strategy.context.prior.hardware.gpu == "H200"
+
+
+def test_a_server_flag_for_an_fp8_kv_cache_reaches_the_prior(tmp_path):
+    spec = sglang_study(tmp_path, backend={"gpu": "H200"},
+                        server_flags={"--kv-cache-dtype": "fp8_e4m3"})
+    prior = planner_for(spec).strategy.context.prior
+    assert prior.target.kv_bytes_per_token == 12 * 2 * 2 * 256
+    assert prior.draft.kv_bytes_per_token == 2 * 4 * 128
+
+
+def test_without_a_config_auto_falls_back_to_tpe_and_says_why_in_one_line(tmp_path):
+    spec = sglang_study(tmp_path, model=str(tmp_path / "no-such-model"),
+                        backend={"gpu": "H200"})
+    planner = planner_for(spec)
+    assert planner.strategy_name == "tpe"
+    assert planner.note.startswith("strategy tpe: no performance-model prior (no config.json")
+    assert str(tmp_path / "no-such-model" / "config.json") in planner.note
+    assert "\n" not in planner.note
+
+
+def test_on_an_unknown_gpu_auto_falls_back_to_tpe_naming_the_override(tmp_path):
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "NVIDIA Future GPU, 1000 MiB\n")
+    spec = sglang_study(tmp_path, env={"PATH": str(bin_dir)})
+    planner = planner_for(spec)
+    assert planner.strategy_name == "tpe"
+    assert "'NVIDIA Future GPU'" in planner.note and "--gpu NAME (backend.gpu" in planner.note
+
+
+def test_the_model_strategy_asked_for_without_facts_says_why(tmp_path):
+    spec = sglang_study(tmp_path, model=str(tmp_path / "nothing"), backend={"gpu": "H200"},
+                        search={"strategy": "model"})
+    with pytest.raises(TreetuneError, match=r"strategy 'model' needs a prior profile .*\(no "
+                       r"config\.json for .*\): give --prior"):
+        planner_for(spec)
+
+
+def test_a_search_prior_file_still_wins_over_the_auto_prior(tmp_path):
+    spec = sglang_study(tmp_path, backend={"gpu": "H200"},
+                        search={"prior": "qwen3-coder-next-h200"})
+    prior = planner_for(spec).strategy.context.prior
+    assert prior.target.active_params_b == load_profile("qwen3-coder-next-h200").target.\
+        active_params_b
+
+
+def test_search_takes_the_gpu_on_the_command_line(tmp_path):
+    # As `treetune search --gpu B200` passes it: unset options are None.
+    spec = load_study(None, {**small_study(tmp_path, model=TARGET, draft=DRAFT),
+                             "backend": {"kind": "sglang", "profile": None, "time_scale": None,
+                                         "gpu": "B200"}})
+    assert spec.backend.gpu == "B200"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_tmpdir")
+def test_a_study_on_sglang_gathers_its_prior_on_a_worker_and_runs_the_model_search(tmp_path):
+    """SGLang's command resolves to a stand-in package that execs the emulator; the worker
+    finds the fixtures' config.json and a stand-in nvidia-smi, as a GPU node would."""
+    import ray
+
+    from treetune.study.runner import run_study
+
+    fake = tmp_path / "fake"
+    (fake / "sglang").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text("")
+    (fake / "sglang" / "launch_server.py").write_text(
+        "import sys\n"
+        "from treetune.emulator.__main__ import main\n"
+        "sys.exit(main(['--profile', 'qwen3-coder-next-h200', '--time-scale', '20',"
+        " '--load-time', '10', '--no-noise', *sys.argv[1:]]))\n")
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "NVIDIA H200, 143771 MiB\n" * 4)
+    spec = sglang_study(
+        tmp_path, name="autoprior", budget={"launches": 2}, workers=1, compare=[],
+        batch=[1], datasets=["humaneval"],
+        env={"PYTHONPATH": f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+             "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    notes: list[str] = []
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False,
+             _temp_dir=os.environ["TREETUNE_RAY_TMPDIR"])
+    try:
+        outcome = run_study(spec, lambda p: notes.extend(n for n in p.notes if n not in notes))
+    finally:
+        ray.shutdown()
+    assert outcome.strategy == "model" and notes == []
+    assert len(outcome.results) == 2 and all(r.ok for r in outcome.results), [
+        (r.reason, r.log_tail) for r in outcome.results]
+    # Ray gave the worker 4 GPUs: nvidia-smi was asked about those, not the whole node.
+    assert (bin_dir / "args").read_text().split()[-1].startswith("--id=")
+
+
+def test_facts_that_fail_unexpectedly_leave_the_study_to_tpe_with_the_cause():
+    from treetune.backends import LaunchSpec, gather_facts
+
+    class Broken:
+        kind = "broken"
+
+        def facts(self, launch, env):
+            raise RuntimeError("driver exploded")
+
+    facts = gather_facts(Broken(), LaunchSpec("m"), {})  # type: ignore[arg-type]
+    assert facts.profile is None
+    assert facts.why_not == "building them failed: RuntimeError: driver exploded"
+
+
+def test_a_note_from_the_search_is_printed_once_above_the_progress_line(tmp_path, capsys):
+    from treetune.cli import _run_with_progress
+    from treetune.study.runner import Progress
+
+    def fake_run(spec, show):
+        progress = Progress(budget=2)
+        progress.notes.append("strategy tpe: no performance-model prior (a reason)")
+        show(progress)
+        show(progress)
+        return "done"
+
+    assert _run_with_progress(sglang_study(tmp_path), fake_run) == "done"
+    err = capsys.readouterr().err
+    assert err.count("note: strategy tpe: no performance-model prior (a reason)") == 1

@@ -1,0 +1,442 @@
+"""Model facts from a Hugging Face `config.json`: parameter counts, weight bytes, KV bytes
+per token, layer kinds, experts. Read from a local directory or from the local Hugging Face
+cache; nothing is ever downloaded.
+
+Counting conventions, chosen to match how model cards count (Qwen3-30B-A3B: 30.5B total,
+3.3B activated): total and active parameters include the input embedding and the output
+head; multi-token-prediction layers (`num_nextn_predict_layers`) are left out, since a
+server only runs them for NEXTN speculation; a vision tower (`text_config` models) is left
+out, since decoding never runs it. An EAGLE3 draft head is counted as SGLang loads it: its
+one decoder layer (attention fed with 2 x hidden), the fc layer fusing three target hidden
+states, and its head over the draft vocabulary; its input embedding is the target's,
+shared, so it is not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from treetune.errors import ConfigFileError, TreetuneError
+
+DTYPE_BYTES = {"float32": 4.0, "float": 4.0, "float16": 2.0, "half": 2.0, "bfloat16": 2.0,
+               "float8_e4m3fn": 1.0, "float8_e5m2": 1.0}
+# SGLang keeps the recurrent state of linear-attention (Gated DeltaNet) layers in fp32 by
+# default (server arg mamba_ssm_dtype), whatever the weights' dtype.
+RECURRENT_STATE_BYTES = 4.0
+ATTENTION_KINDS = ("full_attention", "attention", "sliding_attention", "chunked_attention")
+LINEAR_KINDS = ("linear_attention", "mamba", "mamba2", "recurrent", "conv")
+
+
+@dataclass(frozen=True)
+class MoEFacts:
+    experts: int  # routed experts per MoE layer
+    experts_per_token: int
+    expert_params: int  # one routed expert of one layer
+    layers: int  # layers whose MLP is a mixture of experts
+    shared_experts: int = 0
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a model's config.json says about its size and its KV cache."""
+
+    name: str
+    config_path: str
+    architecture: str
+    total_params: int
+    active_params: int  # read (and multiplied) for one token
+    layers: int
+    attention_layers: int  # layers that hold a KV cache
+    linear_layers: int  # linear-attention / recurrent layers: a fixed-size state instead
+    hidden_size: int
+    vocab_size: int  # of the output head (the draft vocabulary for an EAGLE3 head)
+    dtype: str
+    weight_bytes: float  # per parameter of the bulk of the weights (the quantized layers)
+    quantization: str  # "" when the checkpoint is not quantized
+    kv_bytes_per_token: float  # K and V (or MLA's latent) of every attention layer
+    state_bytes_per_request: float  # recurrent state of the linear-attention layers
+    mla: bool
+    moe: MoEFacts | None
+    eagle3: bool
+
+
+# ---- where config.json is ---------------------------------------------------------------
+
+def hub_caches(env: Mapping[str, str] | None = None) -> list[Path]:
+    """The local Hugging Face hub caches, in the order huggingface_hub itself looks:
+    HF_HUB_CACHE (or the older HUGGINGFACE_HUB_CACHE), HF_HOME/hub, then the default
+    $XDG_CACHE_HOME/huggingface/hub or ~/.cache/huggingface/hub."""
+    env = os.environ if env is None else env
+    found: list[Path] = []
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(var):
+            found.append(Path(env[var]).expanduser())
+    if env.get("HF_HOME"):
+        found.append(Path(env["HF_HOME"]).expanduser() / "hub")
+    xdg = Path(env["XDG_CACHE_HOME"]).expanduser() if env.get("XDG_CACHE_HOME") else (
+        Path(env.get("HOME") or Path.home()).expanduser() / ".cache")
+    found.append(xdg / "huggingface" / "hub")
+    return list(dict.fromkeys(found))
+
+
+def find_config(model: str, env: Mapping[str, str] | None = None) -> Path:
+    """The config.json of `model`: a directory holding one, a config.json path, or a hub
+    name ("org/name") already in a local Hugging Face cache. Never downloads; when nothing
+    is found the error lists every place it looked."""
+    looked: list[str] = []
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path / "config.json"
+        looked.append(str(path / "config.json"))
+    parts = model.strip("/").split("/")
+    if len(parts) == 2 and not path.is_absolute() and not model.startswith("."):
+        repo = "models--" + "--".join(parts)
+        for cache in hub_caches(env):
+            found = _cached_config(cache / repo)
+            if found is not None:
+                return found
+            looked.append(str(cache / repo / "snapshots" / "*" / "config.json"))
+    elif not looked:
+        looked.append(str(path / "config.json"))
+    hint = (f"; put it in a local cache first (e.g. `hf download {model} config.json`) or "
+            "pass the model's local directory" if len(parts) == 2 and not path.is_absolute()
+            else "")
+    raise TreetuneError(f"no config.json for '{model}': looked in {', '.join(looked)}{hint}")
+
+
+def _cached_config(repo: Path) -> Path | None:
+    """The snapshot `refs/main` points to, else the newest snapshot holding a config.json
+    (a cache filled by revision has no refs/main)."""
+    snapshots = repo / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        candidate = snapshots / ref.read_text().strip() / "config.json"
+        if candidate.is_file():
+            return candidate
+    configs = [p / "config.json" for p in snapshots.iterdir() if (p / "config.json").is_file()]
+    return max(configs, key=lambda p: p.stat().st_mtime) if configs else None
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigFileError(path, f"cannot read: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigFileError(path, f"not valid JSON (line {exc.lineno}): {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigFileError(path, "a model config must be a JSON object")
+    return data
+
+
+def model_facts(model: str, env: Mapping[str, str] | None = None,
+                kv_cache_bytes: float | None = None) -> ModelFacts:
+    """The facts of `model` (see find_config for where it is looked up). `kv_cache_bytes`:
+    bytes per KV element when the server stores the cache in another dtype than the
+    model's (SGLang's --kv-cache-dtype)."""
+    path = find_config(model, env)
+    return facts_from_config(read_config(path), model, path, kv_cache_bytes)
+
+
+# ---- counting ---------------------------------------------------------------------------
+
+class _Config:
+    """A config.json with typed access; a missing or wrong key is an error naming it."""
+
+    def __init__(self, data: Mapping[str, Any], path: Path) -> None:
+        self.data, self.path = data, path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.data.get(key)
+        return default if value is None else value
+
+    def int(self, *keys: str, default: int | None = None) -> int:
+        for key in keys:
+            value = self.data.get(key)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ConfigFileError(self.path, f"expected a non-negative integer, got "
+                                          f"{value!r}", key)
+                return value
+        if default is None:
+            raise ConfigFileError(self.path, "missing: treetune needs it to count the model",
+                                  keys[0])
+        return default
+
+
+def facts_from_config(data: Mapping[str, Any], name: str, path: Path,
+                      kv_cache_bytes: float | None = None) -> ModelFacts:
+    """Count a model from its parsed config.json (`path` names it in errors)."""
+    try:
+        return _count(data, name, path, kv_cache_bytes)
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError, KeyError) as exc:
+        # A config of a shape the counting does not know (nulls, strings for numbers).
+        raise ConfigFileError(path, f"cannot count this model ({type(exc).__name__}: {exc}); "
+                              "write the profile by hand and give it with --prior") from None
+
+
+def _count(data: Mapping[str, Any], name: str, path: Path,
+           kv_cache_bytes: float | None) -> ModelFacts:
+    merged = dict(data)
+    # Multimodal configs nest the language model; EAGLE3 heads in the `speculators` format
+    # nest their decoder layer. Either way the outer keys (draft vocabulary, dtype) stay.
+    for nested in ("text_config", "transformer_layer_config"):
+        if isinstance(data.get(nested), dict):
+            merged = {**merged, **data[nested]}
+    c = _Config(merged, path)
+    architectures = c.get("architectures", []) or []
+    architecture = str(architectures[0]) if architectures else str(c.get("model_type", "?"))
+    eagle3 = (any("eagle3" in str(a).lower() for a in architectures)
+              or "draft_vocab_size" in merged or c.get("speculators_model_type") == "eagle3")
+    dtype = str(c.get("torch_dtype", c.get("dtype", "bfloat16"))).removeprefix("torch.")
+    if dtype not in DTYPE_BYTES:
+        raise ConfigFileError(path, f"unknown dtype '{dtype}'", "torch_dtype")
+    dtype_bytes = DTYPE_BYTES[dtype]
+    weight_bytes, quantization = _weight_bytes(c.get("quantization_config"), dtype_bytes, path)
+    kv_bytes = kv_cache_bytes or dtype_bytes
+    if eagle3:
+        return _eagle3(c, name, path, architecture, dtype, weight_bytes, quantization, kv_bytes)
+    return _decoder(c, name, path, architecture, dtype, weight_bytes, quantization, kv_bytes)
+
+
+def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
+             weight_bytes: float, quantization: str, kv_bytes: float) -> ModelFacts:
+    h = c.int("hidden_size", "d_model")
+    layers = c.int("num_hidden_layers", "n_layer", "num_layers")
+    vocab = c.int("vocab_size")
+    kinds = _layer_kinds(c, layers)
+    moe = _moe(c, h, layers)
+    attention = _attention_params(c, h, h)
+    linear = _linear_attention_params(c, h) if "linear" in kinds else 0
+    dense_mlp = 3 * h * c.int("intermediate_size", default=0)  # gated (SwiGLU) MLPs
+    total = active = 0
+    for i, mixer_type in enumerate(kinds):
+        mixer = attention if mixer_type == "attention" else linear
+        norms = 2 * h
+        if moe is not None and i in moe.layers:
+            total += mixer + norms + moe.router + moe.shared + moe.spec.experts * moe.expert
+            active += mixer + norms + moe.router + moe.shared + (
+                moe.spec.experts_per_token * moe.expert)
+        else:
+            total += mixer + norms + dense_mlp
+            active += mixer + norms + dense_mlp
+    embed = vocab * h
+    head = 0 if c.get("tie_word_embeddings", False) else vocab * h
+    total += embed + head + h
+    active += embed + head + h
+    attention_layers = kinds.count("attention")
+    return ModelFacts(
+        name=name, config_path=str(path), architecture=architecture, total_params=total,
+        active_params=active, layers=layers, attention_layers=attention_layers,
+        linear_layers=kinds.count("linear"), hidden_size=h, vocab_size=vocab, dtype=dtype,
+        weight_bytes=weight_bytes, quantization=quantization,
+        kv_bytes_per_token=attention_layers * _kv_elements(c, h) * kv_bytes,
+        state_bytes_per_request=(kinds.count("linear") * _recurrent_state_bytes(
+            c, DTYPE_BYTES[dtype]) if "linear" in kinds else 0.0),
+        mla=_is_mla(c), moe=None if moe is None else moe.spec, eagle3=False)
+
+
+def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
+            weight_bytes: float, quantization: str, kv_bytes: float) -> ModelFacts:
+    h = c.int("hidden_size")
+    layers = c.int("num_hidden_layers", default=1)
+    draft_vocab = c.int("draft_vocab_size", "vocab_size")
+    target_hidden = c.int("target_hidden_size", default=h)
+    # SGLang's LlamaForCausalLMEagle3: attention reads [embedding, fused hidden] (2 x h).
+    per_layer = _attention_params(c, h, 2 * h) + 3 * h * c.int("intermediate_size") + 3 * h
+    total = layers * per_layer + 3 * target_hidden * h + draft_vocab * h + h
+    return ModelFacts(
+        name=name, config_path=str(path), architecture=architecture, total_params=total,
+        active_params=total, layers=layers, attention_layers=layers, linear_layers=0,
+        hidden_size=h, vocab_size=draft_vocab, dtype=dtype, weight_bytes=weight_bytes,
+        quantization=quantization, kv_bytes_per_token=layers * _kv_elements(c, h) * kv_bytes,
+        state_bytes_per_request=0.0, mla=False, moe=None, eagle3=True)
+
+
+def _layer_kinds(c: _Config, layers: int) -> list[str]:
+    """'attention' or 'linear' per layer. Sliding-window layers count as attention: they
+    hold a KV cache too, bounded by the window, which a profile cannot yet express (so
+    the KV estimate is an upper bound for them)."""
+    types = c.get("layer_types")
+    if isinstance(types, list) and types:
+        kinds = []
+        for i, kind in enumerate(types[:layers]):
+            if kind in ATTENTION_KINDS:
+                kinds.append("attention")
+            elif kind in LINEAR_KINDS:
+                kinds.append("linear")
+            else:
+                raise ConfigFileError(c.path, f"layer kind '{kind}' is not one treetune "
+                                      "can count", f"layer_types[{i}]")
+        return kinds + ["attention"] * (layers - len(kinds))
+    interval = c.int("full_attention_interval", default=0)
+    if interval:  # Qwen3-Next: every interval-th layer is full attention, the rest GDN
+        return ["attention" if (i + 1) % interval == 0 else "linear" for i in range(layers)]
+    return ["attention"] * layers
+
+
+def _is_mla(c: _Config) -> bool:
+    return c.get("kv_lora_rank") is not None
+
+
+def _head_dim(c: _Config, h: int) -> int:
+    return c.int("head_dim", default=h // c.int("num_attention_heads"))
+
+
+def _attention_params(c: _Config, h: int, in_dim: int) -> int:
+    heads = c.int("num_attention_heads")
+    if _is_mla(c):  # DeepSeek-V2/V3 multi-head latent attention
+        nope, rope = c.int("qk_nope_head_dim"), c.int("qk_rope_head_dim")
+        v_dim, kv_rank = c.int("v_head_dim"), c.int("kv_lora_rank")
+        q_rank = c.int("q_lora_rank", default=0)
+        q = (h * q_rank + q_rank + q_rank * heads * (nope + rope)) if q_rank else (
+            h * heads * (nope + rope))
+        kv = h * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v_dim)
+        return q + kv + heads * v_dim * h
+    kv_heads = c.int("num_key_value_heads", default=heads)
+    hd = _head_dim(c, h)
+    # Qwen3-Next's gated attention projects a sigmoid gate alongside the query.
+    q_out = heads * hd * (2 if c.get("model_type") == "qwen3_next" else 1)
+    params = in_dim * (q_out + 2 * kv_heads * hd) + heads * hd * h
+    if c.get("attention_bias", False):
+        params += q_out + 2 * kv_heads * hd
+    return params + 2 * hd  # q/k norms where present: noise, kept for Qwen3's sake
+
+
+def _kv_elements(c: _Config, h: int) -> int:
+    """KV-cache elements per token of one attention layer: K and V of every KV head, or
+    MLA's latent vector and its rotary part (stored once, shared by all heads)."""
+    if _is_mla(c):
+        return c.int("kv_lora_rank") + c.int("qk_rope_head_dim")
+    heads = c.int("num_attention_heads")
+    return 2 * c.int("num_key_value_heads", default=heads) * _head_dim(c, h)
+
+
+def _linear_attention_params(c: _Config, h: int) -> int:
+    """A Gated DeltaNet layer (Qwen3-Next): fused q/k/v/z and beta/alpha projections, a
+    short causal convolution, per-head decay parameters, a gated norm and the output."""
+    key_dim, value_dim, v_heads = _gdn_dims(c)
+    conv_dim = 2 * key_dim + value_dim
+    return (h * (2 * key_dim + 2 * value_dim) + h * 2 * v_heads
+            + conv_dim * c.int("linear_conv_kernel_dim") + 2 * v_heads
+            + c.int("linear_value_head_dim") + value_dim * h)
+
+
+def _gdn_dims(c: _Config) -> tuple[int, int, int]:
+    if c.get("linear_num_value_heads") is None:
+        raise ConfigFileError(c.path, f"linear-attention layers of model_type "
+                              f"'{c.get('model_type')}' are not ones treetune can count "
+                              "(it knows Qwen3-Next's Gated DeltaNet)", "layer_types")
+    v_heads = c.int("linear_num_value_heads")
+    key_dim = c.int("linear_num_key_heads") * c.int("linear_key_head_dim")
+    return key_dim, v_heads * c.int("linear_value_head_dim"), v_heads
+
+
+def _recurrent_state_bytes(c: _Config, dtype_bytes: float) -> float:
+    """One request's state in one GDN layer: the per-head k x v state matrix (fp32 in
+    SGLang) plus the convolution's last kernel-1 inputs (model dtype)."""
+    key_dim, value_dim, v_heads = _gdn_dims(c)
+    temporal = v_heads * c.int("linear_key_head_dim") * c.int("linear_value_head_dim")
+    conv = (2 * key_dim + value_dim) * (c.int("linear_conv_kernel_dim") - 1)
+    return temporal * RECURRENT_STATE_BYTES + conv * dtype_bytes
+
+
+@dataclass(frozen=True)
+class _MoE:
+    spec: MoEFacts
+    layers: frozenset[int]
+    expert: int  # parameters of one routed expert
+    router: int
+    shared: int  # parameters of all shared experts of one layer (and their gate)
+
+
+def _moe(c: _Config, h: int, layers: int) -> _MoE | None:
+    experts = c.int("num_experts", "n_routed_experts", "num_local_experts", default=0)
+    if not experts:
+        return None
+    per_token = c.int("num_experts_per_tok", "num_experts_per_token", "experts_per_token",
+                      "moe_topk")
+    expert_dim = c.int("moe_intermediate_size", "intermediate_size")
+    expert = 3 * h * expert_dim
+    if c.get("first_k_dense_replace") is not None or c.get("moe_layer_freq") is not None:
+        # DeepSeek and GLM-4 MoE: the first k layers are dense, then every freq-th is MoE.
+        first, freq = c.int("first_k_dense_replace", default=0), c.int("moe_layer_freq",
+                                                                         default=1)
+        moe_layers = {i for i in range(layers) if i >= first and i % max(freq, 1) == 0}
+    else:  # Qwen MoE: decoder_sparse_step, minus mlp_only_layers
+        step = c.int("decoder_sparse_step", default=1)
+        dense = set(c.get("mlp_only_layers", []) or [])
+        moe_layers = {i for i in range(layers)
+                      if i not in dense and step > 0 and (i + 1) % step == 0}
+    shared_count = c.int("n_shared_experts", "num_shared_experts", default=0)
+    shared_dim = c.int("shared_expert_intermediate_size", default=0)
+    if shared_dim:  # Qwen2-MoE / Qwen3-Next: one shared expert of its own size, gated
+        shared_count = shared_count or 1
+        shared = shared_count * 3 * h * shared_dim + h
+    else:
+        shared = shared_count * expert
+    # DeepSeek-V3-style routers carry a per-expert score-correction bias as well.
+    router = h * experts + (experts if c.get("topk_method") == "noaux_tc" else 0)
+    spec = MoEFacts(experts=experts, experts_per_token=per_token, expert_params=expert,
+                    layers=len(moe_layers), shared_experts=shared_count)
+    return _MoE(spec, frozenset(moe_layers), expert, router, shared)
+
+
+# ---- weight bytes -----------------------------------------------------------------------
+
+QUANT_BITS = {"awq": 4, "gptq": 4, "awq_marlin": 4, "gptq_marlin": 4, "auto-round": 4,
+              "autoround": 4, "w8a8_int8": 8, "w8a8_fp8": 8, "fbgemm_fp8": 8, "fp8": 8}
+# 4-bit formats with a scale per block: MXFP4 (an e8m0 scale per 32 weights), NVFP4 (an
+# fp8 scale per 16).
+MXFP4_BYTES = (4 + 8 / 32) / 8
+NVFP4_BYTES = (4 + 8 / 16) / 8
+
+
+def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, str]:
+    """Bytes per weight of the quantized layers, and the scheme's name. Layers a scheme
+    leaves in 16 bits (embeddings, head, routers) are a small share and not told apart."""
+    if not quant:
+        return dtype_bytes, ""
+    if not isinstance(quant, dict):
+        raise ConfigFileError(path, "expected a mapping", "quantization_config")
+    method = str(quant.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        for group in (quant.get("config_groups") or {}).values():
+            weights = (group.get("weights") or {}) if isinstance(group, dict) else {}
+            bits = weights.get("num_bits")
+            if isinstance(bits, int) and bits > 0:
+                number = "fp" if weights.get("type") == "float" else "int"
+                nvfp4 = bits == 4 and number == "fp"
+                return (NVFP4_BYTES if nvfp4 else bits / 8), f"{number}{bits} (compressed-tensors)"
+        raise ConfigFileError(path, "no config_groups.*.weights.num_bits to read the weight "
+                              "size from", "quantization_config")
+    if method == "mxfp4":
+        return MXFP4_BYTES, "mxfp4"
+    if method == "modelopt":
+        algo = str(quant.get("quant_algo") or (quant.get("quantization") or {}).get(
+            "quant_algo", "")).upper()
+        if algo.startswith("FP8"):
+            return 1.0, "fp8 (modelopt)"
+        if algo.startswith("NVFP4"):
+            return NVFP4_BYTES, "nvfp4 (modelopt)"
+        raise ConfigFileError(path, f"modelopt quant_algo '{algo}' is not one treetune knows",
+                              "quantization_config")
+    if method == "bitsandbytes":
+        return (0.5, "bnb 4-bit") if quant.get("load_in_4bit") else (1.0, "bnb 8-bit")
+    if method in QUANT_BITS:
+        bits = quant.get("bits") or quant.get("w_bit") or QUANT_BITS[method]
+        return float(bits) / 8, method
+    raise ConfigFileError(
+        path, f"quant_method '{method}' is not one treetune knows ({', '.join(sorted(QUANT_BITS))}"
+        ", compressed-tensors, mxfp4, modelopt, bitsandbytes): write the profile by hand and "
+        "give it with --prior", "quantization_config")

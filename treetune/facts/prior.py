@@ -1,0 +1,85 @@
+"""The auto prior: a profile built from what is on disk (the target's and the draft's
+config.json) and on the node (its GPU), with every fitted value neutral. It is what the
+model search starts from on real servers, and what `treetune prior` prints."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+from treetune.datasets import builtin_names
+from treetune.errors import TreetuneError
+from treetune.facts.gpus import GpuFacts, detect_gpu, gpu_facts
+from treetune.facts.models import ModelFacts, model_facts
+from treetune.perfmodel.prior import NEUTRAL_ACCEPTANCE, neutral_prior
+from treetune.perfmodel.profile import (
+    Calibration,
+    Dataset,
+    Draft,
+    Hardware,
+    MoE,
+    Profile,
+    ServerDefaults,
+    Target,
+)
+
+
+def auto_prior(target: ModelFacts, draft: ModelFacts, gpu: GpuFacts, tp: int,
+               datasets: Sequence[str] = (), name: str | None = None) -> Profile:
+    """A profile of `target` + `draft` on `tp` x `gpu`: facts only, every free parameter
+    (calibration, per-dataset acceptance and context) at the neutral value the search
+    starts from. `datasets` default to the built-in prompt sets."""
+    moe = target.moe
+    profile = Profile(
+        name=name or f"auto-{_slug(target.name)}-{gpu.name.lower()}",
+        description=(
+            f"Auto prior: {target.name} with {draft.name} on {tp} x {gpu.name}. Model facts "
+            f"from {target.config_path} and {draft.config_path}; GPU facts from treetune's "
+            "GPU table (treetune/facts/gpus.yaml). Every fitted value (calibration, "
+            "per-dataset acceptance and context length) is neutral: the search learns them."),
+        hardware=Hardware(gpu=gpu.name, gpus=tp, memory_gb=gpu.memory_gb,
+                          bandwidth_tb_s=gpu.bandwidth_tb_s,
+                          peak_tflops=gpu.peak_tflops(target.weight_bytes),
+                          interconnect_gb_s=gpu.interconnect_gb_s),
+        target=Target(
+            name=target.name, total_params_b=target.total_params / 1e9,
+            active_params_b=target.active_params / 1e9, layers=target.layers,
+            hidden_size=target.hidden_size, kv_bytes_per_token=target.kv_bytes_per_token,
+            weight_bytes=target.weight_bytes,
+            state_bytes_per_request=target.state_bytes_per_request,
+            vocab_size=target.vocab_size, attention_layers=target.attention_layers,
+            moe=None if moe is None else MoE(
+                experts=moe.experts, experts_per_token=moe.experts_per_token,
+                expert_params_m=moe.expert_params / 1e6, layers=moe.layers,
+                shared_experts=moe.shared_experts)),
+        draft=Draft(name=draft.name, params_m=draft.total_params / 1e6,
+                    weight_bytes=draft.weight_bytes,
+                    kv_bytes_per_token=draft.kv_bytes_per_token, layers=draft.layers),
+        # A placeholder: neutral_prior below gives every dataset its neutral shape.
+        datasets={"neutral": Dataset(acceptance=NEUTRAL_ACCEPTANCE)},
+        calibration=Calibration(),
+        server=ServerDefaults(tp=tp),
+    )
+    return neutral_prior(profile, list(datasets) or builtin_names())
+
+
+def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = None,
+                env: Mapping[str, str] | None = None, kv_cache_bytes: float | None = None,
+                datasets: Sequence[str] = ()) -> Profile:
+    """The auto prior of `model` + `draft` on `tp` GPUs: config.json files from local
+    directories or the local Hugging Face cache, the GPU named by `gpu` or else the one
+    nvidia-smi shows this process. Raises TreetuneError saying what is missing."""
+    if draft is None:
+        raise TreetuneError("the auto prior needs a draft model's config.json, and this "
+                            "study has no draft (NEXTN): give --prior NAME_OR_FILE")
+    target_facts = model_facts(model, env, kv_cache_bytes)
+    draft_facts = model_facts(draft, env, kv_cache_bytes)
+    if target_facts.eagle3:
+        raise TreetuneError(f"'{model}' ({target_facts.config_path}) is an EAGLE3 draft head,"
+                            " not a target model: give it as the draft")
+    gpu_entry = gpu_facts(gpu) if gpu else detect_gpu(env)
+    return auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets)
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", name.rsplit("/", 1)[-1].lower()).strip("-") or "model"
