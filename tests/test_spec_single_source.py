@@ -100,9 +100,9 @@ SAMPLES = {
 
 
 def test_every_option_sets_its_field(capsys, monkeypatch, tmp_path):
-    # --world and --profile are two ways to name what the emulator serves: --world has its
-    # own test below.
-    assert set(SAMPLES) | {"--world"} == {o.flag for o in search_options()}
+    # --world and --profile are two ways to name what the emulator serves, and --gpu belongs
+    # to the SGLang backend: each has its own test below.
+    assert set(SAMPLES) | {"--world", "--gpu"} == {o.flag for o in search_options()}
     seen = []
 
     def capture(spec, run_study):
@@ -145,3 +145,17 @@ def test_the_world_option_names_the_emulated_world_and_implies_the_emulator(caps
     assert code == 2 and "no baseline was measured" in err
     assert seen[0].backend.kind == "emulator" and seen[0].backend.world == "cliffs"
     assert seen[0].backend.profile is None
+
+
+def test_the_gpu_option_sets_the_sglang_backends_gpu(capsys, monkeypatch):
+    seen = []
+
+    def capture(spec, run_study):
+        seen.append(spec)
+        return SimpleNamespace(baseline=None, interrupted=False)
+
+    monkeypatch.setattr(treetune.cli, "_run_with_progress", capture)
+    code, _, err = run_cli(capsys, "search", "--model", "m", "--draft", "d", "--datasets",
+                           "humaneval", "--batch", "1", "--backend", "sglang", "--gpu", "H100")
+    assert code == 2 and "no baseline was measured" in err
+    assert seen[0].backend.kind == "sglang" and seen[0].backend.gpu == "H100"
