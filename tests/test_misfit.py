@@ -1,0 +1,54 @@
+"""The model search's check of its own model: surprises within the noise pass, surprises
+beyond it fail the check, and the learned correction follows what the model got wrong."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from treetune.config import TreeConfig
+from treetune.strategies._misfit import MIN_SURPRISES, Correction, Residual
+
+DATASETS = ["mt-bench", "humaneval"]
+TREES = [TreeConfig.of(s, k, n) for s, k, n in
+         [(1, 1, 2), (2, 1, 3), (3, 1, 4), (5, 1, 6), (2, 2, 5), (3, 4, 8), (2, 4, 9),
+          (3, 8, 24), (4, 4, 16), (5, 8, 32)]]
+
+
+def residuals(shift, variance: float = 0.03 ** 2) -> list[Residual]:
+    return [Residual(c, b, d, shift(c, b), variance) for c in TREES for b in (1, 32)
+            for d in DATASETS]
+
+
+def test_surprises_the_noise_explains_do_not_fail_the_check():
+    rng = np.random.default_rng(0)
+    fit = Correction(DATASETS)
+    fit.surprise(list(rng.chisquare(1, 40)))  # z-scores of a model that is right
+    fit.update(residuals(lambda c, b: 0.0))
+    assert not fit.misfit and 0.5 < fit.ratio < 1.6
+    mean, var = fit.predict(TREES, 32, "mt-bench")
+    assert not mean.any() and not var.any()  # no correction while the model fits
+
+
+def test_too_few_surprises_never_fail_the_check():
+    fit = Correction(DATASETS)
+    fit.surprise([25.0] * (MIN_SURPRISES - 1))
+    fit.update(residuals(lambda c, b: 0.0))
+    assert not fit.misfit
+
+
+def test_surprises_beyond_the_noise_fail_the_check_and_the_correction_learns_the_shape():
+    rng = np.random.default_rng(1)
+    fit = Correction(DATASETS)
+    fit.surprise(list(9 * rng.chisquare(1, 40)))  # predictions off by three sigmas
+
+    def cliff(config: TreeConfig, batch: int) -> float:
+        """Verify passes over 64 tokens are 15% slower than the model says."""
+        return -0.15 if batch * config.draft_tokens > 64 else 0.0
+
+    fit.update(residuals(cliff, variance=0.01 ** 2))
+    assert fit.misfit and fit.ratio > 4
+    over = TreeConfig.of(4, 2, 8)  # not measured: 256 tokens a verify at batch 32
+    mean, var = fit.predict([over], 32, "humaneval")
+    assert mean[0] < -0.08 and var[0] > 0
+    under, _ = fit.predict([over], 1, "humaneval")  # 8 tokens at batch 1
+    assert abs(under[0]) < 0.05
