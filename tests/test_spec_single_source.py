@@ -131,8 +131,8 @@ def test_every_option_sets_its_field(capsys, monkeypatch, tmp_path):
 
 
 
-def test_the_world_option_names_the_emulated_world_and_implies_the_emulator(capsys,
-                                                                             monkeypatch):
+def spec_from_command_line(capsys, monkeypatch, *options: str):
+    """The spec `treetune search` builds from these options (it stops before any launch)."""
     seen = []
 
     def capture(spec, run_study):
@@ -141,21 +141,18 @@ def test_the_world_option_names_the_emulated_world_and_implies_the_emulator(caps
 
     monkeypatch.setattr(treetune.cli, "_run_with_progress", capture)
     code, _, err = run_cli(capsys, "search", "--model", "m", "--draft", "d", "--datasets",
-                           "humaneval", "--batch", "1", "--world", "cliffs")
+                           "humaneval", "--batch", "1", *options)
     assert code == 2 and "no baseline was measured" in err
-    assert seen[0].backend.kind == "emulator" and seen[0].backend.world == "cliffs"
-    assert seen[0].backend.profile is None
+    return seen[0]
+
+
+def test_the_world_option_names_the_emulated_world_and_implies_the_emulator(capsys,
+                                                                             monkeypatch):
+    spec = spec_from_command_line(capsys, monkeypatch, "--world", "cliffs")
+    assert spec.backend.kind == "emulator" and spec.backend.world == "cliffs"
+    assert spec.backend.profile is None
 
 
 def test_the_gpu_option_sets_the_sglang_backends_gpu(capsys, monkeypatch):
-    seen = []
-
-    def capture(spec, run_study):
-        seen.append(spec)
-        return SimpleNamespace(baseline=None, interrupted=False)
-
-    monkeypatch.setattr(treetune.cli, "_run_with_progress", capture)
-    code, _, err = run_cli(capsys, "search", "--model", "m", "--draft", "d", "--datasets",
-                           "humaneval", "--batch", "1", "--backend", "sglang", "--gpu", "H100")
-    assert code == 2 and "no baseline was measured" in err
-    assert seen[0].backend.kind == "sglang" and seen[0].backend.gpu == "H100"
+    spec = spec_from_command_line(capsys, monkeypatch, "--backend", "sglang", "--gpu", "H100")
+    assert spec.backend.kind == "sglang" and spec.backend.gpu == "H100"
