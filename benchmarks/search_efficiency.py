@@ -125,8 +125,7 @@ def run_job(job: Job) -> dict:
     planner = run_offline(spec, truth, job.seed, job.max_launches, noise, after)
     first = next((i + 1 for i, ok in enumerate(within) if ok), job.max_launches + 1)
     stable = next((i + 1 for i in range(len(within)) if all(within[i:])), job.max_launches + 1)
-    covered, judged = coverage(planner, table, spec.dataset_names, job.batches,
-                               spec.search.launch_cv)
+    covered, judged = coverage(planner, table, spec.dataset_names, job.batches)
     return {"world": job.world, "strategy": job.strategy, "seed": job.seed,
             "launches_to_target": first, "launches_to_stable_target": stable,
             "regret_at_budget": regret_at_budget if regret_at_budget is not None else 1.0,
@@ -135,10 +134,11 @@ def run_job(job: Job) -> dict:
             "launches": planner.launches, "seconds": time.monotonic() - started}
 
 
-def coverage(planner: Planner, table: dict, datasets: list[str], batches: tuple[int, ...],
-             launch_cv: float) -> tuple[int, int]:
-    """(intervals holding the true speedup, intervals judged) over the final measurements.
-    The intervals are two-sided at Z_LOWER standard errors: about 95%."""
+def coverage(planner: Planner, table: dict, datasets: list[str],
+             batches: tuple[int, ...]) -> tuple[int, int]:
+    """(intervals holding the true speedup, intervals judged) over the final measurements,
+    with the study's learned noise. The intervals are two-sided at Z_LOWER standard errors:
+    about 95%."""
     if planner.baseline is None:
         return 0, 0
     covered = judged = 0
