@@ -22,7 +22,13 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def small_study(tmp_path: Path, **over) -> dict:
-    """A study of five launches on the emulator that takes seconds, not minutes."""
+    """A study of five launches on the emulator that takes seconds, not minutes.
+
+    One launch per config: the tests built on it count configs by launches (N launches are
+    N distinct configs, each with one stored result), which re-measurement would break,
+    since the noise-aware planner re-launches borderline trees and the baseline whenever
+    the timing of a busy machine makes a tree borderline. Re-measurement is tested on
+    in-process launches in test_guided.py."""
     base = {
         "name": "small", "model": f"{tmp_path}/model-under-test", "draft": "org/draft",
         "tp": 4, "datasets": ["humaneval", "mt-bench"], "batch": [1, 8],
@@ -31,6 +37,7 @@ def small_study(tmp_path: Path, **over) -> dict:
                     "time_scale": 20.0, "load_time_s": 10.0, "noise": False},
         "measurement": {"duration_s": 6.0, "repeats": 2, "startup_timeout_s": 30.0},
         "compare": ["3,4,8"], "output": str(tmp_path / "out"),
+        "search": {"max_launches_per_config": 1},
     }
     return {**base, **over}
 
