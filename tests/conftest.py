@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,15 +131,16 @@ def small_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     batch 1 and 32 on mt-bench and terminal-bench), with recommendations and launch scripts.
     In this profile the wide tree (3,4,8) regresses terminal-bench at batch 32."""
 
+    from studykit import ray_env, short_ray_dir
+
     from treetune.study.recommend import recommend, write_outputs
     from treetune.study.runner import run_study
     from treetune.study.spec import load_study
 
     folder = tmp_path_factory.mktemp("small-study")
-    with pytest.MonkeyPatch.context() as env:
-        # Ray's socket paths break past ~100 characters: a short directory.
-        env.setenv("TREETUNE_RAY_TMPDIR", tempfile.mkdtemp(prefix="rt", dir="/tmp"))
-        env.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.MonkeyPatch.context() as env, short_ray_dir() as ray_dir:
+        for name, value in ray_env(ray_dir).items():
+            env.setenv(name, value)
         spec = load_study(None, {
             "name": "small", "model": "Qwen/Qwen3-Coder-Next", "draft": "d", "tp": 4,
             "datasets": ["mt-bench", "terminal-bench"], "batch": [1, 32],
@@ -160,14 +160,15 @@ def small_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def ray_tmpdir(monkeypatch):
+def ray_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A short Ray temp dir of the test's own (Ray's socket paths break past ~100
-    characters); nothing the test started under it may outlive the test."""
-    from studykit import processes_with, wait_until
+    characters); nothing the test started under it may outlive the test, and the dir is
+    removed after it."""
+    from studykit import processes_with, ray_env, short_ray_dir, wait_until
 
-    path = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    monkeypatch.setenv("TREETUNE_RAY_TMPDIR", path)
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    yield path
-    assert wait_until(lambda: not processes_with(path), 30), (
-        f"processes outlived the test: {processes_with(path)}")
+    with short_ray_dir() as path:
+        for name, value in ray_env(path).items():
+            monkeypatch.setenv(name, value)
+        yield path
+        assert wait_until(lambda: not processes_with(path), 30), (
+            f"processes outlived the test: {processes_with(path)}")
