@@ -456,12 +456,20 @@ def test_the_out_of_memory_refusal_case_is_oom_while_a_small_tree_fits():
     assert check_memory(profile, TreeConfig(3, 1, 4), 128).fits
 
 
+# How long a refused launch may take to exit: the time a good one gets to become healthy
+# (conftest.STARTUP_TIMEOUT_S). Its interpreter and imports alone take seconds on a busy
+# machine, so what shows that the refusal comes first is the order: no server was made
+# (no "emulating ..." line, which a launch that passes its checks logs at once).
+REFUSED_WITHIN_S = 20.0
+
+
 @pytest.mark.parametrize("case", REFUSALS)
-def test_refused_launch_exits_nonzero_within_2s_with_the_reason_on_stderr(emulators, case):
+def test_refused_launch_exits_nonzero_before_serving_with_the_reason_on_stderr(emulators, case):
     args, reason = REFUSALS[case]
     server = emulators.start(*args)
-    assert server.wait_exit(timeout=2.0) != 0
+    assert server.wait_exit(timeout=REFUSED_WITHIN_S) != 0
     assert reason in server.stderr
+    assert "emulating" not in server.stderr
 
 
 def test_small_tree_at_the_same_memory_setting_launches(emulators):
@@ -504,13 +512,14 @@ def test_hang_on_startup_keeps_health_at_503(emulators):
     server = emulators.start(*server_args("--hang-on-startup", "--load-time", "0",
                                           "--time-scale", "50"))
     server.wait_status(503)
+    # At least 10 probes over at least 1.5 s (a loaded server would be healthy at once):
+    # counting probes inside a fixed window instead failed when a busy machine slowed them.
     end = time.monotonic() + 1.5
     probes = 0
-    while time.monotonic() < end:
+    while probes < 10 or time.monotonic() < end:
         assert server.health_status() == 503
         probes += 1
         time.sleep(0.05)
-    assert probes >= 10
     assert server.proc.poll() is None
 
 
@@ -557,7 +566,7 @@ def test_a_second_server_on_a_port_in_use_is_refused(emulators):
     args = server_args("--load-time", "0")
     first = emulators.healthy(*args)
     second = emulators.start(*args, port=first.port)
-    assert second.wait_exit(timeout=2.0) != 0
+    assert second.wait_exit(timeout=REFUSED_WITHIN_S) != 0
     assert "address already in use" in second.stderr
     assert first.health_status() == 200
 
