@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,50 @@ import pytest
 from treetune.server import free_port
 
 STARTUP_TIMEOUT_S = 20.0
+TMP = Path("/tmp")
+STRICT_TMP = "TREETUNE_TESTS_STRICT_TMP"  # =1: any new entry in /tmp fails the session
+_new_in_tmp: list[str] = []  # shown at the end of the run
+
+
+def _tmp_entries() -> set[str]:
+    """The names in /tmp, and in /tmp/ray as `ray/NAME` (Ray's default temp dir may exist
+    already, so what a run adds there shows only one level down)."""
+    names = set(os.listdir(TMP))
+    with contextlib.suppress(OSError):
+        names |= {f"ray/{name}" for name in os.listdir(TMP / "ray")}
+    return names
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _the_suite_leaves_nothing_in_tmp(tmp_path_factory: pytest.TempPathFactory
+                                     ) -> Iterator[None]:
+    """Tests write in tmp_path, and Ray in a short dir of its own that is removed after
+    it (studykit.short_ray_dir); the session fails if any of those is left in /tmp, or a
+    Ray session named after this process. Any other new entry of /tmp is listed at the end
+    of the run, and fails it only with TREETUNE_TESTS_STRICT_TMP=1: on a shared machine
+    other processes write to /tmp too, and a guard must not fail for what they do."""
+    from studykit import RAY_DIRS
+
+    basetemp = tmp_path_factory.getbasetemp().resolve()
+    pytest_own = {basetemp.relative_to(TMP).parts[0]} if basetemp.is_relative_to(TMP) else set()
+    before = _tmp_entries()
+    yield
+    new = sorted(_tmp_entries() - before - pytest_own)
+    ours = [name for name in new
+            if str(TMP / name) in RAY_DIRS
+            or (name.startswith("ray/session_") and name.endswith(f"_{os.getpid()}"))]
+    _new_in_tmp[:] = new
+    if ours or (new and os.environ.get(STRICT_TMP) == "1"):
+        pytest.fail(f"the suite left these in /tmp: {', '.join(ours or new)}", pytrace=False)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _new_in_tmp:
+        terminalreporter.section("new entries in /tmp since the session started")
+        terminalreporter.line("(this suite's, or another process's on this machine; "
+                              f"{STRICT_TMP}=1 makes them fail the run)")
+        for name in _new_in_tmp:
+            terminalreporter.line(f"  /tmp/{name}")
 
 
 class Emulator:
@@ -159,14 +202,15 @@ def small_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def ray_tmpdir(monkeypatch):
+def ray_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A short Ray temp dir of the test's own (Ray's socket paths break past ~100
-    characters); nothing the test started under it may outlive the test."""
-    from studykit import processes_with, wait_until
+    characters); nothing the test started under it may outlive the test, and the dir is
+    removed after it."""
+    from studykit import processes_with, ray_env, short_ray_dir, wait_until
 
-    path = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    monkeypatch.setenv("TREETUNE_RAY_TMPDIR", path)
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    yield path
-    assert wait_until(lambda: not processes_with(path), 30), (
-        f"processes outlived the test: {processes_with(path)}")
+    with short_ray_dir() as path:
+        for name, value in ray_env(path).items():
+            monkeypatch.setenv(name, value)
+        yield path
+        assert wait_until(lambda: not processes_with(path), 30), (
+            f"processes outlived the test: {processes_with(path)}")

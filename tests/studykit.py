@@ -3,9 +3,17 @@ may leave behind (found through /proc, so a leak cannot hide)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+# Every short Ray temp dir the suite made, so that the session's /tmp guard (conftest.py)
+# can tell a leaked one of ours from another process's entry in /tmp.
+RAY_DIRS: list[str] = []
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -22,7 +30,13 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def small_study(tmp_path: Path, **over) -> dict:
-    """A study of five launches on the emulator that takes seconds, not minutes."""
+    """A study of five launches on the emulator that takes seconds, not minutes.
+
+    One launch per config: the tests built on it count configs by launches (N launches are
+    N distinct configs, each with one stored result), which re-measurement would break,
+    since the noise-aware planner re-launches borderline trees and the baseline whenever
+    the timing of a busy machine makes a tree borderline. Re-measurement is tested on
+    in-process launches in test_guided.py."""
     base = {
         "name": "small", "model": f"{tmp_path}/model-under-test", "draft": "org/draft",
         "tp": 4, "datasets": ["humaneval", "mt-bench"], "batch": [1, 8],
@@ -31,6 +45,7 @@ def small_study(tmp_path: Path, **over) -> dict:
                     "time_scale": 20.0, "load_time_s": 10.0, "noise": False},
         "measurement": {"duration_s": 6.0, "repeats": 2, "startup_timeout_s": 30.0},
         "compare": ["3,4,8"], "output": str(tmp_path / "out"),
+        "search": {"max_launches_per_config": 1},
     }
     return {**base, **over}
 
@@ -75,3 +90,44 @@ def wait_until(condition: Callable[[], object], timeout_s: float, poll_s: float 
             return True
         time.sleep(poll_s)
     return bool(condition())
+
+
+def remove_tree(path: str, attempts: int = 5) -> None:
+    """Remove a directory tree; a Ray process still exiting may add a log file while it
+    goes, so a tree found non-empty is tried again before giving up loudly."""
+    for attempt in range(attempts):
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.2)
+
+
+def ray_env(ray_dir: str) -> dict[str, str]:
+    """The environment that keeps every Ray session a test starts inside `ray_dir`:
+    treetune's own (TREETUNE_RAY_TMPDIR), and Ray's default for whatever is not told a
+    temp dir (RAY_TMPDIR, for `RAY_TMPDIR/ray`: ray.cluster_utils.Cluster writes
+    /tmp/ray/ray_current_cluster otherwise, which another Ray on the machine would read and
+    which would leave /tmp/ray behind)."""
+    return {"TREETUNE_RAY_TMPDIR": ray_dir, "RAY_TMPDIR": ray_dir, "RAY_AUTH_MODE": "disabled"}
+
+
+@contextlib.contextmanager
+def short_ray_dir() -> Iterator[str]:
+    """A Ray temp dir of its own directly under /tmp, removed on exit once no process holds
+    it. Not under tmp_path: Ray's socket paths (<dir>/session_<date>_<pid>/sockets/...)
+    break past ~107 characters, and pytest's tmp_path is deeper than that allows."""
+    path = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    RAY_DIRS.append(path)
+    # Ray's default temp dir under RAY_TMPDIR (see ray_env): Cluster writes its address
+    # file there without creating the dir.
+    os.mkdir(os.path.join(path, "ray"))
+    try:
+        yield path
+    finally:
+        wait_until(lambda: not processes_with(path), 30)
+        remove_tree(path)

@@ -7,12 +7,11 @@ import json
 import os
 import shlex
 import sys
-import tempfile
 
 import optuna
 import pytest
 from optuna.trial import TrialState
-from studykit import small_study
+from studykit import ray_env, short_ray_dir, small_study
 
 from treetune.config import TreeConfig
 from treetune.results import config_key
@@ -30,9 +29,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_tmpdir")]
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("study")
-    os.environ["TREETUNE_RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    spec = load_study(None, small_study(tmp))
-    outcome = run_study(spec)
+    # Its own short Ray dir, removed once the study is done; the environment is restored,
+    # so later tests never inherit this module's Ray dir.
+    with pytest.MonkeyPatch.context() as env, short_ray_dir() as ray_dir:
+        for name, value in ray_env(ray_dir).items():
+            env.setenv(name, value)
+        spec = load_study(None, small_study(tmp))
+        outcome = run_study(spec)
     return spec, outcome
 
 

@@ -122,9 +122,20 @@ def write_study(tmp_path, **over):
 
 
 def search(path, *extra):
-    return subprocess.Popen([sys.executable, "-m", "treetune", "search", "--study", str(path),
-                             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    """`treetune search` as a terminal starts it, with Ctrl-C's default disposition. A shell
+    that starts the suite in the background (`pytest ... &` in a script) makes it ignore
+    SIGINT, an ignored signal stays ignored across exec, and Python then installs no
+    KeyboardInterrupt handler: the search would never see the test's Ctrl-C. A handled
+    signal is reset to its default by exec, so the search is started while this process
+    handles SIGINT."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen([sys.executable, "-m", "treetune", "search", "--study",
+                                 str(path), *extra], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+    finally:
+        if previous is not None:  # None: set outside Python, so it cannot be put back
+            signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])

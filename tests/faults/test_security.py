@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from studykit import small_study
+from studykit import ray_env, short_ray_dir, small_study
 
 import treetune
 
@@ -45,8 +45,6 @@ def test_a_python_object_tag_in_a_study_file_is_refused(tmp_path):
 def keyed_study(tmp_path_factory):
     """A real search whose servers require an API key, listening on every interface,
     for a model whose path is hostile to shells and HTML; then its report."""
-    import tempfile
-
     tmp = tmp_path_factory.mktemp("keyed")
     key = "tt-" + secrets.token_hex(16)
     study = small_study(tmp, name="keyed", model=HOSTILE_MODEL, batch=[1],
@@ -56,11 +54,11 @@ def keyed_study(tmp_path_factory):
                         search={"max_launches_per_config": 1})
     path = tmp / "study.yaml"
     path.write_text(yaml.safe_dump(study))
-    env = {**os.environ, "TT_TEST_API_KEY": key, "RAY_AUTH_MODE": "disabled",
-           "TREETUNE_RAY_TMPDIR": tempfile.mkdtemp(prefix="rt", dir="/tmp")}
-    run = [subprocess.run([sys.executable, "-m", "treetune", *args], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=tmp)
-           for args in (["search", "--study", str(path)], ["report", str(tmp / "out")])]
+    with short_ray_dir() as ray_dir:  # removed once both commands are done
+        env = {**os.environ, "TT_TEST_API_KEY": key, **ray_env(ray_dir)}
+        run = [subprocess.run([sys.executable, "-m", "treetune", *args], capture_output=True,
+                              text=True, timeout=300, env=env, cwd=tmp)
+               for args in (["search", "--study", str(path)], ["report", str(tmp / "out")])]
     return tmp, key, run
 
 
