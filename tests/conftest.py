@@ -187,14 +187,14 @@ def small_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = load_study(None, {
         "name": "small", "model": "Qwen/Qwen3-Coder-Next", "draft": "d", "tp": 4,
         "datasets": ["mt-bench", "terminal-bench"], "batch": [1, 32],
-        "space": "default", "budget": {"launches": 6}, "seed": 0,
+        "space": "default", "budget": {"launches": 10}, "seed": 0,
         "backend": {"kind": "emulator", "profile": "qwen3-coder-next-h200", "noise": False},
         "measurement": {"duration_s": 6.0, "repeats": 2},
         "compare": ["3,4,8", "5,1,6"], "output": str(folder),
     })
     spec.save(folder / SPEC_COPY)
     truth = spec.backend.facts(spec.launch_spec(), {})
-    planner = run_offline(spec, PerfModel(truth, spec.tp), seed=0, launches=6,
+    planner = run_offline(spec, PerfModel(truth, spec.tp), seed=0, launches=10,
                           noise=Noise(0.01, 0.01), store=StudyStore(spec))
     assert planner.baseline is not None
     write_outputs(spec, planner.decide(), folder)
