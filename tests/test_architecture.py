@@ -140,7 +140,6 @@ def test_sglang_facts_live_in_its_backend_module_only():
 TOY_API = dataclasses.replace(SGLANG_API, info_keys=("version", "emulator"))
 
 
-@register
 @dataclasses.dataclass(frozen=True)
 class ToyBackend:
     """Serves through the emulator but is its own engine: its own GPU resource, its own
@@ -177,9 +176,10 @@ class ToyBackend:
 
 @pytest.fixture
 def toy_registered():
+    """The toy backend is registered for this test only: other tests see treetune's own."""
+    register(ToyBackend)
     yield
     assert BACKENDS.pop("toy") is ToyBackend
-    BACKENDS["toy"] = ToyBackend  # registered at import: leave it as the module left it
 
 
 @pytest.mark.slow
@@ -211,6 +211,7 @@ def test_a_backend_added_by_one_class_and_its_registration_runs_a_study(tmp_path
     assert "exec toy-serve --model" in script and "sglang" not in script
 
 
+@pytest.mark.usefixtures("toy_registered")
 def test_a_toy_backend_section_is_validated_against_its_own_fields(tmp_path):
     from treetune.errors import TreetuneError
     from treetune.study.spec import load_study
