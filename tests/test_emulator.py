@@ -617,10 +617,15 @@ def test_closed_loop_throughput_matches_the_performance_model_within_5_percent(
         emulators, config, concurrency):
     flags = (tree_flags(config.steps, config.topk, config.draft_tokens)
              if isinstance(config, TreeConfig) else [])
+    # 32 streams on a fast clock outrun this test's own client (it parses every chunk) on a
+    # busy 2-core machine, and a lagging client reads as a slow server: the clock slows
+    # with the concurrency so that the client keeps up; the window still spans hundreds of
+    # rounds.
+    scale = THROUGHPUT_SCALE if concurrency <= 8 else THROUGHPUT_SCALE / 4
     server = emulators.healthy(*server_args(
-        *flags, "--time-scale", str(THROUGHPUT_SCALE), "--max-running-requests", "64"))
+        *flags, "--time-scale", str(scale), "--max-running-requests", "64"))
     time_scale = server_info(server)["emulator"]["time_scale"]
-    assert time_scale == THROUGHPUT_SCALE
+    assert time_scale == scale
 
     measured = asyncio.run(closed_loop_tokens_per_s(server, concurrency)) / time_scale
 
