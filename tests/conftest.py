@@ -214,3 +214,32 @@ def ray_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         yield path
         assert wait_until(lambda: not processes_with(path), 30), (
             f"processes outlived the test: {processes_with(path)}")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[str]:
+    """The address of one local Ray cluster (a head node, as `ray start --head` makes) for
+    the tests that run a study through `ray_address`, as `treetune search --ray-address`
+    does: a study connects to it in about a second, where starting Ray takes several
+    (minutes over a suite on a busy machine). Local `ray.init`, the default, is what
+    test_search.py's `finished` study and the process-fault tests run on. Emulated GPUs for
+    two workers of tp=4, and 4 logical GPUs (this machine has none) for one SGLang worker;
+    the cluster and its short temp dir are gone after the session."""
+    from ray.cluster_utils import Cluster
+    from studykit import ray_env, short_ray_dir
+
+    with short_ray_dir() as path, pytest.MonkeyPatch.context() as env:
+        for name, value in ray_env(path).items():
+            env.setenv(name, value)
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 3, "num_gpus": 4, "resources": {"emulated_gpu": 8}, "temp_dir": path,
+            "include_dashboard": False})
+        try:
+            cluster.wait_for_nodes()
+            env.undo()  # each test sets its own Ray environment
+            yield cluster.address
+        finally:
+            for name, value in ray_env(path).items():
+                env.setenv(name, value)
+            cluster.shutdown()
+

@@ -184,11 +184,11 @@ def test_search_takes_the_gpu_on_the_command_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_tmpdir")
-def test_a_study_on_sglang_gathers_its_prior_on_a_worker_and_runs_the_model_search(tmp_path):
+def test_a_study_on_sglang_gathers_its_prior_on_a_worker_and_runs_the_model_search(
+        tmp_path, ray_cluster):
     """SGLang's command resolves to a stand-in package that execs the emulator; the worker
-    finds the fixtures' config.json and a stand-in nvidia-smi, as a GPU node would."""
-    import ray
-
+    finds the fixtures' config.json and a stand-in nvidia-smi, as a GPU node would (the
+    cluster's 4 GPUs are logical: Ray hands them out as on a GPU node)."""
     from treetune.study.runner import run_study
 
     fake = tmp_path / "fake"
@@ -204,14 +204,9 @@ def test_a_study_on_sglang_gathers_its_prior_on_a_worker_and_runs_the_model_sear
         tmp_path, name="autoprior", budget={"launches": 2}, workers=1, compare=[],
         batch=[1], datasets=["humaneval"],
         env={"PYTHONPATH": f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-             "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+             "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}, ray_address=ray_cluster)
     notes: list[str] = []
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False,
-             _temp_dir=os.environ["TREETUNE_RAY_TMPDIR"])
-    try:
-        outcome = run_study(spec, lambda p: notes.extend(n for n in p.notes if n not in notes))
-    finally:
-        ray.shutdown()
+    outcome = run_study(spec, lambda p: notes.extend(n for n in p.notes if n not in notes))
     assert outcome.strategy == "model" and notes == []
     assert len(outcome.results) == 2 and all(r.ok for r in outcome.results), [
         (r.reason, r.log_tail) for r in outcome.results]

@@ -86,9 +86,10 @@ def test_recommendations_and_launch_scripts_are_written(finished):
             assert argv[argv.index("--speculative-eagle-topk") + 1] == str(record["topk"])
 
 
-def test_rerunning_resumes_without_relaunching_completed_configs(finished, tmp_path):
+def test_rerunning_resumes_without_relaunching_completed_configs(finished, ray_cluster):
     spec, outcome = finished
-    more = spec.replace(budget=spec.budget.__class__(launches=7))
+    # Resumed on another Ray (an address is not part of what a study is).
+    more = spec.replace(budget=spec.budget.__class__(launches=7), ray_address=ray_cluster)
     again = run_study(more)
     keys = [config_key(r.config) for r in again.results]
     assert len(keys) == 7 and len(set(keys)) == 7
@@ -107,11 +108,11 @@ def test_a_changed_spec_is_refused_before_any_launch(finished):
         StudyStore(changed)
 
 
-def test_the_sglang_backend_runs_the_same_code_pointed_at_the_emulator(tmp_path):
+def test_the_sglang_backend_runs_the_same_code_pointed_at_the_emulator(tmp_path,
+                                                                     ray_cluster):
     """`python -m sglang.launch_server` resolves to a stand-in package that execs the
-    emulator: command building, process lifecycle, load and storage are the real ones."""
-    import ray
-
+    emulator: command building, process lifecycle, load and storage are the real ones (on
+    a Ray cluster whose GPUs are logical: this machine has none)."""
     fake = tmp_path / "fake"
     (fake / "sglang").mkdir(parents=True)
     (fake / "sglang" / "__init__.py").write_text("")
@@ -124,14 +125,9 @@ def test_the_sglang_backend_runs_the_same_code_pointed_at_the_emulator(tmp_path)
                         backend={"kind": "sglang", "python": sys.executable},
                         env={"PYTHONPATH": f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                              "FAKE_SGLANG_PROFILE": "qwen3-coder-next-h200"},
-                        compare=[])
+                        compare=[], ray_address=ray_cluster)
     spec = load_study(None, study)
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False,
-             _temp_dir=os.environ["TREETUNE_RAY_TMPDIR"])
-    try:
-        outcome = run_study(spec)
-    finally:
-        ray.shutdown()
+    outcome = run_study(spec)
     assert len(outcome.results) == 2 and all(r.ok for r in outcome.results), [
         (r.reason, r.log_tail) for r in outcome.results]
     logs = list((spec.output_dir / "logs").glob("*.log"))
@@ -140,7 +136,8 @@ def test_the_sglang_backend_runs_the_same_code_pointed_at_the_emulator(tmp_path)
     assert tree.server_info["speculative_num_steps"] == tree.config.steps
 
 
-def test_failed_launches_are_recorded_with_their_cause_and_never_retried(tmp_path):
+def test_failed_launches_are_recorded_with_their_cause_and_never_retried(tmp_path,
+                                                                          ray_cluster):
     # At --mem-fraction-static 0.41 one H100 holds the 30B MoE without speculation but not
     # with the draft head and its KV slots: every tree runs out of memory at start-up.
     study = small_study(
@@ -148,7 +145,7 @@ def test_failed_launches_are_recorded_with_their_cause_and_never_retried(tmp_pat
         budget={"launches": 3}, compare=["3,4,8"],
         server_flags={"--mem-fraction-static": "0.41"},
         backend={"kind": "emulator", "profile": "qwen3-30b-a3b-h100", "time_scale": 20.0,
-                 "load_time_s": 10.0, "noise": False})
+                 "load_time_s": 10.0, "noise": False}, ray_address=ray_cluster)
     spec = load_study(None, study)
     outcome = run_study(spec)
     failed = [r for r in outcome.results if not r.ok]
@@ -164,11 +161,13 @@ def test_failed_launches_are_recorded_with_their_cause_and_never_retried(tmp_pat
     assert len(keys) == len(set(keys)) == 4, "a failed config was launched again"
 
 
-def test_a_compared_tree_outside_the_space_is_measured_and_the_search_goes_on(tmp_path):
+def test_a_compared_tree_outside_the_space_is_measured_and_the_search_goes_on(
+        tmp_path, ray_cluster):
     # (5,1,6) has draft_tokens 6, which bench-speculative's grid (2,4,8,16,32) cannot hold.
     spec = load_study(None, small_study(tmp_path, name="outside", space="bench-speculative",
                                         compare=["5,1,6"], budget={"launches": 4}, workers=1,
                                         batch=[1], datasets=["humaneval"],
+                                        ray_address=ray_cluster,
                                         # One launch per config: this test is about the
                                         # TPE distributions, not re-measurement.
                                         search={"strategy": "tpe",

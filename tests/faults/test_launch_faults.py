@@ -17,19 +17,23 @@ pytestmark = pytest.mark.slow
 WIDE = "3,4,8"
 
 
-def study(tmp_path, faults, **over):
-    data = small_study(tmp_path, budget={"launches": 4}, **over)
-    data["backend"] = {**data["backend"], "faults": faults}
-    return load_study(None, data)
+@pytest.fixture
+def study(tmp_path, ray_cluster):
+    """A four-launch study with the emulator's fault switches, on the session's Ray
+    cluster."""
+    def make(faults, **over):
+        data = small_study(tmp_path, budget={"launches": 4}, ray_address=ray_cluster, **over)
+        data["backend"] = {**data["backend"], "faults": faults}
+        return load_study(None, data)
+    return make
 
 
 def by_key(outcome):
     return {config_key(r.config): r for r in outcome.results}
 
 
-def test_a_server_exiting_during_startup_is_recorded_infeasible_and_the_study_goes_on(
-        tmp_path):
-    spec = study(tmp_path, [{"kind": "startup", "configs": [WIDE]}])
+def test_a_server_exiting_during_startup_is_recorded_infeasible_and_the_study_goes_on(study):
+    spec = study([{"kind": "startup", "configs": [WIDE]}])
     outcome = run_study(spec)
     results = by_key(outcome)
     assert len(results) == 4, "the study spent its whole budget"
@@ -47,11 +51,11 @@ def test_a_server_exiting_during_startup_is_recorded_infeasible_and_the_study_go
         assert all(c > 0 for t in trials for c in t.constraints.values())
 
 
-def test_a_server_that_never_becomes_healthy_is_killed_at_the_timeout(tmp_path):
+def test_a_server_that_never_becomes_healthy_is_killed_at_the_timeout(study, tmp_path):
     over = {"measurement": {"duration_s": 6.0, "repeats": 2, "startup_timeout_s": 3.0},
             "backend": {"kind": "emulator", "profile": "qwen3-coder-next-h200",
                         "time_scale": 20.0, "load_time_s": 10.0, "noise": False}}
-    spec = study(tmp_path, [{"kind": "hang", "configs": [WIDE]}], **over)
+    spec = study([{"kind": "hang", "configs": [WIDE]}], **over)
     outcome = run_study(spec)
     failed = by_key(outcome)[WIDE]
     assert not failed.ok and failed.reason == "not healthy after 3 s"
@@ -59,9 +63,8 @@ def test_a_server_that_never_becomes_healthy_is_killed_at_the_timeout(tmp_path):
     assert len(outcome.results) == 4 and not server_processes(str(tmp_path))
 
 
-def test_a_crash_mid_benchmark_keeps_its_cells_and_a_fresh_server_measures_the_rest(
-        tmp_path):
-    spec = study(tmp_path, [{"kind": "crash", "configs": [WIDE], "attempts": 1,
+def test_a_crash_mid_benchmark_keeps_its_cells_and_a_fresh_server_measures_the_rest(study):
+    spec = study([{"kind": "crash", "configs": [WIDE], "attempts": 1,
                              "after_requests": 12}])
     outcome = run_study(spec)
     result = by_key(outcome)[WIDE]
@@ -75,8 +78,8 @@ def test_a_crash_mid_benchmark_keeps_its_cells_and_a_fresh_server_measures_the_r
     assert "crashing now" not in second
 
 
-def test_a_launch_crashing_twice_is_failed_with_the_cells_of_its_first_server(tmp_path):
-    spec = study(tmp_path, [
+def test_a_launch_crashing_twice_is_failed_with_the_cells_of_its_first_server(study):
+    spec = study([
         {"kind": "crash", "configs": [WIDE], "attempts": 1, "after_requests": 12},
         {"kind": "crash", "configs": [WIDE], "after_requests": 1}])
     outcome = run_study(spec)

@@ -139,7 +139,7 @@ def search(path, *extra):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_ctrl_c_or_sigterm_stops_every_server_and_resumes_cleanly(tmp_path, sig):
+def test_ctrl_c_or_sigterm_stops_every_server_and_resumes_cleanly(tmp_path, sig, ray_cluster):
     path = write_study(tmp_path, budget={"launches": 6})
     marker = str(tmp_path)
     proc = search(path)
@@ -161,7 +161,8 @@ def test_ctrl_c_or_sigterm_stops_every_server_and_resumes_cleanly(tmp_path, sig)
         study = optuna.load_study(study_name=name, storage=spec.storage_url)
         assert not study.get_trials(states=(TrialState.RUNNING,)), name
     done_before = {config_key(r.config): r.started_at for r in StudyStore(spec).results()}
-    resumed = run_study(spec)
+    # Resumed on the session's Ray cluster: what is tested is the stopped search's storage.
+    resumed = run_study(spec.replace(ray_address=ray_cluster))
     assert_each_config_measured_once(spec, resumed, 6)
     for r in resumed.results:
         if config_key(r.config) in done_before:
@@ -169,7 +170,7 @@ def test_ctrl_c_or_sigterm_stops_every_server_and_resumes_cleanly(tmp_path, sig)
 
 
 def test_sigkill_of_the_search_leaves_no_server_and_a_rerun_redoes_the_stale_launches(
-        tmp_path):
+        tmp_path, ray_cluster):
     path = write_study(tmp_path, budget={"launches": 6})
     marker = str(tmp_path)
     proc = search(path)
@@ -189,7 +190,7 @@ def test_sigkill_of_the_search_leaves_no_server_and_a_rerun_redoes_the_stale_lau
     running = launch_trials(spec, TrialState.RUNNING)
     assert running, "the killed search left its running launches marked running"
     stale = {t.user_attrs["config"] for t in running}
-    resumed = run_study(spec)
+    resumed = run_study(spec.replace(ray_address=ray_cluster))  # see the Ctrl-C test
     assert resumed.stale_redone == len(running)
     assert_each_config_measured_once(spec, resumed, 6)
     assert stale <= {config_key(r.config) for r in resumed.results}

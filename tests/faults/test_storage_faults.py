@@ -149,9 +149,7 @@ HANGING_SGLANG = textwrap.dedent("""
 """)
 
 
-def test_a_server_never_healthy_is_killed_with_every_process_it_spawned(tmp_path):
-    import ray
-
+def test_a_server_never_healthy_is_killed_with_every_process_it_spawned(tmp_path, ray_cluster):
     fake = tmp_path / "fake" / "sglang"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
@@ -160,17 +158,12 @@ def test_a_server_never_healthy_is_killed_with_every_process_it_spawned(tmp_path
         tmp_path, name="hang", budget={"launches": 2}, workers=1, compare=[],
         backend={"kind": "sglang", "python": sys.executable},
         env={"PYTHONPATH": str(tmp_path / "fake")},
-        measurement={"duration_s": 6.0, "repeats": 2, "startup_timeout_s": 4.0}))
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False,
-             _temp_dir=os.environ["TREETUNE_RAY_TMPDIR"])
+        measurement={"duration_s": 6.0, "repeats": 2, "startup_timeout_s": 4.0},
+        ray_address=ray_cluster))
     marker = str(tmp_path / "model-under-test")
-    seen: list[int] = []
-    try:
-        with contextlib.suppress(Exception):  # the baseline fails: the study stops
-            run_study(spec)
-        seen = processes_with(marker)
-    finally:
-        ray.shutdown()
+    with contextlib.suppress(Exception):  # the baseline fails: the study stops
+        run_study(spec)
+    seen = processes_with(marker)
     assert not seen, "a process of the hung server's group survived"
     (result,) = StudyStore(spec).results()
     assert config_key(result.config) == "baseline" and not result.ok
