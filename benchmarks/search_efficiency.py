@@ -23,12 +23,13 @@ Per world and strategy:
 
     .venv/bin/python benchmarks/search_efficiency.py [--worlds all | NAME_OR_FILE ...]
         [--batch 1 32] [--seeds 20] [--quick] [--json] [--output FILE.md]
-        [--strategies model tpe grid random]
+        [--strategies model tpe grid random gp]  (gp: with treetune[gp] installed)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -51,7 +52,9 @@ from treetune.study.recommend import MIXED, recommend
 from treetune.study.spec import load_study
 from treetune.worlds import World, load_world, shipped_worlds
 
-STRATEGIES = ("model", "tpe", "grid", "random")
+# gp (Optuna's GPSampler) runs where PyTorch is installed (`pip install -e '.[gp]'`).
+STRATEGIES = ("model", "tpe", "grid", "random",
+              *(("gp",) if importlib.util.find_spec("torch") else ()))
 TARGET = 0.99  # within 1% of the true best
 
 

@@ -1,7 +1,7 @@
 """Search strategies: what to launch next. One module per strategy, one name each, behind
 the `Strategy` protocol; `make(name, context)` builds one for the planner."""
 
-from treetune.strategies import grid, model, random, tpe
+from treetune.strategies import gp, grid, model, random, tpe
 from treetune.strategies._base import (
     AUTO,
     STRATEGIES,
@@ -17,4 +17,5 @@ from treetune.strategies._base import (
 from treetune.strategies._trials import BatchStudies
 
 __all__ = ["AUTO", "STRATEGIES", "BatchStudies", "Estimates", "Proposal", "SearchContext",
-           "Strategy", "grid", "make", "model", "names", "random", "register", "resolve", "tpe"]
+           "Strategy", "gp", "grid", "make", "model", "names", "random", "register", "resolve",
+           "tpe"]

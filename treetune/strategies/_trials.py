@@ -5,6 +5,7 @@ optuna-dashboard shows the whole search, and TPE learns from launches it did not
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import optuna
@@ -76,6 +77,11 @@ class BatchStudies:
         self.parked: dict[str, list[Waiting]] = {}
         self.answers: dict[str, LaunchResult] = {}
         self.baseline: LaunchResult | None = None
+
+    def use_sampler(self, sampler: Callable[[int], optuna.samplers.BaseSampler]) -> None:
+        """Ask with `sampler(batch)` from now on (the stored studies start with TPE)."""
+        for batch, study in self.store.batch_studies.items():
+            study.sampler = sampler(batch)
 
     def ask(self, batch: int) -> tuple[optuna.trial.Trial, dict[str, int]]:
         trial = self.store.batch_studies[batch].ask(self.distributions)

@@ -5,7 +5,7 @@ answered from its measurement instead of being launched again."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -25,6 +25,21 @@ def random_untried(context: SearchContext, rng: np.random.Generator) -> Proposal
     return Proposal(untried[int(rng.integers(len(untried)))])
 
 
+def ask_untried(context: SearchContext, batches: Iterator[int],
+                rng: np.random.Generator) -> Proposal | None:
+    """Ask the batch studies' sampler in turn (one batch size per ask) for a config not yet
+    launched; a proposal already known is answered from its measurement (parked)."""
+    for _ in range(MAX_ASKS):
+        batch = next(batches)
+        trial, raw = context.studies.ask(batch)
+        config = nearest_config(context.space, **raw)
+        key = config_key(config)
+        if not context.is_known(key):
+            return Proposal(config, [(batch, trial, raw)])
+        context.studies.park(key, (batch, trial, raw))
+    return random_untried(context, rng)
+
+
 @register("tpe", "Optuna's TPE sampler over the three knobs, per batch size", auto=1)
 class TPEStrategy:
     def __init__(self, context: SearchContext) -> None:
@@ -33,16 +48,7 @@ class TPEStrategy:
         self.rng = np.random.default_rng(context.seed)
 
     def propose(self) -> Proposal | None:
-        context = self.context
-        for _ in range(MAX_ASKS):
-            batch = next(self.batches)
-            trial, raw = context.studies.ask(batch)
-            config = nearest_config(context.space, **raw)
-            key = config_key(config)
-            if not context.is_known(key):
-                return Proposal(config, [(batch, trial, raw)])
-            context.studies.park(key, (batch, trial, raw))
-        return random_untried(context, self.rng)
+        return ask_untried(self.context, self.batches, self.rng)
 
     def observe(self, result: LaunchResult, baseline: LaunchResult) -> None:
         """Nothing to do: TPE learns through the batch studies, which record every launch."""
