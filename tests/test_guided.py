@@ -257,3 +257,35 @@ def test_the_study_learns_its_launch_noise_from_repeated_launches():
     learned = intervals(tree, base, 1, ["mt-bench"], noise)["mt-bench"]
     fixed = intervals(tree, base, 1, ["mt-bench"], StudyNoise.prior(0.03))["mt-bench"]
     assert learned.high - learned.low < 0.6 * (fixed.high - fixed.low)
+
+
+def test_a_leader_by_less_than_its_noise_is_measured_again_before_new_proposals():
+    # Two trees far above the floor (each sure on one launch), the leader by 1%: of trees
+    # measured once, the best-looking is likely the luckiest draw, so it is re-measured
+    # (the baseline first, its second launch being the study's first measure of noise).
+    spec = one_dataset_study()
+    lead, close = TreeConfig(3, 1, 4), TreeConfig(2, 1, 3)
+    base = launch(BASELINE, 100.0, (99.8, 100, 100.2))
+    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                      load_space("narrow"), [base, launch(lead, 161.0, (160.8, 161, 161.2)),
+                                             launch(close, 159.5, (159.3, 159.5, 159.7))])
+    first = planner.next()
+    assert first is not None and first.remeasure and first.config is BASELINE
+    planner.finish(first, launch(BASELINE, 100.1, (99.9, 100.1, 100.3)))
+    second = planner.next()
+    assert second is not None and second.remeasure and second.config == lead
+    planner.finish(second, launch(lead, 158.0, (157.8, 158, 158.2)))
+    # Both launches of the leader now stand against one of the runner-up: no more racing.
+    third = planner.next()
+    assert third is not None and not third.remeasure
+
+
+def test_a_leader_clear_of_the_runner_up_is_not_measured_again():
+    spec = one_dataset_study()
+    base = launch(BASELINE, 100.0, (99.8, 100, 100.2))
+    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                      load_space("narrow"),
+                      [base, launch(TreeConfig(3, 1, 4), 190.0, (189.8, 190, 190.2)),
+                       launch(TreeConfig(2, 1, 3), 150.0, (149.8, 150, 150.2))])
+    task = planner.next()
+    assert task is not None and not task.remeasure

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from dataclasses import dataclass
 
 from treetune import strategies
@@ -25,6 +26,7 @@ from treetune.results import LaunchResult, config_key
 from treetune.space import SearchSpace
 from treetune.strategies import BatchStudies, Proposal, SearchContext
 from treetune.study.evidence import (
+    Z_LOWER,
     Estimates,
     Interval,
     StudyNoise,
@@ -194,7 +196,7 @@ class Planner:
                         and launches_of(self.results[key]) < limit):
                     candidates.append((verdict.mean - best, key, batch))
         if not candidates:
-            return None
+            return self._remeasure_leader(busy, noise)
         model = self.estimates() or {}  # only now: it costs a model evaluation
 
         def expected_regression(key: str, batch: int) -> bool:
@@ -218,6 +220,39 @@ class Planner:
                 and (base_launches < 2 or base_launches < launches_of(self.results[pick]))):
             pick = "baseline"
         return Task(self.results[pick].config, remeasure=True)
+
+    def _remeasure_leader(self, busy: set[str], noise: StudyNoise) -> Task | None:
+        """The winner's curse: of many trees measured once, the one that looks best is
+        likely the luckiest draw. A recommendation on one launch (sure of its feasibility)
+        whose lead over the runner-up is within the noise of its measurement is measured
+        once more (the baseline first, as for confirmations), so the ranking does not rest
+        on one lucky launch."""
+        assert self.baseline is not None
+        names = self.spec.dataset_names
+        needs = self.spec.search.confirming_launches
+        model = None
+        for batch in self.spec.batch:
+            if model is None:
+                model = self.estimates() or {}
+            verdicts = sorted((judge(result, self.baseline, batch, names,
+                                     self.spec.tolerance, noise, model, needs)
+                               for result in self.results.values()
+                               if result.ok and isinstance(result.config, TreeConfig)),
+                              key=lambda v: v.rank, reverse=True)
+            confirmed = [v for v in verdicts if v.confirmed]
+            if len(confirmed) < 2:
+                continue
+            leader, runner_up = confirmed[0], confirmed[1]
+            key = config_key(leader.config)
+            if leader.launches >= needs or key in busy:
+                continue
+            spread = statistics.fmean((math.log(i.high) - math.log(i.low)) / (2 * Z_LOWER)
+                                      for i in leader.intervals.values())
+            if math.log(leader.rank / runner_up.rank) < Z_LOWER * spread:
+                if launches_of(self.baseline) < 2 and "baseline" not in busy:
+                    key = "baseline"
+                return Task(self.results[key].config, remeasure=True)
+        return None
 
     # ---- what happened ----------------------------------------------------------------
     def finish(self, task: Task, result: LaunchResult) -> LaunchResult:
