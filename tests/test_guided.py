@@ -112,6 +112,15 @@ def launch(config, tput, repeats=()):
     return LaunchResult(config, ok=True, cells=[cell("humaneval", 1, tput, repeats)])
 
 
+def remeasures(planner: Planner, *steps: tuple[object, LaunchResult]) -> None:
+    """The planner's next launches re-measure these configs in this order; each is
+    finished with the given result."""
+    for config, result in steps:
+        task = planner.next()
+        assert task is not None and task.remeasure and task.config == config, task
+        planner.finish(task, result)
+
+
 def test_repeated_launches_merge_and_narrow_the_interval():
     spec = load_study(None, {"name": "i", "model": "m", "draft": "d", "datasets": ["humaneval"],
                              "batch": [1]})
@@ -140,12 +149,8 @@ def test_a_borderline_best_config_is_re_measured_before_new_proposals():
                       [base, launch(clear, 90.0), launch(chain, 106.0, (105, 106, 107))])
     # (3,1,4) looks 6% faster, which one launch cannot tell from noise; (2,1,3) is surely
     # slower. The baseline, whose noise moves every speedup, is re-measured first.
-    first = planner.next()
-    assert first is not None and first.remeasure and first.config is BASELINE
-    planner.finish(first, launch(BASELINE, 100.5, (100, 100, 101)))
-    second = planner.next()
-    assert second is not None and second.remeasure and second.config == chain
-    planner.finish(second, launch(chain, 106.5, (106, 106, 107)))
+    remeasures(planner, (BASELINE, launch(BASELINE, 100.5, (100, 100, 101))),
+               (chain, launch(chain, 106.5, (106, 106, 107))))
     assert planner.results["3,1,4"].cells[0].launch_tok_s == (106.0, 106.5)
     # Up to max_launches_per_config (3) launches, then new configs are proposed.
     tasks = [planner.next() for _ in range(3)]
@@ -181,12 +186,9 @@ def test_a_tree_feasible_on_one_launch_is_confirmed_by_a_second_before_it_is_rec
     assert recs[0].config is BASELINE and "confirmed by a second launch" in recs[0].reason
     planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
                       load_space("narrow"), [base, lucky])
-    first = planner.next()  # the baseline first: its noise moves every speedup
-    assert first is not None and first.remeasure and first.config is BASELINE
-    planner.finish(first, launch(BASELINE, 100.2, (100, 100.2, 100.4)))
-    second = planner.next()
-    assert second is not None and second.remeasure and second.config == chain
-    planner.finish(second, launch(chain, 109.0, (108.8, 109, 109.2)))
+    # The baseline first: its noise moves every speedup.
+    remeasures(planner, (BASELINE, launch(BASELINE, 100.2, (100, 100.2, 100.4))),
+               (chain, launch(chain, 109.0, (108.8, 109, 109.2))))
     recs = recommend(spec, list(planner.results.values()), planner.baseline)
     assert recs[0].config == chain
 
@@ -269,12 +271,8 @@ def test_a_leader_by_less_than_its_noise_is_measured_again_before_new_proposals(
     planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
                       load_space("narrow"), [base, launch(lead, 161.0, (160.8, 161, 161.2)),
                                              launch(close, 159.5, (159.3, 159.5, 159.7))])
-    first = planner.next()
-    assert first is not None and first.remeasure and first.config is BASELINE
-    planner.finish(first, launch(BASELINE, 100.1, (99.9, 100.1, 100.3)))
-    second = planner.next()
-    assert second is not None and second.remeasure and second.config == lead
-    planner.finish(second, launch(lead, 158.0, (157.8, 158, 158.2)))
+    remeasures(planner, (BASELINE, launch(BASELINE, 100.1, (99.9, 100.1, 100.3))),
+               (lead, launch(lead, 158.0, (157.8, 158, 158.2))))
     # Both launches of the leader now stand against one of the runner-up: no more racing.
     third = planner.next()
     assert third is not None and not third.remeasure
