@@ -80,7 +80,8 @@ class Search:
 
     strategy: str = field(default="auto", metadata=meta(
         "--strategy", "How the next tree is chosen: model (fit the performance model to what "
-        "was measured and launch its predicted best), tpe, grid or random. Default auto: model "
+        "was measured and launch its predicted best), tpe, grid, random, or gp (Optuna's "
+        "GPSampler; needs PyTorch, from the optional extra gp). Default auto: model "
         "when a prior is known (the emulator's profile, --prior, or on SGLang the auto prior "
         "from the models' config.json and the GPU), else tpe."))
     # The profile whose hardware and model facts the model search uses (default for the
