@@ -29,7 +29,6 @@ Per world and strategy:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -45,6 +44,7 @@ from treetune import strategies
 from treetune.config import BASELINE, TreeConfig
 from treetune.perfmodel import check_memory, shipped_profiles
 from treetune.space import load_space
+from treetune.strategies import gp
 from treetune.study.evidence import intervals
 from treetune.study.offline import Noise, run_offline
 from treetune.study.planner import Planner
@@ -53,8 +53,7 @@ from treetune.study.spec import load_study
 from treetune.worlds import World, load_world, shipped_worlds
 
 # gp (Optuna's GPSampler) runs where PyTorch is installed (`pip install -e '.[gp]'`).
-STRATEGIES = ("model", "tpe", "grid", "random",
-              *(("gp",) if importlib.util.find_spec("torch") else ()))
+STRATEGIES = ("model", "tpe", "grid", "random", *(("gp",) if gp.torch_installed() else ()))
 TARGET = 0.99  # within 1% of the true best
 
 

@@ -44,6 +44,11 @@ class Interval:
     def label(self) -> str:
         return f"{self.mean:.3f} [{self.low:.3f}, {self.high:.3f}]"
 
+    @property
+    def log_sd(self) -> float:
+        """The standard error of log(speedup) that this interval spans (Z_LOWER each way)."""
+        return (math.log(self.high) - math.log(self.low)) / (2 * Z_LOWER)
+
 
 def launches_of(result: LaunchResult) -> int:
     """How many successful launches a (merged) result holds."""
@@ -277,7 +282,6 @@ def _blend(measured: Interval, estimates: Estimates | None, config: ServerConfig
     model = estimates.get((config, batch, dataset)) if estimates else None
     if model is None or measured.mean <= 0 or measured.high <= measured.low:
         return measured.mean
-    sd = (math.log(measured.high) - math.log(measured.low)) / (2 * Z_LOWER)
-    weight_m, weight_p = 1 / sd ** 2, 1 / model[1]
+    weight_m, weight_p = 1 / measured.log_sd ** 2, 1 / model[1]
     return math.exp((weight_m * math.log(measured.mean) + weight_p * model[0])
                     / (weight_m + weight_p))

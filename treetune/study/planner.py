@@ -211,15 +211,18 @@ class Planner:
         pick = max(viable, key=lambda c: c[0])[1] if viable else None
         if pick is None:
             return None
+        return self._baseline_first(pick, busy)
+
+    def _baseline_first(self, key: str, busy: set[str]) -> Task:
+        """The re-measurement of `key`, or of the baseline before it: the baseline's noise
+        shifts every speedup, and its second launch is the study's first measure of launch
+        noise, so it goes first once; after that only when the tree has more launches."""
         assert self.baseline is not None
         base_launches = launches_of(self.baseline)
-        # The baseline's noise shifts every speedup, and its second launch is the study's
-        # first measure of launch noise: it goes first once; after that only when a tree
-        # has more launches than it.
-        if (base_launches < limit and "baseline" not in busy
-                and (base_launches < 2 or base_launches < launches_of(self.results[pick]))):
-            pick = "baseline"
-        return Task(self.results[pick].config, remeasure=True)
+        if (base_launches < self.spec.search.max_launches_per_config and "baseline" not in busy
+                and (base_launches < 2 or base_launches < launches_of(self.results[key]))):
+            key = "baseline"
+        return Task(self.results[key].config, remeasure=True)
 
     def _remeasure_leader(self, busy: set[str], noise: StudyNoise) -> Task | None:
         """The winner's curse: of many trees measured once, the one that looks best is
@@ -230,28 +233,23 @@ class Planner:
         assert self.baseline is not None
         names = self.spec.dataset_names
         needs = self.spec.search.confirming_launches
-        model = None
+        model = self.estimates()
         for batch in self.spec.batch:
-            if model is None:
-                model = self.estimates() or {}
-            verdicts = sorted((judge(result, self.baseline, batch, names,
-                                     self.spec.tolerance, noise, model, needs)
-                               for result in self.results.values()
-                               if result.ok and isinstance(result.config, TreeConfig)),
-                              key=lambda v: v.rank, reverse=True)
-            confirmed = [v for v in verdicts if v.confirmed]
+            confirmed = sorted((verdict for result in self.results.values()
+                                if result.ok and isinstance(result.config, TreeConfig)
+                                and (verdict := judge(result, self.baseline, batch, names,
+                                                      self.spec.tolerance, noise, model,
+                                                      needs)).confirmed),
+                               key=lambda v: v.rank, reverse=True)
             if len(confirmed) < 2:
                 continue
             leader, runner_up = confirmed[0], confirmed[1]
             key = config_key(leader.config)
             if leader.launches >= needs or key in busy:
                 continue
-            spread = statistics.fmean((math.log(i.high) - math.log(i.low)) / (2 * Z_LOWER)
-                                      for i in leader.intervals.values())
+            spread = statistics.fmean(i.log_sd for i in leader.intervals.values())
             if math.log(leader.rank / runner_up.rank) < Z_LOWER * spread:
-                if launches_of(self.baseline) < 2 and "baseline" not in busy:
-                    key = "baseline"
-                return Task(self.results[key].config, remeasure=True)
+                return self._baseline_first(key, busy)
         return None
 
     # ---- what happened ----------------------------------------------------------------
