@@ -16,10 +16,11 @@ from treetune.perfmodel.calibrate import get_value
 from treetune.perfmodel.prior import neutral_prior
 from treetune.results import CellResult, LaunchResult, config_key
 from treetune.space import load_space
+from treetune.strategies import Proposal
 from treetune.strategies.model import ModelFit
 from treetune.study.evidence import StudyNoise, intervals, merge, merge_all
 from treetune.study.offline import Noise, run_offline, simulate_launch
-from treetune.study.planner import Planner
+from treetune.study.planner import DEFER_GAIN, DEFER_MAX, Planner
 from treetune.study.recommend import recommend
 from treetune.study.spec import load_study
 from treetune.study.storage import StudyStore
@@ -191,6 +192,57 @@ def test_a_tree_feasible_on_one_launch_is_confirmed_by_a_second_before_it_is_rec
                (chain, launch(chain, 109.0, (108.8, 109, 109.2))))
     recs = recommend(spec, list(planner.results.values()), planner.baseline)
     assert recs[0].config == chain
+
+
+class Forecaster:
+    """A strategy that proposes the narrow space's chains in turn with a fixed forecast."""
+
+    def __init__(self, gain):
+        self.gain, self.chains = gain, iter([TreeConfig(2, 1, 3), TreeConfig(4, 1, 5),
+                                             TreeConfig(5, 1, 6), TreeConfig(1, 1, 2)])
+
+    def propose(self):
+        return Proposal(next(self.chains), gain=self.gain)
+
+    def observe(self, result, baseline):
+        pass
+
+    def estimates(self, configs):
+        return None
+
+
+def forecasting_planner(gain, budget=30):
+    """A planner holding one tree feasible on one launch, whose strategy forecasts `gain`."""
+    spec = one_dataset_study(budget={"launches": budget})
+    base = launch(BASELINE, 100.0, (99.8, 100, 100.2))
+    lucky = launch(TreeConfig(3, 1, 4), 110.0, (109.8, 110, 110.2))
+    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                      load_space("narrow"), [base, lucky])
+    planner.strategy_name, planner.strategy = "model", Forecaster(gain)  # it forecasts
+    return planner
+
+
+def kinds(planner, n):
+    out = []
+    for _ in range(n):
+        task = planner.next()
+        assert task is not None
+        out.append("re" if task.remeasure else "new")
+        planner.finish(task, launch(task.config, 105.0, (104.8, 105, 105.2)))
+    return out
+
+
+def test_a_confirmation_waits_for_a_proposal_forecast_to_gain_much_more_but_not_for_long():
+    # Forecast 10% above the best measured tree: new trees first, DEFER_MAX in a row.
+    assert kinds(forecasting_planner(1.10), DEFER_MAX + 2) == ["new"] * DEFER_MAX + ["re", "new"]
+    assert DEFER_GAIN < 1.10
+    # A smaller forecast: the confirmation (the baseline first) comes first.
+    assert kinds(forecasting_planner(DEFER_GAIN - 0.01), 2) == ["re", "re"]
+    # No forecast (a random or initial-design draw): the confirmation, then the proposal.
+    assert kinds(forecasting_planner(None), 2) == ["re", "new"]
+    # With only the confirmation's launches left in the budget (the baseline's and the
+    # tree's), nothing waits.
+    assert kinds(forecasting_planner(1.10, budget=4), 1) == ["re"]
 
 
 def test_a_tree_far_above_the_floor_needs_no_second_launch():

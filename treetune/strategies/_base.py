@@ -33,6 +33,10 @@ class Proposal:
     config: TreeConfig
     # Trials (per batch size) waiting for this config's measurement.
     trials: list[tuple[int, optuna.trial.Trial, dict[str, int]]] = field(default_factory=list)
+    # The strategy's forecast of the proposal's mean speedup over the best measured tree at
+    # the batch size where it gains most (None: no forecast). A large one may go before a
+    # re-measurement of the best measured tree.
+    gain: float | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class StrategyInfo:
     # Why the strategy cannot run this study (None: it can); `auto` takes the first that can.
     unavailable: Callable[[SearchContext], str | None]
     help: str
+    forecasts: bool = False  # its proposals carry a forecast gain (Proposal.gain)
 
 
 STRATEGIES: dict[str, StrategyInfo] = {}
@@ -91,14 +96,14 @@ _auto_rank: dict[str, int] = {}
 
 
 def register(name: str, help: str, *, auto: int | None = None,
-             unavailable: Callable[[SearchContext], str | None] = lambda context: None
-             ) -> Callable[[Any], Any]:
+             unavailable: Callable[[SearchContext], str | None] = lambda context: None,
+             forecasts: bool = False) -> Callable[[Any], Any]:
     """Class decorator: the strategy is available by `name`; with `auto`, `auto` tries it
-    (lower first)."""
+    (lower first); `forecasts`: its proposals carry a forecast gain."""
 
     def add(cls: Any) -> Any:
         cls.name = name
-        STRATEGIES[name] = StrategyInfo(name, cls, unavailable, help)
+        STRATEGIES[name] = StrategyInfo(name, cls, unavailable, help, forecasts)
         if auto is not None:
             _auto_rank[name] = auto
             AUTO_ORDER[:] = sorted(_auto_rank, key=_auto_rank.__getitem__)

@@ -135,7 +135,8 @@ def _no_prior(context: SearchContext) -> str | None:
 
 
 @register("model", "fit the performance model to what was measured and launch the tree a "
-          "posterior draw predicts best", auto=0, unavailable=_no_prior)
+          "posterior draw predicts best", auto=0, unavailable=_no_prior,
+          forecasts=True)
 class ModelStrategy:
     """Proposes the config a posterior draw of the fitted model predicts to improve most on
     the measured trees, at whichever batch size gains most."""
@@ -287,7 +288,7 @@ class ModelStrategy:
                     best_pick = (gain, config)
         if best_pick is None:
             return Proposal(untried[int(self.rng.integers(len(untried)))])
-        return Proposal(best_pick[1])
+        return Proposal(best_pick[1], gain=best_pick[0])
 
 
 def model_estimates(fit: ModelFit, configs: list[TreeConfig], rng: np.random.Generator,

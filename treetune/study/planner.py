@@ -6,8 +6,9 @@ borderline configs and merged evidence drive both.
 
 Order of work: the baseline and compared configs first; then, before any new config, a
 borderline config that could become a recommendation is re-measured (the baseline first
-while it has fewer launches, since its noise shifts every speedup); then the strategy's
-proposal.
+while it has fewer launches, since its noise shifts every speedup), unless the strategy
+forecasts a proposal well above the best measured tree (for a launch or two); then the
+strategy's proposal.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ from treetune.study.evidence import (
 from treetune.study.recommend import Recommendation, recommend
 from treetune.study.spec import StudySpec
 from treetune.study.storage import StudyStore
+
+# A re-measurement of a tree that could become a recommendation waits (at most DEFER_MAX
+# launches in a row) for a proposal the strategy forecasts to be this much faster than the
+# best measured tree: confirming a tree the search is about to beat spends a launch for
+# nothing. 1.05 measured no better than 1.03 (benchmarks/RESULTS.md).
+DEFER_GAIN = 1.03
+DEFER_MAX = 2
 
 
 @dataclass
@@ -85,6 +93,7 @@ class Planner:
         self.launched = list(launched)  # every finished launch, oldest first
         self.results: dict[str, LaunchResult] = merge_all(self.launched)
         self.in_flight: list[Task] = []
+        self.deferred = 0  # re-measurements put off in a row for forecast gains
         self.queue: list[Task] = [Task(c) for c in (BASELINE, *spec.compare)
                                   if config_key(c) not in self.results]
         self.pending: list[tuple[LaunchResult, Proposal | None]] = []
@@ -164,15 +173,30 @@ class Planner:
             return None  # speedups need the baseline before anything can be judged
         else:
             task = self._remeasure()
-            if task is None:
+            if task is None or self._may_defer():
                 proposal = self.strategy.propose()
                 if proposal is None:
-                    return None
-                task = Task(proposal.config, proposal)
+                    if task is None:
+                        return None
+                elif task is None or (proposal.gain or 0.0) >= DEFER_GAIN:
+                    self.deferred = self.deferred + 1 if task is not None else 0
+                    task = Task(proposal.config, proposal)
+                elif proposal.gain is None:
+                    self.queue.insert(0, Task(proposal.config, proposal))  # after this one
+            if task.remeasure:
+                self.deferred = 0
         task.index = (sum(1 for r in self.launched if config_key(r.config) == task.key)
                       + sum(1 for t in self.in_flight if t.key == task.key))
         self.in_flight.append(task)
         return task
+
+    def _may_defer(self) -> bool:
+        """Whether a re-measurement may wait for a proposal the strategy forecasts to gain
+        much more: not for long, and not near the end of the launch budget."""
+        if not strategies.STRATEGIES[self.strategy_name].forecasts or self.deferred >= DEFER_MAX:
+            return False
+        budget = self.spec.budget.launches
+        return budget is None or self.launches + len(self.in_flight) < budget - DEFER_MAX
 
     def _remeasure(self) -> Task | None:
         """A config that would become a recommendation if it were confirmed (borderline,
