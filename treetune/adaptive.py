@@ -1,0 +1,235 @@
+"""SGLang 0.5.23's adaptive speculative steps (`--speculative-adaptive`), as a model of
+what the server does: its JSON config and validation, routing of a running batch to a
+batch-size slot, and each slot's step controller (domain.md section 7).
+
+The emulator serves adaptive mode with it; treetune validates the configs it writes with
+the same rules, so an emitted file loads in SGLang.
+
+A slot keeps an exponential moving average of accepted draft tokens per request. After
+`warmup_batches` verifies, every `update_interval` verifies it steps down while the average
+is at or below (next lower candidate - 0.5 + down_hysteresis; 0.5 + down_hysteresis when
+the lower candidate is 0, no drafting), else up while it is above (current - 0.5 +
+up_hysteresis); from 0 it probes the next positive candidate. `ceiling_coeff` > 0 caps a
+step that did not rise at ceil(average x coeff).
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# SGLang's default config (domain.md section 7): a guess, which a tuned config replaces.
+DEFAULT_CONFIG: dict[str, Any] = {
+    "1": {"candidate_steps": [1, 3, 5, 7], "up_hysteresis": 0.0, "down_hysteresis": -0.25,
+          "ceiling_coeff": 0},
+    "8": {"candidate_steps": [0, 1, 3], "up_hysteresis": 0.0, "down_hysteresis": 0.0,
+          "ceiling_coeff": 0},
+    "32": {"candidate_steps": [0, 1], "up_hysteresis": 0.0, "down_hysteresis": 0.0,
+           "ceiling_coeff": 0},
+    "64": {"candidate_steps": [0], "up_hysteresis": 0.0, "down_hysteresis": 0.0,
+           "ceiling_coeff": 0},
+}
+# Per-slot settings and SGLang's defaults when neither the slot nor the top level sets them.
+SLOT_DEFAULTS: dict[str, float] = {"ema_alpha": 0.2, "update_interval": 5,
+                                   "warmup_batches": 10, "up_hysteresis": 0.0,
+                                   "down_hysteresis": -0.25, "ceiling_coeff": 0}
+ALGORITHMS = ("EAGLE", "EAGLE3")  # the only ones adaptive mode runs with
+
+
+class AdaptiveConfigError(ValueError):
+    """SGLang would refuse this adaptive config at start-up; the message imitates it."""
+
+
+def _steps_valid(steps: object) -> bool:
+    # SGLang's own test: a non-empty list of ints >= 0 (so it takes what Python calls int).
+    return (isinstance(steps, list) and bool(steps)
+            and all(isinstance(s, int) and s >= 0 for s in steps))
+
+
+def validate(config: object) -> dict[int, dict[str, Any]]:
+    """The config's batch-size slots, checked as SGLang checks them: keys made of digits
+    are slots (other keys are top-level settings), each with a non-empty list of
+    non-negative ints as `candidate_steps`, and at least one slot."""
+    if not isinstance(config, Mapping):
+        raise AdaptiveConfigError(
+            f"speculative_adaptive_config must be a JSON object, got {type(config).__name__}")
+    slots: dict[int, dict[str, Any]] = {}
+    for key, entry in config.items():
+        if not isinstance(key, str) or not key.isdigit():
+            continue
+        steps = entry.get("candidate_steps") if isinstance(entry, Mapping) else None
+        if not _steps_valid(steps):
+            raise AdaptiveConfigError(
+                f"BS {key}: candidate_steps must be a list of non-negative ints, got {steps!r}")
+        slots[int(key)] = dict(entry)
+    if not slots:
+        raise AdaptiveConfigError(
+            "speculative_adaptive_config must contain at least one integer-string BS key, "
+            f'e.g. {{"1": {{"candidate_steps": [1,3,7]}}}}. Got keys: {list(config)}')
+    return slots
+
+
+def load(path: str | Path | None) -> dict[str, Any]:
+    """The config in a JSON file (SGLang's default without one), validated."""
+    if path is None:
+        return copy.deepcopy(DEFAULT_CONFIG)
+    try:
+        config = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise AdaptiveConfigError(f"cannot read speculative_adaptive_config {path}: "
+                                  f"{e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise AdaptiveConfigError(f"speculative_adaptive_config {path} is not JSON: {e}") from e
+    validate(config)
+    return config
+
+
+def candidate_steps(config: Mapping[str, Any]) -> list[int]:
+    """Every slot's candidate steps together, sorted: `--speculative-num-steps` must be one
+    of them, and SGLang starts at the middle one when it is not given."""
+    return sorted({s for entry in validate(config).values() for s in entry["candidate_steps"]})
+
+
+def initial_steps(config: Mapping[str, Any], given: int | None) -> int:
+    """The `--speculative-num-steps` an adaptive server starts from; refused, as SGLang
+    refuses it, when it is not a candidate."""
+    steps = candidate_steps(config)
+    if given is None:
+        return steps[len(steps) // 2]
+    if given not in steps:
+        raise AdaptiveConfigError(
+            f"--speculative-num-steps={given} is not in the adaptive config candidate_steps "
+            f"{steps}. Pass one of those values.")
+    return given
+
+
+def unsupported_reason(algorithm: str | None, topk: int | None) -> str | None:
+    """Why SGLang would not run adaptive mode with these flags (it then logs a warning
+    and serves static trees), or None. Of SGLang's reasons, treetune launches only these
+    two; attention DP, multi-layer EAGLE, two-batch overlap and PD-mux it never passes."""
+    if algorithm is None or algorithm.upper() not in ALGORITHMS:
+        return f"speculative_algorithm={algorithm} (only EAGLE/EAGLE3 are supported)"
+    if topk is not None and topk != 1:
+        return f"speculative_eagle_topk={topk} (only topk=1 is supported)"
+    return None
+
+
+def fallback_warning(reason: str) -> str:
+    """The line SGLang logs when it falls back to static trees."""
+    return (f"speculative_adaptive disabled: {reason}. "
+            "Falling back to static speculative params.")
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """SGLang's CUDA-graph decode batch sizes with speculation on, up to `max_bs`."""
+    sizes = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 257, 8)]
+    sizes = [b for b in sizes if b <= max_bs]
+    if max_bs not in sizes:
+        sizes.append(max_bs)
+    return sizes
+
+
+@dataclass
+class Slot:
+    """One batch-size slot's step controller."""
+
+    candidates: list[int]
+    steps: int
+    ema_alpha: float = 0.2
+    update_interval: int = 5
+    warmup_batches: int = 10
+    up_hysteresis: float = 0.0
+    down_hysteresis: float = -0.25
+    ceiling_coeff: float = 0.0
+    ema: float = field(init=False)
+    verifies: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.candidates = sorted(set(self.candidates))
+        if self.steps not in self.candidates:
+            self.steps = self.candidates[len(self.candidates) // 2]
+        self.ema = float(self.steps - 1)  # neutral: one draft short of the current steps
+
+    @classmethod
+    def of(cls, entry: Mapping[str, Any], top: Mapping[str, Any], steps: int) -> Slot:
+        settings = {k: entry.get(k, top.get(k, default)) for k, default in SLOT_DEFAULTS.items()}
+        return cls(list(entry["candidate_steps"]), steps, **settings)
+
+    def verified(self, accepted_drafts: list[int]) -> bool:
+        """Feed one verify's accepted draft tokens per request (the bonus token not
+        counted); returns whether the steps changed."""
+        if not accepted_drafts:
+            return False
+        if self.steps > 0:
+            mean = sum(accepted_drafts) / len(accepted_drafts)
+            self.ema = (1 - self.ema_alpha) * self.ema + self.ema_alpha * mean
+        self.verifies += 1
+        if (self.verifies <= self.warmup_batches
+                or (self.verifies - self.warmup_batches) % self.update_interval):
+            return False
+        old = self.steps
+        self.steps = self._target()
+        return self.steps != old
+
+    def _target(self) -> int:
+        index = self.candidates.index(self.steps)
+        if self.steps == 0:  # no drafting: probe the next positive candidate
+            target = self.candidates[min(index + 1, len(self.candidates) - 1)]
+            if target > 0 and self.ema < 0:
+                self.ema = float(target - 1)
+            return target
+        start = index
+        while index > 0:
+            lower = self.candidates[index - 1]
+            threshold = (0.5 if lower == 0 else lower - 0.5) + self.down_hysteresis
+            if self.ema > threshold:
+                break
+            index -= 1
+        if index == start:
+            while (index < len(self.candidates) - 1
+                   and self.ema > self.candidates[index] - 0.5 + self.up_hysteresis):
+                index += 1
+        target = self.candidates[index]
+        if self.ceiling_coeff > 0 and target <= self.steps:
+            ceiling = max(1, math.ceil(self.ema * self.ceiling_coeff))
+            while index > 0 and self.candidates[index] > ceiling:
+                index -= 1
+            target = self.candidates[index]
+        return target
+
+
+class Schedule:
+    """An adaptive server's controllers: the running batch size is padded to the next
+    CUDA-graph batch size, then served by the slot with the largest key not above it (the
+    smallest slot below every key)."""
+
+    def __init__(self, config: Mapping[str, Any], steps: int,
+                 graph_sizes: list[int] | None = None) -> None:
+        entries = validate(config)
+        top = {k: v for k, v in config.items() if not k.isdigit()}
+        self.keys = sorted(entries)
+        self.slots = {key: Slot.of(entries[key], top, steps) for key in self.keys}
+        self.graph_sizes = sorted(graph_sizes) if graph_sizes else None
+
+    def slot_key(self, batch: int) -> int:
+        padded = batch
+        if self.graph_sizes:
+            i = bisect.bisect_left(self.graph_sizes, batch)
+            padded = self.graph_sizes[i] if i < len(self.graph_sizes) else batch
+        return self.keys[max(0, bisect.bisect_right(self.keys, padded) - 1)]
+
+    def steps_for(self, batch: int) -> int:
+        return self.slots[self.slot_key(batch)].steps
+
+    def verified(self, batch: int, accepted_drafts: list[int]) -> bool:
+        return self.slots[self.slot_key(batch)].verified(accepted_drafts)
+
+    def current(self) -> dict[str, int]:
+        """The current steps per slot, keyed as in the config."""
+        return {str(key): slot.steps for key, slot in self.slots.items()}
