@@ -1,5 +1,5 @@
-"""SGLang's adaptive step controller (treetune.adaptive) against step sequences computed by
-hand from its rules (domain.md section 7)."""
+"""SGLang's adaptive step controller (treetune.backends.sglang_adaptive) against step
+sequences computed by hand from its rules (domain.md section 7)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from treetune import adaptive
-from treetune.adaptive import AdaptiveConfigError, Schedule, Slot
+from treetune.backends import sglang_adaptive as adaptive
+from treetune.backends.sglang_adaptive import AdaptiveConfigError, Schedule, Slot
 
 
 def run(slot: Slot, stream: list[int]) -> list[int]:

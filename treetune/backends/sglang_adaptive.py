@@ -2,8 +2,8 @@
 what the server does: its JSON config and validation, routing of a running batch to a
 batch-size slot, and each slot's step controller (domain.md section 7).
 
-The emulator serves adaptive mode with it; treetune validates the configs it writes with
-the same rules, so an emitted file loads in SGLang.
+Meant for the emulator to serve adaptive mode with, and for treetune to check the configs
+it writes by SGLang's rules; neither uses it yet.
 
 A slot keeps an exponential moving average of accepted draft tokens per request. After
 `warmup_batches` verifies, every `update_interval` verifies it steps down while the average
