@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from studykit import server_processes, small_study, wait_until
 
 from treetune.backends.sglang import SGLANG_API, adaptive_state, launch_warnings
 from treetune.backends.sglang_adaptive import fallback_warning
@@ -323,3 +324,25 @@ def test_the_sglang_api_reads_adaptive_state_and_keeps_the_flag_in_server_facts(
     assert adaptive_state({"speculative_adaptive": True,
                            "internal_states": [{"last_gen_throughput": 1.0}]}) == (True, {})
     assert adaptive_state({}) == (False, {})
+
+
+# ---- a study's launch --------------------------------------------------------------------
+
+def test_a_launch_asking_for_adaptive_steps_records_when_its_server_fell_back(tmp_path):
+    from treetune.results import LaunchResult
+    from treetune.study.spec import load_study
+    from treetune.study.worker import LaunchWorker
+
+    spec = load_study(None, small_study(tmp_path, batch=[1], datasets=["humaneval"],
+                                        compare=[],
+                                        server_flags={"--speculative-adaptive": None}))
+    worker = LaunchWorker(spec, 0)
+    wide = LaunchResult.from_dict(worker.run("3,4,8", []))  # through storage's format
+    chain = LaunchResult.from_dict(worker.run("3,1,4", []))
+    assert wide.ok and chain.ok, (wide.reason, chain.reason)
+    assert wide.server_info["speculative_adaptive"] is False
+    assert wide.warnings == [
+        "--speculative-adaptive was asked for but the server serves static trees (SGLang "
+        "logged: speculative_eagle_topk=4 (only topk=1 is supported))"]
+    assert chain.server_info["speculative_adaptive"] is True and chain.warnings == []
+    assert wait_until(lambda: not server_processes(str(tmp_path)), 5)
