@@ -132,6 +132,7 @@ def test_when_adaptive_cannot_run_sglang_says_so_and_serves_static_trees():
     reason = adaptive.unsupported_reason("EAGLE3", 4)
     assert reason == "speculative_eagle_topk=4 (only topk=1 is supported)"
     assert "only EAGLE/EAGLE3" in (adaptive.unsupported_reason("NGRAM", None) or "")
+    assert adaptive.unsupported_reason("NEXTN", 1) is None  # resolved to EAGLE first
     assert adaptive.fallback_warning(reason) == (
         "speculative_adaptive disabled: speculative_eagle_topk=4 (only topk=1 is supported). "
         "Falling back to static speculative params.")
@@ -145,3 +146,11 @@ def test_an_average_exactly_at_the_threshold_steps_down_and_does_not_step_up():
     rising = Slot([1, 3], steps=1, ema_alpha=1.0, warmup_batches=0, update_interval=1)
     assert not rising.verified([0, 1]) and rising.steps == 1  # 0.5 is not above 1 - 0.5
     assert rising.verified([1, 1]) and rising.steps == 3
+
+
+def test_the_fall_back_reason_is_read_back_from_a_server_log():
+    reason = "speculative_eagle_topk=4 (only topk=1 is supported)"
+    log = (f"[2026-01-01 10:00:00] {adaptive.fallback_warning(reason)}\n"
+           "[2026-01-01 10:00:01] server_args=ServerArgs(speculative_adaptive=False)\n")
+    assert adaptive.fallback_reason(log) == reason
+    assert adaptive.fallback_reason("[2026-01-01 10:00:01] ready\n") is None

@@ -312,6 +312,7 @@ def test_server_info_reports_resolved_speculative_args_and_version(spec_server, 
     assert info["version"] == EMULATED_SGLANG_VERSION
     assert info["emulator"]["time_scale"] == 50
     assert "avg_spec_accept_length" in info["internal_states"][0]
+    assert info["speculative_adaptive"] is False  # a static tree, as asked
 
 
 def test_avg_spec_accept_length_is_completion_tokens_per_verify_call_since_flush(spec_server):

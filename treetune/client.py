@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from treetune.backends import ServerApi
+from treetune.backends import AdaptiveState, ServerApi
 from treetune.backends.sglang import SGLANG_API
 from treetune.errors import TreetuneError
 
@@ -100,6 +100,12 @@ class ServerClient:
                 if exc.status != 404:
                     raise
         return await self._get_json(oldest)
+
+    async def adaptive_state(self) -> AdaptiveState:
+        """Whether the server runs adaptive steps, and each batch-size slot's steps now."""
+        if self.api.adaptive_state is None:
+            raise TreetuneError("this server's engine has no adaptive step controller")
+        return self.api.adaptive_state(await self.server_info())
 
     async def time_scale(self) -> float:
         """How many times faster than real time the server runs: the emulator's

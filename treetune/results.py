@@ -80,6 +80,9 @@ class LaunchResult:
     finished_at: float = 0.0
     attempts: int = 1  # servers started for this launch (a mid-benchmark crash is retried)
     retried_because: str = ""  # why the first server was replaced, if it was
+    # Where the server did not serve what its flags asked for (the backend reads it from
+    # the server's info and log): its measurements are of another server than intended.
+    warnings: list[str] = field(default_factory=list)
 
     def cell(self, dataset: str, batch: int) -> CellResult | None:
         return next((c for c in self.cells if c.dataset == dataset and c.batch == batch), None)
@@ -99,6 +102,7 @@ class LaunchResult:
             "finished_at": self.finished_at,
             "attempts": self.attempts,
             "retried_because": self.retried_because,
+            "warnings": list(self.warnings),
         }
 
     @classmethod
@@ -117,4 +121,5 @@ class LaunchResult:
             finished_at=data.get("finished_at", 0.0),
             attempts=data.get("attempts", 1),
             retried_because=data.get("retried_because", ""),
+            warnings=list(data.get("warnings", [])),
         )

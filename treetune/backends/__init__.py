@@ -7,6 +7,7 @@ backend's own fields. Adding an engine is one module with one registered class.
 from treetune.backends import emulator, sglang
 from treetune.backends._base import (
     BACKENDS,
+    AdaptiveState,
     Backend,
     BackendFacts,
     Deployment,
@@ -20,6 +21,6 @@ from treetune.backends._base import (
     shell_line,
 )
 
-__all__ = ["BACKENDS", "Backend", "BackendFacts", "Deployment", "LaunchContext", "LaunchSpec",
-           "ServerApi", "backend_class", "emulator", "gather_facts", "register", "server_facts",
-           "sglang", "shell_line"]
+__all__ = ["BACKENDS", "AdaptiveState", "Backend", "BackendFacts", "Deployment",
+           "LaunchContext", "LaunchSpec", "ServerApi", "backend_class", "emulator",
+           "gather_facts", "register", "server_facts", "sglang", "shell_line"]

@@ -10,15 +10,25 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 from treetune.config import ServerConfig
 from treetune.errors import FieldError, TreetuneError
 
 if TYPE_CHECKING:
     from treetune.perfmodel import Profile
+
+
+Flags = Sequence[tuple[str, str | None]]
+
+
+class AdaptiveState(NamedTuple):
+    """A server's runtime step controller as its info reports it."""
+
+    active: bool  # False: the server serves static trees, whatever its flags asked for
+    steps_per_slot: dict[int, int]  # batch-size slot (its smallest batch) -> current steps
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,12 @@ class ServerApi:
     running: str  # gauge: requests running
     queued: str  # gauge: requests waiting
     info_keys: tuple[str, ...]  # server facts worth keeping from server_info (never secrets)
+    # Reads a runtime step controller's state from server_info (None: the engine has none).
+    adaptive_state: Callable[[Mapping[str, Any]], AdaptiveState] | None = None
+    # Where a healthy server does not serve what its flags asked for, one line each, from
+    # its launch flags, server_info and start-up log (SGLang drops some flags with only a
+    # log warning).
+    launch_warnings: Callable[[Flags, Mapping[str, Any], str], list[str]] | None = None
 
 
 @dataclass(frozen=True)

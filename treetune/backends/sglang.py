@@ -14,13 +14,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from treetune.backends._base import (
+    AdaptiveState,
     Deployment,
+    Flags,
     LaunchContext,
     LaunchSpec,
     ServerApi,
     parse_version,
     register,
 )
+from treetune.backends.sglang_adaptive import fallback_reason
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.errors import TreetuneError
 
@@ -43,6 +46,39 @@ SPEC_DEFAULT_MAX_RUNNING = 48
 SGLANG_IMPORT_TIMEOUT_S = 60.0  # importing sglang pulls in torch: seconds, not minutes
 EMULATOR_HINT = "or run on the emulator: --profile NAME (see `treetune profiles`)"
 
+# Adaptive steps (domain.md section 7): a store-true flag and a JSON config path.
+ADAPTIVE_FLAG = "--speculative-adaptive"
+ADAPTIVE_CONFIG_FLAG = "--speculative-adaptive-config"
+# /server_info returns the resolved server args: when adaptive mode cannot run, SGLang logs
+# a warning and sets speculative_adaptive back to false before it serves static trees.
+ADAPTIVE_INFO_KEY = "speculative_adaptive"
+INTERNAL_STATES_KEY = "internal_states"
+# The current steps per batch-size slot, {"1": 5, "8": 3}, in internal_states[0]. SGLang
+# 0.5.23 reports no controller state (its observability PR #23942 closed unmerged): this
+# name is the emulator's, and a real server without it reads as steps unknown.
+ADAPTIVE_STEPS_KEY = "adaptive_steps_per_slot"
+
+
+def adaptive_state(info: Mapping[str, Any]) -> AdaptiveState:
+    """Whether the server runs adaptive steps, and each slot's current steps (empty when
+    the server does not report them)."""
+    if info.get(ADAPTIVE_INFO_KEY) is not True:
+        return AdaptiveState(False, {})
+    state = (info.get(INTERNAL_STATES_KEY) or [{}])[0]
+    steps = (state.get(ADAPTIVE_STEPS_KEY) if isinstance(state, Mapping) else None) or {}
+    return AdaptiveState(True, {int(k): int(v) for k, v in steps.items()})
+
+
+def launch_warnings(flags: Flags, info: Mapping[str, Any], log: str) -> list[str]:
+    """Asked for adaptive steps but serving static trees: SGLang only logs why."""
+    if ADAPTIVE_FLAG not in (name for name, _ in flags) or adaptive_state(info).active:
+        return []
+    reason = fallback_reason(log)
+    why = (f"SGLang logged: {reason}" if reason else
+           f"its /server_info says {ADAPTIVE_INFO_KEY}={info.get(ADAPTIVE_INFO_KEY)!r}")
+    return [f"{ADAPTIVE_FLAG} was asked for but the server serves static trees ({why})"]
+
+
 SGLANG_API = ServerApi(
     health="/health_generate",  # runs a real generation: 200 only once the server can generate
     server_info=("/server_info", "/get_server_info"),  # the second before SGLang 0.5
@@ -55,7 +91,9 @@ SGLANG_API = ServerApi(
     queued="sglang:num_queue_reqs",
     info_keys=("version", "attention_backend", "max_running_requests", "speculative_algorithm",
                "speculative_num_steps", "speculative_eagle_topk",
-               "speculative_num_draft_tokens", "tp_size"),
+               "speculative_num_draft_tokens", "tp_size", ADAPTIVE_INFO_KEY),
+    adaptive_state=adaptive_state,
+    launch_warnings=launch_warnings,
 )
 
 

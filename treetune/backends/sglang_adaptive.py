@@ -2,8 +2,8 @@
 what the server does: its JSON config and validation, routing of a running batch to a
 batch-size slot, and each slot's step controller (domain.md section 7).
 
-Meant for the emulator to serve adaptive mode with, and for treetune to check the configs
-it writes by SGLang's rules; neither uses it yet.
+The emulator serves adaptive mode with it (treetune/emulator/engine.py routes every decode
+round through a `Schedule`); treetune can check the configs it writes by the same rules.
 
 A slot keeps an exponential moving average of accepted draft tokens per request. After
 `warmup_batches` verifies, every `update_interval` verifies it steps down while the average
@@ -19,6 +19,7 @@ import bisect
 import copy
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,8 @@ SLOT_DEFAULTS: dict[str, float] = {"ema_alpha": 0.2, "update_interval": 5,
                                    "warmup_batches": 10, "up_hysteresis": 0.0,
                                    "down_hysteresis": -0.25, "ceiling_coeff": 0}
 ALGORITHMS = ("EAGLE", "EAGLE3")  # the only ones adaptive mode runs with
+# SGLang resolves NEXTN (MTP heads) to EAGLE before it asks whether adaptive mode can run.
+ALIASES = {"NEXTN": "EAGLE"}
 
 
 class AdaptiveConfigError(ValueError):
@@ -113,7 +116,9 @@ def unsupported_reason(algorithm: str | None, topk: int | None) -> str | None:
     """Why SGLang would not run adaptive mode with these flags (it then logs a warning
     and serves static trees), or None. Of SGLang's reasons, treetune launches only these
     two; attention DP, multi-layer EAGLE, two-batch overlap and PD-mux it never passes."""
-    if algorithm is None or algorithm.upper() not in ALGORITHMS:
+    if algorithm is not None:
+        algorithm = ALIASES.get(algorithm.upper(), algorithm.upper())
+    if algorithm is None or algorithm not in ALGORITHMS:
         return f"speculative_algorithm={algorithm} (only EAGLE/EAGLE3 are supported)"
     if topk is not None and topk != 1:
         return f"speculative_eagle_topk={topk} (only topk=1 is supported)"
@@ -124,6 +129,29 @@ def fallback_warning(reason: str) -> str:
     """The line SGLang logs when it falls back to static trees."""
     return (f"speculative_adaptive disabled: {reason}. "
             "Falling back to static speculative params.")
+
+
+# That line in a server's log, with its reason as the group.
+FALLBACK_LINE = re.compile(
+    r"speculative_adaptive disabled: (.+)\. Falling back to static speculative params\.")
+
+
+def fallback_reason(log: str) -> str | None:
+    """The reason of the last fall-back warning in a server's log, or None."""
+    found = FALLBACK_LINE.findall(log)
+    return found[-1] if found else None
+
+
+def switch_line(old: int, new: int, ema: float) -> str:
+    """The line SGLang logs when a slot changes its steps."""
+    return f"Adaptive spec params updated: steps {old} -> {new} (ema_accept_len={ema:.2f})"
+
+
+def initialized_line(schedule: Schedule) -> str:
+    """The line SGLang logs once its controllers are built (the smallest slot's view)."""
+    first = schedule.slots[schedule.keys[0]]
+    return (f"AdaptiveSpeculativeParams initialized: steps={first.steps}, "
+            f"candidate_steps={first.candidates}")
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:

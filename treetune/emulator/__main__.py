@@ -8,6 +8,7 @@ import sys
 
 from aiohttp import web
 
+from treetune.backends.sglang_adaptive import fallback_warning, initialized_line
 from treetune.emulator.args import LaunchError, parse, warn_ignored
 from treetune.emulator.server import EmulatedServer, log
 from treetune.errors import TreetuneError
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[emulator] ERROR: {exc}", file=sys.stderr, flush=True)
         return 1
     warn_ignored(settings)
+    if settings.adaptive_fallback is not None:
+        log(fallback_warning(settings.adaptive_fallback))  # and it serves static trees
     if settings.tp > profile.hardware.gpus:
         print(f"[emulator] ERROR: --tp-size {settings.tp} needs {settings.tp} GPUs but profile "
               f"'{profile.name}' has {profile.hardware.gpus} {profile.hardware.gpu}",
@@ -45,9 +48,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         return 1
     server = EmulatedServer(settings, profile, model)
-    log(f"emulating {settings.model_path} as profile '{profile.name}', "
-        f"speculative config {settings.config}, max running requests "
-        f"{settings.max_running_requests}, time scale {settings.time_scale:g}")
+    speculation = (f"adaptive steps (sized for {settings.config})"
+                   if settings.adaptive else f"speculative config {settings.config}")
+    log(f"emulating {settings.model_path} as profile '{profile.name}', {speculation}, max "
+        f"running requests {settings.max_running_requests}, time scale "
+        f"{settings.time_scale:g}")
+    if server.engine.schedule is not None:
+        log(initialized_line(server.engine.schedule))
     fields = ", ".join(f"{k}={v!r}" for k, v in server.server_args().items())
     log(f"server_args=ServerArgs({fields})")  # as SGLang logs it, secrets and all
     try:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
+from treetune.backends import sglang_adaptive
 from treetune.backends.sglang import (
     ALGORITHMS,
     DEFAULT_SGLANG_VERSION,
@@ -25,6 +27,30 @@ EMULATOR_KEYS = frozenset({"profile", "world", "time_scale", "load_time", "seed"
 
 class LaunchError(Exception):
     """SGLang would refuse to start with these flags; the message imitates SGLang's."""
+
+
+@dataclass(frozen=True)
+class AdaptiveLaunch:
+    """`--speculative-adaptive` as SGLang resolves it: the checked JSON config and the
+    steps every slot starts from (its `--speculative-num-steps`)."""
+
+    config: dict[str, Any]
+    config_path: str | None
+    steps: int
+
+    @property
+    def longest(self) -> TreeConfig:
+        """The chain SGLang sizes its buffers for: the largest candidate steps."""
+        steps = max(1, max(sglang_adaptive.candidate_steps(self.config)))
+        return TreeConfig.of(steps, 1, steps + 1)
+
+    def schedule(self, max_running: int,
+                 cuda_graph_max_bs: int | None) -> sglang_adaptive.Schedule:
+        """The per-slot controllers, routing through the CUDA-graph batch sizes SGLang
+        captures: up to --cuda-graph-max-bs-decode, never above the running cap."""
+        graphs = min(cuda_graph_max_bs or max_running, max_running)
+        return sglang_adaptive.Schedule(self.config, self.steps,
+                                        sglang_adaptive.graph_batch_sizes(graphs))
 
 
 @dataclass
@@ -54,6 +80,8 @@ class EmulatorSettings:
     fail_on_startup: bool
     sglang_version: str
     world: str | None = None
+    adaptive: AdaptiveLaunch | None = None  # adaptive steps, when asked for and they can run
+    adaptive_fallback: str | None = None  # why asked-for adaptive steps cannot run
     ignored_flags: list[str] = field(default_factory=list)
     raw_args: dict[str, object] = field(default_factory=dict)
 
@@ -94,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--speculative-num-steps", type=int, default=None)
     sg.add_argument("--speculative-eagle-topk", type=int, default=None)
     sg.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    sg.add_argument("--speculative-adaptive", action="store_true")
+    sg.add_argument("--speculative-adaptive-config", default=None)
     sg.add_argument("--tp-size", "--tp", type=int, default=1)
     sg.add_argument("--host", default="127.0.0.1")
     sg.add_argument("--port", type=int, default=30000)
@@ -122,7 +152,8 @@ def parse(argv: list[str]) -> EmulatorSettings:
         raise LaunchError(f"--tp-size must be >= 1, got {ns.tp_size}")
     if ns.max_running_requests is not None and ns.max_running_requests < 1:
         raise LaunchError(f"--max-running-requests must be >= 1, got {ns.max_running_requests}")
-    config = _tree(ns)
+    adaptive, fallback = _adaptive(ns)
+    config = _tree(ns, adaptive)
     attention = ns.attention_backend or (
         # Hopper default: fa3 only for chains (and no speculation), else flashinfer.
         "fa3" if config is BASELINE or config.topk == 1 else "flashinfer"
@@ -158,10 +189,30 @@ def parse(argv: list[str]) -> EmulatorSettings:
         sglang_version=ns.emulate_version,
         ignored_flags=ignored,
         raw_args={k: v for k, v in vars(ns).items() if k not in EMULATOR_KEYS},
+        adaptive=adaptive,
+        adaptive_fallback=fallback,
     )
 
 
-def _tree(ns: argparse.Namespace) -> ServerConfig:
+def _adaptive(ns: argparse.Namespace) -> tuple[AdaptiveLaunch | None, str | None]:
+    """`--speculative-adaptive` as SGLang takes it: dropped, with only a warning, when it
+    cannot run; else its config is loaded and checked, and the starting steps must be one
+    of its candidates (the middle one when not given)."""
+    if not ns.speculative_adaptive:
+        return None, None
+    reason = sglang_adaptive.unsupported_reason(ns.speculative_algorithm,
+                                                ns.speculative_eagle_topk)
+    if reason is not None:
+        return None, reason
+    try:
+        config = sglang_adaptive.load(ns.speculative_adaptive_config)
+        steps = sglang_adaptive.initial_steps(config, ns.speculative_num_steps)
+    except sglang_adaptive.AdaptiveConfigError as exc:
+        raise LaunchError(f"ValueError: {exc}") from None
+    return AdaptiveLaunch(config, ns.speculative_adaptive_config, steps), None
+
+
+def _tree(ns: argparse.Namespace, adaptive: AdaptiveLaunch | None = None) -> ServerConfig:
     knobs = {
         "--speculative-num-steps": ns.speculative_num_steps,
         "--speculative-eagle-topk": ns.speculative_eagle_topk,
@@ -180,6 +231,10 @@ def _tree(ns: argparse.Namespace) -> ServerConfig:
         raise LaunchError(f"Unsupported speculative algorithm: {ns.speculative_algorithm}")
     if algorithm != "NEXTN" and ns.speculative_draft_model_path is None:
         raise LaunchError(f"{algorithm} requires --speculative-draft-model-path")
+    if adaptive is not None:
+        # SGLang sets topk 1, the starting steps and steps + 1 draft tokens before its
+        # all-or-none rule, so any of the three may be left out.
+        return adaptive.longest
     if given and len(given) < 3:
         missing = [k for k in knobs if k not in given]
         raise LaunchError(

@@ -4,6 +4,10 @@ Requests join a running batch (up to --max-running-requests) after a prefill pas
 leave when done. Each decode round lasts the performance model's round time for the
 current batch, scaled by the launch's speed factor and a slow drift; in a speculative
 round every request gains a sampled number of accepted drafts plus the bonus token.
+An adaptive server (SGLang's `--speculative-adaptive`) asks its schedule which chain to
+draft for the running batch, round by round: the round costs and accepts what the static
+chain of that length would, steps 0 is a plain decode round, and the accepted drafts go
+back to the slot's controller.
 The emulated clock runs `time_scale` times faster than the wall clock, on absolute
 deadlines so that sleep granularity never accumulates.
 """
@@ -14,11 +18,13 @@ import asyncio
 import itertools
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from treetune.config import TreeConfig
+from treetune.backends.sglang_adaptive import Schedule, switch_line
+from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.emulator.metrics import ServerMetrics
 from treetune.perfmodel import NoiseModel, PerfModel, Profile
 
@@ -57,11 +63,17 @@ class Engine:
         rng: np.random.Generator,
         metrics: ServerMetrics,
         model: PerfModel | None = None,
+        schedule: Schedule | None = None,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         """`model`: the truth's timing and acceptance (a world's); the profile's own
-        performance model by default."""
+        performance model by default. `schedule`: an adaptive server's controllers, which
+        choose each round's chain (`config` is then the longest, for the prefill's draft
+        pass). `log`: where the server's log lines go."""
         self.profile = profile
         self.config = config
+        self.schedule = schedule
+        self._log = log or (lambda line: None)
         self.model = model or PerfModel(profile, tp)
         self.max_running = max_running_requests
         self.time_scale = time_scale
@@ -195,20 +207,29 @@ class Engine:
         self.metrics.prompt_tokens(sum(r.prompt_tokens for r in batch))
         self._retire()
 
+    def round_config(self, size: int) -> ServerConfig:
+        """What a decode round of `size` running requests drafts: the static tree, or the
+        chain its adaptive slot runs now (steps 0: no drafting)."""
+        if self.schedule is None:
+            return self.config
+        steps = self.schedule.steps_for(size)
+        return TreeConfig.of(steps, 1, steps + 1) if steps else BASELINE
+
     async def _decode_round(self) -> None:
         batch = list(self.running)
         size = len(batch)
+        config = self.round_config(size)
         groups = _by_dataset(batch)
         seconds = sum(
-            len(group) / size * self.model.round_time(self.config, size, dataset).total_s
+            len(group) / size * self.model.round_time(config, size, dataset).total_s
             for dataset, group in groups.items()
         )
         seconds = self._speed(seconds)
-        gains: dict[str, int] = {}
+        drafts: dict[str, int] = {}
         for dataset, group in groups.items():
-            accepted = self.model.sample_accepted(self.config, dataset, self.rng, len(group))
+            accepted = self.model.sample_accepted(config, dataset, self.rng, len(group))
             for req, acc in zip(group, accepted, strict=True):
-                gains[req.rid] = int(acc) + 1
+                drafts[req.rid] = int(acc)
         self.clock += seconds
         await self._sleep_until(self.clock)
         produced = 0
@@ -216,7 +237,7 @@ class Engine:
         for req in batch:
             if req not in self.running:
                 continue  # cancelled while the round ran
-            gained = min(gains[req.rid], req.stop_after - req.generated)
+            gained = min(drafts[req.rid] + 1, req.stop_after - req.generated)
             verified += 1
             if self.speculative:
                 req.verify_ct += 1
@@ -230,11 +251,21 @@ class Engine:
             running=len(self.running),
             gen_throughput=self.last_gen_throughput,
             accept_length=produced / verified if self.speculative and verified else None,
-            steps=self.config.steps if isinstance(self.config, TreeConfig) else None,
+            steps=config.steps if isinstance(config, TreeConfig) else None,
             verify_calls=verified if self.speculative else 0,
             token_usage=self._token_usage(),
         )
+        if self.schedule is not None:
+            self._adapt(size, [drafts[r.rid] for r in batch if r in self.running])
         self._retire()
+
+    def _adapt(self, size: int, drafts: list[int]) -> None:
+        """Feed one verify's accepted drafts per request to the slot that served it."""
+        assert self.schedule is not None
+        slot = self.schedule.slots[self.schedule.slot_key(size)]
+        old = slot.steps
+        if self.schedule.verified(size, drafts):
+            self._log(switch_line(old, slot.steps, slot.ema))
 
     def _emit(self, req: Request, tokens: int) -> None:
         req.generated += tokens

@@ -16,6 +16,11 @@ from typing import Any
 import numpy as np
 from aiohttp import ClientConnectionResetError, web
 
+from treetune.backends.sglang import (
+    ADAPTIVE_INFO_KEY,
+    ADAPTIVE_STEPS_KEY,
+    INTERNAL_STATES_KEY,
+)
 from treetune.config import TreeConfig
 from treetune.emulator.args import EmulatorSettings
 from treetune.emulator.engine import Engine, Request
@@ -52,6 +57,7 @@ class EmulatedServer:
         self.started = time.time()
         rng = np.random.default_rng(settings.seed)
         self.metrics = ServerMetrics(settings.served_model_name)
+        adaptive = settings.adaptive
         self.engine = Engine(
             profile,
             settings.config,
@@ -62,6 +68,9 @@ class EmulatedServer:
             rng=rng,
             metrics=self.metrics,
             model=model,
+            schedule=(adaptive.schedule(settings.max_running_requests,
+                                        settings.cuda_graph_max_bs) if adaptive else None),
+            log=log,
         )
         self.app = web.Application(middlewares=[self._auth])
         self.app.add_routes([
@@ -127,6 +136,10 @@ class EmulatedServer:
         s = self.settings
         config = s.config
         tree = config if isinstance(config, TreeConfig) else None
+        knobs: tuple[int | None, ...] = (
+            (tree.steps, tree.topk, tree.draft_tokens) if tree else (None, None, None))
+        if s.adaptive is not None:  # SGLang reports the chain it starts from
+            knobs = (s.adaptive.steps, 1, s.adaptive.steps + 1)
         return {
             **s.raw_args,
             "model_path": s.model_path,
@@ -136,9 +149,11 @@ class EmulatedServer:
             "port": s.port,
             "speculative_algorithm": s.algorithm.upper() if s.algorithm else None,
             "speculative_draft_model_path": s.draft_model_path,
-            "speculative_num_steps": tree.steps if tree else None,
-            "speculative_eagle_topk": tree.topk if tree else None,
-            "speculative_num_draft_tokens": tree.draft_tokens if tree else None,
+            "speculative_num_steps": knobs[0],
+            "speculative_eagle_topk": knobs[1],
+            "speculative_num_draft_tokens": knobs[2],
+            # Set back to False when SGLang falls back to static trees.
+            ADAPTIVE_INFO_KEY: s.adaptive is not None,
             "max_running_requests": s.max_running_requests,
             "attention_backend": s.attention_backend,
             "mem_fraction_static": s.mem_fraction_static or self.profile.server.mem_fraction_static,
@@ -152,10 +167,12 @@ class EmulatedServer:
         state: dict[str, Any] = {"last_gen_throughput": self.engine.last_gen_throughput}
         if isinstance(s.config, TreeConfig):
             state["avg_spec_accept_length"] = self.engine.avg_accept_length
+        if self.engine.schedule is not None:
+            state[ADAPTIVE_STEPS_KEY] = self.engine.schedule.current()
         return web.json_response({
             **args,
             "version": s.sglang_version,
-            "internal_states": [state],
+            INTERNAL_STATES_KEY: [state],
             "emulator": {
                 "profile": self.profile.name,
                 "time_scale": s.time_scale,

@@ -358,6 +358,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                                     else f"{config} failed: {result.reason}")
                 if result.ok and result.attempts > 1:
                     progress.message += f" (second server: {result.retried_because})"
+                progress.notes += [f"{config}: {warning}" for warning in result.warnings]
                 if config is BASELINE and not result.ok and planner.baseline is None:
                     raise TreetuneError(f"the baseline launch failed: {result.reason}\n"
                                         f"{result.log_tail}")

@@ -8,7 +8,7 @@ import dataclasses
 import os
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from treetune.results import LaunchResult, config_from_key, config_key
 from treetune.study.spec import StudySpec
 
 MAX_ATTEMPTS = 2  # a server that crashes mid-benchmark is retried once on a fresh server
+START_LOG_LINES = 2000  # enough of a server's log to hold its whole start-up
 
 
 def launch_command(spec: StudySpec, config: ServerConfig, flags: tuple[tuple[str, str], ...],
@@ -104,7 +105,8 @@ class LaunchWorker:
             result.log_tail = exc.log_tail
             return False
         try:
-            _run_coroutine(self._measure(server.base_url, result, api_key))
+            _run_coroutine(self._measure(server.base_url, result, api_key,
+                                         lambda: server.log_tail(START_LOG_LINES)))
             result.ok = True
             result.reason = ""
         except Exception as exc:  # the server died or stopped answering mid-benchmark
@@ -130,8 +132,11 @@ class LaunchWorker:
                                f"{socket.gethostname()}")
         return value
 
-    async def _measure(self, base_url: str, result: LaunchResult, api_key: str | None) -> None:
-        """Measure every cell the result does not hold yet, adding each as it is done."""
+    async def _measure(self, base_url: str, result: LaunchResult, api_key: str | None,
+                       log: Callable[[], str]) -> None:
+        """Measure every cell the result does not hold yet, adding each as it is done.
+        Before the first, the server's info is kept, and the backend says whether the
+        server serves what its flags asked for (from that info and the start-up `log`)."""
         from treetune.client import ServerClient
         from treetune.loadgen import measure_cell
 
@@ -143,11 +148,20 @@ class LaunchWorker:
                 async with ServerClient(base_url, api_key=api_key, dataset=name,
                                         api=self.spec.backend.api) as client:
                     if not result.server_info:
-                        result.server_info = server_facts(self.spec.backend.api,
-                                                          await client.server_info())
+                        info = await client.server_info()
+                        result.server_info = server_facts(self.spec.backend.api, info)
+                        result.warnings = self._launch_warnings(result, info, log)
                     cell = await measure_cell(client, prompts, batch, duration_s=m.duration_s,
                                               warmup_s=m.warmup_s, repeats=m.repeats)
                 result.cells.append(cell)
+
+    def _launch_warnings(self, result: LaunchResult, info: dict[str, Any],
+                         log: Callable[[], str]) -> list[str]:
+        check = self.spec.backend.api.launch_warnings
+        if check is None:
+            return []
+        flags = (*self.spec.launch_spec().extra_flags, *result.flags)
+        return check(flags, info, log())
 
 
 def _run_coroutine(coroutine: Coroutine[Any, Any, None]) -> None:
