@@ -67,6 +67,12 @@ class CostModel:
         self.flops_peak = hw.peak_tflops * 1e12 * self.tp
         self.link = hw.interconnect_gb_s * 1e9
 
+    @property
+    def _pass_overhead_s(self) -> float:
+        """Fixed cost of one draft pass of this method."""
+        own = self.method.pass_overhead_ms
+        return (self.profile.calibration.draft_overhead_ms if own is None else own) * 1e-3
+
     def _comm(self, tokens: float, layers: int) -> float:
         if self.tp <= 1:
             return 0.0
@@ -131,7 +137,7 @@ class CostModel:
         kv_s = requests * context * d.kv_bytes_per_token / (self.bandwidth * c.kv_bandwidth_eff)
         compute_s = 2.0 * d.params_m * 1e6 * tokens / (self.flops_peak * c.compute_eff)
         return (
-            c.draft_overhead_ms * 1e-3
+            self._pass_overhead_s
             + max(weight_s + kv_s, compute_s)
             + self._comm(tokens, d.layers)
             + c.token_overhead_us * 1e-6 * tokens
@@ -141,20 +147,24 @@ class CostModel:
                   routing_diversity: float) -> float:
         """The target's MTP layer: its dense part, the experts its tokens route to (an MoE
         layer of the target's shape, sharded like the target's) and the target's
-        full-vocabulary lm_head, at the target's weight width; one layer's all-reduces."""
+        full-vocabulary lm_head, at the target's weight width; one layer's all-reduces.
+        The lm_head is read whole every pass but scores only each request's last token
+        (the draft's next guess), so its FLOPs follow the requests, not the tokens."""
         t, c = self.profile.target, self.profile.calibration
-        read = active = mtp.dense_params_m * 1e6 + t.lm_head_params
+        layer = mtp.dense_params_m * 1e6
+        read = layer + t.lm_head_params
         if mtp.routed_experts and t.moe is not None:
             expert = t.moe.expert_params_m * 1e6
             routed = independent_tokens(requests, tokens / max(requests, 1e-9),
                                         routing_diversity, c.tree_routing_diversity)
             read += distinct_experts(routed, t.moe.experts, t.moe.experts_per_token) * expert
-            active += t.moe.experts_per_token * expert
+            layer += t.moe.experts_per_token * expert
         weight_s = read * t.weight_bytes / (self.bandwidth * c.weight_bandwidth_eff)
         kv_s = requests * context * mtp.kv_bytes_per_token / (self.bandwidth * c.kv_bandwidth_eff)
-        compute_s = 2.0 * active * tokens / (self.flops_peak * c.compute_eff)
+        flops = 2.0 * (layer * tokens + t.lm_head_params * requests)
+        compute_s = flops / (self.flops_peak * c.compute_eff)
         return (
-            c.draft_overhead_ms * 1e-3
+            self._pass_overhead_s
             + max(weight_s + kv_s, compute_s)
             + self._comm(tokens, 1)
             + c.token_overhead_us * 1e-6 * tokens

@@ -228,6 +228,10 @@ class Method:
     draft: Draft | None = None  # head, standalone
     mtp: MTP | None = None  # mtp
     lookup_us: float = 0.0  # ngram: trie match and tree build, per request and round
+    # Fixed cost of one draft pass (kernel launches, sampling over its vocabulary); None:
+    # calibration.draft_overhead_ms, the draft head's. A whole MoE decoder layer scored
+    # over the full vocabulary launches more kernels than a one-layer head.
+    pass_overhead_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in METHOD_KINDS:
@@ -244,6 +248,10 @@ class Method:
             raise FieldError("lookup_us", f"must be >= 0, got {self.lookup_us}")
         if self.lookup_us and self.kind != "ngram":
             raise FieldError("lookup_us", "only an ngram method has a trie lookup")
+        if self.pass_overhead_ms is not None and (
+                self.pass_overhead_ms < 0 or self.kind == "ngram"):
+            raise FieldError("pass_overhead_ms", "must be >= 0, for a method with a draft "
+                             "forward (ngram has none)")
 
     @property
     def has_draft_forward(self) -> bool:
