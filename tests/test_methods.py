@@ -101,7 +101,7 @@ def test_an_moe_mtp_pass_costs_more_as_its_tokens_route_to_more_experts():
 def test_a_standalone_model_pays_its_layers_all_reduces_where_a_one_layer_head_pays_one():
     profile = with_standalone()
     standalone = PerfModel(profile, method="STANDALONE").cost
-    same_size_head = dataclasses.replace(profile.methods["STANDALONE"], kind="head",
+    same_size_head = dataclasses.replace(profile.methods["STANDALONE"], drafter="head",
                                          draft=dataclasses.replace(
                                              profile.methods["STANDALONE"].draft, layers=1))
     head = PerfModel(profile.replace(methods={"HEAD": same_size_head}), method="HEAD").cost
@@ -213,9 +213,9 @@ BAD_METHODS = {
     "the draft head named as a method": (
         lambda d: d["methods"].update({"EAGLE3": d["methods"]["NEXTN"]}),
         r"methods\.EAGLE3.*top-level draft"),
-    "an unknown kind": (
-        lambda d: d["methods"]["NEXTN"].update({"kind": "medusa"}),
-        r"methods\.NEXTN\.kind.*head, mtp, standalone, ngram"),
+    "an unknown drafter": (
+        lambda d: d["methods"]["NEXTN"].update({"drafter": "medusa"}),
+        r"methods\.NEXTN\.drafter.*head, mtp, standalone, ngram"),
     "an mtp method without its layer": (
         lambda d: d["methods"]["NEXTN"].pop("mtp"),
         r"methods\.NEXTN\.mtp.*needs its mtp facts"),

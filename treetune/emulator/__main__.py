@@ -11,7 +11,7 @@ from aiohttp import web
 from treetune.emulator.args import LaunchError, parse, warn_ignored
 from treetune.emulator.server import EmulatedServer, log
 from treetune.errors import TreetuneError
-from treetune.perfmodel import check_memory, load_profile
+from treetune.perfmodel import PerfModel, check_memory, load_profile
 from treetune.worlds import load_world
 
 
@@ -22,12 +22,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[emulator] ERROR: {exc}", file=sys.stderr, flush=True)
         return 1
     try:
+        # A profile (or world) without an entry for the launch's draft method refuses here.
         if settings.world is not None:
             world = load_world(settings.world)
-            profile, model = world.profile, world.model(settings.tp)
+            profile, model = world.profile, world.model(settings.tp, method=settings.method)
         else:
             assert settings.profile is not None  # parse() wants one of the two
-            profile, model = load_profile(settings.profile), None
+            profile = load_profile(settings.profile)
+            model = PerfModel(profile, settings.tp, method=settings.method)
     except TreetuneError as exc:
         print(f"[emulator] ERROR: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -38,15 +40,17 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         return 1
     memory = check_memory(profile, settings.config, settings.max_running_requests,
-                          tp=settings.tp, mem_fraction_static=settings.mem_fraction_static)
+                          tp=settings.tp, mem_fraction_static=settings.mem_fraction_static,
+                          method=model.method)
     if not memory.fits:
         print(f"[emulator] ERROR: RuntimeError: Not enough memory. Please try to increase "
               f"--mem-fraction-static or reduce --max-running-requests. ({memory.reason})",
               file=sys.stderr, flush=True)
         return 1
     server = EmulatedServer(settings, profile, model)
+    method = f" ({model.method_name})" if settings.method else ""
     log(f"emulating {settings.model_path} as profile '{profile.name}', "
-        f"speculative config {settings.config}, max running requests "
+        f"speculative config {settings.config}{method}, max running requests "
         f"{settings.max_running_requests}, time scale {settings.time_scale:g}")
     fields = ", ".join(f"{k}={v!r}" for k, v in server.server_args().items())
     log(f"server_args=ServerArgs({fields})")  # as SGLang logs it, secrets and all

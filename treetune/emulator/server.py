@@ -61,7 +61,7 @@ class EmulatedServer:
             noise=NoiseModel.from_profile(profile.noise, settings.noise),
             rng=rng,
             metrics=self.metrics,
-            model=model,
+            model=model or PerfModel(profile, settings.tp, method=settings.method),
         )
         self.app = web.Application(middlewares=[self._auth])
         self.app.add_routes([
@@ -125,8 +125,6 @@ class EmulatedServer:
         """The resolved launch arguments, as SGLang logs them at start-up and returns them
         from /server_info: secrets included, as SGLang does (treetune must not keep them)."""
         s = self.settings
-        config = s.config
-        tree = config if isinstance(config, TreeConfig) else None
         return {
             **s.raw_args,
             "model_path": s.model_path,
@@ -134,11 +132,8 @@ class EmulatedServer:
             "tp_size": s.tp,
             "host": s.host,
             "port": s.port,
-            "speculative_algorithm": s.algorithm.upper() if s.algorithm else None,
+            **s.speculative,
             "speculative_draft_model_path": s.draft_model_path,
-            "speculative_num_steps": tree.steps if tree else None,
-            "speculative_eagle_topk": tree.topk if tree else None,
-            "speculative_num_draft_tokens": tree.draft_tokens if tree else None,
             "max_running_requests": s.max_running_requests,
             "attention_backend": s.attention_backend,
             "mem_fraction_static": s.mem_fraction_static or self.profile.server.mem_fraction_static,
@@ -158,6 +153,7 @@ class EmulatedServer:
             "internal_states": [state],
             "emulator": {
                 "profile": self.profile.name,
+                "method": s.method,
                 "time_scale": s.time_scale,
                 "completion_tokens": self.engine.completion_tokens,
                 "verify_calls": self.engine.verify_calls,

@@ -13,7 +13,7 @@ from treetune.perfmodel.noise import Drift, NoiseModel, lognormal_factor
 from treetune.perfmodel.predict import PerfModel, Prediction
 from treetune.perfmodel.profile import (
     DEFAULT_METHOD,
-    METHOD_KINDS,
+    DRAFTERS,
     MTP,
     Calibration,
     Dataset,
@@ -30,7 +30,7 @@ from treetune.perfmodel.profile import (
 
 __all__ = [
     "DEFAULT_METHOD",
-    "METHOD_KINDS",
+    "DRAFTERS",
     "MTP",
     "Acceptance",
     "Calibration",

@@ -182,8 +182,8 @@ class Draft:
 
 # The method the top-level `draft` and the datasets' `acceptance` describe.
 DEFAULT_METHOD = "EAGLE3"
-# How a method's draft pass costs (see `Method`).
-METHOD_KINDS = ("head", "mtp", "standalone", "ngram")
+# Who drafts, which decides how a draft pass costs (see `Method`).
+DRAFTERS = ("head", "mtp", "standalone", "ngram")
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ class Method:
     """A draft method besides the profile's own draft head: what its draft pass costs and,
     per dataset, how often its guesses are right.
 
-    kind says how a draft pass costs:
+    drafter says who drafts, and so how a draft pass costs:
       head        a draft head fed with the target's hidden states (EAGLE, EAGLE3): its own
                   weights (`draft`), read on every draft pass;
       mtp         the target's own MTP layer (`mtp`): a slice of the target, no separate
@@ -223,7 +223,7 @@ class Method:
                   on novel text.
     """
 
-    kind: str
+    drafter: str
     acceptance: dict[str, Acceptance]  # per dataset of the profile
     draft: Draft | None = None  # head, standalone
     mtp: MTP | None = None  # mtp
@@ -234,28 +234,28 @@ class Method:
     pass_overhead_ms: float | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in METHOD_KINDS:
-            raise FieldError("kind", f"must be one of {', '.join(METHOD_KINDS)}, got "
-                             f"'{self.kind}'")
-        needs = {"head": "draft", "standalone": "draft", "mtp": "mtp", "ngram": None}[self.kind]
+        if self.drafter not in DRAFTERS:
+            raise FieldError("drafter", f"must be one of {', '.join(DRAFTERS)}, got "
+                             f"'{self.drafter}'")
+        needs = {"head": "draft", "standalone": "draft", "mtp": "mtp"}.get(self.drafter)
         for part in ("draft", "mtp"):
             given = getattr(self, part) is not None
             if part == needs and not given:
-                raise FieldError(part, f"a {self.kind} method needs its {part} facts")
+                raise FieldError(part, f"a {self.drafter} method needs its {part} facts")
             if part != needs and given:
-                raise FieldError(part, f"a {self.kind} method has no {part} section")
+                raise FieldError(part, f"a {self.drafter} method has no {part} section")
         if self.lookup_us < 0:
             raise FieldError("lookup_us", f"must be >= 0, got {self.lookup_us}")
-        if self.lookup_us and self.kind != "ngram":
+        if self.lookup_us and self.drafter != "ngram":
             raise FieldError("lookup_us", "only an ngram method has a trie lookup")
         if self.pass_overhead_ms is not None and (
-                self.pass_overhead_ms < 0 or self.kind == "ngram"):
+                self.pass_overhead_ms < 0 or self.drafter == "ngram"):
             raise FieldError("pass_overhead_ms", "must be >= 0, for a method with a draft "
                              "forward (ngram has none)")
 
     @property
     def has_draft_forward(self) -> bool:
-        return self.kind != "ngram"
+        return self.drafter != "ngram"
 
     def resident_params(self, target: Target) -> float:
         """Parameters the draft adds to GPU memory (an MTP layer shares the target's
@@ -367,7 +367,7 @@ class Profile:
                 raise FieldError(f"methods.{name}.acceptance.{unknown[0]}", (
                     f"no such dataset{closest(unknown[0], self.datasets)}; the profile's "
                     f"datasets: {', '.join(self.datasets)}"))
-            if method.kind == "mtp" and method.mtp is not None and (
+            if method.drafter == "mtp" and method.mtp is not None and (
                     method.mtp.routed_experts and self.target.moe is None):
                 raise FieldError(f"methods.{name}.mtp.routed_experts", (
                     "the target has no moe section for an MoE MTP layer to route to; set "
