@@ -166,7 +166,7 @@ REFUSALS = {
         "has no draft method 'STANDALONE'"),
     "ngram with a breadth below one": (
         args("--speculative-algorithm", "NGRAM", NGRAM_BREADTH_FLAG, "0"),
-        "--speculative-ngram-min-bfs-breadth"),
+        f"{NGRAM_BREADTH_FLAG} must be >= 1"),
     "an algorithm SGLang does not have": (
         args("--speculative-algorithm", "MEDUSA"), "Unsupported speculative algorithm"),
 }

@@ -241,20 +241,15 @@ def _ngram_tree(ns: argparse.Namespace) -> TreeConfig:
     --speculative-eagle-topk with that breadth and drafts without --speculative-num-steps,
     so neither shapes the tree."""
     draft_tokens = ns.speculative_num_draft_tokens or NGRAM_DEFAULT_DRAFT_TOKENS
-    breadth = getattr(ns, _dest(NGRAM_BREADTH_FLAG))
-    smallest = getattr(ns, _dest("--speculative-ngram-min-bfs-breadth"))
+    breadth = getattr(ns, NGRAM_BREADTH_FLAG.lstrip("-").replace("-", "_"))
+    # SGLang takes both as given; a tree with no draft or no branch fails once it runs.
     if draft_tokens < 2:
         raise LaunchError(f"ValueError: invalid speculative config: draft_tokens must be >= 2 "
                           f"(the root plus at least one draft), got {draft_tokens}")
-    if breadth < 1 or not 1 <= smallest <= breadth:
-        raise LaunchError(f"ValueError: invalid speculative config: NGRAM needs 1 <= "
-                          f"--speculative-ngram-min-bfs-breadth ({smallest}) <= "
-                          f"{NGRAM_BREADTH_FLAG} ({breadth})")
+    if breadth < 1:
+        raise LaunchError(f"ValueError: invalid speculative config: {NGRAM_BREADTH_FLAG} "
+                          f"must be >= 1, got {breadth}")
     return ngram_tree(draft_tokens, breadth)
-
-
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
 
 
 def warn_ignored(settings: EmulatorSettings) -> None:

@@ -208,8 +208,9 @@ class MTP:
 
 @dataclass(frozen=True)
 class Method:
-    """A draft method besides the profile's own draft head: what its draft pass costs and,
-    per dataset, how often its guesses are right.
+    """A draft method: what its draft pass costs and, per dataset, how often its guesses
+    are right. A profile's `methods` hold those besides its own draft head, which
+    `Profile.method()` presents as one too (a head with the top-level draft).
 
     drafter says who drafts, and so how a draft pass costs:
       head        a draft head fed with the target's hidden states (EAGLE, EAGLE3): its own
