@@ -75,6 +75,10 @@ def predict(
         int | None, typer.Option(help="For the memory check (default: the batch size).")
     ] = None,
     top: Annotated[int, typer.Option(help="Rows per batch size when ranking a space.")] = 10,
+    method: Annotated[
+        str | None, typer.Option(help="Draft method of the profile (default: its own draft "
+                                 "head; `treetune profiles` lists each profile's methods).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON records instead.")] = False,
 ) -> None:
     """Noise-free predicted throughput, speedup and accept length per config, dataset, batch.
@@ -85,7 +89,7 @@ def predict(
     from treetune.space import load_space
 
     prof = load_profile(profile)
-    model = PerfModel(prof)
+    model = PerfModel(prof, method=method)
     datasets = dataset or list(prof.datasets)
     for name in datasets:
         prof.dataset(name)
@@ -106,7 +110,8 @@ def predict(
         print(json.dumps([r.record() for r in rows], indent=1))
         return
     for b in batch:
-        _print_ranking(prof.name, b, [r for r in rows if r.batch == b], datasets,
+        title = prof.name if method is None else f"{prof.name} ({model.method_name})"
+        _print_ranking(title, b, [r for r in rows if r.batch == b], datasets,
                        top if space else None)
 
 
@@ -430,6 +435,7 @@ def profiles() -> None:
         prof = load_profile(name)
         out.print(f"[bold]{name}[/bold]: {prof.description}")
         out.print(f"    datasets: {', '.join(prof.datasets)}")
+        out.print(f"    draft methods: {', '.join(prof.method_names)}")
 
 
 @app.command()

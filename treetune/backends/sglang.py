@@ -26,12 +26,44 @@ from treetune.backends._base import (
 from treetune.backends.sglang_adaptive import fallback_reason
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.errors import TreetuneError
+from treetune.perfmodel.profile import DEFAULT_METHOD
 
 if TYPE_CHECKING:
     from treetune.perfmodel import Profile
 
 DEFAULT_SGLANG_VERSION = "0.5.23"
+# The algorithms whose draft is SGLang's EAGLE tree, shaped by --speculative-num-steps,
+# --speculative-eagle-topk and --speculative-num-draft-tokens (what a study tunes). NEXTN is
+# the target's own MTP layer: SGLang resolves it to EAGLE at start-up ("NEXTN shares the
+# same implementation of EAGLE") and reports EAGLE in /server_info. STANDALONE runs a
+# separate small model through the same worker.
 ALGORITHMS = ("EAGLE3", "EAGLE", "NEXTN", "STANDALONE")
+# NGRAM has no draft model: it matches the recent tokens in a suffix trie of earlier text
+# and verifies the continuations found there. Its knobs are its own (see NGRAM_FLAGS).
+NGRAM = "NGRAM"
+KNOWN_ALGORITHMS = (*ALGORITHMS, NGRAM)  # every --speculative-algorithm treetune can serve
+ALGORITHM_ALIASES = {"NEXTN": "EAGLE"}  # what SGLang resolves an algorithm to
+# The algorithms with no --speculative-draft-model-path: the target's MTP layer, the trie.
+DRAFTLESS_ALGORITHMS = ("NEXTN", NGRAM)
+TREE_KNOBS = ("--speculative-num-steps", "--speculative-eagle-topk",
+              "--speculative-num-draft-tokens")
+# NGRAM's flags in SGLang 0.5.23 (server_args.py), with their defaults. _handle_ngram sets
+# speculative_eagle_topk to --speculative-ngram-max-bfs-breadth unconditionally (a given
+# --speculative-eagle-topk is overwritten), takes --speculative-num-draft-tokens (12 when
+# unset) as the verify size, and defaults --speculative-num-steps, which it does not draft
+# with, to draft_tokens // breadth. Releases before the adaptive controller named these
+# differently (--speculative-ngram-branch-length, --speculative-ngram-{min,max}-match-
+# window-size, no --speculative-ngram-max-trie-depth).
+NGRAM_BREADTH_FLAG = "--speculative-ngram-max-bfs-breadth"
+NGRAM_FLAGS: dict[str, tuple[type, object]] = {
+    "--speculative-ngram-min-bfs-breadth": (int, 1),
+    NGRAM_BREADTH_FLAG: (int, 10),
+    "--speculative-ngram-match-type": (str, "BFS"),
+    "--speculative-ngram-max-trie-depth": (int, 18),
+    "--speculative-ngram-capacity": (int, 10_000_000),
+}
+NGRAM_MATCH_TYPES = ("BFS", "PROB")
+NGRAM_DEFAULT_DRAFT_TOKENS = 12
 CUDA_GRAPH_FLAG_SPLIT = (0, 5, 10)
 # `python -m sglang.launch_server --config FILE.yaml` first shipped in SGLang 0.5.3: the 0.5.2
 # wheel's srt/server_args.py has no --config, 0.5.3's has it and
@@ -112,21 +144,78 @@ def cuda_graph_flag(sglang_version: str) -> str:
     return "--cuda-graph-max-bs"
 
 
+# ---- draft methods: which algorithm needs what, and which knobs shape its draft ---------
+
+def needs_draft_model(algorithm: str) -> bool:
+    """Whether SGLang needs --speculative-draft-model-path for this algorithm (NEXTN uses
+    the target's own MTP layer, NGRAM a suffix trie)."""
+    return algorithm not in DRAFTLESS_ALGORITHMS
+
+
+def resolved_algorithm(algorithm: str) -> str:
+    """The algorithm SGLang runs and reports in /server_info (NEXTN becomes EAGLE)."""
+    return ALGORITHM_ALIASES.get(algorithm, algorithm)
+
+
+def profile_method(algorithm: str) -> str:
+    """The performance-profile method that times this algorithm: EAGLE and EAGLE3 run the
+    draft head at --speculative-draft-model-path, the profile's own draft; the others are
+    entries of the profile's `methods` under the algorithm's name."""
+    return DEFAULT_METHOD if algorithm in ("EAGLE", "EAGLE3") else algorithm
+
+
+def method_knobs(algorithm: str) -> tuple[str, ...]:
+    """The launch flags that shape this algorithm's draft tree: the EAGLE tree's three for
+    EAGLE, EAGLE3, NEXTN and STANDALONE; NGRAM has no steps/topk tree, only its verify size
+    and the trie match's breadth."""
+    if algorithm == NGRAM:
+        return ("--speculative-num-draft-tokens", NGRAM_BREADTH_FLAG)
+    return TREE_KNOBS
+
+
+def ngram_tree(draft_tokens: int, breadth: int) -> TreeConfig:
+    """An NGRAM server as a TreeConfig: `draft_tokens` verified tokens (root included), at
+    most `breadth` continuations per trie node. A match may run as deep as its tokens
+    allow, so the tree's depth bound (steps) is draft_tokens - 1; breadth 1 is a chain."""
+    return TreeConfig.of(draft_tokens - 1, breadth, draft_tokens)
+
+
+def method_tree_problem(algorithm: str, config: TreeConfig) -> str | None:
+    """Why `config` is not a server of this algorithm, or None. The EAGLE-tree algorithms
+    share TreeConfig's own rules; an NGRAM server has no steps knob, so only its
+    canonical form ngram_tree(N, K) = (N-1, K, N) names one."""
+    if algorithm not in KNOWN_ALGORITHMS:
+        return (f"speculative algorithm '{algorithm}' is not one of "
+                f"{', '.join(KNOWN_ALGORITHMS)}")
+    if algorithm == NGRAM and config.steps != config.draft_tokens - 1:
+        return (f"{config} is not an NGRAM server: NGRAM has no steps knob, only "
+                f"--speculative-num-draft-tokens N and {NGRAM_BREADTH_FLAG} K; write it as "
+                f"(N-1, K, N), here {ngram_tree(config.draft_tokens, config.topk)}")
+    return None
+
+
 def check_algorithm(algorithm: str, draft: str | None) -> None:
-    if algorithm not in ALGORITHMS:
+    if algorithm not in KNOWN_ALGORITHMS:
         raise TreetuneError(
-            f"speculative algorithm '{algorithm}' is not one of {', '.join(ALGORITHMS)}")
-    if draft is None and algorithm != "NEXTN":
+            f"speculative algorithm '{algorithm}' is not one of {', '.join(KNOWN_ALGORITHMS)}")
+    if draft is None and needs_draft_model(algorithm):
         raise TreetuneError(f"{algorithm} needs a draft model path (--draft)")
 
 
 def speculative_args(config: ServerConfig, spec: LaunchSpec) -> list[str]:
-    """The speculative flags: all three knobs together, or none for the baseline."""
+    """The speculative flags: all three knobs together (NGRAM: its verify size and
+    breadth), or none for the baseline."""
     if config is BASELINE:
         return []
     assert isinstance(config, TreeConfig)
     check_algorithm(spec.algorithm, spec.draft_model_path)
+    problem = method_tree_problem(spec.algorithm, config)
+    if problem is not None:
+        raise TreetuneError(problem)
     args = ["--speculative-algorithm", spec.algorithm]
+    if spec.algorithm == NGRAM:  # no draft model; SGLang sets its topk from the breadth
+        return [*args, "--speculative-num-draft-tokens", str(config.draft_tokens),
+                NGRAM_BREADTH_FLAG, str(config.topk)]
     if spec.draft_model_path is not None:
         args += ["--speculative-draft-model-path", spec.draft_model_path]
     return [

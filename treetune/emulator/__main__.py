@@ -12,7 +12,7 @@ from treetune.backends.sglang_adaptive import fallback_warning, initialized_line
 from treetune.emulator.args import LaunchError, parse, warn_ignored
 from treetune.emulator.server import EmulatedServer, log
 from treetune.errors import TreetuneError
-from treetune.perfmodel import check_memory, load_profile
+from treetune.perfmodel import PerfModel, check_memory, load_profile
 from treetune.worlds import load_world
 
 
@@ -23,12 +23,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[emulator] ERROR: {exc}", file=sys.stderr, flush=True)
         return 1
     try:
+        # A profile (or world) without an entry for the launch's draft method refuses here.
         if settings.world is not None:
             world = load_world(settings.world)
-            profile, model = world.profile, world.model(settings.tp)
+            profile, model = world.profile, world.model(settings.tp, method=settings.method)
         else:
             assert settings.profile is not None  # parse() wants one of the two
-            profile, model = load_profile(settings.profile), None
+            profile = load_profile(settings.profile)
+            model = PerfModel(profile, settings.tp, method=settings.method)
     except TreetuneError as exc:
         print(f"[emulator] ERROR: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -41,15 +43,17 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         return 1
     memory = check_memory(profile, settings.config, settings.max_running_requests,
-                          tp=settings.tp, mem_fraction_static=settings.mem_fraction_static)
+                          tp=settings.tp, mem_fraction_static=settings.mem_fraction_static,
+                          method=model.method)
     if not memory.fits:
         print(f"[emulator] ERROR: RuntimeError: Not enough memory. Please try to increase "
               f"--mem-fraction-static or reduce --max-running-requests. ({memory.reason})",
               file=sys.stderr, flush=True)
         return 1
     server = EmulatedServer(settings, profile, model)
+    method = f" ({model.method_name})" if settings.method else ""
     speculation = (f"adaptive steps (sized for {settings.config})"
-                   if settings.adaptive else f"speculative config {settings.config}")
+                   if settings.adaptive else f"speculative config {settings.config}{method}")
     log(f"emulating {settings.model_path} as profile '{profile.name}', {speculation}, max "
         f"running requests {settings.max_running_requests}, time scale "
         f"{settings.time_scale:g}")

@@ -9,9 +9,18 @@ from typing import Any
 
 from treetune.backends import sglang_adaptive
 from treetune.backends.sglang import (
-    ALGORITHMS,
     DEFAULT_SGLANG_VERSION,
+    KNOWN_ALGORITHMS,
+    NGRAM,
+    NGRAM_BREADTH_FLAG,
+    NGRAM_DEFAULT_DRAFT_TOKENS,
+    NGRAM_FLAGS,
+    NGRAM_MATCH_TYPES,
     SPEC_DEFAULT_MAX_RUNNING,
+    needs_draft_model,
+    ngram_tree,
+    profile_method,
+    resolved_algorithm,
 )
 from treetune.config import BASELINE, ServerConfig, TreeConfig, tree_problem
 
@@ -84,6 +93,10 @@ class EmulatorSettings:
     adaptive_fallback: str | None = None  # why asked-for adaptive steps cannot run
     ignored_flags: list[str] = field(default_factory=list)
     raw_args: dict[str, object] = field(default_factory=dict)
+    # The profile method that times this server (None: no speculation), and the
+    # speculative arguments as SGLang resolves them (what /server_info reports).
+    method: str | None = None
+    speculative: dict[str, object] = field(default_factory=dict)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     sg.add_argument("--speculative-adaptive", action="store_true")
     sg.add_argument("--speculative-adaptive-config", default=None)
+    for flag, (kind, default) in NGRAM_FLAGS.items():
+        extra = {"choices": NGRAM_MATCH_TYPES} if flag.endswith("match-type") else {}
+        sg.add_argument(flag, type=kind, default=default, **extra)
     sg.add_argument("--tp-size", "--tp", type=int, default=1)
     sg.add_argument("--host", default="127.0.0.1")
     sg.add_argument("--port", type=int, default=30000)
@@ -154,6 +170,7 @@ def parse(argv: list[str]) -> EmulatorSettings:
         raise LaunchError(f"--max-running-requests must be >= 1, got {ns.max_running_requests}")
     adaptive, fallback = _adaptive(ns)
     config = _tree(ns, adaptive)
+    algorithm = ns.speculative_algorithm.upper() if config is not BASELINE else None
     attention = ns.attention_backend or (
         # Hopper default: fa3 only for chains (and no speculation), else flashinfer.
         "fa3" if config is BASELINE or config.topk == 1 else "flashinfer"
@@ -191,6 +208,8 @@ def parse(argv: list[str]) -> EmulatorSettings:
         raw_args={k: v for k, v in vars(ns).items() if k not in EMULATOR_KEYS},
         adaptive=adaptive,
         adaptive_fallback=fallback,
+        method=profile_method(algorithm) if algorithm else None,
+        speculative=_resolved(ns, algorithm, config, adaptive),
     )
 
 
@@ -212,6 +231,25 @@ def _adaptive(ns: argparse.Namespace) -> tuple[AdaptiveLaunch | None, str | None
     return AdaptiveLaunch(config, ns.speculative_adaptive_config, steps), None
 
 
+def _resolved(ns: argparse.Namespace, algorithm: str | None, config: ServerConfig,
+              adaptive: AdaptiveLaunch | None = None) -> dict[str, object]:
+    """The speculative server args as SGLang resolves them: NEXTN runs as EAGLE; an NGRAM
+    server's topk is its breadth and its steps, unused, default to draft_tokens // topk."""
+    if algorithm is None or not isinstance(config, TreeConfig):
+        return {"speculative_algorithm": None, "speculative_num_steps": None,
+                "speculative_eagle_topk": None, "speculative_num_draft_tokens": None}
+    if adaptive is not None:  # SGLang reports the chain an adaptive server starts from
+        return {"speculative_algorithm": resolved_algorithm(algorithm),
+                "speculative_num_steps": adaptive.steps, "speculative_eagle_topk": 1,
+                "speculative_num_draft_tokens": adaptive.steps + 1}
+    steps = config.steps
+    if algorithm == NGRAM:
+        steps = ns.speculative_num_steps or config.draft_tokens // config.topk
+    return {"speculative_algorithm": resolved_algorithm(algorithm),
+            "speculative_num_steps": steps, "speculative_eagle_topk": config.topk,
+            "speculative_num_draft_tokens": config.draft_tokens}
+
+
 def _tree(ns: argparse.Namespace, adaptive: AdaptiveLaunch | None = None) -> ServerConfig:
     knobs = {
         "--speculative-num-steps": ns.speculative_num_steps,
@@ -227,14 +265,16 @@ def _tree(ns: argparse.Namespace, adaptive: AdaptiveLaunch | None = None) -> Ser
             )
         return BASELINE
     algorithm = ns.speculative_algorithm.upper()
-    if algorithm not in ALGORITHMS:
+    if algorithm not in KNOWN_ALGORITHMS:
         raise LaunchError(f"Unsupported speculative algorithm: {ns.speculative_algorithm}")
-    if algorithm != "NEXTN" and ns.speculative_draft_model_path is None:
+    if needs_draft_model(algorithm) and ns.speculative_draft_model_path is None:
         raise LaunchError(f"{algorithm} requires --speculative-draft-model-path")
     if adaptive is not None:
         # SGLang sets topk 1, the starting steps and steps + 1 draft tokens before its
         # all-or-none rule, so any of the three may be left out.
         return adaptive.longest
+    if algorithm == NGRAM:
+        return _ngram_tree(ns)
     if given and len(given) < 3:
         missing = [k for k in knobs if k not in given]
         raise LaunchError(
@@ -252,6 +292,23 @@ def _tree(ns: argparse.Namespace, adaptive: AdaptiveLaunch | None = None) -> Ser
             raise LaunchError(f"RuntimeError: selected index out of range ({problem})")
         raise LaunchError(f"ValueError: invalid speculative config: {problem}")
     return TreeConfig.of(steps, topk, draft)
+
+
+def _ngram_tree(ns: argparse.Namespace) -> TreeConfig:
+    """NGRAM's tree: --speculative-num-draft-tokens (12 when unset) verified tokens, at
+    most the max BFS breadth of continuations per trie node. SGLang overwrites
+    --speculative-eagle-topk with that breadth and drafts without --speculative-num-steps,
+    so neither shapes the tree."""
+    draft_tokens = ns.speculative_num_draft_tokens or NGRAM_DEFAULT_DRAFT_TOKENS
+    breadth = getattr(ns, NGRAM_BREADTH_FLAG.lstrip("-").replace("-", "_"))
+    # SGLang takes both as given; a tree with no draft or no branch fails once it runs.
+    if draft_tokens < 2:
+        raise LaunchError(f"ValueError: invalid speculative config: draft_tokens must be >= 2 "
+                          f"(the root plus at least one draft), got {draft_tokens}")
+    if breadth < 1:
+        raise LaunchError(f"ValueError: invalid speculative config: {NGRAM_BREADTH_FLAG} "
+                          f"must be >= 1, got {breadth}")
+    return ngram_tree(draft_tokens, breadth)
 
 
 def warn_ignored(settings: EmulatorSettings) -> None:

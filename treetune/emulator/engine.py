@@ -193,10 +193,7 @@ class Engine:
         seconds = 0.0
         for dataset, group in _by_dataset(batch).items():
             prompt = float(np.mean([r.prompt_tokens for r in group]))
-            data = self.profile.dataset(dataset)
-            seconds += self.model.cost.target_pass(len(group), prompt, data, prefill=True)
-            if self.speculative:
-                seconds += self.model.cost.draft_pass(len(group) * prompt, len(group), prompt)
+            seconds += self.model.prefill_time(self.config, len(group), prompt, dataset)
         self.clock += self._speed(seconds)
         await self._sleep_until(self.clock)
         for req in batch:

@@ -67,7 +67,7 @@ class EmulatedServer:
             noise=NoiseModel.from_profile(profile.noise, settings.noise),
             rng=rng,
             metrics=self.metrics,
-            model=model,
+            model=model or PerfModel(profile, settings.tp, method=settings.method),
             schedule=(adaptive.schedule(settings.max_running_requests,
                                         settings.cuda_graph_max_bs) if adaptive else None),
             log=log,
@@ -134,12 +134,6 @@ class EmulatedServer:
         """The resolved launch arguments, as SGLang logs them at start-up and returns them
         from /server_info: secrets included, as SGLang does (treetune must not keep them)."""
         s = self.settings
-        config = s.config
-        tree = config if isinstance(config, TreeConfig) else None
-        knobs: tuple[int | None, ...] = (
-            (tree.steps, tree.topk, tree.draft_tokens) if tree else (None, None, None))
-        if s.adaptive is not None:  # SGLang reports the chain it starts from
-            knobs = (s.adaptive.steps, 1, s.adaptive.steps + 1)
         return {
             **s.raw_args,
             "model_path": s.model_path,
@@ -147,11 +141,8 @@ class EmulatedServer:
             "tp_size": s.tp,
             "host": s.host,
             "port": s.port,
-            "speculative_algorithm": s.algorithm.upper() if s.algorithm else None,
+            **s.speculative,
             "speculative_draft_model_path": s.draft_model_path,
-            "speculative_num_steps": knobs[0],
-            "speculative_eagle_topk": knobs[1],
-            "speculative_num_draft_tokens": knobs[2],
             # Set back to False when SGLang falls back to static trees.
             ADAPTIVE_INFO_KEY: s.adaptive is not None,
             "max_running_requests": s.max_running_requests,
@@ -175,6 +166,7 @@ class EmulatedServer:
             INTERNAL_STATES_KEY: [state],
             "emulator": {
                 "profile": self.profile.name,
+                "method": s.method,
                 "time_scale": s.time_scale,
                 "completion_tokens": self.engine.completion_tokens,
                 "verify_calls": self.engine.verify_calls,

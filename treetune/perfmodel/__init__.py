@@ -12,10 +12,14 @@ from treetune.perfmodel.memory import MemoryCheck, check_memory
 from treetune.perfmodel.noise import Drift, NoiseModel, lognormal_factor
 from treetune.perfmodel.predict import PerfModel, Prediction
 from treetune.perfmodel.profile import (
+    DEFAULT_METHOD,
+    DRAFTERS,
+    MTP,
     Calibration,
     Dataset,
     Draft,
     Hardware,
+    Method,
     MoE,
     Noise,
     Profile,
@@ -25,6 +29,9 @@ from treetune.perfmodel.profile import (
 )
 
 __all__ = [
+    "DEFAULT_METHOD",
+    "DRAFTERS",
+    "MTP",
     "Acceptance",
     "Calibration",
     "CostModel",
@@ -34,6 +41,7 @@ __all__ = [
     "Drift",
     "Hardware",
     "MemoryCheck",
+    "Method",
     "MoE",
     "Noise",
     "NoiseModel",

@@ -4,6 +4,11 @@ A forward over n tokens from b requests costs
     fixed + max(bytes / bandwidth, flops / peak) + tensor-parallel all-reduces + n * per-token
 where bytes are the weights touched (for MoE, the distinct experts n tokens route to)
 plus the KV cache and recurrent state of the b requests.
+
+What a draft pass reads depends on the draft method: a draft head or a standalone model
+reads its own weights; the target's MTP layer reads that layer (for an MoE layer, the
+experts its tokens route to) plus the target's full-vocabulary lm_head; n-gram lookup runs
+no forward at all, only a CPU trie match per request and round.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from treetune.config import TreeConfig
-from treetune.perfmodel.profile import Dataset, Profile
+from treetune.perfmodel.profile import MTP, Dataset, Draft, Method, Profile
 
 ACTIVATION_BYTES = 2  # bf16 activations on the all-reduce wire
 
@@ -50,15 +55,23 @@ def independent_tokens(
 
 
 class CostModel:
-    """Forward-pass and round times for one profile at one tensor-parallel size."""
+    """Forward-pass and round times for one profile, draft method and tensor-parallel size."""
 
-    def __init__(self, profile: Profile, tp: int | None = None) -> None:
+    def __init__(self, profile: Profile, tp: int | None = None,
+                 method: Method | str | None = None) -> None:
         self.profile = profile
+        self.method = method if isinstance(method, Method) else profile.method(method)
         self.tp = tp or profile.tp
         hw = profile.hardware
         self.bandwidth = hw.bandwidth_tb_s * 1e12 * self.tp
         self.flops_peak = hw.peak_tflops * 1e12 * self.tp
         self.link = hw.interconnect_gb_s * 1e9
+
+    @property
+    def _pass_overhead_s(self) -> float:
+        """Fixed cost of one draft pass of this method."""
+        own = self.method.pass_overhead_ms
+        return (self.profile.calibration.draft_overhead_ms if own is None else own) * 1e-3
 
     def _comm(self, tokens: float, layers: int) -> float:
         if self.tp <= 1:
@@ -104,16 +117,56 @@ class CostModel:
             + c.token_overhead_us * 1e-6 * tokens
         )
 
-    def draft_pass(self, tokens: float, requests: float, context: float) -> float:
-        """One draft-head forward (EAGLE3: one layer plus its LM head)."""
-        d, c = self.profile.draft, self.profile.calibration
+    def draft_pass(self, tokens: float, requests: float, context: float,
+                   routing_diversity: float = 1.0) -> float:
+        """One forward of the method's draft over `tokens` tokens from `requests` requests
+        (0 for n-gram lookup, which has none). `routing_diversity`: the workload's, for an
+        MoE MTP layer."""
+        m = self.method
+        if m.draft is not None:
+            return self._model_pass(m.draft, tokens, requests, context)
+        if m.mtp is not None:
+            return self._mtp_pass(m.mtp, tokens, requests, context, routing_diversity)
+        return 0.0
+
+    def _model_pass(self, d: Draft, tokens: float, requests: float, context: float) -> float:
+        """A draft with weights of its own (EAGLE3: one layer plus its LM head; a
+        standalone model: all its layers)."""
+        c = self.profile.calibration
         weight_s = d.params_m * 1e6 * d.weight_bytes / (self.bandwidth * c.weight_bandwidth_eff)
         kv_s = requests * context * d.kv_bytes_per_token / (self.bandwidth * c.kv_bandwidth_eff)
         compute_s = 2.0 * d.params_m * 1e6 * tokens / (self.flops_peak * c.compute_eff)
         return (
-            c.draft_overhead_ms * 1e-3
+            self._pass_overhead_s
             + max(weight_s + kv_s, compute_s)
             + self._comm(tokens, d.layers)
+            + c.token_overhead_us * 1e-6 * tokens
+        )
+
+    def _mtp_pass(self, mtp: MTP, tokens: float, requests: float, context: float,
+                  routing_diversity: float) -> float:
+        """The target's MTP layer: its dense part, the experts its tokens route to (an MoE
+        layer of the target's shape, sharded like the target's) and the target's
+        full-vocabulary lm_head, at the target's weight width; one layer's all-reduces.
+        The lm_head is read whole every pass but scores only each request's last token
+        (the draft's next guess), so its FLOPs follow the requests, not the tokens."""
+        t, c = self.profile.target, self.profile.calibration
+        layer = mtp.dense_params_m * 1e6
+        read = layer + t.lm_head_params
+        if mtp.routed_experts and t.moe is not None:
+            expert = t.moe.expert_params_m * 1e6
+            routed = independent_tokens(requests, tokens / max(requests, 1e-9),
+                                        routing_diversity, c.tree_routing_diversity)
+            read += distinct_experts(routed, t.moe.experts, t.moe.experts_per_token) * expert
+            layer += t.moe.experts_per_token * expert
+        weight_s = read * t.weight_bytes / (self.bandwidth * c.weight_bandwidth_eff)
+        kv_s = requests * context * mtp.kv_bytes_per_token / (self.bandwidth * c.kv_bandwidth_eff)
+        flops = 2.0 * (layer * tokens + t.lm_head_params * requests)
+        compute_s = flops / (self.flops_peak * c.compute_eff)
+        return (
+            self._pass_overhead_s
+            + max(weight_s + kv_s, compute_s)
+            + self._comm(tokens, 1)
             + c.token_overhead_us * 1e-6 * tokens
         )
 
@@ -127,10 +180,16 @@ class CostModel:
         The draft extend re-reads only the accepted path, at most S+1 tokens a request:
         SGLang's EAGLE worker sizes it (and its CUDA graphs) as `speculative_num_steps + 1`
         tokens per request whatever N is, so a wide tree's N does not enter it.
+
+        N-gram lookup has no draft pass: its tree comes from a CPU trie match per request,
+        counted with the round's overhead.
         """
-        ctx = data.context_tokens
-        draft = self.draft_pass(batch * (config.steps + 1), batch, ctx) + (
-            config.steps - 1
-        ) * self.draft_pass(batch * config.topk, batch, ctx)
+        ctx, overhead = data.context_tokens, self.profile.calibration.round_overhead_ms * 1e-3
         verify = self.target_pass(batch, config.draft_tokens, data)
-        return RoundTime(draft, verify, self.profile.calibration.round_overhead_ms * 1e-3)
+        if not self.method.has_draft_forward:
+            return RoundTime(0.0, verify, overhead + batch * self.method.lookup_us * 1e-6)
+        diversity = data.routing_diversity
+        draft = self.draft_pass(batch * (config.steps + 1), batch, ctx, diversity) + (
+            config.steps - 1
+        ) * self.draft_pass(batch * config.topk, batch, ctx, diversity)
+        return RoundTime(draft, verify, overhead)

@@ -2,7 +2,10 @@
 
 SGLang takes `mem_fraction_static` of each GPU for weights plus the KV pool; speculation
 adds the draft's weights and KV, reserves max(S*K, N) extra slots per running request,
-and needs workspace (logits, activations) for batch * N tokens in flight.
+and needs workspace (logits, activations) for batch * N tokens in flight. The draft's
+weights depend on the method: a draft head's or standalone model's own; an MTP layer's
+(all its experts resident; embedding and lm_head shared with the target); none for n-gram
+lookup, which reserves only its N verify slots.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from treetune.config import BASELINE, ServerConfig, TreeConfig
-from treetune.perfmodel.profile import Profile
+from treetune.perfmodel.profile import Method, Profile
 
 GB = 1e9
 LOGIT_BYTES = 4  # fp32 logits for sampling and verification
@@ -31,10 +34,12 @@ def check_memory(
     *,
     tp: int | None = None,
     mem_fraction_static: float | None = None,
+    method: Method | str | None = None,
 ) -> MemoryCheck:
     tp = tp or profile.tp
     fraction = mem_fraction_static or profile.server.mem_fraction_static
-    t, d, server = profile.target, profile.draft, profile.server
+    t, server = profile.target, profile.server
+    draft = method if isinstance(method, Method) else profile.method(method)
     available = profile.hardware.memory_gb * GB * fraction
     weights = t.total_params_b * 1e9 * t.weight_bytes / tp
     slots = server.reserve_context_tokens
@@ -42,9 +47,9 @@ def check_memory(
     draft_kv_per_token = 0.0
     if config is not BASELINE:
         assert isinstance(config, TreeConfig)
-        weights += d.params_m * 1e6 * d.weight_bytes / tp
-        draft_kv_per_token = d.kv_bytes_per_token / tp
-        slots += config.kv_slots_per_round
+        weights += draft.resident_bytes(t) / tp
+        draft_kv_per_token = draft.kv_bytes_per_token / tp
+        slots += config.kv_slots_per_round if draft.has_draft_forward else config.draft_tokens
         in_flight *= config.draft_tokens
     # An MLA latent is not split by tensor parallelism: every rank holds all of it.
     target_kv = t.kv_bytes(slots) / (1 if t.kv_replicated else tp)

@@ -3,6 +3,11 @@
 Physical facts (bandwidth, FLOPs, parameter counts, experts, memory) are written by hand;
 `Calibration` and the per-dataset acceptance and workload shape are fitted by
 `treetune calibrate`.
+
+The top-level `draft` and each dataset's `acceptance` describe the profile's own draft head
+(method `EAGLE3`). Other draft methods (the target's own MTP layer, a standalone small
+model, n-gram lookup) are optional entries under `methods`, each with its draft cost and its
+acceptance per dataset; a profile without them describes its draft head only.
 """
 
 from __future__ import annotations
@@ -152,6 +157,11 @@ class Target:
         return 0.0 if self.moe is None else self.moe.expert_params_m * 1e6 * self.moe.layers
 
     @property
+    def lm_head_params(self) -> float:
+        """The output head: vocabulary x hidden size (what an MTP draft pass scores with)."""
+        return float(self.vocab_size * self.hidden_size)
+
+    @property
     def always_read_params(self) -> float:
         """Parameters every forward pass reads whatever the routing (attention, shared)."""
         routed = 0.0 if self.moe is None else self.moe.experts_per_token * self.expert_params
@@ -168,6 +178,107 @@ class Draft:
 
     def __post_init__(self) -> None:
         _positive(self, "params_m", "weight_bytes", "layers")
+
+
+# The method the top-level `draft` and the datasets' `acceptance` describe.
+DEFAULT_METHOD = "EAGLE3"
+# Who drafts, which decides how a draft pass costs (see `Method`).
+DRAFTERS = ("head", "mtp", "standalone", "ngram")
+
+
+@dataclass(frozen=True)
+class MTP:
+    """The target's own multi-token-prediction layer used as the draft (DeepSeek-V3,
+    Qwen3-Next, Qwen3.5; SGLang's NEXTN): one decoder layer of the target's width, fed with
+    the last token's embedding and hidden state. It has no weights beyond that layer: it
+    embeds with the target's embedding (a row read) and scores with the target's
+    full-vocabulary lm_head, which every draft pass reads."""
+
+    # Read on every pass: attention, the projection fusing embedding and hidden state,
+    # norms, router and shared expert(s).
+    dense_params_m: float
+    kv_bytes_per_token: float  # its attention layer's KV cache
+    # Its MLP is one MoE layer of the target's shape (target.moe): a pass reads the experts
+    # its tokens route to, and all of them stay resident. False: a dense MLP, in dense_params_m.
+    routed_experts: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "dense_params_m", "kv_bytes_per_token")
+
+
+@dataclass(frozen=True)
+class Method:
+    """A draft method: what its draft pass costs and, per dataset, how often its guesses
+    are right. A profile's `methods` hold those besides its own draft head, which
+    `Profile.method()` presents as one too (a head with the top-level draft).
+
+    drafter says who drafts, and so how a draft pass costs:
+      head        a draft head fed with the target's hidden states (EAGLE, EAGLE3): its own
+                  weights (`draft`), read on every draft pass;
+      mtp         the target's own MTP layer (`mtp`): a slice of the target, no separate
+                  weights; it reads the target's lm_head on every pass;
+      standalone  a separate small model (`draft`: all its layers, its own embedding, head
+                  and KV cache) run on every draft pass;
+      ngram       no draft forward at all: a CPU suffix-trie match per request and round
+                  (`lookup_us`); it only guesses text seen before, so its acceptance is low
+                  on novel text.
+    """
+
+    drafter: str
+    acceptance: dict[str, Acceptance]  # per dataset of the profile
+    draft: Draft | None = None  # head, standalone
+    mtp: MTP | None = None  # mtp
+    lookup_us: float = 0.0  # ngram: trie match and tree build, per request and round
+    # Fixed cost of one draft pass (kernel launches, sampling over its vocabulary); None:
+    # calibration.draft_overhead_ms, the draft head's. A whole MoE decoder layer scored
+    # over the full vocabulary launches more kernels than a one-layer head.
+    pass_overhead_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise FieldError("drafter", f"must be one of {', '.join(DRAFTERS)}, got "
+                             f"'{self.drafter}'")
+        needs = {"head": "draft", "standalone": "draft", "mtp": "mtp"}.get(self.drafter)
+        for part in ("draft", "mtp"):
+            given = getattr(self, part) is not None
+            if part == needs and not given:
+                raise FieldError(part, f"a {self.drafter} method needs its {part} facts")
+            if part != needs and given:
+                raise FieldError(part, f"a {self.drafter} method has no {part} section")
+        if self.lookup_us < 0:
+            raise FieldError("lookup_us", f"must be >= 0, got {self.lookup_us}")
+        if self.lookup_us and self.drafter != "ngram":
+            raise FieldError("lookup_us", "only an ngram method has a trie lookup")
+        if self.pass_overhead_ms is not None and (
+                self.pass_overhead_ms < 0 or self.drafter == "ngram"):
+            raise FieldError("pass_overhead_ms", "must be >= 0, for a method with a draft "
+                             "forward (ngram has none)")
+
+    @property
+    def has_draft_forward(self) -> bool:
+        return self.drafter != "ngram"
+
+    def resident_params(self, target: Target) -> float:
+        """Parameters the draft adds to GPU memory (an MTP layer shares the target's
+        embedding and lm_head; n-gram lookup has none)."""
+        if self.draft is not None:
+            return self.draft.params_m * 1e6
+        if self.mtp is not None:
+            experts = 0.0
+            if self.mtp.routed_experts and target.moe is not None:
+                experts = target.moe.experts * target.moe.expert_params_m * 1e6
+            return self.mtp.dense_params_m * 1e6 + experts
+        return 0.0
+
+    def resident_bytes(self, target: Target) -> float:
+        weight_bytes = self.draft.weight_bytes if self.draft is not None else target.weight_bytes
+        return self.resident_params(target) * weight_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        if self.draft is not None:
+            return self.draft.kv_bytes_per_token
+        return self.mtp.kv_bytes_per_token if self.mtp is not None else 0.0
 
 
 @dataclass(frozen=True)
@@ -237,10 +348,31 @@ class Profile:
     noise: Noise = field(default_factory=Noise)
     server: ServerDefaults = field(default_factory=ServerDefaults)
     description: str = ""
+    methods: dict[str, Method] = field(default_factory=dict)  # draft methods besides `draft`
 
     def __post_init__(self) -> None:
         if not self.datasets:
             raise ValueError("a profile needs at least one dataset under 'datasets'")
+        for name, method in self.methods.items():
+            if name == DEFAULT_METHOD:
+                raise FieldError(f"methods.{name}", (
+                    f"{DEFAULT_METHOD} is the profile's own draft head: describe it with the "
+                    "top-level draft and each dataset's acceptance"))
+            missing = [d for d in self.datasets if d not in method.acceptance]
+            unknown = [d for d in method.acceptance if d not in self.datasets]
+            if missing:
+                raise FieldError(f"methods.{name}.acceptance", (
+                    f"{name} gives no acceptance for dataset(s) {', '.join(missing)}: a "
+                    "method's acceptance must cover every dataset of the profile"))
+            if unknown:
+                raise FieldError(f"methods.{name}.acceptance.{unknown[0]}", (
+                    f"no such dataset{closest(unknown[0], self.datasets)}; the profile's "
+                    f"datasets: {', '.join(self.datasets)}"))
+            if method.drafter == "mtp" and method.mtp is not None and (
+                    method.mtp.routed_experts and self.target.moe is None):
+                raise FieldError(f"methods.{name}.mtp.routed_experts", (
+                    "the target has no moe section for an MoE MTP layer to route to; set "
+                    "routed_experts: false and count its MLP in dense_params_m"))
 
     @property
     def tp(self) -> int:
@@ -255,11 +387,32 @@ class Profile:
                 f"it knows: {', '.join(self.datasets)}"
             ) from None
 
+    @property
+    def method_names(self) -> list[str]:
+        """The draft methods this profile can predict: its own draft head first."""
+        return [DEFAULT_METHOD, *self.methods]
+
+    def method(self, name: str | None = None) -> Method:
+        """A draft method by name; None or DEFAULT_METHOD: the profile's own draft head."""
+        if name is None or name == DEFAULT_METHOD:
+            return Method("head", {d: data.acceptance for d, data in self.datasets.items()},
+                          draft=self.draft)
+        try:
+            return self.methods[name]
+        except KeyError:
+            raise TreetuneError(
+                f"profile '{self.name}' has no draft method '{name}'"
+                f"{closest(name, self.method_names)}: it describes "
+                f"{', '.join(self.method_names)}; add a methods.{name} section (its draft cost "
+                "and its acceptance per dataset) to serve or predict it") from None
+
     def replace(self, **changes: Any) -> Profile:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         data = _plain(dataclasses.asdict(self))
+        if not data.get("methods"):
+            data.pop("methods", None)  # profiles of one draft head stay as they were
         return {"name": data.pop("name"), "description": data.pop("description"), **data}
 
     def save(self, path: str | Path) -> None:

@@ -136,8 +136,9 @@ class WorldModel(PerfModel):
     """The truth of a world with effects: the model's cost and acceptance, then the
     effects the model cannot express."""
 
-    def __init__(self, profile: Profile, effects: Effects, tp: int | None = None) -> None:
-        super().__init__(profile, tp)
+    def __init__(self, profile: Profile, effects: Effects, tp: int | None = None,
+                 method: str | None = None) -> None:
+        super().__init__(profile, tp, method)
         self.effects = effects
 
     def _target_extra(self, tokens: float, verify_s: float) -> float:
@@ -165,13 +166,14 @@ class World:
     replay_path: Path | None = None
     own_model: bool = False  # a plain profile: the search's own model is the truth
 
-    def model(self, tp: int | None = None) -> PerfModel:
-        """The truth, for one tensor-parallel size."""
+    def model(self, tp: int | None = None, method: str | None = None) -> PerfModel:
+        """The truth, for one tensor-parallel size and draft method (default: the
+        profile's own draft head)."""
         if self.replay_path is not None:
             from treetune.worlds.replay import ReplayModel
 
-            return ReplayModel(self.profile, self.replay_path, tp)
-        return WorldModel(self.profile, self.effects, tp)
+            return ReplayModel(self.profile, self.replay_path, tp, method)
+        return WorldModel(self.profile, self.effects, tp, method)
 
 
 def shipped_worlds() -> list[str]:

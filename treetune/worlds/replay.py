@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from treetune.config import BASELINE, ServerConfig, TreeConfig
-from treetune.errors import ConfigFileError
-from treetune.perfmodel import PerfModel, Profile
+from treetune.errors import ConfigFileError, TreetuneError
+from treetune.perfmodel import DEFAULT_METHOD, PerfModel, Profile
 from treetune.perfmodel.cost import RoundTime
 from treetune.yamlio import load_yaml
 
@@ -95,8 +95,14 @@ class ReplayModel(PerfModel):
     """Measured cells as the truth; the profile supplies only what the table cannot
     (prefill costs, memory, the datasets' request shapes)."""
 
-    def __init__(self, profile: Profile, path: Path, tp: int | None = None) -> None:
-        super().__init__(profile, tp)
+    def __init__(self, profile: Profile, path: Path, tp: int | None = None,
+                 method: str | None = None) -> None:
+        super().__init__(profile, tp, method)
+        if self.method_name != DEFAULT_METHOD:
+            # The table holds one server's cells; nothing says which draft it ran but the
+            # profile's own.
+            raise TreetuneError(f"replayed measurements ({path.name}) are of the profile's "
+                                f"own draft head ({DEFAULT_METHOD}), not {self.method_name}")
         self.path = path
         cells = load_cells(path)
         self.baseline: dict[tuple[int, str], float] = {}
