@@ -122,6 +122,9 @@ def search_methods(spec: StudySpec, store: StudyStore, space: SearchSpace,
                 raise  # the study's own method: as for a study of one method
             chosen = FALLBACK
             fallbacks.append(f"{name} by {FALLBACK} ({exc})")
+        else:
+            if prior is None and context.prior is not None:  # `auto` went without a model
+                fallbacks.append(f"{name} without a model: {why_not}")
         parts[tag] = MethodPart(name, chosen, strategies.make(chosen, own))
     searched = ", ".join(f"{p.name} ({p.strategy_name})" for p in parts.values())
     note = f"draft methods {searched}: one search each, taking turns"
