@@ -289,7 +289,9 @@ def search(study: Path | None = None, **options: Any) -> None:
 
     spec = load_study(study, option_overrides(
         {option.key: options[option.param] for option in search_options()}))
-    out.print(f"study [bold]{spec.name}[/bold]: {spec.model} + {spec.draft}, batch "
+    drafts = (f"draft methods {', '.join(spec.method_names)}" if spec.methods
+              else spec.draft)
+    out.print(f"study [bold]{spec.name}[/bold]: {spec.model} + {drafts}, batch "
               f"{', '.join(map(str, spec.batch))}, datasets {', '.join(spec.dataset_names)}, "
               f"backend {spec.backend.describe()}, storage {spec.storage_url}")
     if not is_loopback(spec.host):
@@ -388,7 +390,7 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
             per = speedups(result, outcome.baseline, b, spec.dataset_names)
             cells += [f"[red]{s:.3f}[/red]" if s < 1 else f"{s:.3f}" for s in per.values()]
         tag = " *" if config in spec.compare else ""
-        table.add_row(config.label() + tag, *cells)
+        table.add_row(spec.config_label(config) + tag, *cells)
     out.print(table)
     # escape: rich would take "[interval]" for a markup tag and print nothing of it.
     rec_table = Table(title="recommendations", caption=escape(
@@ -396,7 +398,7 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
         "recommended only when every lower bound clears 1 - tolerance"))
     for col in ("workload", "batch", "tree S,K,N", "measured speedups [interval]"):
         rec_table.add_column(escape(col))
-    for row in summary_rows(recs):
+    for row in summary_rows(recs, methods=len(spec.method_names) > 1):
         rec_table.add_row(*row)
     out.print(rec_table)
     if advice:

@@ -7,10 +7,14 @@ canonicalizes or reserves memory for a tree lives here.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Final
 
 from treetune.errors import InvalidTreeError
+
+# A draft method's name as configs and storage keys carry it (SGLang's algorithm names).
+METHOD_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 
 
 @dataclass(frozen=True, order=True)
@@ -20,16 +24,25 @@ class TreeConfig:
     Instances are always valid and canonical: SGLang-equivalent configs compare equal.
     Use `TreeConfig.of(...)` to canonicalize user input; the constructor refuses
     non-canonical triples so that nothing downstream can hold one by accident.
+
+    `method` is the draft method (SGLang's --speculative-algorithm) when a study searches
+    several: empty for the study's own `algorithm`, so that a study of one method keeps
+    its keys and labels; another method's name ("NEXTN") otherwise. Which names exist and
+    which trees each takes is SGLang's business (backends/sglang.py).
     """
 
     steps: int
     topk: int
     draft_tokens: int
+    method: str = ""
 
     def __post_init__(self) -> None:
         problem = tree_problem(self.steps, self.topk, self.draft_tokens)
         if problem:
             raise InvalidTreeError(problem)
+        if self.method and not METHOD_NAME.fullmatch(self.method):
+            raise InvalidTreeError(f"draft method '{self.method}' must be an algorithm name "
+                                   "in capitals, e.g. NEXTN")
         if self.topk == 1 and self.draft_tokens != self.steps + 1:
             raise InvalidTreeError(
                 f"({self.steps}, 1, {self.draft_tokens}) is not canonical: with topk 1 SGLang "
@@ -37,7 +50,7 @@ class TreeConfig:
             )
 
     @classmethod
-    def of(cls, steps: int, topk: int, draft_tokens: int) -> TreeConfig:
+    def of(cls, steps: int, topk: int, draft_tokens: int, method: str = "") -> TreeConfig:
         """Validate a triple as SGLang would and return its canonical form."""
         problem = tree_problem(steps, topk, draft_tokens)
         if problem:
@@ -45,18 +58,24 @@ class TreeConfig:
         if topk == 1:
             # A chain: SGLang overrides draft_tokens with steps + 1 whatever was asked.
             draft_tokens = steps + 1
-        return cls(steps, topk, draft_tokens)
+        return cls(steps, topk, draft_tokens, method)
 
     @classmethod
     def parse(cls, text: str) -> TreeConfig:
-        """Parse 'S,K,N' (as typed on a command line)."""
-        parts = [p.strip() for p in text.replace("x", ",").split(",")]
+        """Parse 'S,K,N' (as typed on a command line), or 'METHOD:S,K,N' for a tree of
+        another draft method of the study ('NEXTN:3,1,4')."""
+        method, colon, knobs = text.strip().rpartition(":")
+        if colon and not METHOD_NAME.fullmatch(method.strip()):
+            raise InvalidTreeError(f"tree '{text}': '{method}' before the colon must be a "
+                                   "draft method in capitals, e.g. NEXTN:3,1,4")
+        parts = [p.strip() for p in knobs.replace("x", ",").split(",")]
         if len(parts) != 3 or not all(p.lstrip("-").isdigit() for p in parts):
             raise InvalidTreeError(
                 f"tree '{text}' must be three integers steps,topk,draft_tokens, e.g. 3,4,8"
+                " (or METHOD:S,K,N, e.g. NEXTN:3,1,4)"
             )
         steps, topk, draft_tokens = (int(p) for p in parts)
-        return cls.of(steps, topk, draft_tokens)
+        return cls.of(steps, topk, draft_tokens, method.strip())
 
     @property
     def is_chain(self) -> bool:
@@ -78,7 +97,8 @@ class TreeConfig:
         return self.steps + 1
 
     def label(self) -> str:
-        return f"({self.steps},{self.topk},{self.draft_tokens})"
+        tree = f"({self.steps},{self.topk},{self.draft_tokens})"
+        return f"{self.method} {tree}" if self.method else tree
 
     def __str__(self) -> str:
         return self.label()

@@ -52,11 +52,13 @@ class CellResult:
 
 
 def config_key(config: ServerConfig) -> str:
-    """A stable text key: 'baseline' or 'S,K,N'."""
+    """A stable text key: 'baseline' or 'S,K,N' ('METHOD:S,K,N' for a tree of another
+    draft method than the study's own, see TreeConfig.method)."""
     if config is BASELINE:
         return "baseline"
     assert isinstance(config, TreeConfig)
-    return f"{config.steps},{config.topk},{config.draft_tokens}"
+    method = f"{config.method}:" if config.method else ""
+    return f"{method}{config.steps},{config.topk},{config.draft_tokens}"
 
 
 def config_from_key(key: str) -> ServerConfig:

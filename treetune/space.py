@@ -7,29 +7,37 @@ A space file is YAML:
     draft_tokens: {min: 2, max: 64}
     draft_tokens_rule: sglang        # or steps_times_topk_plus_one (bench_speculative.py)
 
+NGRAM has no steps knob: its space gives draft_tokens and `breadth` (SGLang's
+--speculative-ngram-max-bfs-breadth) instead of steps and topk, and holds the trees
+(N-1, K, N) that name an NGRAM server (backends/sglang.py, `ngram_tree`).
+
 Enumeration yields each valid canonical TreeConfig once, however many raw triples map to it.
 The baseline is not part of a space: every study measures it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from treetune.backends.sglang import NGRAM, method_tree_problem
 from treetune.config import TreeConfig, tree_problem
 from treetune.errors import ConfigFileError, TreetuneError
 from treetune.yamlio import build, closest, load_yaml
 
 RULES = ("sglang", "steps_times_topk_plus_one")
+NGRAM_RULE = "ngram"  # an NGRAM space's: steps is draft_tokens - 1 (no steps knob)
 
 
 @dataclass(frozen=True)
 class _SpaceFile:
-    steps: Any
-    topk: Any
     draft_tokens: Any
+    steps: Any = None  # required, unless the space is NGRAM's (breadth)
+    topk: Any = None
+    breadth: Any = None  # NGRAM's --speculative-ngram-max-bfs-breadth, instead of steps, topk
     draft_tokens_rule: str = "sglang"
     # Keys older space files hold, kept known so that load_space answers them with a
     # reason instead of ignoring them: `flags` is refused, `include_baseline: true` only
@@ -47,6 +55,18 @@ class SearchSpace:
     draft_tokens: tuple[int, ...]
     draft_tokens_rule: str = "sglang"
     description: str = ""
+    # The draft method its configs carry (TreeConfig.method; "": the study's own).
+    method: str = ""
+
+    @property
+    def is_ngram(self) -> bool:
+        """An NGRAM space: draft tokens and breadth, no steps knob."""
+        return self.draft_tokens_rule == NGRAM_RULE
+
+    def for_method(self, method: str) -> SearchSpace:
+        """The same space, its configs those of draft method `method` ("": the study's
+        own)."""
+        return dataclasses.replace(self, method=method)
 
     def allows(self, steps: int, topk: int, draft_tokens: int) -> bool:
         return self.problem(steps, topk, draft_tokens) is None
@@ -59,12 +79,14 @@ class SearchSpace:
                 draft_tokens > steps * topk + 1):
             problem = (f"draft_tokens {draft_tokens} is above steps*topk+1 = "
                        f"{steps * topk + 1} (draft_tokens_rule steps_times_topk_plus_one)")
+        if problem is None and self.is_ngram:
+            problem = method_tree_problem(NGRAM, TreeConfig.of(steps, topk, draft_tokens))
         return problem
 
     def configs(self) -> list[TreeConfig]:
         """Every valid canonical tree in the space, sorted, each once."""
         found = {
-            TreeConfig.of(s, k, n)
+            TreeConfig.of(s, k, n, self.method)
             for s, k, n in itertools.product(self.steps, self.topk, self.draft_tokens)
             if self.allows(s, k, n)
         }
@@ -107,14 +129,33 @@ def load_space(name_or_path: str | Path) -> SearchSpace:
             path, f"must be one of {', '.join(RULES)}, got '{raw.draft_tokens_rule}'",
             "draft_tokens_rule",
         )
+    draft_tokens = _knob(raw.draft_tokens, path, "draft_tokens", minimum=2)
+    if raw.breadth is not None:
+        return _ngram_space(raw, data, path, draft_tokens)
+    for key in ("steps", "topk"):
+        if getattr(raw, key) is None:
+            raise ConfigFileError(path, "missing required key (or give breadth instead of "
+                                  "steps and topk for an NGRAM space)", key)
     steps = _knob(raw.steps, path, "steps", minimum=1)
     topk = _knob(raw.topk, path, "topk", minimum=1)
-    draft_tokens = _knob(raw.draft_tokens, path, "draft_tokens", minimum=2)
     space = SearchSpace(path.stem, steps, topk, draft_tokens, raw.draft_tokens_rule,
                         raw.description)
     if not space.configs():
         raise ConfigFileError(path, _impossible(space), "draft_tokens")
     return space
+
+
+def _ngram_space(raw: _SpaceFile, data: dict[str, Any], path: Path,
+                 draft_tokens: tuple[int, ...]) -> SearchSpace:
+    """NGRAM's space: every verify size with every breadth, as (N-1, K, N) trees."""
+    for key in ("steps", "topk", "draft_tokens_rule"):
+        if key in data:
+            raise ConfigFileError(path, f"an NGRAM space (breadth) has no {key}: NGRAM "
+                                  "drafts from a suffix trie, shaped by draft_tokens and "
+                                  "breadth only", key)
+    breadth = _knob(raw.breadth, path, "breadth", minimum=1)
+    return SearchSpace(path.stem, tuple(n - 1 for n in draft_tokens), breadth, draft_tokens,
+                       NGRAM_RULE, raw.description)
 
 
 def _impossible(space: SearchSpace) -> str:

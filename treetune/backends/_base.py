@@ -8,6 +8,7 @@ for production. The study never asks which backend it holds.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
@@ -60,6 +61,9 @@ class LaunchSpec:
     model_path: str
     draft_model_path: str | None = None
     algorithm: str = "EAGLE3"
+    # The study's other draft methods, each with its draft model (None: it needs none): a
+    # config whose `method` names one is launched as that algorithm (`for_method`).
+    methods: tuple[tuple[str, str | None], ...] = ()
     engine_version: str = ""  # the engine release the flags target ("" = the backend's default)
     tp: int = 1
     host: str = "127.0.0.1"
@@ -70,6 +74,19 @@ class LaunchSpec:
     mem_fraction_static: float | None = None
     enable_metrics: bool = True
     extra_flags: tuple[tuple[str, str | None], ...] = field(default_factory=tuple)
+
+    def for_method(self, method: str) -> LaunchSpec:
+        """The launch of a config of draft method `method` (a TreeConfig's; "": the
+        study's own algorithm): that algorithm with its own draft model."""
+        if not method or method == self.algorithm:
+            return self
+        drafts = dict(self.methods)
+        if method not in drafts:
+            listed = ", ".join([self.algorithm, *drafts])
+            raise TreetuneError(f"draft method {method} is not one of this launch's "
+                                f"methods ({listed}): list it in the study's methods")
+        return dataclasses.replace(self, algorithm=method, draft_model_path=drafts[method],
+                                   methods=())
 
 
 @dataclass(frozen=True)

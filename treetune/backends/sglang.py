@@ -204,10 +204,11 @@ def check_algorithm(algorithm: str, draft: str | None) -> None:
 
 def speculative_args(config: ServerConfig, spec: LaunchSpec) -> list[str]:
     """The speculative flags: all three knobs together (NGRAM: its verify size and
-    breadth), or none for the baseline."""
+    breadth), or none for the baseline; the config's own draft method and its draft."""
     if config is BASELINE:
         return []
     assert isinstance(config, TreeConfig)
+    spec = spec.for_method(config.method)  # a tree of another draft method of the study
     check_algorithm(spec.algorithm, spec.draft_model_path)
     problem = method_tree_problem(spec.algorithm, config)
     if problem is not None:

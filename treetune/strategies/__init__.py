@@ -15,7 +15,8 @@ from treetune.strategies._base import (
     resolve,
 )
 from treetune.strategies._trials import BatchStudies
+from treetune.strategies.methods import MethodPart, MethodsStrategy
 
-__all__ = ["AUTO", "STRATEGIES", "BatchStudies", "Estimates", "Proposal", "SearchContext",
-           "Strategy", "gp", "grid", "make", "model", "names", "random", "register", "resolve",
-           "tpe"]
+__all__ = ["AUTO", "STRATEGIES", "BatchStudies", "Estimates", "MethodPart", "MethodsStrategy",
+           "Proposal", "SearchContext", "Strategy", "gp", "grid", "make", "model", "names",
+           "random", "register", "resolve", "tpe"]

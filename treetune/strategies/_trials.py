@@ -39,6 +39,8 @@ def knob_distributions(space: SearchSpace) -> dict[str, BaseDistribution]:
         contiguous = values == tuple(range(values[0], values[-1] + 1))
         return IntDistribution(values[0], values[-1]) if contiguous else \
             CategoricalDistribution(values)
+    if space.is_ngram:  # no steps knob: topk is the breadth, steps follows draft_tokens
+        return {"topk": dist(space.topk), "draft_tokens": dist(space.draft_tokens)}
     return {"steps": dist(space.steps), "topk": dist(space.topk),
             "draft_tokens": dist(space.draft_tokens)}
 
@@ -47,10 +49,10 @@ def nearest_config(space: SearchSpace, steps: int, topk: int, draft_tokens: int)
     """The space's canonical config closest to a raw triple (SGLang would refuse or
     rewrite an out-of-range draft_tokens; the search never launches such a server)."""
     if space.allows(steps, topk, draft_tokens):
-        return TreeConfig.of(steps, topk, draft_tokens)
+        return TreeConfig.of(steps, topk, draft_tokens, space.method)
     capped = min(draft_tokens, candidate_pool_size(steps, topk) + 1)
     if space.allows(steps, topk, capped):
-        return TreeConfig.of(steps, topk, capped)
+        return TreeConfig.of(steps, topk, capped, space.method)
     return min(space.configs(), key=lambda c: (abs(c.steps - steps) + abs(c.topk - topk)
                                                + abs(c.draft_tokens - draft_tokens) / 8))
 
@@ -85,7 +87,9 @@ class BatchStudies:
 
     def ask(self, batch: int) -> tuple[optuna.trial.Trial, dict[str, int]]:
         trial = self.store.batch_studies[batch].ask(self.distributions)
-        return trial, {k: int(trial.params[k]) for k in ("steps", "topk", "draft_tokens")}
+        raw = {k: int(v) for k, v in trial.params.items()}
+        raw.setdefault("steps", raw["draft_tokens"] - 1)  # an NGRAM space's trees
+        return trial, {k: raw[k] for k in ("steps", "topk", "draft_tokens")}
 
     def park(self, key: str, waiting: Waiting) -> None:
         """A trial that asked for a config already launched or under way: answered from
@@ -103,7 +107,7 @@ class BatchStudies:
         self.parked.setdefault(key, []).extend(trials)
         told = {batch for batch, _, _ in self.parked[key]}
         assert isinstance(result.config, TreeConfig)
-        params = params_of(result.config)
+        params = {k: v for k, v in params_of(result.config).items() if k in self.distributions}
         # A compared tree may lie outside the space's ranges: it is measured and can be
         # recommended, but the samplers' distributions cannot hold it.
         representable = all(holds(self.distributions[k], v) for k, v in params.items())

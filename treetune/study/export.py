@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from treetune.backends import Deployment, shell_line
-from treetune.config import BASELINE, ServerConfig
+from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.study.recommend import MIXED, Recommendation, pools_advice
 from treetune.study.spec import StudySpec
 from treetune.yamlio import dump_yaml
@@ -22,6 +22,15 @@ POOLS_FILE = "POOLS.md"
 SERVER_PORT_BASE = 30000  # pool i serves on 30000 + i
 ROUTER_PORT_BASE = 31000  # its router on 31000 + i
 ROUTER_METRICS_PORT_BASE = 29000  # the router's Prometheus port defaults to 29000: one each
+
+
+def server(rec: Recommendation) -> str:
+    """What a recommendation runs, in words: 'EAGLE3 tree (3,1,4)' or 'no speculation'."""
+    if rec.config is BASELINE:
+        return "no speculation"
+    tree = (dataclasses.replace(rec.config, method="")
+            if isinstance(rec.config, TreeConfig) else rec.config)
+    return f"{rec.method} tree {tree}" if rec.method else f"tree {tree}"
 
 
 def config_name(rec: Recommendation) -> str:
@@ -52,7 +61,7 @@ def launch_script(spec: StudySpec, rec: Recommendation) -> str:
         argv += ["--api-key", f"${{{spec.api_key_env}}}"]
     lines = ["#!/bin/sh",
              f"# treetune study '{spec.name}': {rec.workload} workload at batch {rec.batch}",
-             f"# tree {rec.config}; measured speedups [interval]: "
+             f"# {server(rec)}; measured speedups [interval]: "
              + ", ".join(rec.speedup_labels()),
              f"# {rec.reason}"]
     lines += [f"export {k}={shell_line([v])}" for k, v in sorted(spec.env.items())]
@@ -74,7 +83,7 @@ def config_file(spec: StudySpec, rec: Recommendation) -> str | None:
     lines = [f"# server config ({found.config_note}): "
              f"{shell_line([*found.config_command, config_name(rec)])}",
              f"# treetune study '{spec.name}': {rec.workload} workload at batch {rec.batch}, "
-             + ("no speculation" if rec.config is BASELINE else f"tree {rec.config}")]
+             + server(rec)]
     if spec.env:
         lines.append("# environment: " + " ".join(f"{k}={shell_line([v])}"
                                                   for k, v in sorted(spec.env.items())))

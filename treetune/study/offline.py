@@ -5,12 +5,14 @@ the server is replaced. For benchmarking search strategies over many seeds in mi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import optuna
 
+from treetune.backends.sglang import profile_method
 from treetune.config import ServerConfig, TreeConfig
 from treetune.perfmodel import PerfModel, check_memory
 from treetune.perfmodel.noise import lognormal_factor
@@ -28,10 +30,26 @@ class Noise:
     accept_cv: float = 0.01  # of a cell's measured accept length
 
 
+def method_truth(truth: PerfModel, config: ServerConfig) -> PerfModel:
+    """The truth of a config's draft method: `truth` for the study's own, the profile's
+    entry for another method's tree (TreeConfig.method)."""
+    if not isinstance(config, TreeConfig) or not config.method:
+        return truth
+    return _method_model(truth, config.method)
+
+
+@functools.lru_cache(maxsize=32)
+def _method_model(truth: PerfModel, method: str) -> PerfModel:
+    return PerfModel(truth.profile, truth.cost.tp, method=profile_method(method))
+
+
 def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
                     rng: np.random.Generator, noise: Noise) -> LaunchResult:
-    """What a launch of `config` would measure, drawn from the truth with noise."""
-    if not check_memory(truth.profile, config, max(spec.batch), tp=truth.cost.tp).fits:
+    """What a launch of `config` would measure, drawn from the truth with noise (the
+    truth of its draft method, see `method_truth`)."""
+    truth = method_truth(truth, config)
+    if not check_memory(truth.profile, config, max(spec.batch), tp=truth.cost.tp,
+                        method=truth.method).fits:
         return LaunchResult(config, reason="RuntimeError: Not enough memory (emulated)",
                             exit_code=1)
     launch = lognormal_factor(noise.launch_cv, rng)
@@ -80,4 +98,4 @@ def run_offline(spec: StudySpec, truth: PerfModel, seed: int, launches: int,
     return planner
 
 
-__all__ = ["Noise", "run_offline", "simulate_launch"]
+__all__ = ["Noise", "method_truth", "run_offline", "simulate_launch"]

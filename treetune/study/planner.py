@@ -40,6 +40,7 @@ from treetune.study.evidence import (
     relative_variance,
     study_noise,
 )
+from treetune.study.methods import search_methods
 from treetune.study.recommend import Recommendation, recommend
 from treetune.study.spec import StudySpec
 from treetune.study.storage import StudyStore
@@ -112,6 +113,10 @@ class Planner:
         self.note = (f"strategy {self.strategy_name}: no performance-model prior ({why_not})"
                      if prior is None and why_not and spec.search.strategy == strategies.AUTO
                      else "")
+        if spec.methods:  # several draft methods: one search each, taking turns
+            search = search_methods(spec, store, space, context)
+            self.studies, self.strategy = search.studies, search.strategy  # type: ignore[assignment]
+            self.strategy_name, self.note = search.strategy_name, search.note
 
     # ---- state ------------------------------------------------------------------------
     @property

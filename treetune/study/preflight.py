@@ -12,6 +12,7 @@ from pathlib import Path
 
 from treetune.datasets import load_datasets
 from treetune.errors import TreetuneError
+from treetune.study.methods import method_spaces
 from treetune.study.spec import StudySpec
 
 RAY_CONNECT_TIMEOUT_S = 5.0
@@ -21,8 +22,10 @@ UNCHECKED_ADDRESSES = ("auto", "local")  # Ray resolves these itself
 
 def check_study(spec: StudySpec) -> None:
     """Everything about `spec` that can be refused before Ray starts: its datasets load,
-    the cluster address answers, and the backend's own checks pass."""
+    each draft method's search space loads and fits the method, the cluster address
+    answers, and the backend's own checks pass."""
     load_datasets(spec.datasets, Path(spec.base_dir))
+    method_spaces(spec)
     if spec.ray_address:
         check_ray_address(spec.ray_address, RAY_CONNECT_TIMEOUT_S)
     spec.backend.check(spec.dataset_names, {**os.environ, **spec.env},

@@ -24,6 +24,7 @@ class Recommendation:
     speedups: dict[str, float]  # measured, per dataset of the workload
     reason: str
     intervals: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    method: str | None = None  # the draft method (SGLang algorithm) it runs; None: none
 
     @property
     def mean_speedup(self) -> float:
@@ -42,6 +43,7 @@ class Recommendation:
             "steps": tree.steps if tree else None,
             "topk": tree.topk if tree else None,
             "draft_tokens": tree.draft_tokens if tree else None,
+            "method": self.method,
             "speedups": {k: round(v, 4) for k, v in self.speedups.items()},
             "intervals": {k: [round(lo, 4), round(hi, 4)]
                           for k, (lo, hi) in self.intervals.items()},
@@ -50,12 +52,18 @@ class Recommendation:
         }
 
     @classmethod
-    def from_record(cls, record: dict[str, Any]) -> Recommendation:
-        """Back from `record()` (as stored with the study)."""
+    def from_record(cls, record: dict[str, Any], algorithm: str | None = None
+                    ) -> Recommendation:
+        """Back from `record()` (as stored with the study); `algorithm`: the study's own
+        method, whose trees carry none (None: every record is of the study's own)."""
         knobs = (record["steps"], record["topk"], record["draft_tokens"])
-        config = BASELINE if knobs[0] is None else config_from_key(",".join(map(str, knobs)))
+        method = record.get("method")
+        tag = f"{method}:" if method and algorithm is not None and method != algorithm else ""
+        config = (BASELINE if knobs[0] is None
+                  else config_from_key(tag + ",".join(map(str, knobs))))
         return cls(record["workload"], record["batch"], config, dict(record["speedups"]),
-                   record["reason"], {k: (lo, hi) for k, (lo, hi) in record["intervals"].items()})
+                   record["reason"], {k: (lo, hi) for k, (lo, hi) in record["intervals"].items()},
+                   method)
 
     def speedup_labels(self) -> list[str]:
         """'dataset 1.234 [1.201, 1.268]' per dataset."""
@@ -99,7 +107,8 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
                          "confirmed by a second)" if once else ""))
             out.append(Recommendation(
                 workload, batch, chosen.config, per, reason,
-                {d: (i.low, i.high) for d, i in chosen.intervals.items()}))
+                {d: (i.low, i.high) for d, i in chosen.intervals.items()},
+                spec.method_of(chosen.config)))
     return out
 
 
@@ -129,7 +138,15 @@ def pools_advice(recs: list[Recommendation]) -> str | None:
             "same draft head and these launch flags, and route traffic by concurrency")
 
 
-def summary_rows(recs: list[Recommendation]) -> list[tuple[str, str, str, str]]:
-    return [(r.workload, str(r.batch), "no speculation" if r.config is BASELINE
-             else config_key(r.config),
-             ", ".join(r.speedup_labels())) for r in recs]
+def summary_rows(recs: list[Recommendation], methods: bool = False
+                 ) -> list[tuple[str, str, str, str]]:
+    """workload, batch, tree and speedups per recommendation; `methods`: the tree as
+    'METHOD S,K,N' (a study of several draft methods)."""
+    def tree(r: Recommendation) -> str:
+        if r.config is BASELINE:
+            return "no speculation"
+        if methods and isinstance(r.config, TreeConfig):
+            return f"{r.method} {config_key(dataclasses.replace(r.config, method=''))}"
+        return config_key(r.config)
+
+    return [(r.workload, str(r.batch), tree(r), ", ".join(r.speedup_labels())) for r in recs]

@@ -22,11 +22,20 @@ from typing import Any
 
 from treetune.backends import BACKENDS, Backend, LaunchSpec, backend_class
 from treetune.backends._base import parse_version
-from treetune.backends.sglang import ALGORITHMS, DEFAULT_SGLANG_VERSION, SGLangBackend
-from treetune.config import TreeConfig
+from treetune.backends.sglang import (
+    ALGORITHMS,
+    DEFAULT_SGLANG_VERSION,
+    KNOWN_ALGORITHMS,
+    NGRAM,
+    SGLangBackend,
+    method_tree_problem,
+    needs_draft_model,
+)
+from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.datasets import DatasetSpec
 from treetune.errors import ConfigFileError, FieldError, InvalidTreeError, TreetuneError
-from treetune.yamlio import build, dump_yaml, load_yaml
+from treetune.results import config_key
+from treetune.yamlio import build, closest, dump_yaml, load_yaml
 
 SPEC_COPY = "study.yaml"  # the resolved spec, saved in the output folder for readers
 
@@ -114,6 +123,33 @@ class Search:
 
 
 @dataclass(frozen=True)
+class DraftMethod:
+    """A draft method a study searches (SGLang's --speculative-algorithm), with its own
+    draft model where it needs one that is not the study's `draft` (a STANDALONE small
+    model beside an EAGLE3 head), and its own search space (default: NGRAM's `ngram`,
+    the study's `space` for the others)."""
+
+    name: str
+    draft: str | None = None
+    space: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in KNOWN_ALGORITHMS:
+            raise FieldError("name", f"draft method '{self.name}'"
+                             f"{closest(self.name, KNOWN_ALGORITHMS)} is not one of "
+                             f"{', '.join(KNOWN_ALGORITHMS)}")
+        if self.draft is not None and not needs_draft_model(self.name):
+            raise FieldError("draft", f"{self.name} runs no draft model (NEXTN drafts with "
+                             "the target's own MTP layer, NGRAM from a suffix trie): remove "
+                             "its draft")
+
+    def entry(self) -> str | dict[str, str]:
+        """As a study file lists it: the name alone, or a mapping with what it adds."""
+        extra = {k: v for k, v in (("draft", self.draft), ("space", self.space)) if v}
+        return {"name": self.name, **extra} if extra else self.name
+
+
+@dataclass(frozen=True)
 class StudySpec:
     # Every field may be left out of a study file (the command line may give it); a file's
     # `name: null` means the default name, and `model: null` a model from the command line.
@@ -129,7 +165,15 @@ class StudySpec:
     draft: str | None = field(default=None, metadata=meta("--draft",
                                                           "Draft head path or name."))
     algorithm: str = field(default="EAGLE3", metadata=meta(
-        "--algorithm", "EAGLE3 (default), EAGLE, NEXTN."))
+        "--algorithm", "EAGLE3 (default), EAGLE, NEXTN, STANDALONE; with --methods, the "
+        "first of them unless given."))
+    # Several draft methods searched side by side (names, or mappings {name, draft, space}
+    # in a file); empty: `algorithm` alone. The baseline is shared; recommendations name
+    # the method; a tree of another method than `algorithm` carries it (TreeConfig.method).
+    methods: tuple[DraftMethod, ...] = field(default=(), metadata=meta(
+        "--methods", "Draft methods to search, e.g. --methods EAGLE3 NEXTN (NGRAM needs no "
+        "draft model; a STANDALONE model beside a draft head needs its own, in the study "
+        "file: {name: STANDALONE, draft: PATH}).", file_type=list[Any]))
     sglang_version: str = field(default=DEFAULT_SGLANG_VERSION, metadata=meta(
         "--sglang-version", f"SGLang version the launch flags target (default "
         f"{DEFAULT_SGLANG_VERSION})."))
@@ -181,10 +225,7 @@ class StudySpec:
             raise FieldError("tp", f"tp must be >= 1, got {self.tp}")
         if not 0 <= self.tolerance < 1:
             raise FieldError("tolerance", f"tolerance must be in [0, 1), got {self.tolerance}")
-        if self.algorithm not in ALGORITHMS:
-            raise FieldError("algorithm", f"algorithm must be one of {', '.join(ALGORITHMS)}")
-        if self.draft is None and self.algorithm != "NEXTN":
-            raise FieldError("draft", f"{self.algorithm} needs a draft model: set draft")
+        self._check_methods()
         if self.workers is not None and self.workers < 1:
             raise FieldError("workers", "workers must be >= 1")
         parse_version(self.sglang_version)
@@ -198,6 +239,74 @@ class StudySpec:
         for flag in self.server_flags:
             if not flag.startswith("--"):
                 raise FieldError("server_flags", f"server_flags: '{flag}' must start with '--'")
+
+    def _check_methods(self) -> None:
+        """The algorithm, the draft methods and their drafts, and the compared trees'
+        methods; compared trees of `algorithm` are stored without a method."""
+        names = self.method_names
+        if not self.methods and self.algorithm not in ALGORITHMS:
+            ngram = (f" ({NGRAM} has its own search space: list it in methods)"
+                     if self.algorithm == NGRAM else "")
+            raise FieldError("algorithm", f"algorithm must be one of {', '.join(ALGORITHMS)}"
+                             + ngram)
+        if len(set(names)) != len(names):
+            raise FieldError("methods", f"methods are listed twice: {list(names)}")
+        if self.algorithm not in names:
+            raise FieldError("algorithm", f"algorithm {self.algorithm} is not one of the "
+                             f"methods ({', '.join(names)}): list it there, or leave "
+                             "algorithm out (it is then the first method)")
+        drafts: dict[str, str] = {}
+        for name in names:
+            draft = self.method_draft(name)
+            if draft is None and needs_draft_model(name):
+                if name == self.algorithm:
+                    raise FieldError("draft", f"{name} needs a draft model: set draft")
+                raise FieldError("methods", f"{name} needs a draft model: set draft, or list "
+                                 f"it as {{name: {name}, draft: PATH}}")
+            if draft is not None and draft in drafts.values():
+                other = next(n for n, d in drafts.items() if d == draft)
+                raise FieldError("methods", f"{name} and {other} both run the draft model "
+                                 f"{draft}: give {name} its own, as {{name: {name}, draft: "
+                                 "PATH}")
+            if draft is not None:
+                drafts[name] = draft
+        compare = []
+        for i, tree in enumerate(self.compare):
+            method = "" if tree.method == self.algorithm else tree.method
+            if method and method not in names:
+                raise FieldError("compare", f"compare[{i}]: {tree} is a tree of {method}, "
+                                 f"which is not one of the study's methods "
+                                 f"({', '.join(names)})")
+            problem = method_tree_problem(method or self.algorithm, tree)
+            if problem is not None:
+                raise FieldError("compare", f"compare[{i}]: {problem}")
+            compare.append(dataclasses.replace(tree, method=method))
+        object.__setattr__(self, "compare", tuple(compare))
+
+    @property
+    def method_names(self) -> tuple[str, ...]:
+        """The draft methods the study searches, `algorithm` (its own) among them."""
+        return tuple(m.name for m in self.methods) or (self.algorithm,)
+
+    def method_draft(self, name: str) -> str | None:
+        """The draft model a method runs: its own, else the study's draft (None for a
+        method that needs none)."""
+        if not needs_draft_model(name):
+            return None
+        own = next((m.draft for m in self.methods if m.name == name), None)
+        return own or self.draft
+
+    def method_of(self, config: ServerConfig) -> str | None:
+        """The algorithm a server runs (None: no speculation)."""
+        if config is BASELINE:
+            return None
+        return (config.method if isinstance(config, TreeConfig) else "") or self.algorithm
+
+    def config_label(self, config: ServerConfig) -> str:
+        """A config as tables show it: with its method when the study has several."""
+        if len(self.method_names) > 1 and isinstance(config, TreeConfig) and not config.method:
+            return f"{self.algorithm} {config.label()}"
+        return config.label()
 
     @property
     def output_dir(self) -> Path:
@@ -223,8 +332,11 @@ class StudySpec:
         mem_fraction = flags.pop("--mem-fraction-static", None)
         return LaunchSpec(
             model_path=self.model,
-            draft_model_path=self.draft,
+            # With methods, each runs its own draft (NEXTN none, though `draft` is set).
+            draft_model_path=self.method_draft(self.algorithm) if self.methods else self.draft,
             algorithm=self.algorithm,
+            methods=tuple((name, self.method_draft(name)) for name in self.method_names
+                          if name != self.algorithm),
             engine_version=self.sglang_version,
             tp=self.tp,
             host=host or self.host,
@@ -249,6 +361,8 @@ class StudySpec:
             "backend": {k: v for k, v in self.backend_dict().items() if v is not None},
             "measurement": dataclasses.asdict(self.measurement),
         }
+        if self.method_names != (self.algorithm,):  # a study of one method: as before
+            relevant["methods"] = {n: self.method_draft(n) for n in self.method_names}
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
     def backend_dict(self) -> dict[str, Any]:
@@ -270,7 +384,9 @@ class StudySpec:
         data["output"] = str(self.output_dir.resolve())
         data["backend"] = self.backend_dict()
         data["batch"] = list(self.batch)
-        data["compare"] = [[c.steps, c.topk, c.draft_tokens] for c in self.compare]
+        data["compare"] = [config_key(c) if c.method else [c.steps, c.topk, c.draft_tokens]
+                           for c in self.compare]
+        data["methods"] = [m.entry() for m in self.methods]
         data.pop("base_dir")
         return data
 
@@ -459,6 +575,10 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
                                for i, d in enumerate(merged.get("datasets", ())))
     merged["batch"] = tuple(merged.get("batch", ()))
     merged["compare"] = tuple(_tree(t, where, i) for i, t in enumerate(merged.get("compare", ())))
+    merged["methods"] = tuple(_method(m, where, i, base if path is not None else None)
+                              for i, m in enumerate(merged.get("methods", ())))
+    if merged["methods"] and "algorithm" not in merged:
+        merged["algorithm"] = merged["methods"][0].name  # the first method is the study's own
     merged["server_flags"] = {str(k): None if v is None else str(v)
                               for k, v in merged.get("server_flags", {}).items()}
     merged["env"] = {str(k): str(v) for k, v in merged.get("env", {}).items()}
@@ -495,6 +615,25 @@ def _dataset(value: Any, where: Path | str, index: int) -> DatasetSpec:
     return build(DatasetSpec, value, where, f"datasets[{index}]")
 
 
+def _method(value: Any, where: Path | str, index: int, base: Path | None) -> DraftMethod:
+    """A `methods` entry: a name, or a mapping {name, draft, space}; a space file named
+    in a study file is found next to it, as the study's space is."""
+    if isinstance(value, DraftMethod):
+        return value
+    key = f"methods[{index}]"
+    if isinstance(value, str):
+        try:
+            return DraftMethod(value)
+        except FieldError as exc:
+            raise ConfigFileError(where, str(exc), key) from None
+    method = build(DraftMethod, value, where, key)
+    space = Path(method.space or "")
+    if base is not None and not space.is_absolute() and space.suffix in (".yaml", ".yml") \
+            and (base / space).is_file():
+        method = dataclasses.replace(method, space=str((base / space).resolve()))
+    return method
+
+
 def _tree(value: Any, where: Path | str, index: int) -> TreeConfig:
     if isinstance(value, TreeConfig):
         return value
@@ -505,5 +644,6 @@ def _tree(value: Any, where: Path | str, index: int) -> TreeConfig:
             return TreeConfig.of(*value)
     except (InvalidTreeError, TypeError) as exc:
         raise ConfigFileError(where, str(exc), f"compare[{index}]") from None
-    raise ConfigFileError(where, "expected [steps, topk, draft_tokens] or 'S,K,N'",
+    raise ConfigFileError(where, "expected [steps, topk, draft_tokens], 'S,K,N' or, for "
+                          "another draft method of the study, 'METHOD:S,K,N'",
                           f"compare[{index}]")

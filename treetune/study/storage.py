@@ -11,6 +11,7 @@ optuna-dashboard opens the storage as it is; rerunning a study resumes from it.
 
 from __future__ import annotations
 
+import copy
 import json
 import sqlite3
 import tempfile
@@ -127,6 +128,26 @@ class StudyStore:
                 sampler=(sampler_factory or default_sampler)(spec.seed + b))
             for b in spec.batch
         }
+        # Each other draft method of the study searches its own trees in its own per-batch
+        # studies (`<name>:batch-<B>:<METHOD>`): TPE must not learn one method's speed from
+        # another's launches of the same tree.
+        self.method_studies = {
+            method: {b: optuna.create_study(
+                study_name=f"{spec.name}:batch-{b}:{method}", storage=self.storage,
+                direction="maximize", load_if_exists=True,
+                sampler=(sampler_factory or default_sampler)(spec.seed + b))
+                for b in spec.batch}
+            for method in spec.method_names if method != spec.algorithm
+        }
+
+    def for_method(self, method: str) -> StudyStore:
+        """This store with the per-batch studies of draft method `method` (a
+        TreeConfig's; "": the study's own algorithm)."""
+        if not method:
+            return self
+        view = copy.copy(self)
+        view.batch_studies = self.method_studies[method]
+        return view
 
     # ---- launches ---------------------------------------------------------------------
     def results(self) -> list[LaunchResult]:
@@ -137,7 +158,8 @@ class StudyStore:
         """Launches (and proposals) left RUNNING by a search that died: failed without a
         result, so they are redone. Returns how many launches were stale."""
         count = 0
-        for study in (self.launches, *self.batch_studies.values()):
+        method_studies = (s for per in self.method_studies.values() for s in per.values())
+        for study in (self.launches, *self.batch_studies.values(), *method_studies):
             for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
                 self.storage.set_trial_user_attr(trial._trial_id, "reason", STALE_REASON)
                 self.storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
@@ -238,7 +260,8 @@ def read_study(spec: StudySpec) -> StoredStudy:
     results = _launch_results(launches)
     attrs = launches.user_attrs
     stored = attrs.get(RECOMMENDATIONS_ATTR)
-    recs = [Recommendation.from_record(r) for r in stored] if stored is not None else None
+    recs = ([Recommendation.from_record(r, spec.algorithm) for r in stored]
+            if stored is not None else None)
     return StoredStudy(results, recs, attrs.get(STRATEGY_ATTR, ""))
 
 

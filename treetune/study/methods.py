@@ -1,0 +1,147 @@
+"""A study of several draft methods (`methods:`): each method's search space, prior,
+per-batch Optuna studies and strategy, for the planner to search side by side.
+
+The study's own `algorithm` keeps today's configs, keys and Optuna studies; another
+method's trees carry its name (TreeConfig.method, keys 'NEXTN:3,1,4') and have their own
+per-batch studies. Tree methods (EAGLE3, EAGLE, NEXTN, STANDALONE) search the study's
+`space`, NGRAM its own (draft tokens and breadth), unless a method names another. The
+model search needs the prior to describe the method (a profile's `methods` entry); a
+method it does not describe is searched by TPE instead, and the planner says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from treetune import strategies
+from treetune.backends.sglang import NGRAM, profile_method
+from treetune.config import TreeConfig
+from treetune.errors import TreetuneError
+from treetune.perfmodel import Profile
+from treetune.perfmodel.prior import method_prior
+from treetune.results import LaunchResult
+from treetune.space import SearchSpace, load_space
+from treetune.strategies import BatchStudies, MethodPart, MethodsStrategy, SearchContext
+from treetune.strategies._trials import Waiting
+from treetune.study.spec import StudySpec
+from treetune.study.storage import StudyStore
+
+NGRAM_SPACE = "ngram"  # search_spaces/ngram.yaml
+FALLBACK = "tpe"  # for a method the study's strategy cannot search
+
+
+def method_tag(spec: StudySpec, name: str) -> str:
+    """What a config of this method carries as TreeConfig.method ("": the study's own)."""
+    return "" if name == spec.algorithm else name
+
+
+def method_spaces(spec: StudySpec, study_space: SearchSpace | None = None
+                  ) -> dict[str, SearchSpace]:
+    """Each method's space by its tag, its configs carrying it: the method's own space,
+    else NGRAM's `ngram` and the study's `space` for the others. Refuses a tree space
+    for NGRAM and an NGRAM space for the others, naming the method."""
+    out = {}
+    for method in spec.methods or ():
+        source = method.space or (NGRAM_SPACE if method.name == NGRAM else spec.space)
+        space = (study_space if study_space is not None and source == spec.space
+                 else load_space(source))
+        if space.is_ngram != (method.name == NGRAM):
+            wanted = ("an NGRAM space (draft_tokens and breadth)" if method.name == NGRAM
+                      else "a tree space (steps, topk and draft_tokens)")
+            raise TreetuneError(f"methods: {method.name} searches {wanted}, but space "
+                                f"'{source}' is not one; name another as {{name: "
+                                f"{method.name}, space: SPACE}}")
+        out[method_tag(spec, method.name)] = space.for_method(method_tag(spec, method.name))
+    return out
+
+
+def prior_of(prior: Profile | None, why_not: str, name: str) -> tuple[Profile | None, str]:
+    """The model search's prior for one method, or None and why."""
+    if prior is None:
+        return None, why_not
+    try:
+        return method_prior(prior, profile_method(name)), ""
+    except TreetuneError:
+        return None, (f"the prior describes no {name} draft method (its methods: "
+                      f"{', '.join(prior.method_names)})")
+
+
+class MethodStudies:
+    """The per-batch studies of every method, each launch told to its method's."""
+
+    def __init__(self, parts: dict[str, BatchStudies]) -> None:
+        self.parts = parts
+
+    def record(self, trials: list[Waiting], result: LaunchResult,
+               baseline: LaunchResult) -> None:
+        assert isinstance(result.config, TreeConfig)
+        self.parts[result.config.method].record(trials, result, baseline)
+
+    def abandon(self, trials: list[Waiting], reason: str) -> None:
+        for batch, trial, raw in trials:
+            name = trial.study.study_name
+            owner = next(p for p in self.parts.values()
+                         if p.store.batch_studies[batch].study_name == name)
+            owner.abandon([(batch, trial, raw)], reason)
+
+    def abandon_all(self, reason: str) -> None:
+        for part in self.parts.values():
+            part.abandon_all(reason)
+
+
+@dataclass(frozen=True)
+class MethodSearch:
+    studies: MethodStudies
+    strategy: MethodsStrategy
+    strategy_name: str  # the study's own method's (a registered name)
+    note: str  # which strategy searches which method, and why one fell back
+
+
+def search_methods(spec: StudySpec, store: StudyStore, space: SearchSpace,
+                   context: SearchContext) -> MethodSearch:
+    """One strategy per method of `spec` (the study's strategy, or TPE for a method it
+    cannot search), over `context` narrowed to that method: its space, its per-batch
+    studies, its prior and only its trees' results."""
+    spaces = method_spaces(spec, space)
+    parts: dict[str, MethodPart] = {}
+    studies: dict[str, BatchStudies] = {}
+    fallbacks = []
+    for name in spec.method_names:
+        tag = method_tag(spec, name)
+        studies[tag] = BatchStudies(store.for_method(tag), spaces[tag])
+        prior, why_not = prior_of(context.prior, context.prior_why_not, name)
+        own = dataclasses.replace(context, space=spaces[tag], studies=studies[tag],
+                                  evidence=_own_evidence(context, tag), prior=prior,
+                                  prior_why_not=why_not)
+        try:
+            chosen = strategies.resolve(spec.search.strategy, own)
+        except TreetuneError as exc:
+            if not tag:
+                raise  # the study's own method: as for a study of one method
+            chosen = FALLBACK
+            fallbacks.append(f"{name} by {FALLBACK} ({exc})")
+        else:
+            if prior is None and context.prior is not None:  # `auto` went without a model
+                fallbacks.append(f"{name} without a model: {why_not}")
+        parts[tag] = MethodPart(name, chosen, strategies.make(chosen, own))
+    searched = ", ".join(f"{p.name} ({p.strategy_name})" for p in parts.values())
+    note = f"draft methods {searched}: one search each, taking turns"
+    if fallbacks:
+        note += "; " + "; ".join(fallbacks)
+    return MethodSearch(MethodStudies(studies), MethodsStrategy(parts), parts[""].strategy_name,
+                        note)
+
+
+def _own_evidence(context: SearchContext, tag: str
+                  ) -> Callable[[], tuple[list[LaunchResult], LaunchResult | None]]:
+    """`context.evidence` with only the results of one method's trees."""
+    evidence = context.evidence
+
+    def own() -> tuple[list[LaunchResult], LaunchResult | None]:
+        results, baseline = evidence()
+        return [r for r in results
+                if isinstance(r.config, TreeConfig) and r.config.method == tag], baseline
+
+    return own
