@@ -22,7 +22,7 @@ Per world and strategy:
   dataset) that hold the true speedup; they are meant as about 95% intervals.
 
     .venv/bin/python benchmarks/search_efficiency.py [--worlds all | NAME_OR_FILE ...]
-        [--batch 1 32] [--seeds 20] [--quick] [--json] [--output FILE.md]
+        [--batch 1 32] [--seeds 20] [--first-seed 0] [--quick] [--json] [--output FILE.md]
         [--strategies model tpe grid random gp]  (gp: with treetune[gp] installed)
 """
 
@@ -225,6 +225,8 @@ def main() -> None:
                         "(default): every shipped profile (the search's own model) and world")
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 32])
     parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="seeds are first-seed .. first-seed + seeds - 1")
     parser.add_argument("--budget", type=int, default=20, help="launches for the regret")
     parser.add_argument("--max-launches", type=int, default=30,
                         help="launches each study may use to reach the target")
@@ -248,7 +250,8 @@ def main() -> None:
             "replay" if world.replay_path else "misspecified")
     batches = tuple(sorted(set(args.batch)))
     jobs = [Job(w, s, seed, args.max_launches, args.budget, args.noise, batches)
-            for w in names for s in args.strategies for seed in range(args.seeds)]
+            for w in names for s in args.strategies
+            for seed in range(args.first_seed, args.first_seed + args.seeds)]
     started = time.monotonic()
     rows = []
     with ProcessPoolExecutor(max_workers=args.processes) as pool:
