@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import optuna
 
-from treetune.config import ServerConfig, TreeConfig
+from treetune.backends.sglang_adaptive import Schedule, graph_batch_sizes, settled_steps
+from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.perfmodel import PerfModel, check_memory
 from treetune.perfmodel.noise import lognormal_factor
 from treetune.results import CellResult, LaunchResult
@@ -28,10 +29,31 @@ class Noise:
     accept_cv: float = 0.01  # of a cell's measured accept length
 
 
+def chain(steps: int) -> ServerConfig:
+    """The static server an adaptive slot runs at `steps`: a chain, or no drafting."""
+    return TreeConfig.of(steps, 1, steps + 1) if steps else BASELINE
+
+
+def adaptive_throughput(truth: PerfModel, config: AdaptiveConfig, batch: int, dataset: str,
+                        max_batch: int) -> tuple[float, float]:
+    """Throughput and accept length of an adaptive server in steady state at `batch`, as
+    the emulator serves it: the batch routed through the CUDA-graph sizes to its slot,
+    whose controller is fed the truth's mean accepted drafts of the chain it runs; the
+    chains it settles on (or cycles through) timed and accepted as static chains."""
+    schedule = Schedule(config.to_json(), config.initial_steps, graph_batch_sizes(max_batch))
+    steps = settled_steps(schedule, batch,
+                          lambda s: truth.accept_length(chain(s), dataset) - 1)
+    tokens = sum(truth.accept_length(chain(s), dataset) for s in steps)
+    seconds = sum(truth.round_time(chain(s), batch, dataset).total_s for s in steps)
+    return batch * tokens / seconds, tokens / len(steps)
+
+
 def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
                     rng: np.random.Generator, noise: Noise) -> LaunchResult:
     """What a launch of `config` would measure, drawn from the truth with noise."""
-    if not check_memory(truth.profile, config, max(spec.batch), tp=truth.cost.tp).fits:
+    # SGLang sizes an adaptive server for its longest candidate chain.
+    sized = config.longest if isinstance(config, AdaptiveConfig) else config
+    if not check_memory(truth.profile, sized, max(spec.batch), tp=truth.cost.tp).fits:
         return LaunchResult(config, reason="RuntimeError: Not enough memory (emulated)",
                             exit_code=1)
     launch = lognormal_factor(noise.launch_cv, rng)
@@ -39,13 +61,19 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
     cells = []
     for batch in spec.batch:
         for dataset in spec.dataset_names:
-            tput = truth.throughput(config, batch, dataset) * launch
+            accept = None
+            if isinstance(config, AdaptiveConfig):
+                tput, accept = adaptive_throughput(truth, config, batch, dataset,
+                                                   max(spec.batch))
+            else:
+                tput = truth.throughput(config, batch, dataset)
+                if isinstance(config, TreeConfig):
+                    accept = truth.accept_length(config, dataset)
+            tput *= launch
             windows = tuple(tput * lognormal_factor(noise.measurement_cv, rng)
                             for _ in range(repeats))
-            accept = None
-            if isinstance(config, TreeConfig):
-                accept = truth.accept_length(config, dataset) * lognormal_factor(
-                    noise.accept_cv, rng)
+            if accept is not None:
+                accept *= lognormal_factor(noise.accept_cv, rng)
             cells.append(CellResult(dataset, batch, float(np.mean(windows)), accept,
                                     requests=batch, output_tokens=0, duration_s=0.0,
                                     ttft=None, tpot=None, repeats=windows))
@@ -80,4 +108,4 @@ def run_offline(spec: StudySpec, truth: PerfModel, seed: int, launches: int,
     return planner
 
 
-__all__ = ["Noise", "run_offline", "simulate_launch"]
+__all__ = ["Noise", "adaptive_throughput", "run_offline", "simulate_launch"]

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Coroutine
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from treetune.backends import BackendFacts, LaunchContext, gather_facts, server_facts
-from treetune.config import ServerConfig
+from treetune.config import AdaptiveConfig, ServerConfig
 from treetune.results import LaunchResult, config_from_key, config_key
 from treetune.study.spec import StudySpec
 
@@ -24,13 +26,16 @@ START_LOG_LINES = 2000  # enough of a server's log to hold its whole start-up
 
 def launch_command(spec: StudySpec, config: ServerConfig, flags: tuple[tuple[str, str], ...],
                    port: int, attempt: int = 0, api_key: str | None = None,
-                   launch_index: int = 0) -> list[str]:
+                   launch_index: int = 0, adaptive_config_path: str | None = None
+                   ) -> list[str]:
     """The server command of the study's backend for one launch attempt (`launch_index`:
-    how many launches of this config came before)."""
+    how many launches of this config came before; `adaptive_config_path`: an adaptive
+    server's JSON config file, already written)."""
     launch = spec.launch_spec(port=port)
     if api_key:
         flags = (*flags, ("--api-key", api_key))
-    launch = dataclasses.replace(launch, extra_flags=(*launch.extra_flags, *flags))
+    launch = dataclasses.replace(launch, extra_flags=(*launch.extra_flags, *flags),
+                                 adaptive_config_path=adaptive_config_path)
     # Every cell sends at least `batch` requests: a crash fault is drawn within that.
     context = LaunchContext(study_seed=spec.seed, attempt=attempt, launch_index=launch_index,
                             min_requests=sum(spec.batch) * len(spec.datasets))
@@ -39,8 +44,10 @@ def launch_command(spec: StudySpec, config: ServerConfig, flags: tuple[tuple[str
 
 def log_name(key: str, launch_index: int = 0, attempt: int = 0) -> str:
     """One log per server: `3-4-8.log`, a re-measurement `3-4-8.launch2.log`, a crashed
-    launch's replacement server `3-4-8-1.log` (or `3-4-8.launch2-1.log`)."""
-    name = key.replace(",", "-") + (f".launch{launch_index + 1}" if launch_index else "")
+    launch's replacement server `3-4-8-1.log` (or `3-4-8.launch2-1.log`). An adaptive
+    config's key keeps its digits: `adaptive_1_1.2_32_2.log`."""
+    name = re.sub(r"[^A-Za-z0-9.-]+", "_", key.replace(",", "-"))
+    name += f".launch{launch_index + 1}" if launch_index else ""
     return f"{name}{'-' + str(attempt) if attempt else ''}.log"
 
 
@@ -92,10 +99,15 @@ class LaunchWorker:
         log_path = self.logs / log_name(key, launch_index, attempt)
         env = {**os.environ, **self.spec.env}
         api_key = self.api_key()
+        adaptive = None
+        if isinstance(config, AdaptiveConfig):  # the server reads it on this node
+            path = log_path.with_suffix(".adaptive.json")
+            path.write_text(json.dumps(config.to_json(), indent=1) + "\n")
+            adaptive = str(path.resolve())
         try:
             server = start_server(
                 lambda port: launch_command(self.spec, config, result.flags, port, attempt,
-                                            api_key, launch_index),
+                                            api_key, launch_index, adaptive),
                 log_path=log_path, env=env, host=self.spec.host,
                 timeout_s=self.spec.measurement.startup_timeout_s,
                 secrets=(api_key,) if api_key else (), health=self.spec.backend.api.health)
