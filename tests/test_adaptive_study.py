@@ -8,14 +8,17 @@ from pathlib import Path
 
 import pytest
 from studykit import server_processes, small_study, wait_until
+from synthetic import BASE, DATASETS, launch
 
 from treetune.backends import LaunchSpec
 from treetune.backends import sglang_adaptive as sglang_adaptive
 from treetune.backends.sglang import sglang_command
-from treetune.config import AdaptiveConfig, AdaptiveSlot
+from treetune.config import AdaptiveConfig, AdaptiveSlot, chain
 from treetune.emulator.args import build_parser, parse
 from treetune.errors import InvalidTreeError, TreetuneError
 from treetune.results import config_from_key, config_key
+from treetune.study.evidence import StudyNoise
+from treetune.study.schedule import slot_keys, tune
 
 SGLANG_MODULE = Path(__file__).resolve().parents[1] / "treetune" / "backends" / "sglang.py"
 TUNED = AdaptiveConfig((AdaptiveSlot(1, (1, 2)), AdaptiveSlot(6, (2,)),
@@ -76,7 +79,7 @@ def test_slots_hold_a_sorted_non_empty_list_of_non_negative_steps(batch, steps):
 
 # ---- its launch flags --------------------------------------------------------------------
 
-def launch(path: str | None) -> LaunchSpec:
+def launch_spec(path: str | None) -> LaunchSpec:
     return LaunchSpec("org/target", "org/draft", adaptive_config_path=path, port=31234)
 
 
@@ -84,7 +87,7 @@ def launch(path: str | None) -> LaunchSpec:
 def test_the_launch_command_parses_with_sglangs_flags_as_an_adaptive_server(config, tmp_path):
     path = tmp_path / "a.json"
     path.write_text(json.dumps(config.to_json()))
-    argv = sglang_command(config, launch(str(path)))
+    argv = sglang_command(config, launch_spec(str(path)))
     assert argv[:3] == ["python", "-m", "sglang.launch_server"]
     # The emulator's parser mirrors SGLang 0.5.23's flags and its adaptive checks.
     settings = parse(["--profile", "qwen3-coder-next-h200", *argv[3:]])
@@ -103,7 +106,7 @@ def test_the_launch_command_parses_with_sglangs_flags_as_an_adaptive_server(conf
 
 def test_an_adaptive_launch_without_its_config_file_is_refused():
     with pytest.raises(TreetuneError, match="JSON config file"):
-        sglang_command(TUNED, launch(None))
+        sglang_command(TUNED, launch_spec(None))
 
 
 # ---- a launch worker ---------------------------------------------------------------------
@@ -124,3 +127,70 @@ def test_a_launch_worker_writes_the_json_next_to_the_log_and_its_server_runs_ada
     assert [p.name for p in written] == ["adaptive_1_1.2_6_2_16_0.1-down_-0.25.adaptive.json"]
     assert AdaptiveConfig.from_json(json.loads(written[0].read_text())) == TUNED
     assert wait_until(lambda: not server_processes(str(tmp_path)), 5)
+
+
+# ---- tuning from measured chains ---------------------------------------------------------
+
+def chains(per_steps: dict[int, dict[int, tuple[float, float]]]) -> list:
+    """Measured chains: {steps: {batch: (sharegpt tok/s, humaneval tok/s)}} over
+    synthetic.BASE (100 tok/s per dataset at batch 1, 1000 at batch 32)."""
+    return [launch(chain(s), {b: dict(zip(DATASETS, tput, strict=True))
+                              for b, tput in rows.items()})
+            for s, rows in per_steps.items()]
+
+
+def tuned(results, estimates=None, launch_cv=0.01):
+    return tune([1, 32], DATASETS, 0.0, results, BASE, StudyNoise(launch_cv), estimates)
+
+
+# Batch 1: chain 2 is best; chain 1 within the noise of it (1.31 vs 1.325); chain 3 too,
+# but longer; chain 5 well below. Batch 32: every chain regresses humaneval.
+MEASURED = {1: {1: (129, 133), 32: (1100, 990)}, 2: {1: (130, 135), 32: (1150, 980)},
+            3: {1: (128, 132), 32: (1200, 950)}, 5: {1: (110, 112), 32: (1100, 800)}}
+
+
+def test_a_slot_holds_the_best_chain_and_the_shorter_ones_within_its_noise():
+    tuning = tuned(chains(MEASURED))
+    one, _ = tuning.slots
+    assert (one.batch, one.key, one.best, one.steps) == (1, 1, 2, (1, 2))
+    assert 3 not in one.steps, "a longer chain would let the controller climb past the best"
+    assert one.estimated == () and not tuning.estimated
+
+
+def test_a_batch_size_where_no_chain_is_surely_feasible_gets_no_drafting():
+    _, many = tuned(chains(MEASURED)).slots
+    assert (many.batch, many.key, many.best, many.steps) == (32, 6, 0, (0,))
+    config = tuned(chains(MEASURED)).config
+    assert config is not None and config.to_json()["6"]["candidate_steps"] == [0]
+    assert config_key(config) == "adaptive:1=1.2|6=0"
+
+
+def test_without_noise_only_the_best_chain_is_a_candidate():
+    one, _ = tuned(chains(MEASURED), launch_cv=0.0).slots
+    assert one.steps == (2,)
+
+
+def test_nothing_to_draft_anywhere_derives_no_config():
+    regressing = {s: {1: (95, 99), 32: (1000, 900)} for s in (1, 2)}
+    tuning = tuned(chains(regressing))
+    assert [slot.steps for slot in tuning.slots] == [(0,), (0,)] and tuning.config is None
+
+
+def test_an_unmeasured_chain_enters_from_the_models_estimates_flagged_as_such():
+    import math
+
+    measured = {s: rows for s, rows in MEASURED.items() if s != 2}
+    estimates = {(chain(2), b, d): (math.log(speedup), 0.01 ** 2)
+                 for b, speedup in ((1, 1.33), (32, 0.9)) for d in DATASETS}
+    tuning = tuned(chains(measured), estimates)
+    one, many = tuning.slots
+    assert (one.best, one.steps, one.estimated) == (2, (1, 2), (2,))
+    assert tuning.estimated and "2 from model estimates" in tuning.describe()
+    assert many.steps == (0,), "the model's estimate of a regression keeps it out"
+    without = tuned(chains(measured))
+    assert without.slots[0].steps == (1,), "no model: only measured chains"
+
+
+def test_slots_are_keyed_halfway_between_the_study_batch_sizes():
+    assert slot_keys([32, 1]) == [1, 6]
+    assert slot_keys([1, 8, 32]) == [1, 3, 16]

@@ -259,6 +259,12 @@ class AdaptiveConfig:
 ServerConfig = TreeConfig | Baseline | AdaptiveConfig
 
 
+def chain(steps: int) -> TreeConfig | Baseline:
+    """The static server an adaptive server runs at `steps`: the chain (S, 1, S+1), or
+    no drafting at 0."""
+    return TreeConfig.of(steps, 1, steps + 1) if steps else BASELINE
+
+
 def candidate_pool_size(steps: int, topk: int) -> int:
     return topk + (steps - 1) * topk * topk
 

@@ -12,7 +12,7 @@ import numpy as np
 import optuna
 
 from treetune.backends.sglang_adaptive import Schedule, graph_batch_sizes, settled_steps
-from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
+from treetune.config import AdaptiveConfig, ServerConfig, TreeConfig, chain
 from treetune.perfmodel import PerfModel, check_memory
 from treetune.perfmodel.noise import lognormal_factor
 from treetune.results import CellResult, LaunchResult
@@ -27,11 +27,6 @@ class Noise:
     launch_cv: float = 0.03  # per launch, common to all its cells
     measurement_cv: float = 0.03  # per sub-window of a cell
     accept_cv: float = 0.01  # of a cell's measured accept length
-
-
-def chain(steps: int) -> ServerConfig:
-    """The static server an adaptive slot runs at `steps`: a chain, or no drafting."""
-    return TreeConfig.of(steps, 1, steps + 1) if steps else BASELINE
 
 
 def adaptive_throughput(truth: PerfModel, config: AdaptiveConfig, batch: int, dataset: str,
