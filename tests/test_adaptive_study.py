@@ -3,6 +3,7 @@ JSON and launch flags as SGLang 0.5.23 takes them, and a launch worker running i
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from synthetic import BASE, DATASETS, launch
 from treetune.backends import LaunchSpec
 from treetune.backends import sglang_adaptive as sglang_adaptive
 from treetune.backends.sglang import sglang_command
-from treetune.config import AdaptiveConfig, AdaptiveSlot, chain
+from treetune.config import AdaptiveConfig, AdaptiveSlot, TreeConfig, chain
 from treetune.emulator.args import build_parser, parse
 from treetune.errors import InvalidTreeError, TreetuneError
 from treetune.results import config_from_key, config_key
@@ -194,3 +195,222 @@ def test_an_unmeasured_chain_enters_from_the_models_estimates_flagged_as_such():
 def test_slots_are_keyed_halfway_between_the_study_batch_sizes():
     assert slot_keys([32, 1]) == [1, 6]
     assert slot_keys([1, 8, 32]) == [1, 3, 16]
+
+
+# ---- the third kind of advice ------------------------------------------------------------
+
+def adaptive_launch(config: AdaptiveConfig, b1: tuple[float, float], b32: tuple[float, float]):
+    return launch(config, {1: dict(zip(DATASETS, b1, strict=True)),
+                           32: dict(zip(DATASETS, b32, strict=True))})
+
+
+# Away from 1 by more than the noise can explain: one launch each is enough (sure).
+POOL_1 = launch(TreeConfig(3, 4, 8), {1: {"sharegpt": 150, "humaneval": 170},
+                                      32: {"sharegpt": 1300, "humaneval": 890}})
+POOL_32 = launch(TreeConfig(2, 1, 3), {1: {"sharegpt": 120, "humaneval": 125},
+                                       32: {"sharegpt": 1300, "humaneval": 1250}})
+
+
+def noisy_spec(tmp_path, **over):
+    from synthetic import spec
+
+    return spec(tmp_path, search={"launch_cv": 0.01}, **over)
+
+
+def kinds(recs) -> dict[tuple[str, int], tuple[str, object]]:
+    return {(r.workload, r.batch): (r.kind, r.config) for r in recs}
+
+
+def test_an_adaptive_server_as_good_as_two_pools_within_the_noise_is_one_pool(tmp_path):
+    from treetune.study.recommend import (
+        Recommendation,
+        adaptive_advice,
+        advice,
+        pools_advice,
+        recommend,
+    )
+
+    # Slightly below each pool's tree on the means (1.59 vs 1.60, 1.265 vs 1.275): within
+    # the noise of one launch.
+    near = adaptive_launch(TUNED, (158, 160), (1290, 1240))
+    recs = recommend(noisy_spec(tmp_path), [BASE, POOL_1, POOL_32, near], BASE)
+    mixed = [r for r in recs if r.workload == "mixed"]
+    assert [(r.kind, r.config) for r in mixed] == [("adaptive", TUNED)] * 2
+    assert {r.script_name for r in mixed} == {"launch/mixed-adaptive.sh"}
+    assert "instead of two pools" in mixed[0].reason and "(3,4,8)" in mixed[0].reason
+    assert pools_advice(recs) is None and adaptive_advice(recs) is not None
+    assert advice(recs)[0] == "one pool, adaptive"
+    record = mixed[1].record()
+    assert (record["kind"], record["config"], record["steps"]) == (
+        "adaptive", config_key(TUNED), None)
+    back = Recommendation.from_record(record)
+    assert (back.kind, back.config, back.script_name) == ("adaptive", TUNED,
+                                                          mixed[1].script_name)
+
+
+def test_an_adaptive_server_slower_than_a_pool_beyond_the_noise_leaves_two_pools(tmp_path):
+    from treetune.study.recommend import advice, recommend
+
+    slow = adaptive_launch(TUNED, (158, 160), (1180, 1150))  # 1.165 vs 1.275 at batch 32
+    recs = recommend(noisy_spec(tmp_path), [BASE, POOL_1, POOL_32, slow], BASE)
+    assert {r.kind for r in recs if r.workload == "mixed"} == {"pools"}
+    assert advice(recs)[0] == "two pools"
+
+
+def test_an_adaptive_server_that_regresses_a_dataset_anywhere_is_never_chosen(tmp_path):
+    from treetune.study.recommend import recommend
+
+    regressing = adaptive_launch(TUNED, (170, 180), (1400, 960))  # humaneval 0.96 at 32
+    recs = recommend(noisy_spec(tmp_path), [BASE, POOL_1, POOL_32, regressing], BASE)
+    found = kinds(recs)
+    assert all(found[w, b][0] != "adaptive" for w in ("mixed", "humaneval") for b in (1, 32))
+    # A workload is judged on its own datasets: chat alone never regresses.
+    assert found["sharegpt", 32] == ("adaptive", TUNED)
+
+
+def test_where_one_tree_serves_every_batch_size_adaptive_must_also_win_on_the_means(
+        tmp_path):
+    from treetune.study.recommend import recommend
+
+    everywhere = [BASE, POOL_32]  # one tree best at both batch sizes
+    within = adaptive_launch(TUNED, (123, 126), (1290, 1240))  # a hair below at 32
+    recs = recommend(noisy_spec(tmp_path), [*everywhere, within], BASE)
+    assert {r.kind for r in recs if r.workload == "mixed"} == {"static"}
+    better = adaptive_launch(TUNED, (125, 128), (1310, 1260))
+    recs = recommend(noisy_spec(tmp_path), [*everywhere, better], BASE)
+    assert [r.kind for r in recs if r.workload == "mixed"] == ["adaptive"] * 2
+    assert "instead of one static tree" in recs[0].reason
+
+
+def test_a_slot_that_never_drafts_needs_only_to_be_not_surely_slower(tmp_path):
+    from treetune.study.recommend import recommend
+
+    plain_at_32 = AdaptiveConfig((AdaptiveSlot(1, (2, 3)), AdaptiveSlot(6, (0,))))
+    wide_only = [BASE, POOL_1]  # batch 1: the wide tree; batch 32: no speculation
+    # At batch 32 it decodes without drafting: 0.998 on one dataset is noise, not a
+    # regression it could be proven free of.
+    near_one = adaptive_launch(plain_at_32, (151, 171), (1002, 998))
+    recs = recommend(noisy_spec(tmp_path), [*wide_only, near_one], BASE)
+    assert [r.kind for r in recs if r.workload == "mixed"] == ["adaptive"] * 2
+    drafting = AdaptiveConfig((AdaptiveSlot(1, (2, 3)), AdaptiveSlot(6, (1,))))
+    recs = recommend(noisy_spec(tmp_path), [*wide_only, adaptive_launch(
+        drafting, (151, 171), (1002, 998))], BASE)
+    assert all(r.kind != "adaptive" for r in recs), "a drafting slot must be surely feasible"
+
+
+# ---- exports -----------------------------------------------------------------------------
+
+NEAR = adaptive_launch(TUNED, (158, 160), (1290, 1240))
+
+
+def exported(tmp_path, results=(BASE, POOL_1, POOL_32, NEAR), **over):
+    from treetune.study.export import write_outputs
+    from treetune.study.recommend import recommend
+
+    s = noisy_spec(tmp_path, sglang_version="0.5.23", **over)
+    write_outputs(s, recommend(s, list(results), BASE), s.output_dir)
+    return s.output_dir
+
+
+def run_script(tmp_path, script: Path) -> list[str]:
+    """The arguments a launch script passes to `python`, run from elsewhere."""
+    import subprocess
+
+    stub = tmp_path / "bin"
+    stub.mkdir(exist_ok=True)
+    (stub / "python").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    (stub / "python").chmod(0o755)
+    out = tmp_path / "args.txt"
+    subprocess.run(["sh", str(script)], env={"PATH": f"{stub}:/usr/bin:/bin",
+                                             "ARGS_OUT": str(out)},
+                   cwd=tmp_path, check=True, timeout=30)
+    return out.read_text().splitlines()
+
+
+def test_an_adaptive_pool_exports_one_script_whose_json_sits_next_to_it(tmp_path):
+    out = exported(tmp_path)
+    launch_dir = out / "launch"
+    assert (launch_dir / "mixed-adaptive.sh").is_file()
+    assert not (launch_dir / "mixed-batch1.sh").exists()
+    data = sglang_adaptive.load(launch_dir / "mixed.adaptive.json")  # SGLang's checks
+    assert AdaptiveConfig.from_json(data) == TUNED
+    args = run_script(tmp_path, launch_dir / "mixed-adaptive.sh")
+    assert args[:2] == ["-m", "sglang.launch_server"]
+    path = args[args.index("--speculative-adaptive-config") + 1]
+    assert Path(path).resolve() == (launch_dir / "mixed.adaptive.json").resolve()
+    settings = parse(["--profile", "qwen3-coder-next-h200", *args[2:]])
+    assert settings.adaptive is not None and settings.adaptive.steps == TUNED.initial_steps
+    assert settings.max_running_requests == 32 and settings.cuda_graph_max_bs == 32
+    header = (launch_dir / "mixed-adaptive.sh").read_text()
+    assert "batch 1: measured speedups" in header and "batch 32: measured speedups" in header
+
+
+def test_the_adaptive_pools_config_file_and_container_args_name_the_json_by_file_name(
+        tmp_path):
+    import yaml
+
+    out = exported(tmp_path)
+    config = yaml.safe_load((out / "launch" / "mixed-adaptive.config.yaml").read_text())
+    assert config["speculative-adaptive"] is True
+    assert config["speculative-adaptive-config"] == "mixed.adaptive.json"
+    assert config["speculative-num-steps"] == TUNED.initial_steps
+    args = json.loads((out / "launch" / "mixed-adaptive.args.json").read_text())
+    assert args[args.index("--speculative-adaptive-config") + 1] == "mixed.adaptive.json"
+
+
+def test_other_engines_get_the_equivalent_chain_schedules_by_their_own_rules(tmp_path):
+    from treetune.backends.chain_schedules import check_trtllm, check_vllm
+
+    out = exported(tmp_path)
+    vllm = json.loads((out / "launch" / "mixed.vllm-schedule.json").read_text())
+    check_vllm(vllm)
+    ranges = vllm["num_speculative_tokens_per_batch_size"]
+    # TUNED's slots 1:{1,2} 6:{2} 16:{0,1}: each slot's longest candidate, contiguous
+    # inclusive ranges from 1 to the largest batch size measured.
+    assert ranges == [[1, 5, 2], [6, 15, 2], [16, 32, 1]]
+    assert all(b[0] == a[1] + 1 for a, b in itertools.pairwise(ranges))
+    assert (vllm["method"], vllm["model"], vllm["num_speculative_tokens"]) == (
+        "eagle3", "org/draft", 2)
+    trtllm = json.loads((out / "launch" / "mixed.trtllm-schedule.json").read_text())
+    config = trtllm["speculative_config"]
+    check_trtllm(config)
+    assert config == {"decoding_type": "Eagle3", "max_draft_len": 2,
+                      "speculative_model": "org/draft",
+                      "draft_len_schedule": {"5": 2, "15": 2, "32": 1}}
+    readme = (out / "ADAPTIVE.md").read_text()
+    for name in ("launch/mixed-adaptive.sh", "launch/mixed.adaptive.json",
+                 "launch/mixed.vllm-schedule.json", "launch/mixed.trtllm-schedule.json"):
+        assert name in readme
+    assert "above batch 32" in readme
+
+
+def test_schedules_the_engines_would_refuse_are_refused_here():
+    from treetune.backends.chain_schedules import (
+        ChainSchedule,
+        ScheduleError,
+        check_vllm,
+        trtllm_schedule,
+    )
+
+    with pytest.raises(ScheduleError, match="start at 1"):
+        check_vllm({"num_speculative_tokens": 2,
+                    "num_speculative_tokens_per_batch_size": [[2, 8, 2]]})
+    with pytest.raises(ScheduleError, match="non-overlapping"):
+        check_vllm({"num_speculative_tokens": 2,
+                    "num_speculative_tokens_per_batch_size": [[1, 8, 2], [8, 9, 1]]})
+    # TensorRT-LLM's first range must draft the longest: later ones are capped, and said.
+    config, notes = trtllm_schedule(ChainSchedule(((1, 1), (6, 3)), 32), "EAGLE3", "d")
+    assert config["speculative_config"]["draft_len_schedule"] == {"5": 1, "32": 1}
+    assert any("capped at 1" in n for n in notes)
+    with pytest.raises(ScheduleError, match="does not draft"):
+        trtllm_schedule(ChainSchedule(((1, 0), (6, 3)), 32), "EAGLE3", "d")
+
+
+def test_a_rerun_without_the_adaptive_advice_removes_its_files(tmp_path):
+    out = exported(tmp_path)
+    assert (out / "ADAPTIVE.md").is_file()
+    exported(tmp_path, results=(BASE, POOL_1, POOL_32))
+    leftovers = [p.name for p in (out / "launch").iterdir() if "adaptive" in p.name
+                 or "schedule" in p.name]
+    assert leftovers == [] and not (out / "ADAPTIVE.md").exists()
+    assert (out / "POOLS.md").is_file()

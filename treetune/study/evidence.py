@@ -252,6 +252,11 @@ class Verdict:
         return self.feasible and (self.sure or self.launches >= self.needs_launches)
 
     @property
+    def possible(self) -> bool:
+        """Not surely slower on any dataset: every interval reaches the floor."""
+        return all(i.high >= self.floor for i in self.intervals.values())
+
+    @property
     def borderline(self) -> bool:
         """Plausible but not surely feasible: another launch could settle it."""
         return self.plausible and not self.feasible

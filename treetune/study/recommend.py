@@ -1,19 +1,59 @@
 """Recommendations: per batch size, the best feasible config for the mixed workload and for
-each dataset alone, with the evidence. `export` turns them into files."""
+each dataset alone, with the evidence. `export` turns them into files.
+
+Each workload's advice is of one of three kinds (`Recommendation.kind`):
+- static: one tree (or no speculation) is the best confirmed config at every batch size;
+- pools: batch sizes want different trees: one server pool per tree;
+- adaptive: one pool running SGLang's adaptive steps with a measured adaptive config. It is
+  chosen when that config is confirmed feasible at every batch size (every dataset's lower
+  bound clears the floor, on enough launches; where its slot never drafts, not surely
+  slower, since plain decoding cannot be proven faster) and at each batch size the upper
+  bound of its mean speedup reaches the static pick's mean speedup (as good within the
+  noise). Where one static tree would do, it must also be no worse on the means at any
+  batch size. Of several such configs, the best mean rank over the batch sizes.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.results import LaunchResult, config_from_key, config_key
-from treetune.study.evidence import Estimates, Verdict, best, judge, merge_all, study_noise
+from treetune.study.evidence import (
+    Estimates,
+    StudyNoise,
+    Verdict,
+    best,
+    judge,
+    merge_all,
+    study_noise,
+)
+from treetune.study.schedule import estimated_steps
 from treetune.study.spec import StudySpec
 
 MIXED = "mixed"
+
+
+class Advice(enum.StrEnum):
+    """The kind of a workload's advice (recommendations.json's `kind`)."""
+
+    STATIC = "static"  # one tree, or no speculation, at every batch size
+    POOLS = "pools"  # one server pool per tree, batch sizes wanting different trees
+    ADAPTIVE = "adaptive"  # one pool of SGLang's adaptive steps
+
+
+STATIC, POOLS, ADAPTIVE = Advice.STATIC, Advice.POOLS, Advice.ADAPTIVE
+
+
+def script_name(workload: str, batch: int, kind: Advice = STATIC) -> str:
+    """One launch script per batch size; one for an adaptive pool, which serves them all."""
+    if kind is ADAPTIVE:
+        return f"launch/{workload}-adaptive.sh"
+    return f"launch/{workload}-batch{batch}.sh"
 
 
 @dataclass(frozen=True)
@@ -24,6 +64,7 @@ class Recommendation:
     speedups: dict[str, float]  # measured, per dataset of the workload
     reason: str
     intervals: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    kind: Advice = STATIC  # the workload's advice
 
     @property
     def mean_speedup(self) -> float:
@@ -31,14 +72,20 @@ class Recommendation:
 
     @property
     def script_name(self) -> str:
-        return f"launch/{self.workload}-batch{self.batch}.sh"
+        return script_name(self.workload, self.batch, self.kind)
+
+    def label(self) -> str:
+        return "no speculation" if self.config is BASELINE else self.config.label()
 
     def record(self) -> dict[str, Any]:
-        """The stable JSON record of recommendations.json."""
+        """The stable JSON record of recommendations.json (steps, topk and draft_tokens
+        are null for no speculation and for an adaptive server: see `config`)."""
         tree = self.config if isinstance(self.config, TreeConfig) else None
         return {
             "workload": self.workload,
             "batch": self.batch,
+            "kind": str(self.kind),
+            "config": config_key(self.config),
             "steps": tree.steps if tree else None,
             "topk": tree.topk if tree else None,
             "draft_tokens": tree.draft_tokens if tree else None,
@@ -51,11 +98,14 @@ class Recommendation:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Recommendation:
-        """Back from `record()` (as stored with the study)."""
+        """Back from `record()` (as stored with the study, also before `config` was kept)."""
         knobs = (record["steps"], record["topk"], record["draft_tokens"])
-        config = BASELINE if knobs[0] is None else config_from_key(",".join(map(str, knobs)))
+        config = (config_from_key(record["config"]) if "config" in record
+                  else BASELINE if knobs[0] is None
+                  else config_from_key(",".join(map(str, knobs))))
         return cls(record["workload"], record["batch"], config, dict(record["speedups"]),
-                   record["reason"], {k: (lo, hi) for k, (lo, hi) in record["intervals"].items()})
+                   record["reason"], {k: (lo, hi) for k, (lo, hi) in record["intervals"].items()},
+                   Advice(record.get("kind", STATIC)))
 
     def speedup_labels(self) -> list[str]:
         """'dataset 1.234 [1.201, 1.268]' per dataset."""
@@ -66,8 +116,10 @@ class Recommendation:
 
 def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResult,
               estimates: Estimates | None = None) -> list[Recommendation]:
-    """Per batch size and workload, the measured config with the best rank among those
-    surely feasible (see `evidence.judge`). Several launches of one config are merged first.
+    """Per batch size and workload, the measured tree with the best rank among those
+    surely feasible (see `evidence.judge`), or for every batch size of a workload one
+    adaptive server (see the module's rule). Several launches of one config are merged
+    first.
 
     With model `estimates` (the model search's fitted model, which pools every launch),
     the ranking blends each measured speedup with the model's estimate; feasibility always
@@ -75,31 +127,86 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
     merged = merge_all(results)
     baseline = merged.get("baseline", baseline)
     measured = [r for r in merged.values() if r.ok and isinstance(r.config, TreeConfig)]
+    adaptive = [r for r in merged.values() if r.ok and isinstance(r.config, AdaptiveConfig)]
     noise = study_noise(merged.values(), spec.search.launch_cv)
-    out = []
-    for batch in sorted(spec.batch):
-        workloads = [(MIXED, spec.dataset_names)] + [(d, [d]) for d in spec.dataset_names]
-        for workload, names in workloads:
-            verdicts = [judge(r, baseline, batch, names, spec.tolerance, noise, estimates,
-                              spec.search.confirming_launches) for r in measured]
-            chosen = best(verdicts)
-            if chosen is None:
-                out.append(Recommendation(workload, batch, BASELINE, {d: 1.0 for d in names},
-                                          _why_none(verdicts, batch)))
-                continue
-            per = {d: i.mean for d, i in chosen.intervals.items()}
-            confirmed = sum(v.confirmed for v in verdicts)
-            once = sum(v.feasible and not v.confirmed for v in verdicts)
-            unsure = sum(v.borderline for v in verdicts)
-            reason = (f"best mean speedup {chosen.mean:.3f} of {confirmed} surely feasible "
-                      f"configs out of {len(verdicts)} measured"
-                      + (f" ({unsure} more were not slower on average but their interval "
-                         "reaches below the floor)" if unsure else "")
-                      + (f" ({once} more looked feasible on a single launch, not yet "
-                         "confirmed by a second)" if once else ""))
-            out.append(Recommendation(
-                workload, batch, chosen.config, per, reason,
-                {d: (i.low, i.high) for d, i in chosen.intervals.items()}))
+    batches = sorted(spec.batch)
+    workloads = [(MIXED, spec.dataset_names)] + [(d, [d]) for d in spec.dataset_names]
+    chosen: dict[tuple[str, int], Recommendation] = {}
+    for workload, names in workloads:
+        static = {batch: _static(spec, workload, names, batch, measured, baseline, noise,
+                                 estimates) for batch in batches}
+        kind = POOLS if len({r.config for r in static.values()}) > 1 else STATIC
+        pick = _adaptive(spec, workload, names, static, adaptive, baseline, noise, kind,
+                         list(merged.values()))
+        for batch in batches:
+            chosen[workload, batch] = (pick[batch] if pick
+                                       else dataclasses.replace(static[batch], kind=kind))
+    return [chosen[workload, batch] for batch in batches for workload, _ in workloads]
+
+
+def _static(spec: StudySpec, workload: str, names: list[str], batch: int,
+            measured: list[LaunchResult], baseline: LaunchResult, noise: StudyNoise,
+            estimates: Estimates | None) -> Recommendation:
+    """The best confirmed tree at one batch size, or no speculation, and why."""
+    verdicts = [judge(r, baseline, batch, names, spec.tolerance, noise, estimates,
+                      spec.search.confirming_launches) for r in measured]
+    chosen = best(verdicts)
+    if chosen is None:
+        return Recommendation(workload, batch, BASELINE, {d: 1.0 for d in names},
+                              _why_none(verdicts, batch))
+    per = {d: i.mean for d, i in chosen.intervals.items()}
+    confirmed = sum(v.confirmed for v in verdicts)
+    once = sum(v.feasible and not v.confirmed for v in verdicts)
+    unsure = sum(v.borderline for v in verdicts)
+    reason = (f"best mean speedup {chosen.mean:.3f} of {confirmed} surely feasible "
+              f"configs out of {len(verdicts)} measured"
+              + (f" ({unsure} more were not slower on average but their interval "
+                 "reaches below the floor)" if unsure else "")
+              + (f" ({once} more looked feasible on a single launch, not yet "
+                 "confirmed by a second)" if once else ""))
+    return Recommendation(workload, batch, chosen.config, per, reason,
+                          {d: (i.low, i.high) for d, i in chosen.intervals.items()})
+
+
+def _adaptive(spec: StudySpec, workload: str, names: list[str],
+              static: dict[int, Recommendation], adaptive: list[LaunchResult],
+              baseline: LaunchResult, noise: StudyNoise, kind: Advice,
+              results: list[LaunchResult]) -> dict[int, Recommendation] | None:
+    """The adaptive server to run for every batch size of a workload instead of the
+    static picks, per batch size, or None (the module's rule)."""
+    found: list[tuple[float, dict[int, Verdict]]] = []
+    for result in adaptive:
+        assert isinstance(result.config, AdaptiveConfig)
+        verdicts = {b: judge(result, baseline, b, names, spec.tolerance, noise,
+                             needs_launches=spec.search.confirming_launches) for b in static}
+        # Where its slot never drafts it runs plain decode rounds: no launch can prove
+        # them no slower than no speculation, so not surely slower is what it needs.
+        plain = {b for b in static if result.config.slot_for(b).steps == (0,)}
+        if all((v.confirmed or (b in plain and v.possible))
+               and v.overall.high >= static[b].mean_speedup
+               and (kind is POOLS or v.mean >= static[b].mean_speedup)
+               for b, v in verdicts.items()):
+            found.append((statistics.fmean(v.rank for v in verdicts.values()), verdicts))
+    if not found:
+        return None
+    _, verdicts = max(found, key=lambda f: f[0])
+    config = next(iter(verdicts.values())).config
+    assert isinstance(config, AdaptiveConfig)
+    guessed = estimated_steps(config, results)
+    instead = ("two pools" if kind is POOLS else "one static tree")
+    out = {}
+    for b, v in verdicts.items():
+        rival = static[b]
+        reason = (f"one pool, adaptive, instead of {instead}: surely feasible at every batch "
+                  f"size, and here mean speedup {v.mean:.3f} [{v.overall.low:.3f}, "
+                  f"{v.overall.high:.3f}] against {rival.label()} at "
+                  f"{rival.mean_speedup:.3f}"
+                  + (f"; its candidate chains {', '.join(map(str, guessed))} were never "
+                     "measured in this study (SGLang's guess or the model's estimate)"
+                     if guessed else ""))
+        out[b] = Recommendation(workload, b, config, {d: i.mean for d, i in v.intervals.items()},
+                                reason, {d: (i.low, i.high) for d, i in v.intervals.items()},
+                                ADAPTIVE)
     return out
 
 
@@ -129,7 +236,27 @@ def pools_advice(recs: list[Recommendation]) -> str | None:
             "same draft head and these launch flags, and route traffic by concurrency")
 
 
+def adaptive_advice(recs: list[Recommendation]) -> str | None:
+    """When one adaptive server serves the mixed workload at every batch size, say so."""
+    mixed = [r for r in recs if r.workload == MIXED and r.kind is ADAPTIVE]
+    if not mixed:
+        return None
+    return (f"{mixed[0].config} serves every batch size in one pool (SGLang's adaptive "
+            f"steps, its JSON config next to {mixed[0].script_name}): measured as fast as "
+            "the best static tree of each batch size, within the noise")
+
+
+def advice(recs: list[Recommendation]) -> tuple[str, str] | None:
+    """The mixed workload's advice beyond one static tree: ("two pools", why) or
+    ("one pool, adaptive", why)."""
+    if (text := adaptive_advice(recs)) is not None:
+        return "one pool, adaptive", text
+    if (text := pools_advice(recs)) is not None:
+        return "two pools", text
+    return None
+
+
 def summary_rows(recs: list[Recommendation]) -> list[tuple[str, str, str, str]]:
-    return [(r.workload, str(r.batch), "no speculation" if r.config is BASELINE
-             else config_key(r.config),
+    return [(r.workload, str(r.batch), r.label() if isinstance(r.config, AdaptiveConfig)
+             else "no speculation" if r.config is BASELINE else config_key(r.config),
              ", ".join(r.speedup_labels())) for r in recs]
