@@ -414,3 +414,86 @@ def test_a_rerun_without_the_adaptive_advice_removes_its_files(tmp_path):
                  or "schedule" in p.name]
     assert leftovers == [] and not (out / "ADAPTIVE.md").exists()
     assert (out / "POOLS.md").is_file()
+
+
+# ---- a study, in-process -----------------------------------------------------------------
+
+PROFILE = "qwen3-coder-next-h200"
+
+
+def offline_spec(**over):
+    from treetune.perfmodel import load_profile
+    from treetune.study.spec import load_study
+
+    prof = load_profile(PROFILE)
+    return load_study(None, {
+        "name": "a", "model": "m", "draft": "d", "tp": prof.tp,
+        "datasets": list(prof.datasets), "batch": [1, 32], "budget": {"launches": 12},
+        "adaptive": True, "backend": {"kind": "emulator", "profile": PROFILE},
+        "search": {"strategy": "tpe"}, **over})
+
+
+def truth():
+    from treetune.perfmodel import PerfModel, load_profile
+
+    return PerfModel(load_profile(PROFILE), 4)
+
+
+def test_in_steady_state_a_slot_held_at_one_chain_measures_as_that_static_chain():
+    import numpy as np
+
+    from treetune.study.offline import Noise, simulate_launch
+
+    spec, model, exact = offline_spec(), truth(), Noise(0, 0, 0)
+    held = AdaptiveConfig((AdaptiveSlot(1, (3,)), AdaptiveSlot(6, (2,))))
+    rng = np.random.default_rng(0)
+    adaptive = simulate_launch(model, held, spec, rng, exact)
+    for batch, steps in ((1, 3), (32, 2)):
+        static = simulate_launch(model, chain(steps), spec, rng, exact)
+        for d in spec.dataset_names:
+            assert adaptive.cell(d, batch).output_tok_s == pytest.approx(
+                static.cell(d, batch).output_tok_s)
+
+
+def test_in_steady_state_sglangs_default_climbs_as_its_controller_would():
+    from treetune.study.offline import adaptive_throughput
+
+    model = truth()
+    # Batch 32's slot is [0, 1]: from 1 (the middle of [0, 1]) every dataset accepts more
+    # than half a draft per round, so it stays at chain 1.
+    for d in ("mt-bench", "terminal-bench"):
+        tput, accept = adaptive_throughput(model, AdaptiveConfig.sglang_default(), 32, d, 32)
+        assert tput == pytest.approx(model.throughput(chain(1), 32, d))
+        assert accept == pytest.approx(model.accept_length(chain(1), d))
+
+
+def test_a_study_measures_the_chains_then_sglangs_default_and_the_tuned_config():
+    from treetune.study.offline import run_offline
+
+    spec = offline_spec()
+    planner = run_offline(spec, truth(), seed=0, launches=12)
+    order = [config_key(r.config) for r in planner.launched]
+    chains_done = max(order.index(f"{s},1,{s + 1}") for s in (1, 2, 3, 5))
+    default = config_key(AdaptiveConfig.sglang_default())
+    assert planner.tuning is not None and planner.tuning.config is not None
+    tuned = config_key(planner.tuning.config)
+    assert chains_done < order.index(default) < order.index(tuned)
+    # Derived once: one tuned config, at the study's batch sizes' slots, capped at the
+    # best chain measured at each.
+    assert [s.key for s in planner.tuning.slots] == [1, 6]
+    assert all(max(s.steps) == s.best for s in planner.tuning.slots)
+    assert len({k for k in order if k.startswith("adaptive")}) == 2
+    for key in (default, tuned):
+        result = planner.results[key]
+        assert result.ok and len(result.cells) == 2 * len(spec.dataset_names)
+    recs = planner.decide()
+    assert {r.kind for r in recs if r.workload == "mixed"} <= {"static", "pools", "adaptive"}
+    assert len({r.kind for r in recs if r.workload == "mixed"}) == 1
+
+
+def test_without_adaptive_a_study_launches_no_chain_nor_adaptive_server_of_its_own():
+    from treetune.study.offline import run_offline
+
+    planner = run_offline(offline_spec(adaptive=False), truth(), seed=0, launches=6)
+    assert not any(isinstance(r.config, AdaptiveConfig) for r in planner.launched)
+    assert planner.tuning is None
