@@ -130,6 +130,22 @@ def test_a_launch_worker_writes_the_json_next_to_the_log_and_its_server_runs_ada
     assert wait_until(lambda: not server_processes(str(tmp_path)), 5)
 
 
+def test_an_adaptive_launch_whose_server_serves_static_trees_says_so(tmp_path):
+    from treetune.results import LaunchResult
+    from treetune.study.spec import load_study
+    from treetune.study.worker import LaunchWorker
+
+    # SGLang runs adaptive steps for EAGLE and EAGLE3 only: it warns and serves a chain.
+    spec = load_study(None, small_study(tmp_path, batch=[1], datasets=["humaneval"],
+                                        compare=[], algorithm="STANDALONE"))
+    result = LaunchResult.from_dict(LaunchWorker(spec, 0).run(config_key(TUNED), []))
+    assert result.ok and result.server_info["speculative_adaptive"] is False
+    assert result.warnings == [
+        "--speculative-adaptive was asked for but the server serves static trees (SGLang "
+        "logged: speculative_algorithm=STANDALONE (only EAGLE/EAGLE3 are supported))"]
+    assert wait_until(lambda: not server_processes(str(tmp_path)), 5)
+
+
 # ---- tuning from measured chains ---------------------------------------------------------
 
 def chains(per_steps: dict[int, dict[int, tuple[float, float]]]) -> list:
@@ -497,3 +513,68 @@ def test_without_adaptive_a_study_launches_no_chain_nor_adaptive_server_of_its_o
     planner = run_offline(offline_spec(adaptive=False), truth(), seed=0, launches=6)
     assert not any(isinstance(r.config, AdaptiveConfig) for r in planner.launched)
     assert planner.tuning is None
+
+
+# ---- report ------------------------------------------------------------------------------
+
+def test_the_pareto_figure_shows_an_adaptive_server_as_its_own_star_and_rings_its_advice(
+        tmp_path):
+    from treetune.report import figures
+    from treetune.report.data import StudyData
+    from treetune.study.recommend import recommend
+
+    spec = noisy_spec(tmp_path)
+    results = [BASE, POOL_1, POOL_32, NEAR]
+    data = StudyData(spec, results, BASE, recommend(spec, results, BASE), spec.storage_url,
+                     tmp_path)
+    fig = figures.pareto_front(data)
+    holding = [t for t in fig.data if t.customdata is not None
+               and TUNED.label() in list(t.customdata)]
+    star = [t for t in holding if t.marker.symbol == "star"]
+    assert len(star) == 1 and star[0].name == f"{TUNED.label()}: feasible at batch 1 and 32"
+    assert all(t.marker.symbol != "star" for t in fig.data if t not in star)
+    rings = [t.name for t in holding if t.name.startswith("recommended")]
+    assert rings == ["recommended for batch 1", "recommended for batch 32"]
+    one = figures.pareto_front(data, batch_x=32, batch_y=32)  # speedup against tree size
+    assert any(t.marker.symbol == "star" for t in one.data)
+
+
+# ---- a study on Ray, with emulated servers -----------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_tmpdir")
+def test_the_adaptive_study_runs_on_ray_and_exports_what_sglang_accepts(tmp_path):
+    """studies/adaptive.yaml, made small: every launch a real emulated server."""
+    from treetune.report import figures
+    from treetune.report.data import load_study_data
+    from treetune.study.export import write_outputs
+    from treetune.study.runner import run_study
+    from treetune.study.spec import load_study
+
+    spec = load_study(Path(__file__).resolve().parents[1] / "studies" / "adaptive.yaml", {
+        "batch": [1, 8], "datasets": ["humaneval", "mt-bench"], "compare": [],
+        "budget": {"launches": 7}, "search": {"max_launches_per_config": 1},
+        "model": f"{tmp_path}/model-under-test", "output": str(tmp_path / "out"),
+        "backend": {"time_scale": 20.0, "load_time_s": 5.0},
+        "measurement": {"duration_s": 4.0, "repeats": 2, "startup_timeout_s": 60.0}})
+    outcome = run_study(spec)
+    keys = [config_key(r.config) for r in outcome.results]
+    assert keys[:5] == ["baseline", "1,1,2", "2,1,3", "3,1,4", "5,1,6"]
+    adaptive = [r for r in outcome.results if isinstance(r.config, AdaptiveConfig)]
+    assert [r.config.is_sglang_default for r in adaptive] == [True, False]
+    assert all(r.ok and r.server_info["speculative_adaptive"] is True and not r.warnings
+               for r in adaptive), [(r.reason, r.warnings) for r in adaptive]
+    assert [s.batch for s in adaptive[1].config.slots] == [1, 3]
+    for path in (spec.output_dir / "logs").glob("*.adaptive.json"):
+        AdaptiveConfig.from_json(sglang_adaptive.load(path))
+    write_outputs(spec, outcome.recommendations, spec.output_dir)
+    data = load_study_data(spec.output_dir)
+    assert {r.config for r in data.adaptive_rows(1)} == {r.config for r in adaptive}
+    stars = [t for t in figures.pareto_front(data).data if t.marker.symbol == "star"]
+    assert len(stars) == 2
+    mixed = [r for r in outcome.recommendations if r.workload == "mixed"]
+    if mixed[0].kind == "adaptive":
+        script = spec.output_dir / mixed[0].script_name
+        args = run_script(tmp_path, script)
+        assert parse(["--profile", PROFILE, *args[2:]]).adaptive is not None
+    assert wait_until(lambda: not server_processes(str(tmp_path)), 10)

@@ -104,10 +104,16 @@ class LaunchWorker:
             path = log_path.with_suffix(".adaptive.json")
             path.write_text(json.dumps(config.to_json(), indent=1) + "\n")
             adaptive = str(path.resolve())
+        started: list[list[str]] = []  # the command, as the server was started
+
+        def command(port: int) -> list[str]:
+            started.append(launch_command(self.spec, config, result.flags, port, attempt,
+                                          api_key, launch_index, adaptive))
+            return started[-1]
+
         try:
             server = start_server(
-                lambda port: launch_command(self.spec, config, result.flags, port, attempt,
-                                            api_key, launch_index, adaptive),
+                command,
                 log_path=log_path, env=env, host=self.spec.host,
                 timeout_s=self.spec.measurement.startup_timeout_s,
                 secrets=(api_key,) if api_key else (), health=self.spec.backend.api.health)
@@ -118,7 +124,8 @@ class LaunchWorker:
             return False
         try:
             _run_coroutine(self._measure(server.base_url, result, api_key,
-                                         lambda: server.log_tail(START_LOG_LINES)))
+                                         lambda: server.log_tail(START_LOG_LINES),
+                                         started[-1]))
             result.ok = True
             result.reason = ""
         except Exception as exc:  # the server died or stopped answering mid-benchmark
@@ -145,10 +152,11 @@ class LaunchWorker:
         return value
 
     async def _measure(self, base_url: str, result: LaunchResult, api_key: str | None,
-                       log: Callable[[], str]) -> None:
+                       log: Callable[[], str], command: list[str]) -> None:
         """Measure every cell the result does not hold yet, adding each as it is done.
         Before the first, the server's info is kept, and the backend says whether the
-        server serves what its flags asked for (from that info and the start-up `log`)."""
+        server serves what its `command` asked for (from that info and the start-up
+        `log`)."""
         from treetune.client import ServerClient
         from treetune.loadgen import measure_cell
 
@@ -162,18 +170,28 @@ class LaunchWorker:
                     if not result.server_info:
                         info = await client.server_info()
                         result.server_info = server_facts(self.spec.backend.api, info)
-                        result.warnings = self._launch_warnings(result, info, log)
+                        result.warnings = self._launch_warnings(info, log, command)
                     cell = await measure_cell(client, prompts, batch, duration_s=m.duration_s,
                                               warmup_s=m.warmup_s, repeats=m.repeats)
                 result.cells.append(cell)
 
-    def _launch_warnings(self, result: LaunchResult, info: dict[str, Any],
-                         log: Callable[[], str]) -> list[str]:
+    def _launch_warnings(self, info: dict[str, Any], log: Callable[[], str],
+                         command: list[str]) -> list[str]:
         check = self.spec.backend.api.launch_warnings
         if check is None:
             return []
-        flags = (*self.spec.launch_spec().extra_flags, *result.flags)
-        return check(flags, info, log())
+        return check(command_flags(command), info, log())
+
+
+def command_flags(argv: list[str]) -> list[tuple[str, str | None]]:
+    """A server command's `--flag value` pairs (None for a bare flag): the study's own
+    flags and those the backend derives from the config alike."""
+    flags: list[tuple[str, str | None]] = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--"):
+            value = argv[i + 1] if i + 1 < len(argv) else None
+            flags.append((arg, None if value is None or value.startswith("--") else value))
+    return flags
 
 
 def _run_coroutine(coroutine: Coroutine[Any, Any, None]) -> None:
