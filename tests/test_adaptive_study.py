@@ -578,3 +578,15 @@ def test_the_adaptive_study_runs_on_ray_and_exports_what_sglang_accepts(tmp_path
         args = run_script(tmp_path, script)
         assert parse(["--profile", PROFILE, *args[2:]]).adaptive is not None
     assert wait_until(lambda: not server_processes(str(tmp_path)), 10)
+    # The notebooks show the adaptive servers as stars, and the advice as stored.
+    from test_notebooks import PLOTLY_JSON, execute, printed
+
+    nb = execute("pareto.ipynb", spec.output_dir)
+    pareto = next(o["data"][PLOTLY_JSON] for c in nb.cells for o in c.get("outputs", [])
+                  if PLOTLY_JSON in o.get("data", {}))
+    assert sum(t.get("marker", {}).get("symbol") == "star" for t in pareto["data"]) == 2
+    text = printed(execute("compare-workloads.ipynb", spec.output_dir))
+    if mixed[0].kind == "adaptive":
+        assert f"One pool: {mixed[0].label()} serves every batch size with SGLang's" in text
+    else:
+        assert "Two pools" in text or "One pool: " in text
