@@ -265,12 +265,25 @@ def test_an_adaptive_server_as_good_as_two_pools_within_the_noise_is_one_pool(tm
 
 
 def test_an_adaptive_server_slower_than_a_pool_beyond_the_noise_leaves_two_pools(tmp_path):
-    from treetune.study.recommend import advice, recommend
+    from treetune.study.recommend import (
+        Recommendation,
+        advice,
+        alternative_advice,
+        recommend,
+    )
 
     slow = adaptive_launch(TUNED, (158, 160), (1180, 1150))  # 1.165 vs 1.275 at batch 32
     recs = recommend(noisy_spec(tmp_path), [BASE, POOL_1, POOL_32, slow], BASE)
     assert {r.kind for r in recs if r.workload == "mixed"} == {"pools"}
     assert advice(recs)[0] == "two pools"
+    # Surely feasible everywhere: kept as the alternative, with what it would cost.
+    mixed32 = next(r for r in recs if r.workload == "mixed" and r.batch == 32)
+    assert mixed32.alternative is not None and mixed32.alternative.config == TUNED
+    assert mixed32.alternative.reason.startswith("not recommended (the pools measured faster")
+    assert "batch 32: 1.165 against (2,1,3) at 1.275" in alternative_advice(recs)
+    back = Recommendation.from_record(mixed32.record()).alternative
+    assert back is not None and (back.config, back.kind, back.reason) == (
+        TUNED, "adaptive", mixed32.alternative.reason)
 
 
 def test_an_adaptive_server_that_regresses_a_dataset_anywhere_is_never_chosen(tmp_path):
@@ -282,6 +295,7 @@ def test_an_adaptive_server_that_regresses_a_dataset_anywhere_is_never_chosen(tm
     assert all(found[w, b][0] != "adaptive" for w in ("mixed", "humaneval") for b in (1, 32))
     # A workload is judged on its own datasets: chat alone never regresses.
     assert found["sharegpt", 32] == ("adaptive", TUNED)
+    assert all(r.alternative is None for r in recs if r.workload != "sharegpt")
 
 
 def test_where_one_tree_serves_every_batch_size_adaptive_must_also_win_on_the_means(
@@ -420,6 +434,24 @@ def test_schedules_the_engines_would_refuse_are_refused_here():
     assert any("capped at 1" in n for n in notes)
     with pytest.raises(ScheduleError, match="does not draft"):
         trtllm_schedule(ChainSchedule(((1, 0), (6, 3)), 32), "EAGLE3", "d")
+
+
+def test_an_adaptive_alternative_is_exported_next_to_the_pools_it_is_not_chosen_over(
+        tmp_path):
+    slow = adaptive_launch(TUNED, (158, 160), (1180, 1150))
+    out = exported(tmp_path, results=(BASE, POOL_1, POOL_32, slow))
+    assert (out / "POOLS.md").is_file() and (out / "launch" / "mixed-batch1.sh").is_file()
+    data = sglang_adaptive.load(out / "launch" / "mixed.adaptive.json")
+    assert AdaptiveConfig.from_json(data) == TUNED
+    script = (out / "launch" / "mixed-adaptive.sh").read_text()
+    assert "# not recommended (the pools measured faster" in script
+    readme = (out / "ADAPTIVE.md").read_text()
+    assert "## mixed: an alternative, not the advice" in readme
+    assert (out / "launch" / "mixed.vllm-schedule.json").is_file()
+    records = json.loads((out / "recommendations.json").read_text())
+    assert all(r["kind"] == "pools" for r in records if r["workload"] == "mixed")
+    assert all(r["alternative"]["launch_script"] == "launch/mixed-adaptive.sh"
+               for r in records if r["workload"] == "mixed")
 
 
 def test_a_rerun_without_the_adaptive_advice_removes_its_files(tmp_path):

@@ -366,7 +366,7 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
     """The measured configs, the recommendations, and the mixed workload's advice when it
     is more than one static tree: ("two pools", why) or ("one pool, adaptive", why)."""
     from treetune.study.evidence import speedups
-    from treetune.study.recommend import summary_rows
+    from treetune.study.recommend import alternative_advice, summary_rows
 
     failed = [r for r in outcome.results if not r.ok]
     table = Table(title=f"measured speedups over no speculation ({len(outcome.results)} "
@@ -401,6 +401,9 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
     out.print(rec_table)
     if advice:
         out.print(f"[bold]{advice[0]}:[/bold] {escape(advice[1])}")
+    alternative = alternative_advice(recs)
+    if alternative:
+        out.print(f"[bold]adaptive alternative:[/bold] {escape(alternative)} (ADAPTIVE.md)")
     for r in failed:
         out.print(f"[yellow]failed[/yellow] {r.config}: {r.reason}")
     out.print(f"wrote {spec.output_dir}/recommendations.yaml, recommendations.json and "

@@ -263,11 +263,21 @@ def chain_schedule(spec: StudySpec, config: AdaptiveConfig) -> ChainSchedule:
                          spec.max_batch)
 
 
+def adaptive_pools(recs: list[Recommendation]) -> dict[str, list[Recommendation]]:
+    """Per workload, the adaptive server's recommendations, one per batch size: the advice,
+    or the alternative to it."""
+    pools: dict[str, list[Recommendation]] = {}
+    for rec in sorted(recs, key=lambda r: r.batch):
+        pick = rec if isinstance(rec.config, AdaptiveConfig) else rec.alternative
+        if pick is not None:
+            pools.setdefault(rec.workload, []).append(pick)
+    return pools
+
+
 def adaptive_readme(spec: StudySpec, recs: list[Recommendation]) -> str | None:
-    """ADAPTIVE.md: the adaptive pools and the files next to their scripts; None when no
-    workload gets one."""
-    pools = {r.workload: r for r in sorted(recs, key=lambda r: r.batch)
-             if isinstance(r.config, AdaptiveConfig)}
+    """ADAPTIVE.md: the adaptive pools (the advice, or the alternative to it) and the files
+    next to their scripts; None when no workload has one."""
+    pools = adaptive_pools(recs)
     if not pools:
         return None
     advice = adaptive_advice(recs)
@@ -278,11 +288,17 @@ def adaptive_readme(spec: StudySpec, recs: list[Recommendation]) -> str | None:
             "length at run time, per batch-size slot, among the slot's candidate steps. "
             "treetune measured the adaptive config below like any tree, on every cell, and "
             "recommends it where it is as fast as the best static tree of each batch size "
-            "within the noise.", ""]
-    for workload, rec in pools.items():
+            "within the noise; where it is not, it is the alternative: one pool, at the "
+            "cost measured below.", ""]
+    for workload, group in pools.items():
+        rec = group[-1]
         config = rec.config
         assert isinstance(config, AdaptiveConfig)
-        out += [f"## {workload}", "",
+        advised = any(r.config == config for r in recs if r.workload == workload)
+        out += [f"## {workload}: " + ("the advice" if advised else
+                                      "an alternative, not the advice"), ""]
+        out += [f"- batch {r.batch}: {r.reason}" for r in group]
+        out += ["",
                 f"- SGLang: `{rec.script_name}` runs `{config}` with "
                 f"`{adaptive_name(rec.workload)}` (sized for batch {sized_for(spec, rec)}).",
                 "", "| slot (running batch from) | candidate steps |", "|---|---|"]
@@ -307,8 +323,9 @@ def adaptive_readme(spec: StudySpec, recs: list[Recommendation]) -> str | None:
 def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path) -> None:
     """recommendations.yaml/.json, one launch script per recommendation and, next to each
     script, `.args.json` and `.config.yaml` (when the engine version reads config files);
-    POOLS.md when batch sizes want different trees; for an adaptive pool one script (for
-    all batch sizes), its JSON config, the vLLM and TensorRT-LLM schedules and ADAPTIVE.md.
+    POOLS.md when batch sizes want different trees; for an adaptive pool (the advice, or
+    the alternative to it) one script (for all batch sizes), its JSON config, the vLLM and
+    TensorRT-LLM schedules and ADAPTIVE.md.
     Files that no longer apply (a re-run changed the advice) are removed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "launch").mkdir(exist_ok=True)
@@ -321,7 +338,8 @@ def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path) ->
                **({"adaptive": adaptive} if adaptive else {}), "recommendations": records},
               out_dir / "recommendations.yaml")
     groups: dict[str, list[Recommendation]] = {}
-    for rec in recs:
+    alternatives = [r.alternative for r in recs if r.alternative is not None]
+    for rec in (*recs, *alternatives):
         groups.setdefault(rec.script_name, []).append(rec)
     for group in groups.values():
         rec = max(group, key=lambda r: r.batch)  # an adaptive pool is sized for the largest
@@ -336,10 +354,10 @@ def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path) ->
             config.write_text(text)
         else:
             config.unlink(missing_ok=True)
+    pools = adaptive_pools(recs)
     for workload in {r.workload for r in recs}:
-        _write_adaptive(spec, next((r for r in recs if r.workload == workload
-                                    and isinstance(r.config, AdaptiveConfig)), None),
-                        workload, out_dir)
+        _write_adaptive(spec, pools[workload][-1] if workload in pools else None, workload,
+                        out_dir)
     for name, text in ((POOLS_FILE, pools_readme(spec, recs)),
                        (ADAPTIVE_FILE, adaptive_readme(spec, recs))):
         if text:

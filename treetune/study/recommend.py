@@ -11,6 +11,9 @@ Each workload's advice is of one of three kinds (`Recommendation.kind`):
   bound of its mean speedup reaches the static pick's mean speedup (as good within the
   noise). Where one static tree would do, it must also be no worse on the means at any
   batch size. Of several such configs, the best mean rank over the batch sizes.
+When no adaptive config qualifies but one is surely feasible at every batch size, it is
+kept as the workload's `alternative` (one pool, at the measured cost it says), and
+exported next to the recommendation.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ class Recommendation:
     reason: str
     intervals: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     kind: Advice = STATIC  # the workload's advice
+    # One adaptive pool instead, surely feasible at every batch size but not chosen (its
+    # reason says what it would cost here); None when none is, or when it is the advice.
+    alternative: Recommendation | None = None
 
     @property
     def mean_speedup(self) -> float:
@@ -94,6 +100,7 @@ class Recommendation:
                           for k, (lo, hi) in self.intervals.items()},
             "launch_script": self.script_name,
             "reason": self.reason,
+            "alternative": self.alternative.record() if self.alternative else None,
         }
 
     @classmethod
@@ -105,7 +112,9 @@ class Recommendation:
                   else config_from_key(",".join(map(str, knobs))))
         return cls(record["workload"], record["batch"], config, dict(record["speedups"]),
                    record["reason"], {k: (lo, hi) for k, (lo, hi) in record["intervals"].items()},
-                   Advice(record.get("kind", STATIC)))
+                   Advice(record.get("kind", STATIC)),
+                   cls.from_record(record["alternative"]) if record.get("alternative")
+                   else None)
 
     def speedup_labels(self) -> list[str]:
         """'dataset 1.234 [1.201, 1.268]' per dataset."""
@@ -136,11 +145,12 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
         static = {batch: _static(spec, workload, names, batch, measured, baseline, noise,
                                  estimates) for batch in batches}
         kind = POOLS if len({r.config for r in static.values()}) > 1 else STATIC
-        pick = _adaptive(spec, workload, names, static, adaptive, baseline, noise, kind,
-                         list(merged.values()))
+        pick, alternative = _adaptive(spec, workload, names, static, adaptive, baseline,
+                                      noise, kind, list(merged.values()))
         for batch in batches:
-            chosen[workload, batch] = (pick[batch] if pick
-                                       else dataclasses.replace(static[batch], kind=kind))
+            chosen[workload, batch] = (pick[batch] if pick else dataclasses.replace(
+                static[batch], kind=kind,
+                alternative=alternative[batch] if alternative else None))
     return [chosen[workload, batch] for batch in batches for workload, _ in workloads]
 
 
@@ -171,10 +181,12 @@ def _static(spec: StudySpec, workload: str, names: list[str], batch: int,
 def _adaptive(spec: StudySpec, workload: str, names: list[str],
               static: dict[int, Recommendation], adaptive: list[LaunchResult],
               baseline: LaunchResult, noise: StudyNoise, kind: Advice,
-              results: list[LaunchResult]) -> dict[int, Recommendation] | None:
-    """The adaptive server to run for every batch size of a workload instead of the
-    static picks, per batch size, or None (the module's rule)."""
-    found: list[tuple[float, dict[int, Verdict]]] = []
+              results: list[LaunchResult]
+              ) -> tuple[dict[int, Recommendation] | None, dict[int, Recommendation] | None]:
+    """Per batch size, the adaptive server to run for every batch size of a workload
+    instead of the static picks (the module's rule), or else the best one surely feasible
+    everywhere, as the alternative; None for either when there is none."""
+    safe: list[tuple[bool, float, dict[int, Verdict]]] = []  # (qualifies, rank, verdicts)
     for result in adaptive:
         assert isinstance(result.config, AdaptiveConfig)
         verdicts = {b: judge(result, baseline, b, names, spec.tolerance, noise,
@@ -182,14 +194,16 @@ def _adaptive(spec: StudySpec, workload: str, names: list[str],
         # Where its slot never drafts it runs plain decode rounds: no launch can prove
         # them no slower than no speculation, so not surely slower is what it needs.
         plain = {b for b in static if result.config.slot_for(b).steps == (0,)}
-        if all((v.confirmed or (b in plain and v.possible))
-               and v.overall.high >= static[b].mean_speedup
-               and (kind is POOLS or v.mean >= static[b].mean_speedup)
-               for b, v in verdicts.items()):
-            found.append((statistics.fmean(v.rank for v in verdicts.values()), verdicts))
-    if not found:
-        return None
-    _, verdicts = max(found, key=lambda f: f[0])
+        if not all(v.confirmed or (b in plain and v.possible) for b, v in verdicts.items()):
+            continue
+        qualifies = all(v.overall.high >= static[b].mean_speedup
+                        and (kind is POOLS or v.mean >= static[b].mean_speedup)
+                        for b, v in verdicts.items())
+        safe.append((qualifies, statistics.fmean(v.rank for v in verdicts.values()),
+                     verdicts))
+    if not safe:
+        return None, None
+    qualifies, _, verdicts = max(safe, key=lambda f: f[:2])
     config = next(iter(verdicts.values())).config
     assert isinstance(config, AdaptiveConfig)
     guessed = estimated_steps(config, results)
@@ -197,17 +211,21 @@ def _adaptive(spec: StudySpec, workload: str, names: list[str],
     out = {}
     for b, v in verdicts.items():
         rival = static[b]
+        here = (f"here mean speedup {v.mean:.3f} [{v.overall.low:.3f}, "
+                f"{v.overall.high:.3f}] against {rival.label()} at {rival.mean_speedup:.3f}")
+        why_not = ("the pools measured faster beyond the noise" if kind is POOLS
+                   else "one static tree measured faster")
         reason = (f"one pool, adaptive, instead of {instead}: surely feasible at every batch "
-                  f"size, and here mean speedup {v.mean:.3f} [{v.overall.low:.3f}, "
-                  f"{v.overall.high:.3f}] against {rival.label()} at "
-                  f"{rival.mean_speedup:.3f}"
-                  + (f"; its candidate chains {', '.join(map(str, guessed))} were never "
-                     "measured in this study (SGLang's guess or the model's estimate)"
-                     if guessed else ""))
+                  f"size, and {here}" if qualifies else
+                  f"not recommended ({why_not} at some batch size): one pool, adaptive, "
+                  f"surely feasible at every batch size; {here}")
+        if guessed:
+            reason += (f"; its candidate chains {', '.join(map(str, guessed))} were never "
+                       "measured in this study (SGLang's guess or the model's estimate)")
         out[b] = Recommendation(workload, b, config, {d: i.mean for d, i in v.intervals.items()},
                                 reason, {d: (i.low, i.high) for d, i in v.intervals.items()},
                                 ADAPTIVE)
-    return out
+    return (out, None) if qualifies else (None, out)
 
 
 def _why_none(verdicts: list[Verdict], batch: int) -> str:
@@ -244,6 +262,21 @@ def adaptive_advice(recs: list[Recommendation]) -> str | None:
     return (f"{mixed[0].config} serves every batch size in one pool (SGLang's adaptive "
             f"steps, its JSON config next to {mixed[0].script_name}): measured as fast as "
             "the best static tree of each batch size, within the noise")
+
+
+def alternative_advice(recs: list[Recommendation]) -> str | None:
+    """The mixed workload's adaptive alternative, when it has one, and what it costs."""
+    mixed = sorted((r for r in recs if r.workload == MIXED and r.alternative is not None),
+                   key=lambda r: r.batch)
+    if not mixed:
+        return None
+    alternative = mixed[-1].alternative
+    assert alternative is not None
+    costs = "; ".join(f"batch {r.batch}: {r.alternative.mean_speedup:.3f} against "
+                      f"{r.label()} at {r.mean_speedup:.3f}"
+                      for r in mixed if r.alternative is not None)
+    return (f"{alternative.config} in one pool ({alternative.script_name}), surely feasible "
+            f"at every batch size but not as fast: mean speedup {costs}")
 
 
 def advice(recs: list[Recommendation]) -> tuple[str, str] | None:
