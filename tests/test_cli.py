@@ -177,7 +177,7 @@ def test_search_outcome_in_a_log_prints_every_column_name_whole_brackets_include
     from synthetic import launch, spec
 
     from treetune.cli import _print_outcome
-    from treetune.study.recommend import pools_advice, recommend
+    from treetune.study.recommend import advice, recommend
     from treetune.study.runner import StudyOutcome
 
     def per_batch(b1: float, b32: float) -> dict[int, dict[str, float]]:
@@ -189,7 +189,7 @@ def test_search_outcome_in_a_log_prints_every_column_name_whole_brackets_include
                launch(TreeConfig(5, 1, 6), per_batch(130, 1100))]
     recs = recommend(study, results, base)
     _print_outcome(study, StudyOutcome(study, results, base, launches=3, strategy="grid"),
-                   recs, pools_advice(recs))
+                   recs, advice(recs))
     out = capsys.readouterr().out
     assert all(lines_with(out, f"b{b} {d}") == 1 for b in (1, 32) for d in DATASETS), out
     assert not pieces(out, DATASETS), out

@@ -96,7 +96,7 @@ SAMPLES = {
     "--time-scale": ("4",), "--ray-address": ("127.0.0.1:6379",), "--workers": ("3",),
     "--storage": ("sqlite:///elsewhere.db",), "--seed": ("9",), "--compare": ("3,4,8", "5,1,6"),
     "--output": ("OUT",), "--host": ("127.0.0.2",), "--api-key-env": ("MY_KEY",),
-    "--strategy": ("grid",), "--prior": ("qwen3-8b-h100",),
+    "--strategy": ("grid",), "--prior": ("qwen3-8b-h100",), "--adaptive": (),
 }
 
 
@@ -130,6 +130,7 @@ def test_every_option_sets_its_field(capsys, monkeypatch, tmp_path):
     assert spec.output == str(tmp_path / "out")
     assert (spec.host, spec.api_key_env) == ("127.0.0.2", "MY_KEY")
     assert (spec.search.strategy, spec.search.prior) == ("grid", "qwen3-8b-h100")
+    assert spec.adaptive is True
 
 
 
@@ -158,3 +159,13 @@ def test_the_world_option_names_the_emulated_world_and_implies_the_emulator(caps
 def test_the_gpu_option_sets_the_sglang_backends_gpu(capsys, monkeypatch):
     spec = spec_from_command_line(capsys, monkeypatch, "--backend", "sglang", "--gpu", "H100")
     assert spec.backend.kind == "sglang" and spec.backend.gpu == "H100"
+
+
+def test_a_switch_is_unset_unless_given_so_the_study_files_value_stands(capsys, monkeypatch,
+                                                                        tmp_path):
+    assert spec_from_command_line(capsys, monkeypatch).adaptive is False
+    study = tmp_path / "s.yaml"
+    study.write_text("adaptive: true\n")
+    assert spec_from_command_line(capsys, monkeypatch, "--study", str(study)).adaptive is True
+    assert spec_from_command_line(capsys, monkeypatch, "--study", str(study),
+                                  "--no-adaptive").adaptive is False

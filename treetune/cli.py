@@ -18,7 +18,7 @@ from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.table import Table
 
-from treetune.config import ServerConfig, TreeConfig
+from treetune.config import AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.perfmodel import PerfModel, Prediction, load_profile, shipped_profiles
 from treetune.study.spec import search_options
@@ -283,7 +283,7 @@ def search(study: Path | None = None, **options: Any) -> None:
     batch size with no dataset slower than the baseline. Rerunning resumes the study.
     """
     from treetune.study.export import write_outputs
-    from treetune.study.recommend import pools_advice
+    from treetune.study.recommend import advice
     from treetune.study.runner import run_study
     from treetune.study.spec import load_study, option_overrides
 
@@ -302,7 +302,7 @@ def search(study: Path | None = None, **options: Any) -> None:
     if outcome.baseline is not None:
         recs = outcome.recommendations
         write_outputs(spec, recs, spec.output_dir)
-        _print_outcome(spec, outcome, recs, pools_advice(recs))
+        _print_outcome(spec, outcome, recs, advice(recs))
     if outcome.interrupted:
         err.print("interrupted: servers stopped, results so far are stored; rerun the same "
                   "command to resume")
@@ -320,6 +320,8 @@ def _search_signature() -> inspect.Signature:
     for option in search_options():
         value: Any = list[option.value_type] if option.multiple else option.value_type
         names = [option.flag, *([option.short] if option.short else [])]
+        if option.value_type is bool:  # a switch, left None unless given either way
+            names = [f"{option.flag}/--no-{option.flag.removeprefix('--')}"]
         params.append(inspect.Parameter(option.param, keyword, default=None, annotation=Annotated[
             value | None, typer.Option(*names, help=option.help)]))
     return inspect.Signature(params)
@@ -367,9 +369,11 @@ def _run_with_progress(spec: StudySpec, run_study: Callable[..., StudyOutcome]) 
 
 
 def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommendation],
-                   advice: str | None) -> None:
+                   advice: tuple[str, str] | None) -> None:
+    """The measured configs, the recommendations, and the mixed workload's advice when it
+    is more than one static tree: ("two pools", why) or ("one pool, adaptive", why)."""
     from treetune.study.evidence import speedups
-    from treetune.study.recommend import summary_rows
+    from treetune.study.recommend import alternative_advice, summary_rows
 
     failed = [r for r in outcome.results if not r.ok]
     table = Table(title=f"measured speedups over no speculation ({len(outcome.results)} "
@@ -383,7 +387,8 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
     shown = {r.config: r for r in outcome.results if r.ok and r.config.label() != "baseline"}
     chosen = {r.config for r in recs}
     for config, result in sorted(shown.items(), key=lambda kv: kv[0].label()):
-        if config not in chosen and config not in spec.compare:
+        if (config not in chosen and config not in spec.compare
+                and not isinstance(config, AdaptiveConfig)):
             continue
         cells = []
         for b in sorted(spec.batch):
@@ -396,13 +401,16 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
     rec_table = Table(title="recommendations", caption=escape(
         "[interval]: where the true speedup lies, given the measurement noise; a tree is "
         "recommended only when every lower bound clears 1 - tolerance"))
-    for col in ("workload", "batch", "tree S,K,N", "measured speedups [interval]"):
+    for col in ("workload", "batch", "config (tree S,K,N)", "measured speedups [interval]"):
         rec_table.add_column(escape(col))
     for row in summary_rows(recs, methods=len(spec.method_names) > 1):
         rec_table.add_row(*row)
     out.print(rec_table)
     if advice:
-        out.print(f"[bold]two pools:[/bold] {advice}")
+        out.print(f"[bold]{advice[0]}:[/bold] {escape(advice[1])}")
+    alternative = alternative_advice(recs)
+    if alternative:
+        out.print(f"[bold]adaptive alternative:[/bold] {escape(alternative)} (ADAPTIVE.md)")
     for r in failed:
         out.print(f"[yellow]failed[/yellow] {r.config}: {r.reason}")
     out.print(f"wrote {spec.output_dir}/recommendations.yaml, recommendations.json and "

@@ -1,15 +1,19 @@
 """SGLang's tree-config rules, in one place.
 
 A speculative server is described by `TreeConfig(steps, topk, draft_tokens)`; the
-no-speculation server by `BASELINE`. Everything that knows how SGLang validates,
-canonicalizes or reserves memory for a tree lives here.
+no-speculation server by `BASELINE`; a server whose chain length SGLang's runtime
+controller switches per running batch size (`--speculative-adaptive`) by `AdaptiveConfig`.
+Everything that knows how SGLang validates, canonicalizes or reserves memory for a tree
+lives here (the adaptive config's JSON rules live with SGLang's controller,
+treetune/backends/sglang_adaptive.py).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from treetune.errors import InvalidTreeError
 
@@ -117,7 +121,167 @@ class Baseline:
 
 BASELINE: Final = Baseline()
 
-ServerConfig = TreeConfig | Baseline
+
+@dataclass(frozen=True)
+class AdaptiveSlot:
+    """One batch-size slot of an adaptive server: it serves running batch sizes from
+    `batch` up to the next slot's, switching among `steps` (chains (S, 1, S+1); 0 is no
+    drafting) by accept length."""
+
+    batch: int
+    steps: tuple[int, ...]
+    up_hysteresis: float = 0.0
+    down_hysteresis: float = 0.0
+    ceiling_coeff: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch, int) or self.batch < 1:
+            raise InvalidTreeError(f"an adaptive slot's batch size must be >= 1, got "
+                                   f"{self.batch!r}")
+        if (not self.steps or any(not isinstance(s, int) or isinstance(s, bool) or s < 0
+                                  for s in self.steps)):
+            raise InvalidTreeError(f"adaptive slot {self.batch}: candidate steps must be a "
+                                   f"non-empty list of non-negative ints, got {self.steps!r}")
+        if tuple(sorted(set(self.steps))) != tuple(self.steps):
+            raise InvalidTreeError(f"adaptive slot {self.batch}: candidate steps must be "
+                                   f"sorted and distinct, got {self.steps!r}")
+
+
+# A storage key: "adaptive:" then slots joined by "|", each "BATCH=S.S.S" with its
+# non-zero settings after commas ("1=1.3.5.7,down=-0.25").
+ADAPTIVE_PREFIX = "adaptive:"
+_SETTINGS = (("up", "up_hysteresis"), ("down", "down_hysteresis"), ("ceil", "ceiling_coeff"))
+_SLOT_KEY = re.compile(r"^(\d+)=(\d+(?:\.\d+)*)((?:,(?:up|down|ceil)=-?[\d.]+(?:e-?\d+)?)*)$")
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    """SGLang's adaptive steps (`--speculative-adaptive`): chains only (topk 1), the steps
+    chosen at run time per batch-size slot among each slot's candidates. The controller's
+    top-level settings (EMA weight, update interval, warm-up) stay at SGLang's defaults."""
+
+    slots: tuple[AdaptiveSlot, ...]
+
+    def __post_init__(self) -> None:
+        if not self.slots:
+            raise InvalidTreeError("an adaptive config needs at least one batch-size slot")
+        batches = [slot.batch for slot in self.slots]
+        if batches != sorted(set(batches)):
+            raise InvalidTreeError(f"adaptive slots must have distinct batch sizes in "
+                                   f"increasing order, got {batches}")
+        if not any(s > 0 for s in self.candidate_steps):
+            raise InvalidTreeError("an adaptive config that never drafts is the baseline: "
+                                   "give some slot a positive step")
+
+    @classmethod
+    def from_json(cls, config: Mapping[str, Any]) -> AdaptiveConfig:
+        """From SGLang's JSON, checked as SGLang checks it; a slot's unset settings take
+        SGLang's defaults (top level first)."""
+        from treetune.backends.sglang_adaptive import SLOT_DEFAULTS, validate
+
+        entries = validate(config)
+        top = {k: v for k, v in config.items() if not k.isdigit()}
+        for name in ("ema_alpha", "update_interval", "warmup_batches"):
+            values = {top.get(name, SLOT_DEFAULTS[name]),
+                      *(e[name] for e in entries.values() if name in e)}
+            if values != {SLOT_DEFAULTS[name]}:
+                raise InvalidTreeError(f"adaptive config: {name} other than SGLang's default "
+                                       f"{SLOT_DEFAULTS[name]} is not supported")
+
+        def setting(entry: Mapping[str, Any], name: str) -> float:
+            return float(entry.get(name, top.get(name, SLOT_DEFAULTS[name])))
+
+        return cls(tuple(
+            AdaptiveSlot(key, tuple(sorted(set(entry["candidate_steps"]))),
+                         *(setting(entry, name) for _, name in _SETTINGS))
+            for key, entry in sorted(entries.items())))
+
+    @classmethod
+    def sglang_default(cls) -> AdaptiveConfig:
+        """What SGLang runs with `--speculative-adaptive` and no config file."""
+        from treetune.backends.sglang_adaptive import DEFAULT_CONFIG
+
+        return cls.from_json(DEFAULT_CONFIG)
+
+    def to_json(self) -> dict[str, Any]:
+        """SGLang's JSON (`--speculative-adaptive-config`), every slot setting explicit."""
+        from treetune.backends.sglang_adaptive import validate
+
+        config = {str(slot.batch): {"candidate_steps": list(slot.steps),
+                                    **{name: getattr(slot, name) for _, name in _SETTINGS}}
+                  for slot in self.slots}
+        validate(config)
+        return config
+
+    @property
+    def candidate_steps(self) -> tuple[int, ...]:
+        """Every slot's candidates together, sorted."""
+        return tuple(sorted({s for slot in self.slots for s in slot.steps}))
+
+    @property
+    def initial_steps(self) -> int:
+        """The steps it launches with: SGLang's own default, the middle candidate (never
+        0: a config always holds a positive step)."""
+        steps = self.candidate_steps
+        return steps[len(steps) // 2]
+
+    @property
+    def longest(self) -> TreeConfig:
+        """The chain SGLang sizes its buffers for: the largest candidate."""
+        steps = max(self.candidate_steps)
+        return TreeConfig.of(steps, 1, steps + 1)
+
+    def slot_for(self, batch: int) -> AdaptiveSlot:
+        """The slot that serves a running batch of this size (before any CUDA-graph
+        padding): the one with the largest batch not above it, else the smallest."""
+        return next((s for s in reversed(self.slots) if s.batch <= batch), self.slots[0])
+
+    @property
+    def is_sglang_default(self) -> bool:
+        return self == AdaptiveConfig.sglang_default()
+
+    def key(self) -> str:
+        def slot_key(slot: AdaptiveSlot) -> str:
+            extra = "".join(f",{short}={getattr(slot, name):g}" for short, name in _SETTINGS
+                            if getattr(slot, name))
+            return f"{slot.batch}={'.'.join(map(str, slot.steps))}{extra}"
+
+        return ADAPTIVE_PREFIX + "|".join(slot_key(s) for s in self.slots)
+
+    @classmethod
+    def parse(cls, key: str) -> AdaptiveConfig:
+        """Back from `key()`."""
+        if not key.startswith(ADAPTIVE_PREFIX):
+            raise InvalidTreeError(f"'{key}' is not an adaptive config key (adaptive:...)")
+        slots = []
+        for part in key.removeprefix(ADAPTIVE_PREFIX).split("|"):
+            match = _SLOT_KEY.match(part)
+            if not match:
+                raise InvalidTreeError(f"adaptive config key '{key}': cannot read slot "
+                                       f"'{part}' (expected BATCH=S.S.S[,down=X])")
+            settings = dict(item.split("=") for item in match.group(3).split(",")[1:])
+            slots.append(AdaptiveSlot(
+                int(match.group(1)), tuple(int(s) for s in match.group(2).split(".")),
+                *(float(settings.get(short, 0.0)) for short, _ in _SETTINGS)))
+        return cls(tuple(slots))
+
+    def label(self) -> str:
+        if self.is_sglang_default:
+            return "adaptive (SGLang default)"
+        return "adaptive " + " ".join(
+            f"{slot.batch}:{{{','.join(map(str, slot.steps))}}}" for slot in self.slots)
+
+    def __str__(self) -> str:
+        return self.label()
+
+
+ServerConfig = TreeConfig | Baseline | AdaptiveConfig
+
+
+def chain(steps: int) -> TreeConfig | Baseline:
+    """The static server an adaptive server runs at `steps`: the chain (S, 1, S+1), or
+    no drafting at 0."""
+    return TreeConfig.of(steps, 1, steps + 1) if steps else BASELINE
 
 
 def candidate_pool_size(steps: int, topk: int) -> int:

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.config import ADAPTIVE_PREFIX, BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
 
 
 @dataclass(frozen=True)
@@ -52,17 +52,24 @@ class CellResult:
 
 
 def config_key(config: ServerConfig) -> str:
-    """A stable text key: 'baseline' or 'S,K,N' ('METHOD:S,K,N' for a tree of another
-    draft method than the study's own, see TreeConfig.method)."""
+    """A stable text key: 'baseline', 'S,K,N' ('METHOD:S,K,N' for a tree of another
+    draft method than the study's own, see TreeConfig.method), or 'adaptive:1=1.2|32=1.2'
+    (AdaptiveConfig)."""
     if config is BASELINE:
         return "baseline"
+    if isinstance(config, AdaptiveConfig):
+        return config.key()
     assert isinstance(config, TreeConfig)
     method = f"{config.method}:" if config.method else ""
     return f"{method}{config.steps},{config.topk},{config.draft_tokens}"
 
 
 def config_from_key(key: str) -> ServerConfig:
-    return BASELINE if key == "baseline" else TreeConfig.parse(key)
+    if key == "baseline":
+        return BASELINE
+    if key.startswith(ADAPTIVE_PREFIX):
+        return AdaptiveConfig.parse(key)
+    return TreeConfig.parse(key)
 
 
 @dataclass

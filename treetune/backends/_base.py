@@ -74,6 +74,9 @@ class LaunchSpec:
     mem_fraction_static: float | None = None
     enable_metrics: bool = True
     extra_flags: tuple[tuple[str, str | None], ...] = field(default_factory=tuple)
+    # An adaptive server's JSON config file, as the server's command names it (the launch
+    # worker writes it next to the server's log; an export, next to the launch script).
+    adaptive_config_path: str | None = None
 
     def for_method(self, method: str) -> LaunchSpec:
         """The launch of a config of draft method `method` (a TreeConfig's; "": the

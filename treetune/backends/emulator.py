@@ -20,9 +20,9 @@ from treetune.backends._base import (
     register,
 )
 from treetune.backends.sglang import SGLANG_API, server_args, sglang_deployment
-from treetune.config import ServerConfig, TreeConfig
+from treetune.config import ServerConfig
 from treetune.errors import FieldError, InvalidTreeError, TreetuneError
-from treetune.results import config_key
+from treetune.results import config_from_key, config_key
 
 if TYPE_CHECKING:
     from treetune.perfmodel import Profile
@@ -57,11 +57,10 @@ class Fault:
         if self.after_requests is not None and (self.kind != "crash" or self.after_requests < 1):
             raise ValueError("fault after_requests must be >= 1, for crash faults only")
         for key in self.configs:
-            if key != "baseline":
-                try:
-                    TreeConfig.parse(key)
-                except InvalidTreeError as exc:
-                    raise ValueError(f"fault configs: {exc}") from None
+            try:
+                config_from_key(key)
+            except InvalidTreeError as exc:
+                raise ValueError(f"fault configs: {exc}") from None
 
     def applies(self, config_key: str, attempt: int) -> bool:
         if self.attempts is not None and attempt >= self.attempts:

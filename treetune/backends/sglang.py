@@ -24,7 +24,7 @@ from treetune.backends._base import (
     register,
 )
 from treetune.backends.sglang_adaptive import fallback_reason
-from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.perfmodel.profile import DEFAULT_METHOD
 
@@ -204,9 +204,19 @@ def check_algorithm(algorithm: str, draft: str | None) -> None:
 
 def speculative_args(config: ServerConfig, spec: LaunchSpec) -> list[str]:
     """The speculative flags: all three knobs together (NGRAM: its verify size and
-    breadth), or none for the baseline; the config's own draft method and its draft."""
+    breadth), or none for the baseline; the config's own draft method and its draft. An
+    adaptive server starts from its middle candidate chain (SGLang's own default, and it
+    must be a candidate) and reads its slots from the JSON file `spec` names."""
     if config is BASELINE:
         return []
+    adaptive: list[str] = []
+    if isinstance(config, AdaptiveConfig):
+        if spec.adaptive_config_path is None:
+            raise TreetuneError(f"{config} needs its JSON config file: no "
+                                "adaptive_config_path was given for the launch")
+        steps = config.initial_steps
+        adaptive = [ADAPTIVE_FLAG, ADAPTIVE_CONFIG_FLAG, spec.adaptive_config_path]
+        config = TreeConfig.of(steps, 1, steps + 1)
     assert isinstance(config, TreeConfig)
     spec = spec.for_method(config.method)  # a tree of another draft method of the study
     check_algorithm(spec.algorithm, spec.draft_model_path)
@@ -224,6 +234,7 @@ def speculative_args(config: ServerConfig, spec: LaunchSpec) -> list[str]:
         "--speculative-num-steps", str(config.steps),
         "--speculative-eagle-topk", str(config.topk),
         "--speculative-num-draft-tokens", str(config.draft_tokens),
+        *adaptive,
     ]
 
 

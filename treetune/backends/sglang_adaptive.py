@@ -20,7 +20,7 @@ import copy
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -261,3 +261,16 @@ class Schedule:
     def current(self) -> dict[str, int]:
         """The current steps per slot, keyed as in the config."""
         return {str(key): slot.steps for key, slot in self.slots.items()}
+
+
+def settled_steps(schedule: Schedule, batch: int, accepted: Callable[[int], float],
+                  verifies: int = 400) -> list[int]:
+    """The steps of the slot serving `batch` over the second half of `verifies` verifies,
+    each accepting `accepted(steps)` drafts per request (the mean a steady workload gives):
+    the chain the controller settles on, or the cycle it keeps going round."""
+    slot = schedule.slots[schedule.slot_key(batch)]
+    seen = []
+    for _ in range(verifies):
+        seen.append(slot.steps)
+        slot.verified([accepted(slot.steps)])  # type: ignore[list-item]
+    return seen[verifies // 2:]

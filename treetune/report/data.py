@@ -9,7 +9,7 @@ from pathlib import Path
 
 import optuna
 
-from treetune.config import TreeConfig
+from treetune.config import BASELINE, AdaptiveConfig, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.results import LaunchResult
 from treetune.study.evidence import judge, merge_all, study_noise
@@ -22,9 +22,10 @@ LAUNCHES = ":launches"
 
 @dataclass(frozen=True)
 class ConfigRow:
-    """One launched tree at one batch size, with everything the figures plot."""
+    """One launched tree (or adaptive server) at one batch size, with everything the
+    figures plot."""
 
-    config: TreeConfig
+    config: TreeConfig | AdaptiveConfig
     batch: int
     speedups: dict[str, float]  # dataset -> measured speedup over the baseline
     accept_length: float | None  # mean over datasets
@@ -54,13 +55,20 @@ class StudyData:
 
     def rows(self, batch: int | None = None) -> list[ConfigRow]:
         """Every measured tree at every (or one) batch size; empty before the baseline."""
+        return self._rows(TreeConfig, batch)
+
+    def adaptive_rows(self, batch: int | None = None) -> list[ConfigRow]:
+        """Every measured adaptive server at every (or one) batch size."""
+        return self._rows(AdaptiveConfig, batch)
+
+    def _rows(self, kind: type, batch: int | None) -> list[ConfigRow]:
         if self.baseline is None:
             return []
         names = self.spec.dataset_names
         noise = study_noise(self.results, self.spec.search.launch_cv)
         out = []
         for result in self.results:
-            if not result.ok or not isinstance(result.config, TreeConfig):
+            if not result.ok or not isinstance(result.config, kind):
                 continue
             for b in sorted(self.spec.batch):
                 if batch is not None and b != batch:
@@ -74,6 +82,7 @@ class StudyData:
                 tput = statistics.fmean(c.output_tok_s for c in cells if c)
                 accept = statistics.fmean(accepts) if accepts else None
                 step = b * (accept or 1.0) / tput if tput > 0 else float("nan")
+                assert isinstance(result.config, TreeConfig | AdaptiveConfig)
                 out.append(ConfigRow(result.config, b, per, accept, tput, step,
                                      verdict.feasible, result.config in self.spec.compare))
         return out
@@ -99,8 +108,7 @@ def load_study_data(source: str | Path, study: str | None = None) -> StudyData:
         spec = load_study(spec_path)
     stored = read_study(spec)
     results = list(merge_all(stored.results).values())  # one per config, re-launches merged
-    baseline = next((r for r in results if r.ok and not isinstance(r.config, TreeConfig)),
-                    None)
+    baseline = next((r for r in results if r.ok and r.config is BASELINE), None)
     recs = stored.recommendations
     if recs is None:  # stored before decisions were kept with the study: judge here
         recs = recommend(spec, results, baseline) if baseline else []

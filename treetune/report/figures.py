@@ -14,7 +14,7 @@ import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from treetune.config import TreeConfig
+from treetune.config import BASELINE, AdaptiveConfig, TreeConfig
 from treetune.report.data import ConfigRow, StudyData
 
 RED, GREEN, GREY, BLUE = "#d62728", "#2ca02c", "#7f7f7f", "#1f77b4"
@@ -66,21 +66,30 @@ def pareto_front(data: StudyData, batch_x: int | None = None,
     """Mean speedup at one batch size against another, per launched tree: the trade-off a
     single server pool has to make, with the non-dominated trees feasible at both joined.
     Feasibility and recommendations are per batch size, as the advice is: a tree ringed
-    as recommended for batch 1 may well regress at batch 32 (the case for two pools)."""
+    as recommended for batch 1 may well regress at batch 32 (the case for two pools).
+    Adaptive servers (SGLang's adaptive steps: one pool for every batch size) are stars,
+    one trace each."""
     batches = _batches(data)
     bx = batch_x if batch_x is not None else batches[0]
     by = batch_y if batch_y is not None else batches[-1]
     fig = go.Figure()
-    at = {b: {r.config: r for r in data.rows(b)} for b in {bx, by}}
-    configs = [c for c in at[bx] if c in at[by]]
-    verdicts = {c: {b: at[b][c].feasible for b in at} for c in configs}
+    at = {b: {r.config: r for r in data.rows(b) + data.adaptive_rows(b)} for b in {bx, by}}
+    everything = [c for c in at[bx] if c in at[by]]
+    configs = [c for c in everything if isinstance(c, TreeConfig)]
+    adaptive = [c for c in everything if isinstance(c, AdaptiveConfig)]
+    verdicts = {c: {b: at[b][c].feasible for b in at} for c in everything}
 
-    def point(c: TreeConfig) -> tuple[float, float]:
+    def size(c: TreeConfig | AdaptiveConfig) -> float:
+        if isinstance(c, TreeConfig):
+            return float(c.draft_tokens)
+        return float(max(c.slot_for(by).steps) + 1)  # its longest chain there
+
+    def point(c: TreeConfig | AdaptiveConfig) -> tuple[float, float]:
         if bx == by:  # one batch size: speedup against tree size
-            return float(c.draft_tokens), at[by][c].mean_speedup
+            return size(c), at[by][c].mean_speedup
         return at[bx][c].mean_speedup, at[by][c].mean_speedup
 
-    def hover(c: TreeConfig) -> str:
+    def hover(c: TreeConfig | AdaptiveConfig) -> str:
         return _hover([at[bx][c]] + ([at[by][c]] if by != bx else []))
 
     groups: dict[str, list[TreeConfig]] = {}
@@ -96,7 +105,15 @@ def pareto_front(data: StudyData, batch_x: int | None = None,
             customdata=[c.label() for c in members],
             hovertext=[f"{c.label()}: {name}<br>{hover(c)}" for c in members],
             hoverinfo="text", marker={"size": 9, **_marker(verdicts[members[0]], bx)}))
-    feasible = [c for c in configs if all(verdicts[c].values())]
+    for c in adaptive:
+        where = _where_feasible(verdicts[c])
+        fig.add_trace(go.Scatter(
+            x=[point(c)[0]], y=[point(c)[1]], mode="markers+text", name=f"{c.label()}: {where}",
+            text=["adaptive"], textposition="top center", customdata=[c.label()],
+            hovertext=[f"{c.label()}: {where}<br>{hover(c)}"], hoverinfo="text",
+            marker={"size": 14, "symbol": "star", "line": {"color": "#000000", "width": 1},
+                    "color": _marker(verdicts[c], bx)["color"]}))
+    feasible = [c for c in everything if all(verdicts[c].values())]
     front = [c for c in feasible if not any(
         point(o)[0] >= point(c)[0] and point(o)[1] >= point(c)[1] and point(o) != point(c)
         for o in feasible)] if bx != by else []
@@ -107,10 +124,9 @@ def pareto_front(data: StudyData, batch_x: int | None = None,
         # The mixed-workload advice of each batch size. No speculation is not a point here,
         # so the legend says it rather than show a ring with nothing in it.
         rec = data.recommended(batch)
-        picked = [rec.config] if rec is not None and rec.config in configs else []
+        picked = [rec.config] if rec is not None and rec.config in everything else []
         name = f"recommended for batch {batch}" + (
-            ": no speculation" if rec is not None and not isinstance(rec.config, TreeConfig)
-            else "")
+            ": no speculation" if rec is not None and rec.config is BASELINE else "")
         fig.add_trace(go.Scatter(
             x=[point(c)[0] for c in picked], y=[point(c)[1] for c in picked],
             mode="markers+text", name=name, text=[f"for batch {batch}" for c in picked],

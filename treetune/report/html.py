@@ -81,7 +81,8 @@ def _index(data: StudyData, outcome: ReportOutcome, out_dir: Path) -> str:
         speedups = ", ".join(e(label) for label in rec.speedup_labels())
         cell = f"<a href=\"{e(link)}\">{e(tree)}</a>" if script.is_file() else e(tree)
         rows.append(f"<tr><td>{e(rec.workload)}</td><td>{rec.batch}</td>"
-                    f"<td>{cell}</td><td>{speedups}</td><td>{e(rec.reason)}</td></tr>")
+                    f"<td>{cell}</td><td>{speedups}</td><td>{e(str(rec.kind))}</td>"
+                    f"<td>{e(rec.reason)}</td></tr>")
     figures = "".join(f"<li><a href=\"{e(p.name)}\">{e(p.stem)}</a></li>"
                       for p in outcome.figures)
     notices = "".join(f"<p class=\"notice\">{e(n)}</p>" for n in outcome.notices)
@@ -98,9 +99,11 @@ datasets {e(", ".join(spec.dataset_names))}; batch sizes {e(", ".join(map(str, s
 {notices}
 <p>Measured: {measured}.</p>
 <h2>Recommendations</h2>
-<p>Each tree links to its launch script: the production server command, sized for its batch.</p>
+<p>Each tree links to its launch script: the production server command, sized for its batch.
+Advice: static (one tree for every batch size), pools (one server pool per tree) or
+adaptive (one pool of SGLang's adaptive steps for every batch size).</p>
 <table><tr><th>workload</th><th>batch</th><th>tree (steps, topk, draft tokens)</th>
-<th>measured speedups [interval]</th><th>why</th></tr>
+<th>measured speedups [interval]</th><th>advice</th><th>why</th></tr>
 {"".join(rows)}</table>
 <h2>Figures</h2><ul>{figures}</ul>
 {f"<h2>Failed launches</h2><ul>{failed}</ul>" if failed else ""}

@@ -223,6 +223,19 @@ class Verdict:
         return statistics.fmean(i.mean for i in self.intervals.values())
 
     @property
+    def overall(self) -> Interval:
+        """The mean speedup over the datasets with the mean of their bounds: as wide as
+        the datasets' intervals (their errors share the launch's and the baseline's)."""
+        ivs = self.intervals.values()
+        return Interval(self.mean, statistics.fmean(i.low for i in ivs),
+                        statistics.fmean(i.high for i in ivs))
+
+    @property
+    def estimated(self) -> bool:
+        """Resting on the model's estimates, with no measurement behind it."""
+        return self.launches == 0
+
+    @property
     def feasible(self) -> bool:
         """Surely no regression: every dataset's lower bound clears the floor."""
         return all(i.low >= self.floor for i in self.intervals.values())
@@ -237,6 +250,11 @@ class Verdict:
         """Feasible, and resting on enough launches (or on a margin no launch noise
         explains away): what a recommendation needs."""
         return self.feasible and (self.sure or self.launches >= self.needs_launches)
+
+    @property
+    def possible(self) -> bool:
+        """Not surely slower on any dataset: every interval reaches the floor."""
+        return all(i.high >= self.floor for i in self.intervals.values())
 
     @property
     def borderline(self) -> bool:
@@ -267,6 +285,22 @@ def judge(result: LaunchResult, baseline: LaunchResult, batch: int, datasets: li
                for i in intervals(result, baseline, batch, datasets, noise, Z_SURE).values())
     return Verdict(result.config, batch, ivs, floor, rank, launches_of(result), sure,
                    needs_launches)
+
+
+def estimated_verdict(config: ServerConfig, batch: int, datasets: list[str], tolerance: float,
+                      estimates: Estimates | None) -> Verdict | None:
+    """What the model says of a config nobody measured, as a verdict (no launches, so never
+    confirmed); None when the model has no estimate for some dataset."""
+    if not estimates or any((config, batch, d) not in estimates for d in datasets):
+        return None
+    ivs = {}
+    for d in datasets:
+        log_mean, variance = estimates[config, batch, d]  # type: ignore[index]
+        sd = math.sqrt(max(variance, 0.0))
+        ivs[d] = Interval(math.exp(log_mean), math.exp(log_mean - Z_LOWER * sd),
+                          math.exp(log_mean + Z_LOWER * sd))
+    rank = statistics.fmean(i.mean for i in ivs.values())
+    return Verdict(config, batch, ivs, floor_of(tolerance), rank, launches=0)
 
 
 def best(verdicts: Iterable[Verdict]) -> Verdict | None:

@@ -1,10 +1,13 @@
 """Recommendations as files: recommendations.yaml/.json, a paste-ready launch script per
 recommendation and, next to each, the engine's config file and a container argument list;
 when batch sizes want different trees, POOLS.md on running one server pool per tree behind
-SGLang's router. What production runs comes from the study's backend."""
+SGLang's router; when one adaptive server serves every batch size, one script for it, its
+JSON config next to it, the equivalent chain schedules for vLLM and TensorRT-LLM, and
+ADAPTIVE.md. What production runs comes from the study's backend."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -13,12 +16,24 @@ from pathlib import Path
 import yaml
 
 from treetune.backends import Deployment, shell_line
-from treetune.config import BASELINE, ServerConfig, TreeConfig
-from treetune.study.recommend import MIXED, Recommendation, pools_advice
+from treetune.backends.chain_schedules import ChainSchedule, trtllm_schedule, vllm_schedule
+from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
+from treetune.study.recommend import (
+    ADAPTIVE,
+    MIXED,
+    Recommendation,
+    adaptive_advice,
+    pools_advice,
+    script_name,
+)
 from treetune.study.spec import StudySpec
 from treetune.yamlio import dump_yaml
 
 POOLS_FILE = "POOLS.md"
+ADAPTIVE_FILE = "ADAPTIVE.md"
+# Where a launch script's adaptive config is: next to the script, wherever it is run from.
+# The word stands for it in the command line until the script says it in shell.
+_NEXT_TO_SCRIPT = "TREETUNE_ADAPTIVE_CONFIG"
 SERVER_PORT_BASE = 30000  # pool i serves on 30000 + i
 ROUTER_PORT_BASE = 31000  # its router on 31000 + i
 ROUTER_METRICS_PORT_BASE = 29000  # the router's Prometheus port defaults to 29000: one each
@@ -28,6 +43,8 @@ def server(rec: Recommendation) -> str:
     """What a recommendation runs, in words: 'EAGLE3 tree (3,1,4)' or 'no speculation'."""
     if rec.config is BASELINE:
         return "no speculation"
+    if isinstance(rec.config, AdaptiveConfig):
+        return f"{rec.method} {rec.config}" if rec.method else str(rec.config)
     tree = (dataclasses.replace(rec.config, method="")
             if isinstance(rec.config, TreeConfig) else rec.config)
     return f"{rec.method} tree {tree}" if rec.method else f"tree {tree}"
@@ -41,35 +58,79 @@ def args_name(rec: Recommendation) -> str:
     return rec.script_name.removesuffix(".sh") + ".args.json"
 
 
-def deployment(spec: StudySpec, rec: Recommendation, port: int | None = None) -> Deployment:
+def adaptive_name(workload: str) -> str:
+    """An adaptive server's JSON config, next to its launch script."""
+    return f"launch/{workload}.adaptive.json"
+
+
+def vllm_name(workload: str) -> str:
+    return f"launch/{workload}.vllm-schedule.json"
+
+
+def trtllm_name(workload: str) -> str:
+    return f"launch/{workload}.trtllm-schedule.json"
+
+
+def sized_for(spec: StudySpec, rec: Recommendation) -> int:
+    """The batch a recommendation's server is sized for: its own, or for an adaptive pool,
+    which serves every batch size, the largest."""
+    return spec.max_batch if isinstance(rec.config, AdaptiveConfig) else rec.batch
+
+
+def deployment(spec: StudySpec, rec: Recommendation, port: int | None = None,
+               adaptive_path: str | None = None) -> Deployment:
     """How production runs one recommendation, sized for its batch; without --api-key,
-    which each output references in its own syntax."""
+    which each output references in its own syntax. An adaptive server's JSON config is
+    named as `adaptive_path`, by default by its file name (next to the config file and
+    the container's argument list, in the launch folder)."""
     base = spec.launch_spec() if port is None else spec.launch_spec(port=port)
-    launch = dataclasses.replace(base, max_running_requests=rec.batch, cuda_graph_max_bs=rec.batch)
+    batch = sized_for(spec, rec)
+    path = None
+    if isinstance(rec.config, AdaptiveConfig):
+        path = adaptive_path or Path(adaptive_name(rec.workload)).name
+    launch = dataclasses.replace(base, max_running_requests=batch, cuda_graph_max_bs=batch,
+                                 adaptive_config_path=path)
     return spec.backend.deployment(launch, rec.config)
 
 
-def launch_argv(spec: StudySpec, rec: Recommendation, port: int | None = None) -> list[str]:
-    return deployment(spec, rec, port).argv
+def launch_argv(spec: StudySpec, rec: Recommendation, port: int | None = None,
+                adaptive_path: str | None = None) -> list[str]:
+    return deployment(spec, rec, port, adaptive_path).argv
 
 
-def launch_script(spec: StudySpec, rec: Recommendation) -> str:
+def launch_script(spec: StudySpec, rec: Recommendation,
+                  group: list[Recommendation] | None = None) -> str:
     """A POSIX sh script: the study's environment and the full, quoted command for the
-    study's engine version, sized for this batch."""
-    argv = launch_argv(spec, rec)
+    study's engine version, sized for this batch. `group`: every recommendation the
+    script serves (an adaptive pool's, one per batch size), for its header."""
+    group = sorted(group or [rec], key=lambda r: r.batch)
+    argv = launch_argv(spec, rec, adaptive_path=_NEXT_TO_SCRIPT)
     if spec.api_key_env:
         argv += ["--api-key", f"${{{spec.api_key_env}}}"]
-    lines = ["#!/bin/sh",
-             f"# treetune study '{spec.name}': {rec.workload} workload at batch {rec.batch}",
-             f"# {server(rec)}; measured speedups [interval]: "
-             + ", ".join(rec.speedup_labels()),
-             f"# {rec.reason}"]
+    if isinstance(rec.config, AdaptiveConfig):
+        batches = ", ".join(str(r.batch) for r in group)
+        lines = ["#!/bin/sh",
+                 f"# treetune study '{spec.name}': {rec.workload} workload, one adaptive "
+                 f"pool for batch {batches}",
+                 f"# {rec.config}; its slots in {Path(adaptive_name(rec.workload)).name}"]
+        lines += [f"# batch {r.batch}: measured speedups [interval]: "
+                  + ", ".join(r.speedup_labels()) for r in group]
+    else:
+        lines = ["#!/bin/sh",
+                 f"# treetune study '{spec.name}': {rec.workload} workload at batch "
+                 f"{rec.batch}",
+                 f"# {server(rec)}; measured speedups [interval]: "
+                 + ", ".join(rec.speedup_labels())]
+    lines.append(f"# {rec.reason}")
     lines += [f"export {k}={shell_line([v])}" for k, v in sorted(spec.env.items())]
     command = shell_line(argv)
     if spec.api_key_env:
         # The key stays in the environment: the script names the variable, never its value.
         command = command.replace(shell_line([f"${{{spec.api_key_env}}}"]),
                                   f'"${{{spec.api_key_env}}}"')
+    if isinstance(rec.config, AdaptiveConfig):
+        command = command.replace(shell_line([_NEXT_TO_SCRIPT]),
+                                  f'"$(dirname "$0")/{Path(adaptive_name(rec.workload)).name}"')
     lines.append(f"exec {command}")
     return "\n".join(lines) + "\n"
 
@@ -84,6 +145,11 @@ def config_file(spec: StudySpec, rec: Recommendation) -> str | None:
              f"{shell_line([*found.config_command, config_name(rec)])}",
              f"# treetune study '{spec.name}': {rec.workload} workload at batch {rec.batch}, "
              + server(rec)]
+    if isinstance(rec.config, AdaptiveConfig):
+        lines[1] = (f"# treetune study '{spec.name}': {rec.workload} workload, {rec.config} "
+                    f"for every batch size")
+        lines.append(f"# run it from the folder of {Path(adaptive_name(rec.workload)).name}, which "
+                     "the adaptive config path names")
     if spec.env:
         lines.append("# environment: " + " ".join(f"{k}={shell_line([v])}"
                                                   for k, v in sorted(spec.env.items())))
@@ -201,22 +267,95 @@ def _reachable(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def chain_schedule(spec: StudySpec, config: AdaptiveConfig) -> ChainSchedule:
+    """The static chain schedule an adaptive config amounts to: per slot its longest
+    candidate (for a tuned config, the best chain measured at that batch size)."""
+    return ChainSchedule(tuple((slot.batch, max(slot.steps)) for slot in config.slots),
+                         spec.max_batch)
+
+
+def adaptive_pools(recs: list[Recommendation]) -> dict[str, list[Recommendation]]:
+    """Per workload, the adaptive server's recommendations, one per batch size: the advice,
+    or the alternative to it."""
+    pools: dict[str, list[Recommendation]] = {}
+    for rec in sorted(recs, key=lambda r: r.batch):
+        pick = rec if isinstance(rec.config, AdaptiveConfig) else rec.alternative
+        if pick is not None:
+            pools.setdefault(rec.workload, []).append(pick)
+    return pools
+
+
+def adaptive_readme(spec: StudySpec, recs: list[Recommendation]) -> str | None:
+    """ADAPTIVE.md: the adaptive pools (the advice, or the alternative to it) and the files
+    next to their scripts; None when no workload has one."""
+    pools = adaptive_pools(recs)
+    if not pools:
+        return None
+    advice = adaptive_advice(recs)
+    out = [f"# Adaptive steps for study '{spec.name}'", ""]
+    if advice:
+        out += [f"treetune advice: {advice}.", ""]
+    out += ["SGLang's `--speculative-adaptive` serves chains (topk 1) and switches their "
+            "length at run time, per batch-size slot, among the slot's candidate steps. "
+            "treetune measured the adaptive config below like any tree, on every cell, and "
+            "recommends it where it is as fast as the best static tree of each batch size "
+            "within the noise; where it is not, it is the alternative: one pool, at the "
+            "cost measured below.", ""]
+    for workload, group in pools.items():
+        rec = group[-1]
+        config = rec.config
+        assert isinstance(config, AdaptiveConfig)
+        advised = any(r.config == config for r in recs if r.workload == workload)
+        out += [f"## {workload}: " + ("the advice" if advised else
+                                      "an alternative, not the advice"), ""]
+        out += [f"- batch {r.batch}: {r.reason}" for r in group]
+        out += ["",
+                f"- SGLang: `{rec.script_name}` runs `{config}` with "
+                f"`{adaptive_name(rec.workload)}` (sized for batch {sized_for(spec, rec)}).",
+                "", "| slot (running batch from) | candidate steps |", "|---|---|"]
+        out += [f"| {slot.batch} | {', '.join(map(str, slot.steps))} |" for slot in config.slots]
+        schedule = chain_schedule(spec, config)
+        out += ["", "The same per-batch-size chains as a fixed schedule (each slot's longest "
+                "candidate), for engines treetune does not launch: advice, not measured on "
+                "those engines.", "",
+                f"- vLLM: `{vllm_name(rec.workload)}` is a `--speculative-config` JSON "
+                "(`num_speculative_tokens_per_batch_size`).",
+                f"- TensorRT-LLM: `{trtllm_name(rec.workload)}` holds `speculative_config` "
+                "(`draft_len_schedule`) for the LLM API options file."]
+        try:
+            _, notes = trtllm_schedule(schedule, spec.algorithm, spec.draft)
+        except ValueError as exc:
+            notes = [f"not written: {exc}"]
+        out += [f"  - {note}" for note in notes]
+        out.append("")
+    return "\n".join(out)
+
+
 def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path) -> None:
     """recommendations.yaml/.json, one launch script per recommendation and, next to each
     script, `.args.json` and `.config.yaml` (when the engine version reads config files);
-    POOLS.md when batch sizes want different trees. Files that no longer apply (a re-run
-    changed the advice) are removed."""
+    POOLS.md when batch sizes want different trees; for an adaptive pool (the advice, or
+    the alternative to it) one script (for all batch sizes), its JSON config, the vLLM and
+    TensorRT-LLM schedules and ADAPTIVE.md.
+    Files that no longer apply (a re-run changed the advice) are removed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "launch").mkdir(exist_ok=True)
     records = [r.record() for r in recs]
     (out_dir / "recommendations.json").write_text(json.dumps(records, indent=1) + "\n")
     advice = pools_advice(recs)
+    adaptive = adaptive_advice(recs)
     dump_yaml({"study": spec.name, "tolerance": spec.tolerance,
-               **({"pools": advice} if advice else {}), "recommendations": records},
+               **({"pools": advice} if advice else {}),
+               **({"adaptive": adaptive} if adaptive else {}), "recommendations": records},
               out_dir / "recommendations.yaml")
-    for rec in recs:
+    groups: dict[str, list[Recommendation]] = {}
+    alternatives = [r.alternative for r in recs if r.alternative is not None]
+    for rec in (*recs, *alternatives):
+        groups.setdefault(rec.script_name, []).append(rec)
+    for group in groups.values():
+        rec = max(group, key=lambda r: r.batch)  # an adaptive pool is sized for the largest
         script = out_dir / rec.script_name
-        script.write_text(launch_script(spec, rec))
+        script.write_text(launch_script(spec, rec, group))
         script.chmod(0o755)
         (out_dir / args_name(rec)).write_text(json.dumps(container_args(spec, rec), indent=1)
                                               + "\n")
@@ -226,8 +365,40 @@ def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path) ->
             config.write_text(text)
         else:
             config.unlink(missing_ok=True)
-    readme = pools_readme(spec, recs)
-    if readme:
-        (out_dir / POOLS_FILE).write_text(readme)
+    pools = adaptive_pools(recs)
+    for workload in {r.workload for r in recs}:
+        _write_adaptive(spec, pools[workload][-1] if workload in pools else None, workload,
+                        out_dir)
+    for name, text in ((POOLS_FILE, pools_readme(spec, recs)),
+                       (ADAPTIVE_FILE, adaptive_readme(spec, recs))):
+        if text:
+            (out_dir / name).write_text(text)
+        else:
+            (out_dir / name).unlink(missing_ok=True)
+
+
+def _write_adaptive(spec: StudySpec, rec: Recommendation | None, workload: str,
+                    out_dir: Path) -> None:
+    """An adaptive pool's files for one workload, or none (removed if an earlier run
+    wrote them)."""
+    files: dict[str, object] = dict.fromkeys(
+        (adaptive_name(workload), vllm_name(workload), trtllm_name(workload)))
+    if rec is not None:
+        config = rec.config
+        assert isinstance(config, AdaptiveConfig)
+        schedule = chain_schedule(spec, config)
+        files[adaptive_name(workload)] = config.to_json()
+        files[vllm_name(workload)] = vllm_schedule(schedule, spec.algorithm, spec.draft)
+        with contextlib.suppress(ValueError):  # ADAPTIVE.md says why
+            files[trtllm_name(workload)] = trtllm_schedule(schedule, spec.algorithm,
+                                                           spec.draft)[0]
     else:
-        (out_dir / POOLS_FILE).unlink(missing_ok=True)
+        script = script_name(workload, 0, ADAPTIVE)
+        for name in (script, script.removesuffix(".sh") + ".args.json",
+                     script.removesuffix(".sh") + ".config.yaml"):
+            (out_dir / name).unlink(missing_ok=True)
+    for name, data in files.items():
+        if data is None:
+            (out_dir / name).unlink(missing_ok=True)
+        else:
+            (out_dir / name).write_text(json.dumps(data, indent=1) + "\n")

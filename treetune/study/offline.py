@@ -13,7 +13,8 @@ import numpy as np
 import optuna
 
 from treetune.backends.sglang import profile_method
-from treetune.config import ServerConfig, TreeConfig
+from treetune.backends.sglang_adaptive import Schedule, graph_batch_sizes, settled_steps
+from treetune.config import AdaptiveConfig, ServerConfig, TreeConfig, chain
 from treetune.perfmodel import PerfModel, check_memory
 from treetune.perfmodel.noise import lognormal_factor
 from treetune.results import CellResult, LaunchResult
@@ -43,12 +44,28 @@ def _method_model(truth: PerfModel, method: str) -> PerfModel:
     return PerfModel(truth.profile, truth.cost.tp, method=profile_method(method))
 
 
+def adaptive_throughput(truth: PerfModel, config: AdaptiveConfig, batch: int, dataset: str,
+                        max_batch: int) -> tuple[float, float]:
+    """Throughput and accept length of an adaptive server in steady state at `batch`, as
+    the emulator serves it: the batch routed through the CUDA-graph sizes to its slot,
+    whose controller is fed the truth's mean accepted drafts of the chain it runs; the
+    chains it settles on (or cycles through) timed and accepted as static chains."""
+    schedule = Schedule(config.to_json(), config.initial_steps, graph_batch_sizes(max_batch))
+    steps = settled_steps(schedule, batch,
+                          lambda s: truth.accept_length(chain(s), dataset) - 1)
+    tokens = sum(truth.accept_length(chain(s), dataset) for s in steps)
+    seconds = sum(truth.round_time(chain(s), batch, dataset).total_s for s in steps)
+    return batch * tokens / seconds, tokens / len(steps)
+
+
 def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
                     rng: np.random.Generator, noise: Noise) -> LaunchResult:
     """What a launch of `config` would measure, drawn from the truth with noise (the
     truth of its draft method, see `method_truth`)."""
     truth = method_truth(truth, config)
-    if not check_memory(truth.profile, config, max(spec.batch), tp=truth.cost.tp,
+    # SGLang sizes an adaptive server for its longest candidate chain.
+    sized = config.longest if isinstance(config, AdaptiveConfig) else config
+    if not check_memory(truth.profile, sized, max(spec.batch), tp=truth.cost.tp,
                         method=truth.method).fits:
         return LaunchResult(config, reason="RuntimeError: Not enough memory (emulated)",
                             exit_code=1)
@@ -57,13 +74,19 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
     cells = []
     for batch in spec.batch:
         for dataset in spec.dataset_names:
-            tput = truth.throughput(config, batch, dataset) * launch
+            accept = None
+            if isinstance(config, AdaptiveConfig):
+                tput, accept = adaptive_throughput(truth, config, batch, dataset,
+                                                   max(spec.batch))
+            else:
+                tput = truth.throughput(config, batch, dataset)
+                if isinstance(config, TreeConfig):
+                    accept = truth.accept_length(config, dataset)
+            tput *= launch
             windows = tuple(tput * lognormal_factor(noise.measurement_cv, rng)
                             for _ in range(repeats))
-            accept = None
-            if isinstance(config, TreeConfig):
-                accept = truth.accept_length(config, dataset) * lognormal_factor(
-                    noise.accept_cv, rng)
+            if accept is not None:
+                accept *= lognormal_factor(noise.accept_cv, rng)
             cells.append(CellResult(dataset, batch, float(np.mean(windows)), accept,
                                     requests=batch, output_tokens=0, duration_s=0.0,
                                     ttft=None, tpot=None, repeats=windows))
@@ -98,4 +121,4 @@ def run_offline(spec: StudySpec, truth: PerfModel, seed: int, launches: int,
     return planner
 
 
-__all__ = ["Noise", "method_truth", "run_offline", "simulate_launch"]
+__all__ = ["Noise", "adaptive_throughput", "method_truth", "run_offline", "simulate_launch"]

@@ -9,6 +9,11 @@ borderline config that could become a recommendation is re-measured (the baselin
 while it has fewer launches, since its noise shifts every speedup), unless the strategy
 forecasts a proposal well above the best measured tree (for a launch or two); then the
 strategy's proposal.
+
+With `adaptive: true`, chains of ADAPTIVE_CHAIN_STEPS are queued after the compared
+configs; once they are all measured, SGLang's default adaptive config and the one tuned
+from them (derived once: study/schedule.py) are queued, and re-launched while a verdict on
+them is unsettled. Adaptive configs are candidates like trees, but no strategy sees them.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 
 from treetune import strategies
 from treetune.backends import BackendFacts, gather_facts
-from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.perfmodel import Profile, load_profile
 from treetune.perfmodel.prior import neutral_prior, with_datasets
 from treetune.results import LaunchResult, config_key
@@ -42,6 +47,7 @@ from treetune.study.evidence import (
 )
 from treetune.study.methods import search_methods
 from treetune.study.recommend import Recommendation, recommend
+from treetune.study.schedule import Tuning, adaptive_chains, tune
 from treetune.study.spec import StudySpec
 from treetune.study.storage import StudyStore
 
@@ -97,6 +103,8 @@ class Planner:
         self.deferred = 0  # re-measurements put off in a row for forecast gains
         self.queue: list[Task] = [Task(c) for c in (BASELINE, *spec.compare)
                                   if config_key(c) not in self.results]
+        self.queue += self._adaptive_chains()
+        self.tuning: Tuning | None = None  # the adaptive config tuned from the chains
         self.pending: list[tuple[LaunchResult, Proposal | None]] = []
         self.floor = floor_of(spec.tolerance)
         self.studies = BatchStudies(store, space)
@@ -117,6 +125,7 @@ class Planner:
             search = search_methods(spec, store, space, context)
             self.studies, self.strategy = search.studies, search.strategy  # type: ignore[assignment]
             self.strategy_name, self.note = search.strategy_name, search.note
+        self._plan_adaptive()  # a resumed study may be ready for them
 
     # ---- state ------------------------------------------------------------------------
     @property
@@ -281,6 +290,50 @@ class Planner:
                 return self._baseline_first(key, busy)
         return None
 
+    # ---- adaptive steps ---------------------------------------------------------------
+    def _adaptive_chains(self) -> list[Task]:
+        """The chains the tuning reads, measured like compared configs (`adaptive: true`)."""
+        if not self.spec.adaptive:
+            return []
+        return [Task(c) for c in adaptive_chains() if not self.is_known(config_key(c))]
+
+    def _plan_adaptive(self) -> None:
+        """Once the baseline and every chain are measured: SGLang's default adaptive
+        config and the tuned one, queued (so before the strategy's next proposal); then a
+        re-launch of one whose verdict is unsettled at some batch size, one at a time."""
+        if not self.spec.adaptive or self.baseline is None:
+            return
+        waiting = {t.key for t in (*self.queue, *self.in_flight)}
+        if any(config_key(c) in waiting for c in adaptive_chains()):
+            return  # the tuning waits for every chain
+        known = [c for c in (*(r.config for r in self.results.values()),
+                             *(t.config for t in (*self.queue, *self.in_flight)))
+                 if isinstance(c, AdaptiveConfig)]
+        configs = [AdaptiveConfig.sglang_default()]
+        if self.tuning is None and all(c.is_sglang_default for c in known):
+            self.tuning = tune(self.spec.batch, self.spec.dataset_names, self.spec.tolerance,
+                               self.results.values(), self.baseline, self.noise(),
+                               self.strategy.estimates(adaptive_chains()))
+            if self.tuning.config is not None:
+                configs.append(self.tuning.config)
+        self.queue += [Task(c) for c in configs if not self.is_known(config_key(c))]
+        if any(isinstance(t.config, AdaptiveConfig) for t in (*self.queue, *self.in_flight)):
+            return
+        limit = self.spec.search.max_launches_per_config
+        unsettled: list[tuple[float, str]] = []  # (mean rank over batch sizes, key)
+        for key, result in self.results.items():
+            if (not isinstance(result.config, AdaptiveConfig) or not result.ok
+                    or launches_of(result) >= limit or key in waiting):
+                continue
+            verdicts = [judge(result, self.baseline, b, self.spec.dataset_names,
+                              self.spec.tolerance, self.noise(),
+                              needs_launches=self.spec.search.confirming_launches)
+                        for b in self.spec.batch]
+            if any(v.unsettled for v in verdicts):
+                unsettled.append((statistics.fmean(v.rank for v in verdicts), key))
+        if unsettled:  # the likelier recommendation first
+            self.queue.append(self._baseline_first(max(unsettled)[1], waiting))
+
     # ---- what happened ----------------------------------------------------------------
     def finish(self, task: Task, result: LaunchResult) -> LaunchResult:
         """Record a finished launch; returns the config's merged result."""
@@ -295,6 +348,7 @@ class Planner:
                 self.studies.record(proposal.trials if proposal else [], told, self.baseline)
                 self.strategy.observe(told, self.baseline)
             self.pending.clear()
+        self._plan_adaptive()
         return merged
 
     def requeue(self, task: Task) -> None:

@@ -1,19 +1,62 @@
 """Recommendations: per batch size, the best feasible config for the mixed workload and for
-each dataset alone, with the evidence. `export` turns them into files."""
+each dataset alone, with the evidence. `export` turns them into files.
+
+Each workload's advice is of one of three kinds (`Recommendation.kind`):
+- static: one tree (or no speculation) is the best confirmed config at every batch size;
+- pools: batch sizes want different trees: one server pool per tree;
+- adaptive: one pool running SGLang's adaptive steps with a measured adaptive config. It is
+  chosen when that config is confirmed feasible at every batch size (every dataset's lower
+  bound clears the floor, on enough launches; where its slot never drafts, not surely
+  slower, since plain decoding cannot be proven faster) and at each batch size the upper
+  bound of its mean speedup reaches the static pick's mean speedup (as good within the
+  noise). Where one static tree would do, it must also be no worse on the means at any
+  batch size. Of several such configs, the best mean rank over the batch sizes.
+When no adaptive config qualifies but one is surely feasible at every batch size, it is
+kept as the workload's `alternative` (one pool, at the measured cost it says), and
+exported next to the recommendation.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.results import LaunchResult, config_from_key, config_key
-from treetune.study.evidence import Estimates, Verdict, best, judge, merge_all, study_noise
+from treetune.study.evidence import (
+    Estimates,
+    StudyNoise,
+    Verdict,
+    best,
+    judge,
+    merge_all,
+    study_noise,
+)
+from treetune.study.schedule import estimated_steps
 from treetune.study.spec import StudySpec
 
 MIXED = "mixed"
+
+
+class Advice(enum.StrEnum):
+    """The kind of a workload's advice (recommendations.json's `kind`)."""
+
+    STATIC = "static"  # one tree, or no speculation, at every batch size
+    POOLS = "pools"  # one server pool per tree, batch sizes wanting different trees
+    ADAPTIVE = "adaptive"  # one pool of SGLang's adaptive steps
+
+
+STATIC, POOLS, ADAPTIVE = Advice.STATIC, Advice.POOLS, Advice.ADAPTIVE
+
+
+def script_name(workload: str, batch: int, kind: Advice = STATIC) -> str:
+    """One launch script per batch size; one for an adaptive pool, which serves them all."""
+    if kind is ADAPTIVE:
+        return f"launch/{workload}-adaptive.sh"
+    return f"launch/{workload}-batch{batch}.sh"
 
 
 @dataclass(frozen=True)
@@ -25,6 +68,10 @@ class Recommendation:
     reason: str
     intervals: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     method: str | None = None  # the draft method (SGLang algorithm) it runs; None: none
+    kind: Advice = STATIC  # the workload's advice
+    # One adaptive pool instead, surely feasible at every batch size but not chosen (its
+    # reason says what it would cost here); None when none is, or when it is the advice.
+    alternative: Recommendation | None = None
 
     @property
     def mean_speedup(self) -> float:
@@ -32,14 +79,20 @@ class Recommendation:
 
     @property
     def script_name(self) -> str:
-        return f"launch/{self.workload}-batch{self.batch}.sh"
+        return script_name(self.workload, self.batch, self.kind)
+
+    def label(self) -> str:
+        return "no speculation" if self.config is BASELINE else self.config.label()
 
     def record(self) -> dict[str, Any]:
-        """The stable JSON record of recommendations.json."""
+        """The stable JSON record of recommendations.json (steps, topk and draft_tokens
+        are null for no speculation and for an adaptive server: see `config`)."""
         tree = self.config if isinstance(self.config, TreeConfig) else None
         return {
             "workload": self.workload,
             "batch": self.batch,
+            "kind": str(self.kind),
+            "config": config_key(self.config),
             "steps": tree.steps if tree else None,
             "topk": tree.topk if tree else None,
             "draft_tokens": tree.draft_tokens if tree else None,
@@ -49,21 +102,26 @@ class Recommendation:
                           for k, (lo, hi) in self.intervals.items()},
             "launch_script": self.script_name,
             "reason": self.reason,
+            "alternative": self.alternative.record() if self.alternative else None,
         }
 
     @classmethod
     def from_record(cls, record: dict[str, Any], algorithm: str | None = None
                     ) -> Recommendation:
-        """Back from `record()` (as stored with the study); `algorithm`: the study's own
-        method, whose trees carry none (None: every record is of the study's own)."""
+        """Back from `record()` (as stored with the study, also before `config` was kept);
+        `algorithm`: the study's own method, whose trees carry none (None: every record is
+        of the study's own)."""
         knobs = (record["steps"], record["topk"], record["draft_tokens"])
         method = record.get("method")
         tag = f"{method}:" if method and algorithm is not None and method != algorithm else ""
-        config = (BASELINE if knobs[0] is None
+        config = (config_from_key(record["config"]) if "config" in record
+                  else BASELINE if knobs[0] is None
                   else config_from_key(tag + ",".join(map(str, knobs))))
         return cls(record["workload"], record["batch"], config, dict(record["speedups"]),
                    record["reason"], {k: (lo, hi) for k, (lo, hi) in record["intervals"].items()},
-                   method)
+                   method=method, kind=Advice(record.get("kind", STATIC)),
+                   alternative=(cls.from_record(record["alternative"], algorithm)
+                                if record.get("alternative") else None))
 
     def speedup_labels(self) -> list[str]:
         """'dataset 1.234 [1.201, 1.268]' per dataset."""
@@ -74,8 +132,10 @@ class Recommendation:
 
 def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResult,
               estimates: Estimates | None = None) -> list[Recommendation]:
-    """Per batch size and workload, the measured config with the best rank among those
-    surely feasible (see `evidence.judge`). Several launches of one config are merged first.
+    """Per batch size and workload, the measured tree with the best rank among those
+    surely feasible (see `evidence.judge`), or for every batch size of a workload one
+    adaptive server (see the module's rule). Several launches of one config are merged
+    first.
 
     With model `estimates` (the model search's fitted model, which pools every launch),
     the ranking blends each measured speedup with the model's estimate; feasibility always
@@ -83,33 +143,97 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
     merged = merge_all(results)
     baseline = merged.get("baseline", baseline)
     measured = [r for r in merged.values() if r.ok and isinstance(r.config, TreeConfig)]
+    adaptive = [r for r in merged.values() if r.ok and isinstance(r.config, AdaptiveConfig)]
     noise = study_noise(merged.values(), spec.search.launch_cv)
-    out = []
-    for batch in sorted(spec.batch):
-        workloads = [(MIXED, spec.dataset_names)] + [(d, [d]) for d in spec.dataset_names]
-        for workload, names in workloads:
-            verdicts = [judge(r, baseline, batch, names, spec.tolerance, noise, estimates,
-                              spec.search.confirming_launches) for r in measured]
-            chosen = best(verdicts)
-            if chosen is None:
-                out.append(Recommendation(workload, batch, BASELINE, {d: 1.0 for d in names},
-                                          _why_none(verdicts, batch)))
-                continue
-            per = {d: i.mean for d, i in chosen.intervals.items()}
-            confirmed = sum(v.confirmed for v in verdicts)
-            once = sum(v.feasible and not v.confirmed for v in verdicts)
-            unsure = sum(v.borderline for v in verdicts)
-            reason = (f"best mean speedup {chosen.mean:.3f} of {confirmed} surely feasible "
-                      f"configs out of {len(verdicts)} measured"
-                      + (f" ({unsure} more were not slower on average but their interval "
-                         "reaches below the floor)" if unsure else "")
-                      + (f" ({once} more looked feasible on a single launch, not yet "
-                         "confirmed by a second)" if once else ""))
-            out.append(Recommendation(
-                workload, batch, chosen.config, per, reason,
-                {d: (i.low, i.high) for d, i in chosen.intervals.items()},
-                spec.method_of(chosen.config)))
-    return out
+    batches = sorted(spec.batch)
+    workloads = [(MIXED, spec.dataset_names)] + [(d, [d]) for d in spec.dataset_names]
+    chosen: dict[tuple[str, int], Recommendation] = {}
+    for workload, names in workloads:
+        static = {batch: _static(spec, workload, names, batch, measured, baseline, noise,
+                                 estimates) for batch in batches}
+        kind = POOLS if len({r.config for r in static.values()}) > 1 else STATIC
+        pick, alternative = _adaptive(spec, workload, names, static, adaptive, baseline,
+                                      noise, kind, list(merged.values()))
+        for batch in batches:
+            chosen[workload, batch] = (pick[batch] if pick else dataclasses.replace(
+                static[batch], kind=kind,
+                alternative=alternative[batch] if alternative else None))
+    return [chosen[workload, batch] for batch in batches for workload, _ in workloads]
+
+
+def _static(spec: StudySpec, workload: str, names: list[str], batch: int,
+            measured: list[LaunchResult], baseline: LaunchResult, noise: StudyNoise,
+            estimates: Estimates | None) -> Recommendation:
+    """The best confirmed tree at one batch size, or no speculation, and why."""
+    verdicts = [judge(r, baseline, batch, names, spec.tolerance, noise, estimates,
+                      spec.search.confirming_launches) for r in measured]
+    chosen = best(verdicts)
+    if chosen is None:
+        return Recommendation(workload, batch, BASELINE, {d: 1.0 for d in names},
+                              _why_none(verdicts, batch))
+    per = {d: i.mean for d, i in chosen.intervals.items()}
+    confirmed = sum(v.confirmed for v in verdicts)
+    once = sum(v.feasible and not v.confirmed for v in verdicts)
+    unsure = sum(v.borderline for v in verdicts)
+    reason = (f"best mean speedup {chosen.mean:.3f} of {confirmed} surely feasible "
+              f"configs out of {len(verdicts)} measured"
+              + (f" ({unsure} more were not slower on average but their interval "
+                 "reaches below the floor)" if unsure else "")
+              + (f" ({once} more looked feasible on a single launch, not yet "
+                 "confirmed by a second)" if once else ""))
+    return Recommendation(workload, batch, chosen.config, per, reason,
+                          {d: (i.low, i.high) for d, i in chosen.intervals.items()},
+                          method=spec.method_of(chosen.config))
+
+
+def _adaptive(spec: StudySpec, workload: str, names: list[str],
+              static: dict[int, Recommendation], adaptive: list[LaunchResult],
+              baseline: LaunchResult, noise: StudyNoise, kind: Advice,
+              results: list[LaunchResult]
+              ) -> tuple[dict[int, Recommendation] | None, dict[int, Recommendation] | None]:
+    """Per batch size, the adaptive server to run for every batch size of a workload
+    instead of the static picks (the module's rule), or else the best one surely feasible
+    everywhere, as the alternative; None for either when there is none."""
+    safe: list[tuple[bool, float, dict[int, Verdict]]] = []  # (qualifies, rank, verdicts)
+    for result in adaptive:
+        assert isinstance(result.config, AdaptiveConfig)
+        verdicts = {b: judge(result, baseline, b, names, spec.tolerance, noise,
+                             needs_launches=spec.search.confirming_launches) for b in static}
+        # Where its slot never drafts it runs plain decode rounds: no launch can prove
+        # them no slower than no speculation, so not surely slower is what it needs.
+        plain = {b for b in static if result.config.slot_for(b).steps == (0,)}
+        if not all(v.confirmed or (b in plain and v.possible) for b, v in verdicts.items()):
+            continue
+        qualifies = all(v.overall.high >= static[b].mean_speedup
+                        and (kind is POOLS or v.mean >= static[b].mean_speedup)
+                        for b, v in verdicts.items())
+        safe.append((qualifies, statistics.fmean(v.rank for v in verdicts.values()),
+                     verdicts))
+    if not safe:
+        return None, None
+    qualifies, _, verdicts = max(safe, key=lambda f: f[:2])
+    config = next(iter(verdicts.values())).config
+    assert isinstance(config, AdaptiveConfig)
+    guessed = estimated_steps(config, results)
+    instead = ("two pools" if kind is POOLS else "one static tree")
+    out = {}
+    for b, v in verdicts.items():
+        rival = static[b]
+        here = (f"here mean speedup {v.mean:.3f} [{v.overall.low:.3f}, "
+                f"{v.overall.high:.3f}] against {rival.label()} at {rival.mean_speedup:.3f}")
+        why_not = ("the pools measured faster beyond the noise" if kind is POOLS
+                   else "one static tree measured faster")
+        reason = (f"one pool, adaptive, instead of {instead}: surely feasible at every batch "
+                  f"size, and {here}" if qualifies else
+                  f"not recommended ({why_not} at some batch size): one pool, adaptive, "
+                  f"surely feasible at every batch size; {here}")
+        if guessed:
+            reason += (f"; its candidate chains {', '.join(map(str, guessed))} were never "
+                       "measured in this study (SGLang's guess or the model's estimate)")
+        out[b] = Recommendation(workload, b, config, {d: i.mean for d, i in v.intervals.items()},
+                                reason, {d: (i.low, i.high) for d, i in v.intervals.items()},
+                                method=spec.method_of(config), kind=ADAPTIVE)
+    return (out, None) if qualifies else (None, out)
 
 
 def _why_none(verdicts: list[Verdict], batch: int) -> str:
@@ -138,15 +262,52 @@ def pools_advice(recs: list[Recommendation]) -> str | None:
             "same draft head and these launch flags, and route traffic by concurrency")
 
 
+def adaptive_advice(recs: list[Recommendation]) -> str | None:
+    """When one adaptive server serves the mixed workload at every batch size, say so."""
+    mixed = [r for r in recs if r.workload == MIXED and r.kind is ADAPTIVE]
+    if not mixed:
+        return None
+    return (f"{mixed[0].config} serves every batch size in one pool (SGLang's adaptive "
+            f"steps, its JSON config next to {mixed[0].script_name}): measured as fast as "
+            "the best static tree of each batch size, within the noise")
+
+
+def alternative_advice(recs: list[Recommendation]) -> str | None:
+    """The mixed workload's adaptive alternative, when it has one, and what it costs."""
+    mixed = sorted((r for r in recs if r.workload == MIXED and r.alternative is not None),
+                   key=lambda r: r.batch)
+    if not mixed:
+        return None
+    alternative = mixed[-1].alternative
+    assert alternative is not None
+    costs = "; ".join(f"batch {r.batch}: {r.alternative.mean_speedup:.3f} against "
+                      f"{r.label()} at {r.mean_speedup:.3f}"
+                      for r in mixed if r.alternative is not None)
+    return (f"{alternative.config} in one pool ({alternative.script_name}), surely feasible "
+            f"at every batch size but not as fast: mean speedup {costs}")
+
+
+def advice(recs: list[Recommendation]) -> tuple[str, str] | None:
+    """The mixed workload's advice beyond one static tree: ("two pools", why) or
+    ("one pool, adaptive", why)."""
+    if (text := adaptive_advice(recs)) is not None:
+        return "one pool, adaptive", text
+    if (text := pools_advice(recs)) is not None:
+        return "two pools", text
+    return None
+
+
 def summary_rows(recs: list[Recommendation], methods: bool = False
                  ) -> list[tuple[str, str, str, str]]:
-    """workload, batch, tree and speedups per recommendation; `methods`: the tree as
+    """workload, batch, server and speedups per recommendation; `methods`: a tree as
     'METHOD S,K,N' (a study of several draft methods)."""
-    def tree(r: Recommendation) -> str:
+    def server(r: Recommendation) -> str:
         if r.config is BASELINE:
             return "no speculation"
+        if isinstance(r.config, AdaptiveConfig):
+            return r.label()
         if methods and isinstance(r.config, TreeConfig):
             return f"{r.method} {config_key(dataclasses.replace(r.config, method=''))}"
         return config_key(r.config)
 
-    return [(r.workload, str(r.batch), tree(r), ", ".join(r.speedup_labels())) for r in recs]
+    return [(r.workload, str(r.batch), server(r), ", ".join(r.speedup_labels())) for r in recs]

@@ -201,6 +201,10 @@ class StudySpec:
     compare: tuple[TreeConfig, ...] = field(default=(), metadata=meta(
         "--compare", "Trees always measured, e.g. --compare 3,4,8 5,1,6.",
         file_type=list[Any]))  # [S, K, N] lists or "S,K,N" strings
+    adaptive: bool = field(default=False, metadata=meta(
+        "--adaptive", "Also measure SGLang's adaptive steps: chains of 1, 2, 3 and 5 steps, "
+        "then SGLang's default adaptive config and one tuned from those chains; one "
+        "adaptive pool is recommended where it is as good as the trees."))
     output: str | None = field(default=None, metadata=meta(
         "--output", "Output folder (default runs/<name>).", short="-o"))
     host: str = field(default="127.0.0.1", metadata=meta(
@@ -434,7 +438,7 @@ class SpecOption:
     key: str  # "tp", "budget.launches", "backend.profile"
     flag: str  # "--tp"
     help: str
-    value_type: type[Any]  # one value on the command line: int, float or str
+    value_type: type[Any]  # one value on the command line: int, float or str; bool: a switch
     multiple: bool = False  # several values after one flag: `--batch 1 32`
     short: str | None = None
     implies: tuple[tuple[str, Any], ...] = ()  # keys it also sets, unless given too
@@ -487,7 +491,7 @@ def _options(cls: type[Any], prefix: str) -> Iterator[SpecOption]:
             item = typing.get_args(value)[0] if multiple else value
             yield SpecOption(key, f.metadata["option"], f.metadata["help"],
                              # Trees, datasets and names are text on the command line.
-                             item if item in (int, float) else str, multiple,
+                             item if item in (int, float, bool) else str, multiple,
                              f.metadata["short"])
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Coroutine
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from treetune.backends import BackendFacts, LaunchContext, gather_facts, server_facts
-from treetune.config import ServerConfig
+from treetune.config import AdaptiveConfig, ServerConfig
 from treetune.results import LaunchResult, config_from_key, config_key
 from treetune.study.spec import StudySpec
 
@@ -24,13 +26,16 @@ START_LOG_LINES = 2000  # enough of a server's log to hold its whole start-up
 
 def launch_command(spec: StudySpec, config: ServerConfig, flags: tuple[tuple[str, str], ...],
                    port: int, attempt: int = 0, api_key: str | None = None,
-                   launch_index: int = 0) -> list[str]:
+                   launch_index: int = 0, adaptive_config_path: str | None = None
+                   ) -> list[str]:
     """The server command of the study's backend for one launch attempt (`launch_index`:
-    how many launches of this config came before)."""
+    how many launches of this config came before; `adaptive_config_path`: an adaptive
+    server's JSON config file, already written)."""
     launch = spec.launch_spec(port=port)
     if api_key:
         flags = (*flags, ("--api-key", api_key))
-    launch = dataclasses.replace(launch, extra_flags=(*launch.extra_flags, *flags))
+    launch = dataclasses.replace(launch, extra_flags=(*launch.extra_flags, *flags),
+                                 adaptive_config_path=adaptive_config_path)
     # Every cell sends at least `batch` requests: a crash fault is drawn within that.
     context = LaunchContext(study_seed=spec.seed, attempt=attempt, launch_index=launch_index,
                             min_requests=sum(spec.batch) * len(spec.datasets))
@@ -39,8 +44,10 @@ def launch_command(spec: StudySpec, config: ServerConfig, flags: tuple[tuple[str
 
 def log_name(key: str, launch_index: int = 0, attempt: int = 0) -> str:
     """One log per server: `3-4-8.log`, a re-measurement `3-4-8.launch2.log`, a crashed
-    launch's replacement server `3-4-8-1.log` (or `3-4-8.launch2-1.log`)."""
-    name = key.replace(",", "-") + (f".launch{launch_index + 1}" if launch_index else "")
+    launch's replacement server `3-4-8-1.log` (or `3-4-8.launch2-1.log`). An adaptive
+    config's key keeps its digits: `adaptive_1_1.2_32_2.log`."""
+    name = re.sub(r"[^A-Za-z0-9.-]+", "_", key.replace(",", "-"))
+    name += f".launch{launch_index + 1}" if launch_index else ""
     return f"{name}{'-' + str(attempt) if attempt else ''}.log"
 
 
@@ -92,10 +99,21 @@ class LaunchWorker:
         log_path = self.logs / log_name(key, launch_index, attempt)
         env = {**os.environ, **self.spec.env}
         api_key = self.api_key()
+        adaptive = None
+        if isinstance(config, AdaptiveConfig):  # the server reads it on this node
+            path = log_path.with_suffix(".adaptive.json")
+            path.write_text(json.dumps(config.to_json(), indent=1) + "\n")
+            adaptive = str(path.resolve())
+        started: list[list[str]] = []  # the command, as the server was started
+
+        def command(port: int) -> list[str]:
+            started.append(launch_command(self.spec, config, result.flags, port, attempt,
+                                          api_key, launch_index, adaptive))
+            return started[-1]
+
         try:
             server = start_server(
-                lambda port: launch_command(self.spec, config, result.flags, port, attempt,
-                                            api_key, launch_index),
+                command,
                 log_path=log_path, env=env, host=self.spec.host,
                 timeout_s=self.spec.measurement.startup_timeout_s,
                 secrets=(api_key,) if api_key else (), health=self.spec.backend.api.health)
@@ -106,7 +124,8 @@ class LaunchWorker:
             return False
         try:
             _run_coroutine(self._measure(server.base_url, result, api_key,
-                                         lambda: server.log_tail(START_LOG_LINES)))
+                                         lambda: server.log_tail(START_LOG_LINES),
+                                         started[-1]))
             result.ok = True
             result.reason = ""
         except Exception as exc:  # the server died or stopped answering mid-benchmark
@@ -133,10 +152,11 @@ class LaunchWorker:
         return value
 
     async def _measure(self, base_url: str, result: LaunchResult, api_key: str | None,
-                       log: Callable[[], str]) -> None:
+                       log: Callable[[], str], command: list[str]) -> None:
         """Measure every cell the result does not hold yet, adding each as it is done.
         Before the first, the server's info is kept, and the backend says whether the
-        server serves what its flags asked for (from that info and the start-up `log`)."""
+        server serves what its `command` asked for (from that info and the start-up
+        `log`)."""
         from treetune.client import ServerClient
         from treetune.loadgen import measure_cell
 
@@ -150,18 +170,28 @@ class LaunchWorker:
                     if not result.server_info:
                         info = await client.server_info()
                         result.server_info = server_facts(self.spec.backend.api, info)
-                        result.warnings = self._launch_warnings(result, info, log)
+                        result.warnings = self._launch_warnings(info, log, command)
                     cell = await measure_cell(client, prompts, batch, duration_s=m.duration_s,
                                               warmup_s=m.warmup_s, repeats=m.repeats)
                 result.cells.append(cell)
 
-    def _launch_warnings(self, result: LaunchResult, info: dict[str, Any],
-                         log: Callable[[], str]) -> list[str]:
+    def _launch_warnings(self, info: dict[str, Any], log: Callable[[], str],
+                         command: list[str]) -> list[str]:
         check = self.spec.backend.api.launch_warnings
         if check is None:
             return []
-        flags = (*self.spec.launch_spec().extra_flags, *result.flags)
-        return check(flags, info, log())
+        return check(command_flags(command), info, log())
+
+
+def command_flags(argv: list[str]) -> list[tuple[str, str | None]]:
+    """A server command's `--flag value` pairs (None for a bare flag): the study's own
+    flags and those the backend derives from the config alike."""
+    flags: list[tuple[str, str | None]] = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--"):
+            value = argv[i + 1] if i + 1 < len(argv) else None
+            flags.append((arg, None if value is None or value.startswith("--") else value))
+    return flags
 
 
 def _run_coroutine(coroutine: Coroutine[Any, Any, None]) -> None:

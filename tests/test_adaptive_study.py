@@ -1,0 +1,624 @@
+"""SGLang's adaptive steps as a study candidate: the config kind and its storage key, its
+JSON and launch flags as SGLang 0.5.23 takes them, and a launch worker running it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from studykit import server_processes, small_study, wait_until
+from synthetic import BASE, DATASETS, launch
+
+from treetune.backends import LaunchSpec
+from treetune.backends import sglang_adaptive as sglang_adaptive
+from treetune.backends.sglang import sglang_command
+from treetune.config import AdaptiveConfig, AdaptiveSlot, TreeConfig, chain
+from treetune.emulator.args import build_parser, parse
+from treetune.errors import InvalidTreeError, TreetuneError
+from treetune.results import config_from_key, config_key
+from treetune.study.evidence import StudyNoise
+from treetune.study.schedule import slot_keys, tune
+
+SGLANG_MODULE = Path(__file__).resolve().parents[1] / "treetune" / "backends" / "sglang.py"
+TUNED = AdaptiveConfig((AdaptiveSlot(1, (1, 2)), AdaptiveSlot(6, (2,)),
+                        AdaptiveSlot(16, (0, 1), down_hysteresis=-0.25)))
+
+
+# ---- the config kind ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("config", [AdaptiveConfig.sglang_default(), TUNED])
+def test_an_adaptive_config_round_trips_through_its_storage_key(config):
+    key = config_key(config)
+    assert key.startswith("adaptive:") and config_from_key(key) == config
+    assert config_key(config_from_key(key)) == key
+
+
+def test_the_keys_and_labels_are_readable():
+    assert config_key(AdaptiveConfig.sglang_default()) == (
+        "adaptive:1=1.3.5.7,down=-0.25|8=0.1.3|32=0.1|64=0")
+    assert config_key(TUNED) == "adaptive:1=1.2|6=2|16=0.1,down=-0.25"
+    assert str(AdaptiveConfig.sglang_default()) == "adaptive (SGLang default)"
+    assert TUNED.label() == "adaptive 1:{1,2} 6:{2} 16:{0,1}"
+
+
+@pytest.mark.parametrize("config", [AdaptiveConfig.sglang_default(), TUNED])
+def test_its_json_passes_sglangs_validation_and_loads_back_the_same(config, tmp_path):
+    data = config.to_json()
+    slots = sglang_adaptive.validate(data)
+    assert [str(k) for k in slots] == list(data) and all(k.isdigit() for k in data)
+    path = tmp_path / "adaptive.json"
+    path.write_text(json.dumps(data))
+    assert AdaptiveConfig.from_json(sglang_adaptive.load(path)) == config
+
+
+def test_sglangs_default_config_is_its_default_json_with_every_setting_explicit():
+    assert AdaptiveConfig.from_json(sglang_adaptive.DEFAULT_CONFIG).is_sglang_default
+    steps = {k: v["candidate_steps"] for k, v in
+             AdaptiveConfig.sglang_default().to_json().items()}
+    assert steps == {k: v["candidate_steps"] for k, v in
+                     sglang_adaptive.DEFAULT_CONFIG.items()}
+    assert AdaptiveConfig.sglang_default().initial_steps == 3  # SGLang's middle candidate
+
+
+@pytest.mark.parametrize(("slots", "problem"), [
+    ((), "at least one"),
+    ((AdaptiveSlot(1, (0,)),), "never drafts"),
+    ((AdaptiveSlot(8, (1,)), AdaptiveSlot(1, (2,))), "increasing order"),
+])
+def test_configs_sglang_could_not_serve_as_intended_are_refused(slots, problem):
+    with pytest.raises(InvalidTreeError, match=problem):
+        AdaptiveConfig(slots)
+
+
+@pytest.mark.parametrize(("batch", "steps"), [(0, (1,)), (1, ()), (1, (3, 1)), (1, (-1, 1))])
+def test_slots_hold_a_sorted_non_empty_list_of_non_negative_steps(batch, steps):
+    with pytest.raises(InvalidTreeError):
+        AdaptiveSlot(batch, steps)
+
+
+# ---- its launch flags --------------------------------------------------------------------
+
+def launch_spec(path: str | None) -> LaunchSpec:
+    return LaunchSpec("org/target", "org/draft", adaptive_config_path=path, port=31234)
+
+
+@pytest.mark.parametrize("config", [AdaptiveConfig.sglang_default(), TUNED])
+def test_the_launch_command_parses_with_sglangs_flags_as_an_adaptive_server(config, tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(config.to_json()))
+    argv = sglang_command(config, launch_spec(str(path)))
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"]
+    # The emulator's parser mirrors SGLang 0.5.23's flags and its adaptive checks.
+    settings = parse(["--profile", "qwen3-coder-next-h200", *argv[3:]])
+    assert settings.adaptive is not None and settings.adaptive_fallback is None
+    assert settings.adaptive.config_path == str(path)
+    assert settings.adaptive.steps == config.initial_steps
+    ns, unknown = build_parser().parse_known_args([*argv[3:], "--profile", "x"])
+    assert unknown == []
+    assert (ns.speculative_eagle_topk, ns.speculative_num_draft_tokens) == (
+        1, config.initial_steps + 1)
+    assert ns.speculative_num_steps in config.candidate_steps
+    facts = SGLANG_MODULE.read_text()
+    for flag in (a for a in argv[3:] if a.startswith("--speculative")):
+        assert f'"{flag}"' in facts, flag  # every flag is one of the SGLang backend's facts
+
+
+def test_an_adaptive_launch_without_its_config_file_is_refused():
+    with pytest.raises(TreetuneError, match="JSON config file"):
+        sglang_command(TUNED, launch_spec(None))
+
+
+# ---- a launch worker ---------------------------------------------------------------------
+
+def test_a_launch_worker_writes_the_json_next_to_the_log_and_its_server_runs_adaptive(
+        tmp_path):
+    from treetune.results import LaunchResult
+    from treetune.study.spec import load_study
+    from treetune.study.worker import LaunchWorker
+
+    spec = load_study(None, small_study(tmp_path, batch=[1], datasets=["humaneval"],
+                                        compare=[]))
+    result = LaunchResult.from_dict(LaunchWorker(spec, 0).run(config_key(TUNED), []))
+    assert result.ok, result.reason
+    assert result.config == TUNED and result.warnings == []
+    assert result.server_info["speculative_adaptive"] is True
+    written = list((spec.output_dir / "logs").glob("*.adaptive.json"))
+    assert [p.name for p in written] == ["adaptive_1_1.2_6_2_16_0.1-down_-0.25.adaptive.json"]
+    assert AdaptiveConfig.from_json(json.loads(written[0].read_text())) == TUNED
+    assert wait_until(lambda: not server_processes(str(tmp_path)), 5)
+
+
+def test_an_adaptive_launch_whose_server_serves_static_trees_says_so(tmp_path):
+    from treetune.results import LaunchResult
+    from treetune.study.spec import load_study
+    from treetune.study.worker import LaunchWorker
+
+    # SGLang runs adaptive steps for EAGLE and EAGLE3 only: it warns and serves a chain.
+    spec = load_study(None, small_study(tmp_path, batch=[1], datasets=["humaneval"],
+                                        compare=[], algorithm="STANDALONE"))
+    result = LaunchResult.from_dict(LaunchWorker(spec, 0).run(config_key(TUNED), []))
+    assert result.ok and result.server_info["speculative_adaptive"] is False
+    assert result.warnings == [
+        "--speculative-adaptive was asked for but the server serves static trees (SGLang "
+        "logged: speculative_algorithm=STANDALONE (only EAGLE/EAGLE3 are supported))"]
+    assert wait_until(lambda: not server_processes(str(tmp_path)), 5)
+
+
+# ---- tuning from measured chains ---------------------------------------------------------
+
+def chains(per_steps: dict[int, dict[int, tuple[float, float]]]) -> list:
+    """Measured chains: {steps: {batch: (sharegpt tok/s, humaneval tok/s)}} over
+    synthetic.BASE (100 tok/s per dataset at batch 1, 1000 at batch 32)."""
+    return [launch(chain(s), {b: dict(zip(DATASETS, tput, strict=True))
+                              for b, tput in rows.items()})
+            for s, rows in per_steps.items()]
+
+
+def tuned(results, estimates=None, launch_cv=0.01):
+    return tune([1, 32], DATASETS, 0.0, results, BASE, StudyNoise(launch_cv), estimates)
+
+
+# Batch 1: chain 2 is best; chain 1 within the noise of it (1.31 vs 1.325); chain 3 too,
+# but longer; chain 5 well below. Batch 32: every chain regresses humaneval.
+MEASURED = {1: {1: (129, 133), 32: (1100, 990)}, 2: {1: (130, 135), 32: (1150, 980)},
+            3: {1: (128, 132), 32: (1200, 950)}, 5: {1: (110, 112), 32: (1100, 800)}}
+
+
+def test_a_slot_holds_the_best_chain_and_the_shorter_ones_within_its_noise():
+    tuning = tuned(chains(MEASURED))
+    one, _ = tuning.slots
+    assert (one.batch, one.key, one.best, one.steps) == (1, 1, 2, (1, 2))
+    assert 3 not in one.steps, "a longer chain would let the controller climb past the best"
+    assert one.estimated == () and not tuning.estimated
+
+
+def test_a_batch_size_where_no_chain_is_surely_feasible_gets_no_drafting():
+    _, many = tuned(chains(MEASURED)).slots
+    assert (many.batch, many.key, many.best, many.steps) == (32, 6, 0, (0,))
+    config = tuned(chains(MEASURED)).config
+    assert config is not None and config.to_json()["6"]["candidate_steps"] == [0]
+    assert config_key(config) == "adaptive:1=1.2|6=0"
+
+
+def test_without_noise_only_the_best_chain_is_a_candidate():
+    one, _ = tuned(chains(MEASURED), launch_cv=0.0).slots
+    assert one.steps == (2,)
+
+
+def test_nothing_to_draft_anywhere_derives_no_config():
+    regressing = {s: {1: (95, 99), 32: (1000, 900)} for s in (1, 2)}
+    tuning = tuned(chains(regressing))
+    assert [slot.steps for slot in tuning.slots] == [(0,), (0,)] and tuning.config is None
+
+
+def test_an_unmeasured_chain_enters_from_the_models_estimates_flagged_as_such():
+    import math
+
+    measured = {s: rows for s, rows in MEASURED.items() if s != 2}
+    estimates = {(chain(2), b, d): (math.log(speedup), 0.01 ** 2)
+                 for b, speedup in ((1, 1.33), (32, 0.9)) for d in DATASETS}
+    tuning = tuned(chains(measured), estimates)
+    one, many = tuning.slots
+    assert (one.best, one.steps, one.estimated) == (2, (1, 2), (2,))
+    assert tuning.estimated and "2 from model estimates" in tuning.describe()
+    assert many.steps == (0,), "the model's estimate of a regression keeps it out"
+    without = tuned(chains(measured))
+    assert without.slots[0].steps == (1,), "no model: only measured chains"
+
+
+def test_slots_are_keyed_halfway_between_the_study_batch_sizes():
+    assert slot_keys([32, 1]) == [1, 6]
+    assert slot_keys([1, 8, 32]) == [1, 3, 16]
+
+
+# ---- the third kind of advice ------------------------------------------------------------
+
+def adaptive_launch(config: AdaptiveConfig, b1: tuple[float, float], b32: tuple[float, float]):
+    return launch(config, {1: dict(zip(DATASETS, b1, strict=True)),
+                           32: dict(zip(DATASETS, b32, strict=True))})
+
+
+# Away from 1 by more than the noise can explain: one launch each is enough (sure).
+POOL_1 = launch(TreeConfig(3, 4, 8), {1: {"sharegpt": 150, "humaneval": 170},
+                                      32: {"sharegpt": 1300, "humaneval": 890}})
+POOL_32 = launch(TreeConfig(2, 1, 3), {1: {"sharegpt": 120, "humaneval": 125},
+                                       32: {"sharegpt": 1300, "humaneval": 1250}})
+
+
+def noisy_spec(tmp_path, **over):
+    from synthetic import spec
+
+    return spec(tmp_path, search={"launch_cv": 0.01}, **over)
+
+
+def kinds(recs) -> dict[tuple[str, int], tuple[str, object]]:
+    return {(r.workload, r.batch): (r.kind, r.config) for r in recs}
+
+
+def test_an_adaptive_server_as_good_as_two_pools_within_the_noise_is_one_pool(tmp_path):
+    from treetune.study.recommend import (
+        Recommendation,
+        adaptive_advice,
+        advice,
+        pools_advice,
+        recommend,
+    )
+
+    # Slightly below each pool's tree on the means (1.59 vs 1.60, 1.265 vs 1.275): within
+    # the noise of one launch.
+    near = adaptive_launch(TUNED, (158, 160), (1290, 1240))
+    recs = recommend(noisy_spec(tmp_path), [BASE, POOL_1, POOL_32, near], BASE)
+    mixed = [r for r in recs if r.workload == "mixed"]
+    assert [(r.kind, r.config) for r in mixed] == [("adaptive", TUNED)] * 2
+    assert {r.script_name for r in mixed} == {"launch/mixed-adaptive.sh"}
+    assert "instead of two pools" in mixed[0].reason and "(3,4,8)" in mixed[0].reason
+    assert pools_advice(recs) is None and adaptive_advice(recs) is not None
+    assert advice(recs)[0] == "one pool, adaptive"
+    record = mixed[1].record()
+    assert (record["kind"], record["config"], record["steps"]) == (
+        "adaptive", config_key(TUNED), None)
+    back = Recommendation.from_record(record)
+    assert (back.kind, back.config, back.script_name) == ("adaptive", TUNED,
+                                                          mixed[1].script_name)
+
+
+def test_an_adaptive_server_slower_than_a_pool_beyond_the_noise_leaves_two_pools(tmp_path):
+    from treetune.study.recommend import (
+        Recommendation,
+        advice,
+        alternative_advice,
+        recommend,
+    )
+
+    slow = adaptive_launch(TUNED, (158, 160), (1180, 1150))  # 1.165 vs 1.275 at batch 32
+    recs = recommend(noisy_spec(tmp_path), [BASE, POOL_1, POOL_32, slow], BASE)
+    assert {r.kind for r in recs if r.workload == "mixed"} == {"pools"}
+    assert advice(recs)[0] == "two pools"
+    # Surely feasible everywhere: kept as the alternative, with what it would cost.
+    mixed32 = next(r for r in recs if r.workload == "mixed" and r.batch == 32)
+    assert mixed32.alternative is not None and mixed32.alternative.config == TUNED
+    assert mixed32.alternative.reason.startswith("not recommended (the pools measured faster")
+    assert "batch 32: 1.165 against (2,1,3) at 1.275" in alternative_advice(recs)
+    back = Recommendation.from_record(mixed32.record()).alternative
+    assert back is not None and (back.config, back.kind, back.reason) == (
+        TUNED, "adaptive", mixed32.alternative.reason)
+
+
+def test_an_adaptive_server_that_regresses_a_dataset_anywhere_is_never_chosen(tmp_path):
+    from treetune.study.recommend import recommend
+
+    regressing = adaptive_launch(TUNED, (170, 180), (1400, 960))  # humaneval 0.96 at 32
+    recs = recommend(noisy_spec(tmp_path), [BASE, POOL_1, POOL_32, regressing], BASE)
+    found = kinds(recs)
+    assert all(found[w, b][0] != "adaptive" for w in ("mixed", "humaneval") for b in (1, 32))
+    # A workload is judged on its own datasets: chat alone never regresses.
+    assert found["sharegpt", 32] == ("adaptive", TUNED)
+    assert all(r.alternative is None for r in recs if r.workload != "sharegpt")
+
+
+def test_where_one_tree_serves_every_batch_size_adaptive_must_also_win_on_the_means(
+        tmp_path):
+    from treetune.study.recommend import recommend
+
+    everywhere = [BASE, POOL_32]  # one tree best at both batch sizes
+    within = adaptive_launch(TUNED, (123, 126), (1290, 1240))  # a hair below at 32
+    recs = recommend(noisy_spec(tmp_path), [*everywhere, within], BASE)
+    assert {r.kind for r in recs if r.workload == "mixed"} == {"static"}
+    better = adaptive_launch(TUNED, (125, 128), (1310, 1260))
+    recs = recommend(noisy_spec(tmp_path), [*everywhere, better], BASE)
+    assert [r.kind for r in recs if r.workload == "mixed"] == ["adaptive"] * 2
+    assert "instead of one static tree" in recs[0].reason
+
+
+def test_a_slot_that_never_drafts_needs_only_to_be_not_surely_slower(tmp_path):
+    from treetune.study.recommend import recommend
+
+    plain_at_32 = AdaptiveConfig((AdaptiveSlot(1, (2, 3)), AdaptiveSlot(6, (0,))))
+    wide_only = [BASE, POOL_1]  # batch 1: the wide tree; batch 32: no speculation
+    # At batch 32 it decodes without drafting: 0.998 on one dataset is noise, not a
+    # regression it could be proven free of.
+    near_one = adaptive_launch(plain_at_32, (151, 171), (1002, 998))
+    recs = recommend(noisy_spec(tmp_path), [*wide_only, near_one], BASE)
+    assert [r.kind for r in recs if r.workload == "mixed"] == ["adaptive"] * 2
+    drafting = AdaptiveConfig((AdaptiveSlot(1, (2, 3)), AdaptiveSlot(6, (1,))))
+    recs = recommend(noisy_spec(tmp_path), [*wide_only, adaptive_launch(
+        drafting, (151, 171), (1002, 998))], BASE)
+    assert all(r.kind != "adaptive" for r in recs), "a drafting slot must be surely feasible"
+
+
+# ---- exports -----------------------------------------------------------------------------
+
+NEAR = adaptive_launch(TUNED, (158, 160), (1290, 1240))
+
+
+def exported(tmp_path, results=(BASE, POOL_1, POOL_32, NEAR), **over):
+    from treetune.study.export import write_outputs
+    from treetune.study.recommend import recommend
+
+    s = noisy_spec(tmp_path, sglang_version="0.5.23", **over)
+    write_outputs(s, recommend(s, list(results), BASE), s.output_dir)
+    return s.output_dir
+
+
+def run_script(tmp_path, script: Path) -> list[str]:
+    """The arguments a launch script passes to `python`, run from elsewhere."""
+    import subprocess
+
+    stub = tmp_path / "bin"
+    stub.mkdir(exist_ok=True)
+    (stub / "python").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    (stub / "python").chmod(0o755)
+    out = tmp_path / "args.txt"
+    subprocess.run(["sh", str(script)], env={"PATH": f"{stub}:/usr/bin:/bin",
+                                             "ARGS_OUT": str(out)},
+                   cwd=tmp_path, check=True, timeout=30)
+    return out.read_text().splitlines()
+
+
+def test_an_adaptive_pool_exports_one_script_whose_json_sits_next_to_it(tmp_path):
+    out = exported(tmp_path)
+    launch_dir = out / "launch"
+    assert (launch_dir / "mixed-adaptive.sh").is_file()
+    assert not (launch_dir / "mixed-batch1.sh").exists()
+    data = sglang_adaptive.load(launch_dir / "mixed.adaptive.json")  # SGLang's checks
+    assert AdaptiveConfig.from_json(data) == TUNED
+    args = run_script(tmp_path, launch_dir / "mixed-adaptive.sh")
+    assert args[:2] == ["-m", "sglang.launch_server"]
+    path = args[args.index("--speculative-adaptive-config") + 1]
+    assert Path(path).resolve() == (launch_dir / "mixed.adaptive.json").resolve()
+    settings = parse(["--profile", "qwen3-coder-next-h200", *args[2:]])
+    assert settings.adaptive is not None and settings.adaptive.steps == TUNED.initial_steps
+    assert settings.max_running_requests == 32 and settings.cuda_graph_max_bs == 32
+    header = (launch_dir / "mixed-adaptive.sh").read_text()
+    assert "batch 1: measured speedups" in header and "batch 32: measured speedups" in header
+
+
+def test_the_adaptive_pools_config_file_and_container_args_name_the_json_by_file_name(
+        tmp_path):
+    import yaml
+
+    out = exported(tmp_path)
+    config = yaml.safe_load((out / "launch" / "mixed-adaptive.config.yaml").read_text())
+    assert config["speculative-adaptive"] is True
+    assert config["speculative-adaptive-config"] == "mixed.adaptive.json"
+    assert config["speculative-num-steps"] == TUNED.initial_steps
+    args = json.loads((out / "launch" / "mixed-adaptive.args.json").read_text())
+    assert args[args.index("--speculative-adaptive-config") + 1] == "mixed.adaptive.json"
+
+
+def test_other_engines_get_the_equivalent_chain_schedules_by_their_own_rules(tmp_path):
+    from treetune.backends.chain_schedules import check_trtllm, check_vllm
+
+    out = exported(tmp_path)
+    vllm = json.loads((out / "launch" / "mixed.vllm-schedule.json").read_text())
+    check_vllm(vllm)
+    ranges = vllm["num_speculative_tokens_per_batch_size"]
+    # TUNED's slots 1:{1,2} 6:{2} 16:{0,1}: each slot's longest candidate, contiguous
+    # inclusive ranges from 1 to the largest batch size measured.
+    assert ranges == [[1, 5, 2], [6, 15, 2], [16, 32, 1]]
+    assert all(b[0] == a[1] + 1 for a, b in itertools.pairwise(ranges))
+    assert (vllm["method"], vllm["model"], vllm["num_speculative_tokens"]) == (
+        "eagle3", "org/draft", 2)
+    trtllm = json.loads((out / "launch" / "mixed.trtllm-schedule.json").read_text())
+    config = trtllm["speculative_config"]
+    check_trtllm(config)
+    assert config == {"decoding_type": "Eagle3", "max_draft_len": 2,
+                      "speculative_model": "org/draft",
+                      "draft_len_schedule": {"5": 2, "15": 2, "32": 1}}
+    readme = (out / "ADAPTIVE.md").read_text()
+    for name in ("launch/mixed-adaptive.sh", "launch/mixed.adaptive.json",
+                 "launch/mixed.vllm-schedule.json", "launch/mixed.trtllm-schedule.json"):
+        assert name in readme
+    assert "above batch 32" in readme
+
+
+def test_schedules_the_engines_would_refuse_are_refused_here():
+    from treetune.backends.chain_schedules import (
+        ChainSchedule,
+        ScheduleError,
+        check_vllm,
+        trtllm_schedule,
+    )
+
+    with pytest.raises(ScheduleError, match="start at 1"):
+        check_vllm({"num_speculative_tokens": 2,
+                    "num_speculative_tokens_per_batch_size": [[2, 8, 2]]})
+    with pytest.raises(ScheduleError, match="non-overlapping"):
+        check_vllm({"num_speculative_tokens": 2,
+                    "num_speculative_tokens_per_batch_size": [[1, 8, 2], [8, 9, 1]]})
+    # TensorRT-LLM's first range must draft the longest: later ones are capped, and said.
+    config, notes = trtllm_schedule(ChainSchedule(((1, 1), (6, 3)), 32), "EAGLE3", "d")
+    assert config["speculative_config"]["draft_len_schedule"] == {"5": 1, "32": 1}
+    assert any("capped at 1" in n for n in notes)
+    with pytest.raises(ScheduleError, match="does not draft"):
+        trtllm_schedule(ChainSchedule(((1, 0), (6, 3)), 32), "EAGLE3", "d")
+
+
+def test_an_adaptive_alternative_is_exported_next_to_the_pools_it_is_not_chosen_over(
+        tmp_path):
+    slow = adaptive_launch(TUNED, (158, 160), (1180, 1150))
+    out = exported(tmp_path, results=(BASE, POOL_1, POOL_32, slow))
+    assert (out / "POOLS.md").is_file() and (out / "launch" / "mixed-batch1.sh").is_file()
+    data = sglang_adaptive.load(out / "launch" / "mixed.adaptive.json")
+    assert AdaptiveConfig.from_json(data) == TUNED
+    script = (out / "launch" / "mixed-adaptive.sh").read_text()
+    assert "# not recommended (the pools measured faster" in script
+    readme = (out / "ADAPTIVE.md").read_text()
+    assert "## mixed: an alternative, not the advice" in readme
+    assert (out / "launch" / "mixed.vllm-schedule.json").is_file()
+    records = json.loads((out / "recommendations.json").read_text())
+    assert all(r["kind"] == "pools" for r in records if r["workload"] == "mixed")
+    assert all(r["alternative"]["launch_script"] == "launch/mixed-adaptive.sh"
+               for r in records if r["workload"] == "mixed")
+
+
+def test_a_rerun_without_the_adaptive_advice_removes_its_files(tmp_path):
+    out = exported(tmp_path)
+    assert (out / "ADAPTIVE.md").is_file()
+    exported(tmp_path, results=(BASE, POOL_1, POOL_32))
+    leftovers = [p.name for p in (out / "launch").iterdir() if "adaptive" in p.name
+                 or "schedule" in p.name]
+    assert leftovers == [] and not (out / "ADAPTIVE.md").exists()
+    assert (out / "POOLS.md").is_file()
+
+
+# ---- a study, in-process -----------------------------------------------------------------
+
+PROFILE = "qwen3-coder-next-h200"
+
+
+def offline_spec(**over):
+    from treetune.perfmodel import load_profile
+    from treetune.study.spec import load_study
+
+    prof = load_profile(PROFILE)
+    return load_study(None, {
+        "name": "a", "model": "m", "draft": "d", "tp": prof.tp,
+        "datasets": list(prof.datasets), "batch": [1, 32], "budget": {"launches": 12},
+        "adaptive": True, "backend": {"kind": "emulator", "profile": PROFILE},
+        "search": {"strategy": "tpe"}, **over})
+
+
+def truth():
+    from treetune.perfmodel import PerfModel, load_profile
+
+    return PerfModel(load_profile(PROFILE), 4)
+
+
+def test_in_steady_state_a_slot_held_at_one_chain_measures_as_that_static_chain():
+    import numpy as np
+
+    from treetune.study.offline import Noise, simulate_launch
+
+    spec, model, exact = offline_spec(), truth(), Noise(0, 0, 0)
+    held = AdaptiveConfig((AdaptiveSlot(1, (3,)), AdaptiveSlot(6, (2,))))
+    rng = np.random.default_rng(0)
+    adaptive = simulate_launch(model, held, spec, rng, exact)
+    for batch, steps in ((1, 3), (32, 2)):
+        static = simulate_launch(model, chain(steps), spec, rng, exact)
+        for d in spec.dataset_names:
+            assert adaptive.cell(d, batch).output_tok_s == pytest.approx(
+                static.cell(d, batch).output_tok_s)
+
+
+def test_in_steady_state_sglangs_default_climbs_as_its_controller_would():
+    from treetune.study.offline import adaptive_throughput
+
+    model = truth()
+    # Batch 32's slot is [0, 1]: from 1 (the middle of [0, 1]) every dataset accepts more
+    # than half a draft per round, so it stays at chain 1.
+    for d in ("mt-bench", "terminal-bench"):
+        tput, accept = adaptive_throughput(model, AdaptiveConfig.sglang_default(), 32, d, 32)
+        assert tput == pytest.approx(model.throughput(chain(1), 32, d))
+        assert accept == pytest.approx(model.accept_length(chain(1), d))
+
+
+def test_a_study_measures_the_chains_then_sglangs_default_and_the_tuned_config():
+    from treetune.study.offline import run_offline
+
+    spec = offline_spec()
+    planner = run_offline(spec, truth(), seed=0, launches=12)
+    order = [config_key(r.config) for r in planner.launched]
+    chains_done = max(order.index(f"{s},1,{s + 1}") for s in (1, 2, 3, 5))
+    default = config_key(AdaptiveConfig.sglang_default())
+    assert planner.tuning is not None and planner.tuning.config is not None
+    tuned = config_key(planner.tuning.config)
+    assert chains_done < order.index(default) < order.index(tuned)
+    # Derived once: one tuned config, at the study's batch sizes' slots, capped at the
+    # best chain measured at each.
+    assert [s.key for s in planner.tuning.slots] == [1, 6]
+    assert all(max(s.steps) == s.best for s in planner.tuning.slots)
+    assert len({k for k in order if k.startswith("adaptive")}) == 2
+    for key in (default, tuned):
+        result = planner.results[key]
+        assert result.ok and len(result.cells) == 2 * len(spec.dataset_names)
+    recs = planner.decide()
+    assert {r.kind for r in recs if r.workload == "mixed"} <= {"static", "pools", "adaptive"}
+    assert len({r.kind for r in recs if r.workload == "mixed"}) == 1
+
+
+def test_without_adaptive_a_study_launches_no_chain_nor_adaptive_server_of_its_own():
+    from treetune.study.offline import run_offline
+
+    planner = run_offline(offline_spec(adaptive=False), truth(), seed=0, launches=6)
+    assert not any(isinstance(r.config, AdaptiveConfig) for r in planner.launched)
+    assert planner.tuning is None
+
+
+# ---- report ------------------------------------------------------------------------------
+
+def test_the_pareto_figure_shows_an_adaptive_server_as_its_own_star_and_rings_its_advice(
+        tmp_path):
+    from treetune.report import figures
+    from treetune.report.data import StudyData
+    from treetune.study.recommend import recommend
+
+    spec = noisy_spec(tmp_path)
+    results = [BASE, POOL_1, POOL_32, NEAR]
+    data = StudyData(spec, results, BASE, recommend(spec, results, BASE), spec.storage_url,
+                     tmp_path)
+    fig = figures.pareto_front(data)
+    holding = [t for t in fig.data if t.customdata is not None
+               and TUNED.label() in list(t.customdata)]
+    star = [t for t in holding if t.marker.symbol == "star"]
+    assert len(star) == 1 and star[0].name == f"{TUNED.label()}: feasible at batch 1 and 32"
+    assert all(t.marker.symbol != "star" for t in fig.data if t not in star)
+    rings = [t.name for t in holding if t.name.startswith("recommended")]
+    assert rings == ["recommended for batch 1", "recommended for batch 32"]
+    one = figures.pareto_front(data, batch_x=32, batch_y=32)  # speedup against tree size
+    assert any(t.marker.symbol == "star" for t in one.data)
+
+
+# ---- a study on Ray, with emulated servers -----------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_tmpdir")
+def test_the_adaptive_study_runs_on_ray_and_exports_what_sglang_accepts(tmp_path):
+    """studies/adaptive.yaml, made small: every launch a real emulated server."""
+    from treetune.report import figures
+    from treetune.report.data import load_study_data
+    from treetune.study.export import write_outputs
+    from treetune.study.runner import run_study
+    from treetune.study.spec import load_study
+
+    spec = load_study(Path(__file__).resolve().parents[1] / "studies" / "adaptive.yaml", {
+        "batch": [1, 8], "datasets": ["humaneval", "mt-bench"], "compare": [],
+        "budget": {"launches": 7}, "search": {"max_launches_per_config": 1},
+        "model": f"{tmp_path}/model-under-test", "output": str(tmp_path / "out"),
+        "backend": {"time_scale": 20.0, "load_time_s": 5.0},
+        "measurement": {"duration_s": 4.0, "repeats": 2, "startup_timeout_s": 60.0}})
+    outcome = run_study(spec)
+    keys = [config_key(r.config) for r in outcome.results]
+    assert keys[:5] == ["baseline", "1,1,2", "2,1,3", "3,1,4", "5,1,6"]
+    adaptive = [r for r in outcome.results if isinstance(r.config, AdaptiveConfig)]
+    assert [r.config.is_sglang_default for r in adaptive] == [True, False]
+    assert all(r.ok and r.server_info["speculative_adaptive"] is True and not r.warnings
+               for r in adaptive), [(r.reason, r.warnings) for r in adaptive]
+    assert [s.batch for s in adaptive[1].config.slots] == [1, 3]
+    for path in (spec.output_dir / "logs").glob("*.adaptive.json"):
+        AdaptiveConfig.from_json(sglang_adaptive.load(path))
+    write_outputs(spec, outcome.recommendations, spec.output_dir)
+    data = load_study_data(spec.output_dir)
+    assert {r.config for r in data.adaptive_rows(1)} == {r.config for r in adaptive}
+    stars = [t for t in figures.pareto_front(data).data if t.marker.symbol == "star"]
+    assert len(stars) == 2
+    mixed = [r for r in outcome.recommendations if r.workload == "mixed"]
+    if mixed[0].kind == "adaptive":
+        script = spec.output_dir / mixed[0].script_name
+        args = run_script(tmp_path, script)
+        assert parse(["--profile", PROFILE, *args[2:]]).adaptive is not None
+    assert wait_until(lambda: not server_processes(str(tmp_path)), 10)
+    # The notebooks show the adaptive servers as stars, and the advice as stored.
+    from test_notebooks import PLOTLY_JSON, execute, printed
+
+    nb = execute("pareto.ipynb", spec.output_dir)
+    pareto = next(o["data"][PLOTLY_JSON] for c in nb.cells for o in c.get("outputs", [])
+                  if PLOTLY_JSON in o.get("data", {}))
+    assert sum(t.get("marker", {}).get("symbol") == "star" for t in pareto["data"]) == 2
+    text = printed(execute("compare-workloads.ipynb", spec.output_dir))
+    if mixed[0].kind == "adaptive":
+        assert f"One pool: {mixed[0].label()} serves every batch size with SGLang's" in text
+    else:
+        assert "Two pools" in text or "One pool: " in text

@@ -1,0 +1,131 @@
+"""SGLang's adaptive steps tuned from a study's measurements.
+
+SGLang's controller (domain.md section 7) chases accept length: in each batch-size slot it
+climbs to a longer chain whenever the drafts it accepts say a longer one would accept more,
+whatever that costs the verify pass. So a slot's candidate set is the only lever, and the
+measured chains decide it: per study batch size, the best chain (by its verdict's rank over
+the workload's datasets, among chains surely no slower than no speculation on any dataset;
+no drafting, 0, when none is) and the shorter feasible chains whose interval reaches the
+best's rank (within the noise of it). Longer chains are left out even when within the
+noise, so the controller cannot climb past the best; a slot runs shorter chains only when
+the traffic's acceptance says they would accept as much.
+
+Each measured batch size gets a slot, keyed halfway (geometrically) from the previous one,
+the first at 1: a running batch thins out for a moment whenever a request finishes, and
+should stay in its own slot rather than fall into the smaller batch size's. Chains nobody
+measured may enter from the model's estimates, flagged as estimated.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from treetune.config import AdaptiveConfig, AdaptiveSlot, TreeConfig, chain
+from treetune.results import LaunchResult
+from treetune.strategies import Estimates
+from treetune.study.evidence import StudyNoise, Verdict, estimated_verdict, judge
+
+# The chains a study with `adaptive: true` measures at every batch size (whatever its
+# space holds: adaptive servers run chains only), SGLang's default candidates among them.
+ADAPTIVE_CHAIN_STEPS = (1, 2, 3, 5)
+
+
+def adaptive_chains() -> list[TreeConfig]:
+    return [TreeConfig.of(s, 1, s + 1) for s in ADAPTIVE_CHAIN_STEPS]
+
+
+def slot_keys(batches: Iterable[int]) -> list[int]:
+    """The smallest running batch each study batch size's slot serves: 1 for the first,
+    then halfway (geometrically) from the previous batch size."""
+    ordered = sorted(set(batches))
+    return [1] + [math.ceil(math.sqrt(a * b)) for a, b in itertools.pairwise(ordered)]
+
+
+@dataclass(frozen=True)
+class SlotTuning:
+    """One slot's choice and why."""
+
+    batch: int  # the study batch size it was tuned at
+    key: int  # the smallest running batch it serves
+    best: int  # the best chain's steps (0: no speculation)
+    steps: tuple[int, ...]  # its candidates
+    estimated: tuple[int, ...] = ()  # candidates resting on the model's estimates
+
+    def describe(self) -> str:
+        flagged = (f" ({', '.join(map(str, self.estimated))} from model estimates)"
+                   if self.estimated else "")
+        return (f"batch {self.batch} (slot from {self.key}): best chain {self.best}, "
+                f"candidates {{{','.join(map(str, self.steps))}}}{flagged}")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    slots: tuple[SlotTuning, ...]
+
+    @property
+    def config(self) -> AdaptiveConfig | None:
+        """The tuned config; None when no slot would draft (that is the baseline)."""
+        if not any(s > 0 for slot in self.slots for s in slot.steps):
+            return None
+        return AdaptiveConfig(tuple(AdaptiveSlot(s.key, s.steps) for s in self.slots))
+
+    @property
+    def estimated(self) -> bool:
+        return any(slot.estimated for slot in self.slots)
+
+    def describe(self) -> str:
+        return "; ".join(slot.describe() for slot in self.slots)
+
+
+def chain_verdicts(results: Iterable[LaunchResult], baseline: LaunchResult, batch: int,
+                   datasets: list[str], tolerance: float, noise: StudyNoise,
+                   estimates: Estimates | None = None,
+                   steps: Sequence[int] = ADAPTIVE_CHAIN_STEPS) -> dict[int, Verdict]:
+    """Per chain length, the verdict at one batch size: measured chains (merged results)
+    as measured; of `steps`, those not measured from the model's estimates, if any."""
+    verdicts = {r.config.steps: judge(r, baseline, batch, datasets, tolerance, noise, estimates)
+                for r in results if r.ok and isinstance(r.config, TreeConfig)
+                and r.config.is_chain}
+    for s in steps:
+        if s not in verdicts and (v := estimated_verdict(chain(s), batch, datasets, tolerance,
+                                                         estimates)) is not None:
+            verdicts[s] = v
+    return verdicts
+
+
+def tune_slot(batch: int, key: int, verdicts: dict[int, Verdict]) -> SlotTuning:
+    """The candidates for one slot from its chains' verdicts (see the module's rule)."""
+    feasible = {s: v for s, v in verdicts.items() if v.feasible}
+    best = max(feasible, key=lambda s: feasible[s].rank, default=0)
+    if best and feasible[best].rank <= 1.0:
+        best = 0  # no faster than not drafting at all
+    if best == 0:
+        return SlotTuning(batch, key, 0, (0,))
+    top = feasible[best].rank
+    steps = tuple(sorted(s for s, v in feasible.items()
+                         if s == best or (s < best and v.overall.high >= top)))
+    return SlotTuning(batch, key, best, steps,
+                      tuple(s for s in steps if feasible[s].estimated))
+
+
+def tune(batches: Iterable[int], datasets: list[str], tolerance: float,
+         results: Iterable[LaunchResult], baseline: LaunchResult, noise: StudyNoise,
+         estimates: Estimates | None = None) -> Tuning:
+    """A tuned adaptive config from a study's (merged) results, one slot per batch size."""
+    results = list(results)
+    ordered = sorted(set(batches))
+    return Tuning(tuple(
+        tune_slot(batch, key, chain_verdicts(results, baseline, batch, datasets, tolerance,
+                                             noise, estimates))
+        for batch, key in zip(ordered, slot_keys(ordered), strict=True)))
+
+
+def estimated_steps(config: AdaptiveConfig, results: Iterable[LaunchResult]) -> list[int]:
+    """The positive candidate steps of `config` whose chain no launch measured: where an
+    adaptive config rests on the model's estimates (or on SGLang's guess)."""
+    measured = {r.config.steps for r in results
+                if r.ok and isinstance(r.config, TreeConfig) and r.config.is_chain}
+    return [s for s in config.candidate_steps if s > 0 and s not in measured]
