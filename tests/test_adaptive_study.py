@@ -136,8 +136,20 @@ def test_an_adaptive_launch_whose_server_serves_static_trees_says_so(tmp_path):
     from treetune.study.worker import LaunchWorker
 
     # SGLang runs adaptive steps for EAGLE and EAGLE3 only: it warns and serves a chain.
-    spec = load_study(None, small_study(tmp_path, batch=[1], datasets=["humaneval"],
-                                        compare=[], algorithm="STANDALONE"))
+    # The emulator serves only the methods its profile describes: a standalone draft
+    # model here, with the head's facts and acceptance.
+    from treetune.perfmodel import load_profile
+    from treetune.yamlio import dump_yaml
+
+    data = load_profile("qwen3-coder-next-h200").to_dict()
+    data["methods"] = {"STANDALONE": {
+        "drafter": "standalone", "draft": data["draft"],
+        "acceptance": {name: d["acceptance"] for name, d in data["datasets"].items()}}}
+    dump_yaml(data, tmp_path / "standalone.yaml")
+    spec = load_study(None, small_study(
+        tmp_path, batch=[1], datasets=["humaneval"], compare=[], algorithm="STANDALONE",
+        backend={"kind": "emulator", "profile": str(tmp_path / "standalone.yaml"),
+                 "time_scale": 20.0, "load_time_s": 10.0, "noise": False}))
     result = LaunchResult.from_dict(LaunchWorker(spec, 0).run(config_key(TUNED), []))
     assert result.ok and result.server_info["speculative_adaptive"] is False
     assert result.warnings == [
