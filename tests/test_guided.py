@@ -339,3 +339,32 @@ def test_a_leader_clear_of_the_runner_up_is_not_measured_again():
                        launch(TreeConfig(2, 1, 3), 150.0, (149.8, 150, 150.2))])
     task = planner.next()
     assert task is not None and not task.remeasure
+
+
+def test_exploring_proposals_are_trees_a_wider_posterior_favours_not_random_ones(monkeypatch):
+    """A share of the model search's proposals explores, so a model too sure of itself
+    cannot trap the search; the exploring draw widens the posterior instead of picking
+    uniformly from the space, where most trees (deep, wide ones at large batch) are slower
+    than no speculation under any plausible model, and a launch there teaches little."""
+    import treetune.strategies.model as model_strategy
+
+    name = "qwen3-coder-next-h200"
+    truth = load_profile(name)
+    spec = study(name)
+    planner = run_offline(spec, PerfModel(truth, truth.tp), seed=3, launches=8,
+                          noise=Noise(0.03, 0.03))
+    strategy = planner.strategy
+    monkeypatch.setattr(model_strategy, "EXPLORE", 1.0)  # every proposal explores
+    monkeypatch.setattr(model_strategy, "EXPLORE_MISFIT", 1.0)
+    proposals = [strategy.propose() for _ in range(12)]
+    assert all(p is not None and p.gain is None for p in proposals), \
+        "an exploring draw's gain is no forecast"
+    # Each exploring proposal is a tree that some batch size of the study would gain from
+    # in truth; uniform picks from the default space mostly are not (checked below).
+    def gains_somewhere(config: TreeConfig) -> bool:
+        return any(min(true_speedups(truth, config, b)) >= 1.0 for b in spec.batch)
+
+    assert sum(gains_somewhere(p.config) for p in proposals) >= 11
+    uniform = np.random.default_rng(0).choice(len(strategy.candidates), 40, replace=False)
+    share = statistics.fmean(gains_somewhere(strategy.candidates[i]) for i in uniform)
+    assert share < 0.8, "the premise: random trees of the space are mostly no gain"

@@ -6,8 +6,8 @@ facts stay) are refitted with `treetune calibrate`'s fitting code: per-dataset a
 from the measured accept lengths, step-time costs from the measured throughputs. The fit's
 Jacobian gives a Gaussian posterior over the parameters; each proposal draws one parameter
 set from it (Thompson sampling), so configs the data cannot yet tell apart all get their
-chance, and a share of proposals is drawn at random from the space so that a model that is
-wrong cannot trap the search.
+chance, and a share of proposals draws from a posterior made wider, so that a model that is
+too sure of itself cannot trap the search.
 """
 
 from __future__ import annotations
@@ -35,8 +35,14 @@ from treetune.strategies._misfit import Correction, Residual
 from treetune.strategies._trials import nearest_config
 from treetune.strategies.tpe import TPEStrategy
 
-EXPLORE = 0.1  # share of proposals drawn at random from the untried configs
+EXPLORE = 0.1  # share of proposals drawn from a wider posterior (EXPLORE_INFLATE)
 EXPLORE_MISFIT = 0.25  # the same while the model does not fit the measurements
+# An exploring proposal draws the parameters with this many times the posterior's variance.
+# Not uniformly from the space: most of a space is trees no plausible model favours (deep,
+# wide trees at large batch), and a launch spent there teaches the search little
+# (benchmarks/RESULTS.md, stop 18).
+EXPLORE_INFLATE = 4.0
+REDRAWS = 3  # posterior draws a proposal tries before the fit itself
 NOVELTY = 0.005  # a proposal must be predicted this different (log) from measured trees
 MARGIN = 0.02  # a config must be predicted this far above the floor on every dataset
 ONLINE_DATASET_FIT = ("acceptance.top1", "acceptance.top1_decay", "acceptance.rank_mass",
@@ -262,15 +268,31 @@ class ModelStrategy:
             if config in untried:
                 return Proposal(config)
         explore = EXPLORE_MISFIT if self.correction.misfit else EXPLORE
-        if self.rng.random() < explore and measured >= 2:
-            return Proposal(untried[int(self.rng.integers(len(untried)))])
+        exploring = self.rng.random() < explore and measured >= 2
         # Thompson sampling: one draw of the model, and the untried tree that draw says
-        # improves most on the measured trees, at whichever batch size gains most.
-        profile = self.fit.sample(self.rng)
+        # improves most on the measured trees, at whichever batch size gains most. A draw
+        # in which no untried tree clears the floor has nothing to launch (its best move
+        # is no speculation): drawn again, and at last the fit itself.
+        for draw in range(REDRAWS + 1):
+            profile = (self.fit.sample(self.rng, inflate=EXPLORE_INFLATE if exploring else 1.0)
+                       if draw < REDRAWS else self.fit.profile)
+            pick = self._best_under(profile, untried, trees, self.rng if draw < REDRAWS
+                                    else None)
+            if pick is not None:
+                # An exploring draw's gain is no forecast: it must not hold back a
+                # confirmation.
+                return Proposal(pick[1], gain=None if exploring else pick[0])
+        return Proposal(untried[int(self.rng.integers(len(untried)))])
+
+    def _best_under(self, profile: Profile, untried: list[TreeConfig], trees: list[TreeConfig],
+                    draw: np.random.Generator | None) -> tuple[float, TreeConfig] | None:
+        """The untried tree that `profile` (with the correction, drawn with `draw`) says
+        gains most over the measured trees at some batch size, with that gain; None when
+        no untried tree is predicted clear of the floor, other than near twins."""
         batches = self.fit.batches
         table = predicted_speedups(profile, untried + trees, batches, self.fit.datasets,
                                    self.fit.tp)
-        self.corrected(table, draw=self.rng)
+        self.corrected(table, draw=draw)
         known = {b: np.log([table[c][b] for c in trees]) for b in batches} if trees else None
         best_pick: tuple[float, TreeConfig] | None = None
         for batch in batches:
@@ -286,9 +308,7 @@ class ModelStrategy:
                 gain = statistics.fmean(per) / incumbent
                 if best_pick is None or gain > best_pick[0]:
                     best_pick = (gain, config)
-        if best_pick is None:
-            return Proposal(untried[int(self.rng.integers(len(untried)))])
-        return Proposal(best_pick[1], gain=best_pick[0])
+        return best_pick
 
 
 def model_estimates(fit: ModelFit, configs: list[TreeConfig], rng: np.random.Generator,
