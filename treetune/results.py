@@ -35,6 +35,8 @@ class Slo:
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise FieldError(key, f"slo.{key} must be > 0, got {value}")
+            if value is not None:
+                object.__setattr__(self, key, float(value))  # 50 and 50.0: the same study
 
     @property
     def bounded(self) -> bool:
