@@ -200,8 +200,8 @@ async def measure_watched(measure: Callable[[], Awaitable[CellResult]], max_lag_
                f"again {cell.clock_lag_s * 1e3:.0f} ms behind its schedule on average "
                f"(server time, over measurement.max_clock_lag_s = {max_lag_s * 1e3:g} ms): "
                f"its latencies are off by that much, its throughput too if the lag outgrew a "
-               f"round; kept, marked lagged. {hint[:1].upper()}{hint[1:]}"
-               f"{f' (time scale {time_scale:g})' if time_scale != 1 else ''}.")
+               f"round; kept, marked lagged. To fix: {hint}"
+               f"{f' (time scale now {time_scale:g})' if time_scale != 1 else ''}.")
     return dataclasses.replace(cell, lagged=True), warning
 
 
