@@ -37,7 +37,7 @@ class ClockLag:
     time_scale, 0 when on time. A late deadline delays every token of that round for the
     clients; it does not stretch the run (the next deadline is absolute), until the loop is
     late by more than rounds last. epoll waits in whole milliseconds, so even an idle
-    machine shows about 0.5 ms of wall time, times time_scale."""
+    machine shows 0.5-1 ms of wall time, times time_scale."""
 
     def __init__(self, metrics: ServerMetrics, window: int = 256) -> None:
         self._metrics = metrics

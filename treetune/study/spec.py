@@ -82,8 +82,9 @@ class Measurement:
     max_requests: int = 1000  # requests a rate cell sends at most
     # A cell whose server clock ran later than this behind its schedule, on average (server
     # seconds; the emulator's clock lag), is measured again; if it lags again it is kept,
-    # marked lagged, and the study warns. 50 ms is about two decode rounds: below it the
-    # emulator's throughput holds (its clock catches up) and latencies are off by the lag.
+    # marked lagged, and the study warns. 50 ms is a few decode rounds of the shipped
+    # profiles: below it the emulator's throughput holds (its clock catches up) and
+    # latencies are off by the lag.
     max_clock_lag_s: float = 0.05
 
     def __post_init__(self) -> None:
