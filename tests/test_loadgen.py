@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 
 from treetune.backends import LaunchSpec
-from treetune.backends.emulator import emulator_command
+from treetune.backends.emulator import EMULATOR_API, emulator_command
 from treetune.client import ServerClient, ServerRequestError
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.datasets import Prompt, PromptSet
-from treetune.loadgen import MeasurementError, measure_cell
+from treetune.loadgen import MeasurementError, arrival_times, measure_cell, measure_open_cell
 from treetune.perfmodel import PerfModel, load_profile
-from treetune.results import CellResult
+from treetune.results import CellResult, Slo
 from treetune.server import ServerProcess, start_server
 
 PROFILE = "qwen3-coder-next-h200"
@@ -168,7 +168,8 @@ def cells(servers: dict[str, ServerProcess]) -> Cell:
                                             duration_s=DURATION_S, repeats=REPEATS,
                                             ignore_eos=True)
                 return result, await client.metrics()
-            done[server, batch, steady] = call(servers[server].base_url, measure)
+            done[server, batch, steady] = call(servers[server].base_url, measure,
+                                               api=EMULATOR_API)
         return done[server, batch, steady]
     return cell
 
@@ -223,6 +224,19 @@ def test_a_baseline_server_has_no_accept_length(cells):
     assert cell.output_tok_s == pytest.approx(expected, rel=0.05)
 
 
+def test_a_closed_loop_cell_also_has_itl_e2e_its_request_rate_and_the_servers_clock_lag(
+        cells):
+    cell, _ = cells("tree", 8)
+    assert (cell.rate, cell.arrival, cell.goodput, cell.slo) == (None, "", None, None)
+    assert cell.request_rate == pytest.approx(cell.requests / cell.duration_s)
+    assert cell.itl is not None and cell.e2e is not None
+    assert cell.itl.p50 <= cell.itl.p90 <= cell.itl.p99
+    assert cell.ttft.p50 < cell.e2e.p50 <= cell.e2e.p90 <= cell.e2e.p99
+    # A 1024-token request: its end-to-end time is its first token plus 1023 at the TPOT.
+    assert cell.e2e.p50 == pytest.approx(cell.ttft.p50 + 1023 * cell.tpot.p50, rel=0.2)
+    assert cell.clock_lag_s is not None and cell.clock_lag_s >= 0 and not cell.lagged
+
+
 def test_a_cell_where_every_request_fails_raises_with_the_cause(tree_url):
     async def measure() -> CellResult:
         async with ServerClient(tree_url, dataset="no-such-dataset") as client:
@@ -245,3 +259,74 @@ def test_a_cell_on_a_server_that_died_raises_instead_of_hanging(tmp_path: Path):
             asyncio.run(measure())
     finally:
         server.stop()
+
+
+# ---- an open loop ----------------------------------------------------------------------
+
+SHORT = dataclasses.replace(PROMPTS, max_new_tokens=64)  # 0.5 s of server time each
+RATE = 4.0  # requests per server second: about two running at once
+OPEN_S = 20.0  # server seconds of arrivals: 2 s of wall time
+GENEROUS = Slo(ttft_ms=10_000, tpot_ms=1_000)
+IMPOSSIBLE = Slo(ttft_ms=0.001)
+
+
+@pytest.fixture(scope="module")
+def open_cell(tree_url: str) -> Callable[..., CellResult]:
+    """measure_open_cell on the tree server at RATE for OPEN_S (memoized)."""
+    done: dict[tuple[str, Slo | None], CellResult] = {}
+
+    def cell(arrival: str, slo: Slo | None = None) -> CellResult:
+        if (arrival, slo) not in done:
+            done[arrival, slo] = call(tree_url, lambda c: measure_open_cell(
+                c, SHORT, RATE, duration_s=OPEN_S, max_requests=1000, arrival=arrival,
+                seed=5, ignore_eos=True, slo=slo), api=EMULATOR_API)
+        return done[arrival, slo]
+    return cell
+
+
+@pytest.mark.parametrize("arrival", ["fixed", "poisson"])
+def test_an_open_loop_cell_completes_every_scheduled_request_at_about_the_asked_rate(
+        open_cell, arrival):
+    cell = open_cell(arrival)
+    scheduled = arrival_times(RATE, duration_s=OPEN_S, max_requests=1000, arrival=arrival,
+                              seed=5)
+    assert (cell.batch, cell.rate, cell.arrival) == (0, RATE, arrival)
+    assert (cell.requests, cell.unfinished, cell.errors) == (len(scheduled), 0, 0)
+    # The window runs until the last request ends, half a second after the last arrival.
+    assert cell.request_rate == pytest.approx(len(scheduled) / OPEN_S, rel=0.1)
+    if arrival == "fixed":
+        assert cell.request_rate == pytest.approx(RATE, rel=0.1)
+    assert cell.output_tokens == 64 * len(scheduled)
+    assert cell.accept_length is not None and cell.clock_lag_s is not None
+
+
+def test_an_open_loop_cells_latency_percentiles_are_ordered_and_consistent(open_cell):
+    cell = open_cell("poisson")
+    for latency in (cell.ttft, cell.tpot, cell.itl, cell.e2e):
+        assert latency is not None and 0 < latency.p50 <= latency.p90 <= latency.p99
+    assert cell.ttft.p50 < cell.e2e.p50 < 2.0
+    assert cell.e2e.p50 == pytest.approx(cell.ttft.p50 + 63 * cell.tpot.p50, rel=0.2)
+    # A chunk brings a round's accepted tokens: readers wait longer than a token's time.
+    assert cell.itl.p50 > cell.tpot.p50
+
+
+def test_an_open_loop_cells_goodput_counts_the_requests_within_its_slo(open_cell):
+    met = open_cell("poisson", GENEROUS)
+    assert met.slo == GENEROUS and met.goodput == pytest.approx(met.request_rate)
+    missed = open_cell("poisson", IMPOSSIBLE)
+    assert missed.goodput == 0.0
+
+
+def test_an_overloaded_server_shows_in_unfinished_requests_and_a_rate_below_the_asked(
+        tree_url):
+    async def overload(client: ServerClient) -> tuple[CellResult, dict]:
+        # 1024-token requests, 60 of them in 1.2 s: the server holds 16 at a time.
+        cell = await measure_open_cell(client, PROMPTS, 50.0, duration_s=2.0, max_requests=60,
+                                       arrival="fixed", drain_s=1.0, ignore_eos=True)
+        return cell, await client.metrics()
+
+    cell, metrics_after = call(tree_url, overload)
+    assert cell.unfinished > 0 and cell.requests + cell.unfinished == 60
+    assert cell.request_rate is not None and cell.request_rate < 50.0 / 2
+    assert cell.duration_s == pytest.approx(3.0, rel=0.1)  # arrivals, then the drain
+    assert metrics_after["sglang:num_running_reqs"] == 0  # the unfinished were aborted

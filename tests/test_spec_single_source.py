@@ -73,7 +73,7 @@ def test_backend_options_name_a_field_of_a_registered_backend():
 
 def test_list_fields_take_several_values_after_one_flag():
     multiple = {o.flag for o in search_options() if o.multiple}
-    assert multiple == {"--datasets", "--batch", "--compare", "--methods"}
+    assert multiple == {"--datasets", "--batch", "--rates", "--compare", "--methods"}
     assert multiple <= treetune.cli.multi_value_options()
 
 
@@ -88,8 +88,8 @@ def test_profile_implies_the_emulator_unless_a_backend_is_given():
 # without one here, so every option is shown to reach its field.
 SAMPLES = {
     "--name": ("cli-study",), "--model": ("org/model",), "--datasets": ("humaneval", "mt-bench"),
-    "--batch": ("1", "16"), "--draft": ("org/draft",), "--algorithm": ("EAGLE",),
-    "--methods": ("EAGLE", "NEXTN"),
+    "--batch": ("1", "16"), "--rates": ("2", "8.5"), "--draft": ("org/draft",),
+    "--algorithm": ("EAGLE",), "--methods": ("EAGLE", "NEXTN"),
     "--sglang-version": ("0.5.3",), "--tp": ("2",), "--space": ("narrow",),
     "--budget-launches": ("7",), "--budget-time": ("600",), "--tolerance": ("0.05",),
     "--backend": ("emulator",), "--profile": ("qwen3-coder-next-h200",),
@@ -120,6 +120,7 @@ def test_every_option_sets_its_field(capsys, monkeypatch, tmp_path):
         "cli-study", "org/model", "org/draft", "EAGLE")
     assert spec.method_names == ("EAGLE", "NEXTN")
     assert spec.dataset_names == ["humaneval", "mt-bench"] and spec.batch == (1, 16)
+    assert spec.rates == (2.0, 8.5)
     assert (spec.sglang_version, spec.tp, spec.space) == ("0.5.3", 2, "narrow")
     assert (spec.budget.launches, spec.budget.wall_time_s, spec.tolerance) == (7, 600.0, 0.05)
     assert spec.backend.kind == "emulator" and spec.backend.profile == "qwen3-coder-next-h200"

@@ -18,6 +18,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from treetune.backends import AdaptiveState, ServerApi
+from treetune.backends.emulator import EMULATOR_INFO_KEY
 from treetune.backends.sglang import SGLANG_API
 from treetune.errors import TreetuneError
 
@@ -112,7 +113,7 @@ class ServerClient:
         `--time-scale`, 1 for SGLang. Wall seconds = server seconds / time_scale."""
         if self._time_scale is None:
             info = await self.server_info()
-            emulator = info.get("emulator") or {}
+            emulator = info.get(EMULATOR_INFO_KEY) or {}
             self._time_scale = float(emulator.get("time_scale", 1.0))
         return self._time_scale
 

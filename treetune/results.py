@@ -1,6 +1,7 @@
-"""What a launch measures: one `CellResult` per (dataset, batch) and a `LaunchResult` per
-server launch. Plain dataclasses that round-trip through JSON, so results can cross Ray
-process boundaries and live in study storage unchanged."""
+"""What a launch measures: one `CellResult` per (dataset, batch), one per (dataset, rate) for
+open-loop cells, and a `LaunchResult` per server launch. Plain dataclasses that round-trip
+through JSON, so results can cross Ray process boundaries and live in study storage
+unchanged; fields added later have defaults, so older records still load."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treetune.config import ADAPTIVE_PREFIX, BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
+from treetune.errors import FieldError
 
 
 @dataclass(frozen=True)
@@ -21,21 +23,73 @@ class Latency:
 
 
 @dataclass(frozen=True)
+class Slo:
+    """A latency target: a request meets it when its time to first token and its time per
+    output token are within these bounds (None: unbounded). Goodput counts such requests."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("ttft_ms", "tpot_ms"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise FieldError(key, f"slo.{key} must be > 0, got {value}")
+            if value is not None:
+                object.__setattr__(self, key, float(value))  # 50 and 50.0: the same study
+
+    @property
+    def bounded(self) -> bool:
+        """Whether it bounds anything (an empty SLO gives no goodput)."""
+        return self.ttft_ms is not None or self.tpot_ms is not None
+
+    def met(self, ttft_s: float, tpot_s: float | None) -> bool:
+        """Whether a request with these latencies (server seconds) meets the target; a
+        one-token request has no time per output token and meets any bound on it."""
+        if self.ttft_ms is not None and ttft_s * 1e3 > self.ttft_ms:
+            return False
+        return self.tpot_ms is None or tpot_s is None or tpot_s * 1e3 <= self.tpot_ms
+
+
+@dataclass(frozen=True)
 class CellResult:
-    """One (dataset, batch) measurement on one server."""
+    """One cell measured on one server: a dataset under a closed loop at concurrency
+    `batch` (`rate` None), or an open loop of requests arriving at `rate` per second
+    (`batch` 0). Every time and rate is in server time."""
 
     dataset: str
-    batch: int
-    output_tok_s: float  # output tokens/s over the whole batch, in server time
+    batch: int  # closed loop: requests kept in flight; 0 for an open-loop cell
+    output_tok_s: float  # output tokens/s over all requests, in server time
     accept_length: float | None  # for this cell only; None without speculation
     requests: int  # requests completed inside the measurement window
     output_tokens: int  # tokens streamed inside the window
     duration_s: float  # window length in server time
-    ttft: Latency | None
-    tpot: Latency | None
+    ttft: Latency | None  # time to first token, from the request's send
+    tpot: Latency | None  # time per output token after the first: (e2e - ttft) / (tokens - 1)
     errors: int = 0
     repeats: tuple[float, ...] = ()  # throughput of sub-windows, for confidence intervals
     launch_tok_s: tuple[float, ...] = ()  # per launch, when several launches are merged
+    # Open loop: requests/s asked for, and how they arrive ("poisson" or "fixed").
+    rate: float | None = None
+    arrival: str = ""
+    request_rate: float | None = None  # requests completed per second of the window
+    itl: Latency | None = None  # inter-token latency: between a stream's consecutive chunks
+    e2e: Latency | None = None  # end-to-end latency, from send to last chunk
+    slo: Slo | None = None  # the target goodput counts against
+    goodput: float | None = None  # requests/s completed within `slo` (None: no SLO)
+    unfinished: int = 0  # open loop: requests still running when the cell ended, aborted
+    # How late the server's clock ran behind its schedule, mean over the cell, server
+    # seconds (the emulator's; None for a server on a real clock); `lagged`: above the
+    # study's measurement.max_clock_lag_s even when measured again.
+    clock_lag_s: float | None = None
+    lagged: bool = False
+
+    @property
+    def label(self) -> str:
+        """The cell in words: 'humaneval at batch 8', 'humaneval at 2 req/s (poisson)'."""
+        if self.rate is None:
+            return f"{self.dataset} at batch {self.batch}"
+        return f"{self.dataset} at {self.rate:g} req/s ({self.arrival})"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -43,9 +97,11 @@ class CellResult:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CellResult:
         data = dict(data)
-        for key in ("ttft", "tpot"):
+        for key in ("ttft", "tpot", "itl", "e2e"):
             if data.get(key) is not None:
                 data[key] = Latency(**data[key])
+        if data.get("slo") is not None:
+            data["slo"] = Slo(**data["slo"])
         data["repeats"] = tuple(data.get("repeats", ()))
         data["launch_tok_s"] = tuple(data.get("launch_tok_s", ()))
         return cls(**data)
@@ -92,9 +148,16 @@ class LaunchResult:
     # Where the server did not serve what its flags asked for (the backend reads it from
     # the server's info and log): its measurements are of another server than intended.
     warnings: list[str] = field(default_factory=list)
+    # Open-loop cells, one per (dataset, rate), kept apart from `cells` (closed loop, one
+    # per (dataset, batch)): what reads throughput at a batch size never meets them.
+    rate_cells: list[CellResult] = field(default_factory=list)
 
     def cell(self, dataset: str, batch: int) -> CellResult | None:
         return next((c for c in self.cells if c.dataset == dataset and c.batch == batch), None)
+
+    def rate_cell(self, dataset: str, rate: float) -> CellResult | None:
+        return next((c for c in self.rate_cells if c.dataset == dataset and c.rate == rate),
+                    None)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -112,6 +175,7 @@ class LaunchResult:
             "attempts": self.attempts,
             "retried_because": self.retried_because,
             "warnings": list(self.warnings),
+            "rate_cells": [c.to_dict() for c in self.rate_cells],
         }
 
     @classmethod
@@ -131,4 +195,5 @@ class LaunchResult:
             attempts=data.get("attempts", 1),
             retried_because=data.get("retried_because", ""),
             warnings=list(data.get("warnings", [])),
+            rate_cells=[CellResult.from_dict(c) for c in data.get("rate_cells", [])],
         )

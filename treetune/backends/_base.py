@@ -52,6 +52,11 @@ class ServerApi:
     # its launch flags, server_info and start-up log (SGLang drops some flags with only a
     # log warning).
     launch_warnings: Callable[[Flags, Mapping[str, Any], str], list[str]] | None = None
+    # A histogram of how late the server's clock met its schedule, in server seconds (None:
+    # the server runs on a real clock, as SGLang does); its _sum over its _count over a cell
+    # is the cell's mean clock lag. With what to do when it lags, for the study's warning.
+    clock_lag: str | None = None
+    clock_lag_hint: str = ""
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,20 @@ if TYPE_CHECKING:
     from treetune.perfmodel import Profile
 
 FAULT_KINDS = ("startup", "hang", "crash")
+# The emulator's own block in /server_info: its profile, time scale and clock.
+EMULATOR_INFO_KEY = "emulator"
+# The emulator keeps an emulated clock on a shared CPU: how late it met its deadlines (see
+# treetune.emulator.engine.ClockLag), as a Prometheus histogram in emulated seconds and as a
+# summary under EMULATOR_INFO_KEY in /server_info.
+CLOCK_LAG_METRIC = "treetune_emulator_clock_lag_seconds"
+CLOCK_LAG_INFO_KEY = "clock_lag"
+CLOCK_LAG_HINT = ("lower backend.time_scale (--time-scale) or run fewer workers at once "
+                  "(--workers): the emulator runs time_scale times faster than the GPU, on a "
+                  "CPU that cannot keep up")
 # The emulator answers SGLang's API, and says in server_info that it is the emulator.
-EMULATOR_API = dataclasses.replace(SGLANG_API, info_keys=(*SGLANG_API.info_keys, "emulator"))
+EMULATOR_API = dataclasses.replace(SGLANG_API,
+                                   info_keys=(*SGLANG_API.info_keys, EMULATOR_INFO_KEY),
+                                   clock_lag=CLOCK_LAG_METRIC, clock_lag_hint=CLOCK_LAG_HINT)
 
 
 @dataclass(frozen=True)

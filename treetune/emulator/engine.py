@@ -9,7 +9,9 @@ draft for the running batch, round by round: the round costs and accepts what th
 chain of that length would, steps 0 is a plain decode round, and the accepted drafts go
 back to the slot's controller.
 The emulated clock runs `time_scale` times faster than the wall clock, on absolute
-deadlines so that sleep granularity never accumulates.
+deadlines so that sleep granularity never accumulates. How late the event loop meets those
+deadlines is the clock lag (`ClockLag`): the emulator reports it rather than pretend that a
+busy CPU keeps its schedule.
 """
 
 from __future__ import annotations
@@ -27,6 +29,39 @@ from treetune.backends.sglang_adaptive import Schedule, switch_line
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.emulator.metrics import ServerMetrics
 from treetune.perfmodel import NoiseModel, PerfModel, Profile
+
+
+class ClockLag:
+    """How late the engine meets its emulated deadlines (a prefill's or a decode round's
+    end), in emulated seconds: (wall time the loop got there - wall time it was due) x
+    time_scale, 0 when on time. A late deadline delays every token of that round for the
+    clients; it does not stretch the run (the next deadline is absolute), until the loop is
+    late by more than rounds last. epoll waits in whole milliseconds, so even an idle
+    machine shows 0.5-1 ms of wall time, times time_scale."""
+
+    def __init__(self, metrics: ServerMetrics, window: int = 256) -> None:
+        self._metrics = metrics
+        self.recent: deque[float] = deque(maxlen=window)  # the last `window` deadlines
+        self.worst = 0.0
+        self.deadlines = 0
+
+    def observe(self, late_s: float) -> None:
+        self.recent.append(late_s)
+        self.worst = max(self.worst, late_s)
+        self.deadlines += 1
+        self._metrics.clock_lag(late_s)
+
+    def summary(self) -> dict[str, float]:
+        """For /server_info: the last deadline's lag, the mean and max of the recent ones,
+        the max since start, and how many deadlines were met."""
+        recent = list(self.recent)
+        return {
+            "last_s": recent[-1] if recent else 0.0,
+            "recent_mean_s": float(np.mean(recent)) if recent else 0.0,
+            "recent_max_s": max(recent, default=0.0),
+            "max_s": self.worst,
+            "deadlines": self.deadlines,
+        }
 
 
 @dataclass
@@ -88,6 +123,7 @@ class Engine:
         self._ids = itertools.count()
         self._wall0: float | None = None
         self.clock = 0.0  # emulated seconds since start
+        self.lag = ClockLag(metrics)
         # Totals since start, and since the last /flush_cache (for the cumulative average).
         self.completion_tokens = 0
         self.verify_calls = 0
@@ -108,9 +144,11 @@ class Engine:
 
     async def _sleep_until(self, emulated: float) -> None:
         assert self._wall0 is not None
-        delay = self._wall0 + emulated / self.time_scale - self._loop_time()
+        due = self._wall0 + emulated / self.time_scale
+        delay = due - self._loop_time()
         if delay > 0:
             await asyncio.sleep(delay)
+        self.lag.observe(max(0.0, self._loop_time() - due) * self.time_scale)
 
     # ---- requests ---------------------------------------------------------------------
     def new_request(

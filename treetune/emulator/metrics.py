@@ -1,4 +1,5 @@
-"""SGLang's Prometheus metrics (names from SGLang 0.5.23), kept with prometheus-client."""
+"""SGLang's Prometheus metrics (names from SGLang 0.5.23), kept with prometheus-client, and
+the emulator's own clock lag (named by its backend: SGLang has no such metric)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+
+from treetune.backends.emulator import CLOCK_LAG_METRIC
 
 disable_created_metrics()  # SGLang exposes no *_created series
 
@@ -46,6 +49,9 @@ class ServerMetrics:
         self._ttft = hist("time_to_first_token_seconds", "Time to first token.").labels(model_name)
         self._itl = hist("inter_token_latency_seconds", "Inter-token latency.").labels(model_name)
         self._e2e = hist("e2e_request_latency_seconds", "End-to-end latency.").labels(model_name)
+        self._clock_lag = Histogram(
+            CLOCK_LAG_METRIC, "Emulated seconds each emulated deadline was met late.", labels,
+            buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -70,6 +76,9 @@ class ServerMetrics:
 
     def e2e(self, seconds: float) -> None:
         self._e2e.observe(seconds)
+
+    def clock_lag(self, seconds: float) -> None:
+        self._clock_lag.observe(seconds)
 
     def round(
         self,

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from aiohttp import ClientConnectionResetError, web
 
+from treetune.backends.emulator import CLOCK_LAG_INFO_KEY, EMULATOR_INFO_KEY
 from treetune.backends.sglang import (
     ADAPTIVE_INFO_KEY,
     ADAPTIVE_STEPS_KEY,
@@ -164,12 +165,13 @@ class EmulatedServer:
             **args,
             "version": s.sglang_version,
             INTERNAL_STATES_KEY: [state],
-            "emulator": {
+            EMULATOR_INFO_KEY: {
                 "profile": self.profile.name,
                 "method": s.method,
                 "time_scale": s.time_scale,
                 "completion_tokens": self.engine.completion_tokens,
                 "verify_calls": self.engine.verify_calls,
+                CLOCK_LAG_INFO_KEY: self.engine.lag.summary(),
             },
         })
 

@@ -34,7 +34,7 @@ from treetune.backends.sglang import (
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.datasets import DatasetSpec
 from treetune.errors import ConfigFileError, FieldError, InvalidTreeError, TreetuneError
-from treetune.results import config_key
+from treetune.results import Slo, config_key
 from treetune.yamlio import build, closest, dump_yaml, load_yaml
 
 SPEC_COPY = "study.yaml"  # the resolved spec, saved in the output folder for readers
@@ -72,15 +72,39 @@ class Budget:
 
 @dataclass(frozen=True)
 class Measurement:
-    duration_s: float = 60.0  # measurement window per cell, server seconds
+    # A closed-loop cell's window, server seconds; an open-loop (rate) cell sends requests
+    # for this long, then waits as long again at most for them to finish.
+    duration_s: float = 60.0
     warmup_s: float | None = None  # None: until every request has its first token
     repeats: int = 3  # sub-windows per cell, for the spread of a measurement
     startup_timeout_s: float = 900.0  # wall seconds a launch may take to become healthy
+    arrival: str = "poisson"  # how a rate cell's requests arrive: poisson or fixed (interval)
+    max_requests: int = 1000  # requests a rate cell sends at most
+    # A cell whose server clock ran later than this behind its schedule, on average (server
+    # seconds; the emulator's clock lag), is measured again; if it lags again it is kept,
+    # marked lagged, and the study warns. 50 ms is a few decode rounds of the shipped
+    # profiles: below it the emulator's throughput holds (its clock catches up) and
+    # latencies are off by the lag.
+    max_clock_lag_s: float = 0.05
 
     def __post_init__(self) -> None:
+        from treetune.loadgen.arrivals import ARRIVALS
+
         if self.duration_s <= 0 or self.repeats < 1 or self.startup_timeout_s <= 0:
             raise ValueError("measurement needs duration_s > 0, repeats >= 1, "
                              "startup_timeout_s > 0")
+        if self.arrival not in ARRIVALS:
+            raise FieldError("arrival", f"measurement.arrival must be one of "
+                             f"{', '.join(ARRIVALS)}, got '{self.arrival}'")
+        if self.max_requests < 1:
+            raise FieldError("max_requests", "measurement.max_requests must be >= 1")
+        if self.max_clock_lag_s <= 0:
+            raise FieldError("max_clock_lag_s", "measurement.max_clock_lag_s must be > 0")
+
+
+# Measurement keys added after studies were stored: left out of a study's fingerprint at
+# their defaults, so that those studies still resume.
+_LATER_MEASUREMENT_KEYS = ("arrival", "max_requests", "max_clock_lag_s")
 
 
 @dataclass(frozen=True)
@@ -162,6 +186,13 @@ class StudySpec:
         file_type=list[Any]))  # names, or mappings with a file
     batch: tuple[int, ...] = field(metadata=meta(
         "--batch", "Batch sizes, e.g. --batch 1 32.", file_type=list[int]))
+    # Open-loop cells beside the batch sizes: requests arriving at each rate (measurement.
+    # arrival), measured and stored (LaunchResult.rate_cells) but not searched over.
+    rates: tuple[float, ...] = field(default=(), metadata=meta(
+        "--rates", "Also measure open-loop cells at these request rates (requests/s, server "
+        "time), e.g. --rates 2 8.", file_type=list[float]))
+    # The latency target rate and batch cells report goodput against (empty: none).
+    slo: Slo = field(default_factory=Slo)
     draft: str | None = field(default=None, metadata=meta("--draft",
                                                           "Draft head path or name."))
     algorithm: str = field(default="EAGLE3", metadata=meta(
@@ -225,6 +256,8 @@ class StudySpec:
             raise FieldError("datasets", "datasets: give at least one dataset")
         if not self.batch or any(b < 1 for b in self.batch):
             raise FieldError("batch", f"batch sizes must be >= 1, got {list(self.batch)}")
+        if any(r <= 0 for r in self.rates) or len(set(self.rates)) != len(self.rates):
+            raise FieldError("rates", f"rates must be > 0 and different, got {list(self.rates)}")
         if self.tp < 1:
             raise FieldError("tp", f"tp must be >= 1, got {self.tp}")
         if not 0 <= self.tolerance < 1:
@@ -363,8 +396,14 @@ class StudySpec:
             # Unset backend fields are left out, so a field added later with a None
             # default does not orphan the studies stored before it.
             "backend": {k: v for k, v in self.backend_dict().items() if v is not None},
-            "measurement": dataclasses.asdict(self.measurement),
+            "measurement": {k: v for k, v in dataclasses.asdict(self.measurement).items()
+                            if k not in _LATER_MEASUREMENT_KEYS
+                            or v != getattr(Measurement, k)},
         }
+        if self.rates:  # studies without open-loop cells keep their old fingerprint
+            relevant["rates"] = sorted(self.rates)
+        if self.slo.bounded:
+            relevant["slo"] = dataclasses.asdict(self.slo)
         if self.method_names != (self.algorithm,):  # a study of one method: as before
             relevant["methods"] = {n: self.method_draft(n) for n in self.method_names}
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
@@ -388,6 +427,7 @@ class StudySpec:
         data["output"] = str(self.output_dir.resolve())
         data["backend"] = self.backend_dict()
         data["batch"] = list(self.batch)
+        data["rates"] = list(self.rates)
         data["compare"] = [config_key(c) if c.method else [c.steps, c.topk, c.draft_tokens]
                            for c in self.compare]
         data["methods"] = [m.entry() for m in self.methods]
@@ -578,6 +618,7 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
     merged["datasets"] = tuple(_dataset(d, where, i)
                                for i, d in enumerate(merged.get("datasets", ())))
     merged["batch"] = tuple(merged.get("batch", ()))
+    merged["rates"] = tuple(float(r) for r in merged.get("rates", ()))
     merged["compare"] = tuple(_tree(t, where, i) for i, t in enumerate(merged.get("compare", ())))
     merged["methods"] = tuple(_method(m, where, i, base if path is not None else None)
                               for i, m in enumerate(merged.get("methods", ())))

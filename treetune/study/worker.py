@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import re
 import socket
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from treetune.backends import BackendFacts, LaunchContext, gather_facts, server_facts
 from treetune.config import AdaptiveConfig, ServerConfig
-from treetune.results import LaunchResult, config_from_key, config_key
+from treetune.results import CellResult, LaunchResult, config_from_key, config_key
 from treetune.study.spec import StudySpec
 
 MAX_ATTEMPTS = 2  # a server that crashes mid-benchmark is retried once on a fresh server
@@ -153,27 +154,43 @@ class LaunchWorker:
 
     async def _measure(self, base_url: str, result: LaunchResult, api_key: str | None,
                        log: Callable[[], str], command: list[str]) -> None:
-        """Measure every cell the result does not hold yet, adding each as it is done.
-        Before the first, the server's info is kept, and the backend says whether the
-        server serves what its `command` asked for (from that info and the start-up
-        `log`)."""
+        """Measure every cell the result does not hold yet, adding each as it is done:
+        the batch sizes' closed-loop cells, then the rates' open-loop cells. Before the
+        first, the server's info is kept, and the backend says whether the server serves
+        what its `command` asked for (from that info and the start-up `log`)."""
         from treetune.client import ServerClient
-        from treetune.loadgen import measure_cell
+        from treetune.loadgen import measure_cell, measure_open_cell
 
-        m = self.spec.measurement
-        for batch in sorted(self.spec.batch):
-            for name, prompts in self.prompts.items():
-                if result.cell(name, batch) is not None:
-                    continue  # measured by an earlier server of this launch
-                async with ServerClient(base_url, api_key=api_key, dataset=name,
-                                        api=self.spec.backend.api) as client:
-                    if not result.server_info:
-                        info = await client.server_info()
-                        result.server_info = server_facts(self.spec.backend.api, info)
-                        result.warnings = self._launch_warnings(info, log, command)
-                    cell = await measure_cell(client, prompts, batch, duration_s=m.duration_s,
-                                              warmup_s=m.warmup_s, repeats=m.repeats)
-                result.cells.append(cell)
+        m, spec = self.spec.measurement, self.spec
+        slo = spec.slo if spec.slo.bounded else None
+        cells = [*((name, batch, False) for batch in sorted(spec.batch) for name in self.prompts),
+                 *((name, rate, True) for rate in sorted(spec.rates) for name in self.prompts)]
+        for name, size, is_rate in cells:
+            done = result.rate_cell(name, size) if is_rate else result.cell(name, int(size))
+            if done is not None:
+                continue  # measured by an earlier server of this launch
+            prompts = self.prompts[name]
+            async with ServerClient(base_url, api_key=api_key, dataset=name,
+                                    api=spec.backend.api) as client:
+                if not result.server_info:
+                    info = await client.server_info()
+                    result.server_info = server_facts(spec.backend.api, info)
+                    result.warnings = self._launch_warnings(info, log, command)
+                if is_rate:
+                    measure = functools.partial(
+                        measure_open_cell, client, prompts, size, duration_s=m.duration_s,
+                        max_requests=m.max_requests, arrival=m.arrival, seed=spec.seed,
+                        repeats=m.repeats, slo=slo)
+                else:
+                    measure = functools.partial(
+                        measure_cell, client, prompts, int(size), duration_s=m.duration_s,
+                        warmup_s=m.warmup_s, repeats=m.repeats, slo=slo)
+                cell, warning = await measure_watched(measure, m.max_clock_lag_s,
+                                                      spec.backend.api.clock_lag_hint,
+                                                      await client.time_scale())
+            if warning:
+                result.warnings.append(warning)
+            (result.rate_cells if is_rate else result.cells).append(cell)
 
     def _launch_warnings(self, info: dict[str, Any], log: Callable[[], str],
                          command: list[str]) -> list[str]:
@@ -192,6 +209,33 @@ def command_flags(argv: list[str]) -> list[tuple[str, str | None]]:
             value = argv[i + 1] if i + 1 < len(argv) else None
             flags.append((arg, None if value is None or value.startswith("--") else value))
     return flags
+
+
+async def measure_watched(measure: Callable[[], Awaitable[CellResult]], max_lag_s: float,
+                          hint: str, time_scale: float = 1.0
+                          ) -> tuple[CellResult, str | None]:
+    """A cell measured by `measure`, and measured once more if its server's clock lagged
+    more than `max_lag_s` behind its schedule; if the second lags too, it is kept marked
+    `lagged`, with a warning for the study that says what to do (`hint`)."""
+    cell = await measure()
+    if not _lags(cell, max_lag_s):
+        return cell, None
+    first = cell.clock_lag_s
+    cell = await measure()
+    if not _lags(cell, max_lag_s):
+        return cell, None
+    assert first is not None and cell.clock_lag_s is not None
+    warning = (f"{cell.label}: the server's clock ran {first * 1e3:.0f} ms, then measured "
+               f"again {cell.clock_lag_s * 1e3:.0f} ms behind its schedule on average "
+               f"(server time, over measurement.max_clock_lag_s = {max_lag_s * 1e3:g} ms): "
+               f"its latencies are off by that much, its throughput too if the lag outgrew a "
+               f"round; kept, marked lagged. To fix: {hint}"
+               f"{f' (time scale now {time_scale:g})' if time_scale != 1 else ''}.")
+    return dataclasses.replace(cell, lagged=True), warning
+
+
+def _lags(cell: CellResult, max_lag_s: float) -> bool:
+    return cell.clock_lag_s is not None and cell.clock_lag_s > max_lag_s
 
 
 def _run_coroutine(coroutine: Coroutine[Any, Any, None]) -> None:

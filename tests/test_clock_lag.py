@@ -1,0 +1,207 @@
+"""The emulator is honest about its clock: it reports how late it meets its emulated
+deadlines, a cell records that lag, and a study re-measures a cell that lagged, then keeps
+it marked with a warning that says what to do. Lag itself depends on the machine, so the
+tests provoke it (a blocked loop, CPU hogs at a high time scale) or stub it; none asserts
+that an unprovoked run has none."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from studykit import server_processes, small_study, wait_until
+
+from treetune.backends.emulator import (
+    CLOCK_LAG_HINT,
+    CLOCK_LAG_INFO_KEY,
+    CLOCK_LAG_METRIC,
+    EMULATOR_API,
+    EMULATOR_INFO_KEY,
+)
+from treetune.backends.sglang import SGLANG_API
+from treetune.config import TreeConfig
+from treetune.emulator.engine import Engine
+from treetune.emulator.metrics import ServerMetrics
+from treetune.loadgen._common import Counters, clock_lag
+from treetune.perfmodel import NoiseModel, load_profile
+from treetune.results import CellResult, LaunchResult
+from treetune.study.worker import measure_watched
+
+PROFILE = "qwen3-coder-next-h200"
+DATASET = "humaneval"
+TREE = TreeConfig(3, 4, 8)
+LAG = f"{CLOCK_LAG_METRIC}_count"
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+# ---- the emulator reports it -------------------------------------------------------------
+
+def test_the_emulator_reports_its_clock_lag_in_server_info_and_as_a_histogram(emulators):
+    server = emulators.healthy(
+        "--profile", PROFILE, "--model-path", "Qwen/Qwen3-Coder-Next", "--tp-size", "4",
+        "--seed", "1", "--no-noise", "--enable-metrics", "--time-scale", "20",
+        "--load-time", "0")
+    idle = httpx.get(f"{server.url}/server_info").json()[EMULATOR_INFO_KEY][CLOCK_LAG_INFO_KEY]
+    assert idle == {"last_s": 0.0, "recent_mean_s": 0.0, "recent_max_s": 0.0, "max_s": 0.0,
+                    "deadlines": 0}
+    response = httpx.post(f"{server.url}/generate", timeout=30, headers={
+        "X-Treetune-Dataset": DATASET}, json={"text": "def fib(n):", "sampling_params": {
+            "max_new_tokens": 64, "ignore_eos": True}})
+    assert response.status_code == 200
+    lag = httpx.get(f"{server.url}/server_info").json()[EMULATOR_INFO_KEY][CLOCK_LAG_INFO_KEY]
+    metrics = metric_samples(httpx.get(f"{server.url}/metrics").text)
+    assert lag["deadlines"] >= 2  # the prefill and at least one decode round
+    assert 0 <= lag["recent_mean_s"] <= lag["recent_max_s"] <= lag["max_s"]
+    assert metrics[LAG] == lag["deadlines"]
+    assert metrics[f"{CLOCK_LAG_METRIC}_sum"] == pytest.approx(
+        lag["recent_mean_s"] * lag["deadlines"])
+
+
+def test_a_blocked_event_loop_shows_as_clock_lag_in_emulated_seconds():
+    profile = load_profile(PROFILE)
+    scale, block_s = 2.0, 0.3
+    metrics = ServerMetrics("m")
+    engine = Engine(profile, TREE, tp=4, max_running_requests=4, time_scale=scale,
+                    noise=NoiseModel.from_profile(profile.noise, False),
+                    rng=np.random.default_rng(0), metrics=metrics)
+    prefill_s = engine.model.prefill_time(TREE, 1, 100, DATASET)  # emulated seconds
+
+    async def run() -> None:
+        task = asyncio.create_task(engine.run())
+        request = engine.new_request(DATASET, 100, 16, ignore_eos=True)
+        while not engine.running:  # admitted: the engine now waits for the prefill's end
+            await asyncio.sleep(0)
+        time.sleep(block_s)  # a CPU hog in miniature: the loop cannot run at all
+        while request.finished_at is None:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    summary = engine.lag.summary()
+    # The prefill was due prefill_s / scale wall seconds in; it was met after the block.
+    assert summary["max_s"] >= (block_s - prefill_s / scale) * scale
+    assert summary["deadlines"] >= 2 and min(engine.lag.recent) >= 0
+    samples = metric_samples(metrics.render().decode())
+    assert samples[LAG] == summary["deadlines"]
+
+
+# ---- a cell records it --------------------------------------------------------------------
+
+def test_a_cells_clock_lag_is_the_mean_over_the_deadlines_met_in_its_window():
+    counters = Counters({f"{CLOCK_LAG_METRIC}_sum": 1.0, LAG: 10.0},
+                        {f"{CLOCK_LAG_METRIC}_sum": 4.0, LAG: 40.0})
+    assert clock_lag(EMULATOR_API, counters) == pytest.approx(0.1)
+    assert clock_lag(EMULATOR_API, Counters({}, {})) == 0.0  # no deadline in the window
+    assert clock_lag(SGLANG_API, counters) is None  # a real clock does not lag
+
+
+# ---- the worker re-measures and marks it ------------------------------------------------
+
+def cell(lag: float | None) -> CellResult:
+    return CellResult(dataset=DATASET, batch=8, output_tok_s=900.0, accept_length=3.0,
+                      requests=10, output_tokens=5400, duration_s=6.0, ttft=None, tpot=None,
+                      clock_lag_s=lag)
+
+
+class Measured:
+    """A stand-in for a cell's measurement that returns cells with these lags in turn."""
+
+    def __init__(self, *lags: float | None) -> None:
+        self.lags = list(lags)
+        self.calls = 0
+
+    async def __call__(self) -> CellResult:
+        self.calls += 1
+        return cell(self.lags.pop(0))
+
+
+def watched(measure: Measured, time_scale: float = 20.0) -> tuple[CellResult, str | None]:
+    return asyncio.run(measure_watched(measure, 0.05, CLOCK_LAG_HINT, time_scale))
+
+
+@pytest.mark.parametrize("lag", [None, 0.0, 0.05])
+def test_a_cell_within_the_lag_threshold_or_on_a_real_clock_is_measured_once(lag):
+    measure = Measured(lag)
+    result, warning = watched(measure)
+    assert (measure.calls, result.lagged, warning) == (1, False, None)
+
+
+def test_a_cell_that_lagged_once_is_measured_again_and_the_second_kept_unmarked():
+    measure = Measured(0.2, 0.01)
+    result, warning = watched(measure)
+    assert (measure.calls, result.clock_lag_s, result.lagged, warning) == (2, 0.01, False, None)
+
+
+def test_a_cell_that_lagged_twice_is_kept_marked_lagged_with_a_warning_saying_what_to_do():
+    measure = Measured(0.2, 0.12)
+    result, warning = watched(measure)
+    assert (measure.calls, result.clock_lag_s, result.lagged) == (2, 0.12, True)
+    assert warning is not None
+    assert warning.startswith("humaneval at batch 8: the server's clock ran 200 ms, then "
+                              "measured again 120 ms behind its schedule")
+    assert "measurement.max_clock_lag_s = 50 ms" in warning
+    assert warning.endswith(f"kept, marked lagged. To fix: {CLOCK_LAG_HINT} (time scale now "
+                            "20).")
+    assert "lower backend.time_scale (--time-scale) or run fewer workers" in CLOCK_LAG_HINT
+
+
+# ---- a CPU hog makes it happen ------------------------------------------------------------
+
+@contextlib.contextmanager
+def cpu_hogs(count: int) -> Iterator[int]:
+    """This process and whatever it starts pinned to one CPU, shared with `count` busy
+    loops; yields the CPU. The hogs are killed and the affinity restored afterwards."""
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    os.sched_setaffinity(0, {cpu})
+    hogs = []
+    try:
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                 stdin=subprocess.DEVNULL) for _ in range(count)]
+        yield cpu
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(timeout=10)
+        os.sched_setaffinity(0, before)
+
+
+@pytest.mark.slow
+def test_cells_measured_while_cpu_hogs_share_the_emulators_cpu_are_flagged_not_kept_silently(
+        tmp_path):
+    from treetune.study.spec import load_study
+    from treetune.study.worker import LaunchWorker
+
+    # 100 times faster than the GPU, on a third of one CPU: a round of 20 ms lasts 0.2 ms of
+    # wall time, far below the scheduler's time slice, so the clock cannot keep up.
+    spec = load_study(None, small_study(
+        tmp_path, batch=[4], rates=[20.0], datasets=[DATASET], compare=[],
+        backend={"kind": "emulator", "profile": PROFILE, "time_scale": 100.0,
+                 "load_time_s": 1.0, "noise": False},
+        measurement={"duration_s": 20.0, "repeats": 2, "startup_timeout_s": 60.0,
+                     "max_clock_lag_s": 0.02, "max_requests": 200}))
+    with cpu_hogs(2):
+        result = LaunchResult.from_dict(LaunchWorker(spec, 0).run("3,4,8", []))
+    assert result.ok, (result.reason, result.log_tail)
+    cells = [result.cell(DATASET, 4), result.rate_cell(DATASET, 20.0)]
+    assert all(c is not None and c.lagged and c.clock_lag_s > 0.02 for c in cells), cells
+    lag_warnings = [w for w in result.warnings if "behind its schedule" in w]
+    assert [w.split(":")[0] for w in lag_warnings] == [
+        "humaneval at batch 4", "humaneval at 20 req/s (poisson)"]
+    assert all(w.endswith(f"To fix: {CLOCK_LAG_HINT} (time scale now 100).")
+               for w in lag_warnings)
+    assert wait_until(lambda: not server_processes(str(tmp_path)), 5)

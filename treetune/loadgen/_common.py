@@ -1,0 +1,219 @@
+"""What the closed and the open loop share: recording streams, failing fast when nothing
+works, reading the server's counters around a cell, and turning what was seen into a
+`CellResult`. Every time in a result is in server time: wall seconds times the server's
+time scale (the emulator's `--time-scale`, 1 on SGLang)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from treetune.backends import ServerApi
+from treetune.client import ServerClient, ServerRequestError
+from treetune.errors import TreetuneError
+from treetune.loadgen.latency import request_latency, summarize
+from treetune.results import CellResult, Slo
+
+if TYPE_CHECKING:
+    from treetune.datasets import Prompt
+
+log = logging.getLogger(__name__)
+
+MIN_FAILURES = 5  # failed requests in a row that end a cell, at least
+DRAIN_TIMEOUT_S = 30.0  # wall seconds to wait for the server to finish aborted requests
+
+
+class PromptSetLike(Protocol):
+    """What a cell needs of `treetune.datasets.PromptSet`."""
+
+    name: str
+    prompts: list[Prompt]
+    max_new_tokens: int
+
+
+class MeasurementError(TreetuneError):
+    """A cell that could not be measured: every request failed, or the server is gone."""
+
+
+@dataclass
+class Stream:
+    """One request's arrivals: start and (time, cumulative tokens) per chunk, wall clock."""
+
+    start: float
+    chunks: list[tuple[float, int]] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class Record:
+    """What the senders saw; read once the cell has ended. `workers`: how many senders
+    keep a request in flight (1 for an open loop, whose requests are not kept)."""
+
+    workers: int
+    streams: list[Stream] = field(default_factory=list)
+    errors: list[float] = field(default_factory=list)  # wall times of failed requests
+    last_error: BaseException | None = None
+    failures_in_a_row: int = 0
+    started: set[int] = field(default_factory=set)  # workers that received a token
+    all_started: asyncio.Event = field(default_factory=asyncio.Event)
+    hopeless: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def first_token(self, worker: int) -> None:
+        self.failures_in_a_row = 0
+        if worker not in self.started:
+            self.started.add(worker)
+            if len(self.started) == self.workers:
+                self.all_started.set()
+
+    def failure(self, exc: BaseException) -> None:
+        self.errors.append(time.monotonic())
+        self.last_error = exc
+        self.failures_in_a_row += 1
+        # Every worker's last requests failed with no token in between: nothing works.
+        if self.failures_in_a_row >= max(2 * self.workers, MIN_FAILURES):
+            self.hopeless.set()
+
+
+async def send(client: ServerClient, prompt: Prompt, max_new_tokens: int, record: Record,
+               worker: int, ignore_eos: bool) -> bool:
+    """Stream one request into `record`; False if it failed (recorded as a failure)."""
+    stream = Stream(start=time.monotonic())
+    record.streams.append(stream)
+    try:
+        chunks = client.stream(prompt, max_new_tokens, ignore_eos=ignore_eos)
+        async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+            async for arrival, tokens in chunks:
+                if not stream.chunks:
+                    record.first_token(worker)
+                stream.chunks.append((arrival, tokens))
+        stream.finished = True
+        return True
+    except (ServerRequestError, OSError, ValueError) as exc:
+        record.failure(exc)
+        return False
+
+
+async def until(waiting: Awaitable[object], record: Record,
+                workers: list[asyncio.Task[None]]) -> None:
+    """Await `waiting` unless a worker crashed or every request keeps failing; then raise."""
+    task = asyncio.ensure_future(waiting)
+    hopeless = asyncio.ensure_future(record.hopeless.wait())
+    try:
+        await asyncio.wait({task, hopeless, *workers}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hopeless.cancel()
+        if not task.done():
+            task.cancel()
+    for worker in workers:
+        if worker.done():
+            worker.result()  # workers only end by raising: a bug, not a server failure
+    if record.hopeless.is_set():
+        raise MeasurementError(
+            f"every request failed ({record.failures_in_a_row} in a row, no token in between); "
+            f"last: {record.last_error}"
+        ) from record.last_error
+
+
+async def stop(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel the senders (closing a stream aborts its request server-side)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def drain(client: ServerClient) -> None:
+    """Wait (bounded) until the server has no running or queued requests."""
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    values: dict[str, float] = {}
+    running, queued = client.api.running, client.api.queued
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ServerRequestError):
+            values = await client.metrics()
+            if values.get(running, 0.0) == 0 and values.get(queued, 0.0) == 0:
+                return
+        await asyncio.sleep(0.05)
+    log.warning("%s still reports %g running and %g queued requests %g s after the cell",
+                client.base_url, values.get(running, float("nan")),
+                values.get(queued, float("nan")), DRAIN_TIMEOUT_S)
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The server's metrics when the window opened and when it closed."""
+
+    before: dict[str, float]
+    after: dict[str, float]
+
+    def delta(self, name: str) -> float:
+        return self.after.get(name, 0.0) - self.before.get(name, 0.0)
+
+
+def cell_result(dataset: str, record: Record, window: tuple[float, float], scale: float,
+                repeats: int, api: ServerApi, counters: Counters, *, batch: int = 0,
+                rate: float | None = None, arrival: str = "", slo: Slo | None = None,
+                unfinished: int = 0) -> CellResult:
+    """The cell's throughput (whole window and `repeats` sub-windows), latencies and
+    goodput of the requests completed inside the window, accept length and clock lag."""
+    start, end = window
+    bounds = np.linspace(start, end, repeats + 1)
+    per_repeat = np.zeros(repeats)
+    for stream in record.streams:
+        previous = 0
+        for arrival_time, tokens in stream.chunks:
+            if start <= arrival_time < end:
+                slot = min(int(np.searchsorted(bounds, arrival_time, side="right")) - 1,
+                           repeats - 1)
+                per_repeat[slot] += tokens - previous
+            previous = tokens
+    length = (end - start) * scale  # server seconds
+    output_tokens = int(per_repeat.sum())
+    completed = [request_latency(s.start, s.chunks, scale) for s in record.streams
+                 if s.finished and s.chunks and start <= s.chunks[-1][0] < end]
+    latency = summarize(completed, length, slo)
+    return CellResult(
+        dataset=dataset,
+        batch=batch,
+        output_tok_s=output_tokens / length,
+        accept_length=accept_length(api, counters),
+        requests=len(completed),
+        output_tokens=output_tokens,
+        duration_s=length,
+        ttft=latency.ttft,
+        tpot=latency.tpot,
+        errors=sum(1 for t in record.errors if t < end),
+        repeats=tuple(float(x) for x in per_repeat / (length / repeats)),
+        rate=rate,
+        arrival=arrival,
+        request_rate=len(completed) / length,
+        itl=latency.itl,
+        e2e=latency.e2e,
+        slo=slo if slo is not None and slo.bounded else None,
+        goodput=latency.goodput,
+        unfinished=unfinished,
+        clock_lag_s=clock_lag(api, counters),
+    )
+
+
+def accept_length(api: ServerApi, counters: Counters) -> float | None:
+    """Tokens per verify call over the window (bonus token included); None without
+    speculation."""
+    verify = counters.delta(api.verify_calls)
+    if verify <= 0:
+        return None
+    return counters.delta(api.generated_tokens) / verify
+
+
+def clock_lag(api: ServerApi, counters: Counters) -> float | None:
+    """How late the server met its clock's deadlines during the window, on average, in
+    server seconds: None for a server on a real clock, 0 if it met none."""
+    if api.clock_lag is None:
+        return None
+    deadlines = counters.delta(f"{api.clock_lag}_count")
+    return counters.delta(f"{api.clock_lag}_sum") / deadlines if deadlines > 0 else 0.0
