@@ -131,14 +131,13 @@ def test_a_launch_worker_writes_the_json_next_to_the_log_and_its_server_runs_ada
 
 
 def test_an_adaptive_launch_whose_server_serves_static_trees_says_so(tmp_path):
-    from treetune.results import LaunchResult
-    from treetune.study.spec import load_study
-    from treetune.study.worker import LaunchWorker
-
     # SGLang runs adaptive steps for EAGLE and EAGLE3 only: it warns and serves a chain.
     # The emulator serves only the methods its profile describes: a standalone draft
     # model here, with the head's facts and acceptance.
     from treetune.perfmodel import load_profile
+    from treetune.results import LaunchResult
+    from treetune.study.spec import load_study
+    from treetune.study.worker import LaunchWorker
     from treetune.yamlio import dump_yaml
 
     data = load_profile("qwen3-coder-next-h200").to_dict()
