@@ -6,9 +6,11 @@ whatever that costs the verify pass. So a slot's candidate set is the only lever
 measured chains decide it: per study batch size, the best chain (by its verdict's rank over
 the workload's datasets, among chains surely no slower than no speculation on any dataset;
 no drafting, 0, when none is) and the shorter feasible chains whose interval reaches the
-best's rank (within the noise of it). Longer chains are left out even when within the
-noise, so the controller cannot climb past the best; a slot runs shorter chains only when
-the traffic's acceptance says they would accept as much.
+best's rank (within the noise of it), up to the longest chain that is the best for some
+dataset alone. The controller follows each request stream's acceptance: traffic that
+accepts much (code, say) climbs to the longer chain that is best for it, traffic that
+accepts less steps down. Chains longer than every dataset's best are left out even when
+within the noise, so the controller cannot climb past them.
 
 Each measured batch size gets a slot, keyed halfway (geometrically) from the previous one,
 the first at 1: a running batch thins out for a moment whenever a request finishes, and
@@ -96,17 +98,27 @@ def chain_verdicts(results: Iterable[LaunchResult], baseline: LaunchResult, batc
     return verdicts
 
 
-def tune_slot(batch: int, key: int, verdicts: dict[int, Verdict]) -> SlotTuning:
-    """The candidates for one slot from its chains' verdicts (see the module's rule)."""
+def best_chain(verdicts: dict[int, Verdict]) -> int:
+    """The steps of the best surely feasible chain, 0 (no drafting) when none is faster
+    than not drafting at all."""
     feasible = {s: v for s, v in verdicts.items() if v.feasible}
     best = max(feasible, key=lambda s: feasible[s].rank, default=0)
-    if best and feasible[best].rank <= 1.0:
-        best = 0  # no faster than not drafting at all
+    return best if best and feasible[best].rank > 1.0 else 0
+
+
+def tune_slot(batch: int, key: int, verdicts: dict[int, Verdict],
+              per_dataset: Sequence[dict[int, Verdict]] = ()) -> SlotTuning:
+    """The candidates for one slot from its chains' verdicts over the workload, and over
+    each of its datasets alone (see the module's rule)."""
+    best = best_chain(verdicts)
     if best == 0:
         return SlotTuning(batch, key, 0, (0,))
+    feasible = {s: v for s, v in verdicts.items() if v.feasible}
     top = feasible[best].rank
+    ceiling = max([best, *(best_chain(v) for v in per_dataset)])
     steps = tuple(sorted(s for s, v in feasible.items()
-                         if s == best or (s < best and v.overall.high >= top)))
+                         if s == best or (s < best and v.overall.high >= top)
+                         or best < s <= ceiling))
     return SlotTuning(batch, key, best, steps,
                       tuple(s for s in steps if feasible[s].estimated))
 
@@ -119,7 +131,9 @@ def tune(batches: Iterable[int], datasets: list[str], tolerance: float,
     ordered = sorted(set(batches))
     return Tuning(tuple(
         tune_slot(batch, key, chain_verdicts(results, baseline, batch, datasets, tolerance,
-                                             noise, estimates))
+                                             noise, estimates),
+                  [chain_verdicts(results, baseline, batch, [d], tolerance, noise, estimates)
+                   for d in datasets] if len(datasets) > 1 else ())
         for batch, key in zip(ordered, slot_keys(ordered), strict=True)))
 
 
