@@ -316,10 +316,6 @@ def _blend(measured: Interval, estimates: Estimates | None, config: ServerConfig
     model = estimates.get((config, batch, dataset)) if estimates else None
     if model is None or measured.mean <= 0 or measured.high <= measured.low:
         return measured.mean
-    log_m, var_m = math.log(measured.mean), measured.log_sd ** 2
-    # Where the measurement and the model disagree beyond what both their variances
-    # explain, the model is wrong for this tree (real GPUs do not follow its equations):
-    # its variance grows by the excess, and the measurement weighs more.
-    var_p = model[1] + max(0.0, (log_m - model[0]) ** 2 - var_m - model[1])
-    weight_m, weight_p = 1 / var_m, 1 / var_p
-    return math.exp((weight_m * log_m + weight_p * model[0]) / (weight_m + weight_p))
+    weight_m, weight_p = 1 / measured.log_sd ** 2, 1 / model[1]
+    return math.exp((weight_m * math.log(measured.mean) + weight_p * model[0])
+                    / (weight_m + weight_p))
