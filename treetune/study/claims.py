@@ -34,6 +34,7 @@ from treetune.errors import TreetuneError
 
 BEAT_S = 5.0  # how often a search sharing the storage beats its heartbeat
 STALE_AFTER_S = 30.0  # a heartbeat standing still this long: its search is taken for dead
+CREATE_TRIES = 3  # searches starting at once on a new database race to create the tables
 MAX_TRIES = 50  # claim attempts lost to other searches' claims before giving up
 
 _METADATA = sa.MetaData()
@@ -90,15 +91,16 @@ class Claims:
         self.driver = uuid.uuid4().hex[:16]
         self._seen: dict[str, tuple[int, float]] = {}  # driver -> (beat, since when, here)
         self._beating: threading.Event | None = None
-        try:
-            _METADATA.create_all(engine)  # checks first: a table made by another search stays
-        except sa.exc.SQLAlchemyError as exc:
-            # Two searches creating the tables at once: one wins, the other finds them.
-            with contextlib.suppress(sa.exc.SQLAlchemyError):
-                _METADATA.create_all(engine)
-                return
-            raise TreetuneError(f"cannot create treetune's claims tables in the study "
-                                f"storage: {exc}") from None
+        for attempt in range(CREATE_TRIES):
+            try:
+                _METADATA.create_all(engine)  # checks first: tables made earlier stay
+                break
+            except sa.exc.SQLAlchemyError as exc:
+                # Two searches creating the tables at once: one wins, the other finds them.
+                if attempt + 1 == CREATE_TRIES:
+                    raise TreetuneError(f"cannot create treetune's claims tables in the "
+                                        f"study storage: {exc}") from None
+                time.sleep(0.5 * (attempt + 1))
 
     @classmethod
     def of(cls, storage: Any, study: str) -> Claims | None:

@@ -15,6 +15,7 @@ import copy
 import json
 import sqlite3
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,29 @@ def check_sqlite(url: str) -> None:
         connection.close()
 
 
+OPEN_TRIES = 3  # searches starting at once on a new database race to create its tables
+
+
+def _open_rdb(url: str) -> optuna.storages.RDBStorage:
+    """Optuna's storage at `url`, its tables created if new. Two searches sharing a new
+    database both create them, and the loser's CREATE fails: on a second try it finds
+    them made."""
+    sqlite = url.startswith("sqlite")
+    for attempt in range(OPEN_TRIES):
+        try:
+            return optuna.storages.RDBStorage(
+                url, engine_kwargs={"connect_args": {"timeout": 30}} if sqlite else None)
+        except ModuleNotFoundError as exc:  # the database's driver
+            raise TreetuneError(
+                f"cannot open study storage {url}: its database driver is not installed "
+                f"({exc}); for PostgreSQL: pip install 'treetune[postgres]'") from None
+        except Exception as exc:  # SQLAlchemy raises many kinds
+            if sqlite or attempt + 1 == OPEN_TRIES:
+                raise TreetuneError(f"cannot open study storage {url}: {exc}") from None
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 class StoredLaunch(NamedTuple):
     trial_id: int
     result: LaunchResult
@@ -110,12 +134,7 @@ class StudyStore:
         else:
             if url.startswith("sqlite:///"):
                 check_sqlite(url)
-            try:
-                self.storage = optuna.storages.RDBStorage(
-                    url, engine_kwargs={"connect_args": {"timeout": 30}}
-                    if url.startswith("sqlite") else None)
-            except Exception as exc:  # SQLAlchemy raises many kinds
-                raise TreetuneError(f"cannot open study storage {url}: {exc}") from None
+            self.storage = _open_rdb(url)
         self.launches = optuna.create_study(
             study_name=f"{spec.name}:launches", storage=self.storage, load_if_exists=True)
         stored = self.launches.user_attrs.get(FINGERPRINT_ATTR)
