@@ -1,13 +1,24 @@
 """Claims decide which search runs a launch when several share a study's storage: a launch
 is claimed once, the budget's slots are never exceeded, an abandoned launch is free again,
-and a search that stops beating loses its unfinished claims. Against SQLite here; the same
-rows on a real PostgreSQL server with real concurrent searches in test_shared_storage.py."""
+and a search that stops beating loses its unfinished claims; the planner counts other
+searches' launches as its own. Against SQLite here; on a real PostgreSQL server with real
+concurrent searches in test_shared_storage.py."""
 
 from __future__ import annotations
 
+import numpy as np
+import optuna
 import sqlalchemy as sa
+from studykit import small_study
 
+from treetune.config import BASELINE, TreeConfig
+from treetune.perfmodel import PerfModel
+from treetune.space import load_space
 from treetune.study.claims import Claim, Claims
+from treetune.study.offline import Noise, simulate_launch
+from treetune.study.planner import Planner
+from treetune.study.spec import load_study
+from treetune.study.storage import StudyStore
 
 
 def claims_of(engine, study="s"):
@@ -107,3 +118,46 @@ def test_a_beating_search_is_never_dead(tmp_path):
         assert watcher.dead(stale_after_s=0.0) == []
     finally:
         busy.stop_beating()
+
+
+# ---- the planner's view of other searches' launches -------------------------------------
+
+def planner_of(tmp_path):
+    spec = load_study(None, small_study(tmp_path, search={"strategy": "grid",
+                                                          "max_launches_per_config": 1}))
+    store = StudyStore(spec, storage=optuna.storages.InMemoryStorage())
+    return spec, Planner(spec, store, load_space(spec.space), [])
+
+
+def measured(spec, config):
+    truth = PerfModel(spec.backend.facts(spec.launch_spec(), {}), spec.tp)
+    return simulate_launch(truth, config, spec, np.random.default_rng(0), Noise(0, 0, 0))
+
+
+def test_a_launch_another_search_runs_is_known_and_its_result_counts_as_ours(tmp_path):
+    spec, planner = planner_of(tmp_path)
+    planner.expect(BASELINE, 0)  # the other search runs the baseline: not queued here
+    assert planner.is_known("baseline") and [t.key for t in planner.elsewhere] == ["baseline"]
+    assert planner.next().key == "3,4,8"  # the compared tree
+    assert planner.next() is None  # proposals wait for the baseline
+    planner.absorb(measured(spec, BASELINE), 0)
+    assert planner.baseline is not None and not planner.elsewhere and planner.launches == 1
+    planner.expect(TreeConfig(1, 1, 2), 0)
+    assert planner.next().key == "1,2,2"  # the grid skips what runs elsewhere
+
+
+def test_a_baseline_given_up_by_another_search_is_queued_again_first(tmp_path):
+    _, planner = planner_of(tmp_path)
+    planner.expect(BASELINE, 0)
+    planner.expect(TreeConfig(1, 1, 2), 0)
+    planner.given_up("baseline", 0)
+    planner.given_up("1,1,2", 0)  # a proposed tree is the strategy's to propose again
+    assert [t.key for t in planner.queue] == ["baseline", "3,4,8"] and not planner.elsewhere
+    assert not planner.is_known("1,1,2")
+
+
+def test_a_launch_handed_over_counts_as_running_elsewhere(tmp_path):
+    _, planner = planner_of(tmp_path)
+    task = planner.next()
+    planner.hand_over(task)
+    assert task.elsewhere and planner.elsewhere == [task] and planner.is_known(task.key)

@@ -23,13 +23,14 @@ import pytest
 import sqlalchemy as sa
 import yaml
 from optuna.trial import TrialState
-from studykit import processes_with, small_study, wait_until
+from studykit import processes_with, server_processes, small_study, wait_until
 
 from treetune.results import config_key
 from treetune.server import free_port
 from treetune.space import load_space
 from treetune.study.claims import CLAIMS, DRIVERS, Claim, Claims
 from treetune.study.spec import load_study
+from treetune.study.storage import STALE_REASON
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_tmpdir")]
 
@@ -167,3 +168,48 @@ def test_two_searches_sharing_a_postgresql_study_launch_what_one_would_each_once
         beating = conn.execute(sa.select(DRIVERS.c.driver)).all()
     engine.dispose()
     assert [done for (done,) in claims] == [True] * budget and not beating
+
+
+def test_a_killed_search_sharing_a_study_has_its_running_launch_redone_by_another(
+        tmp_path, postgres, ray_cluster, monkeypatch):
+    budget = 3
+    paths = {}
+    for driver in ("killed", "rescuer"):
+        data = small_study(tmp_path, name="crashed", budget={"launches": budget}, workers=1,
+                           storage=postgres, ray_address=ray_cluster,
+                           output=str(tmp_path / driver),
+                           search={"strategy": "grid", "max_launches_per_config": 1})
+        paths[driver] = tmp_path / f"{driver}.yaml"
+        paths[driver].write_text(yaml.safe_dump(data))
+    marker = str(tmp_path)
+    killed = search(paths["killed"])
+    try:
+        assert wait_until(lambda: server_processes(marker), 120), "no server started"
+        os.kill(killed.pid, signal.SIGKILL)  # the search alone; Ray stops its workers
+        killed.communicate(timeout=30)
+    finally:
+        if killed.poll() is None:
+            os.killpg(killed.pid, signal.SIGKILL)
+            killed.communicate()
+    assert wait_until(lambda: not server_processes(marker), 60), "a server outlived its search"
+    spec = load_study(paths["killed"])
+    launches = optuna.load_study(study_name=f"{spec.name}:launches", storage=postgres)
+    (left,) = launches.get_trials(states=(TrialState.RUNNING,))  # its claimed launch
+
+    # The other search waits for the claimed launch until its search stops beating.
+    monkeypatch.setenv("TREETUNE_STALE_AFTER_S", "2")
+    rescuer = search(paths["rescuer"])
+    _, err = rescuer.communicate(timeout=300)
+    assert rescuer.returncode == 0, err.decode()[-3000:]
+
+    compared = [config_key(c) for c in spec.compare]
+    grid = [k for k in map(config_key, load_space(spec.space).configs()) if k not in compared]
+    one_search = ["baseline", *compared, *grid[:budget - 1 - len(compared)]]
+    complete = launches.get_trials(states=(TrialState.COMPLETE,))
+    assert sorted(t.user_attrs["config"] for t in complete) == sorted(one_search)
+    (stale,) = launches.get_trials(states=(TrialState.FAIL,))
+    assert stale.number == left.number and stale.user_attrs["reason"] == STALE_REASON
+    assert stale.user_attrs["config"] in one_search and "launch_result" not in stale.user_attrs
+    for name in (f"{spec.name}:batch-{b}" for b in spec.batch):
+        study = optuna.load_study(study_name=name, storage=postgres)
+        assert not study.get_trials(states=(TrialState.RUNNING,)), name

@@ -32,8 +32,11 @@ import sqlalchemy as sa
 
 from treetune.errors import TreetuneError
 
-BEAT_S = 5.0  # how often a search sharing the storage beats its heartbeat
-STALE_AFTER_S = 30.0  # a heartbeat standing still this long: its search is taken for dead
+# A heartbeat standing still this long: its search is taken for dead (TREETUNE_STALE_AFTER_S
+# overrides it: a slow link to the database wants more, the tests less).
+STALE_AFTER_S = float(os.environ.get("TREETUNE_STALE_AFTER_S", 30.0))
+BEAT_S = STALE_AFTER_S / 6  # how often a search sharing the storage beats: a few lost beats
+# (a database hiccup) do not make it look dead
 CREATE_TRIES = 3  # searches starting at once on a new database race to create the tables
 MAX_TRIES = 50  # claim attempts lost to other searches' claims before giving up
 

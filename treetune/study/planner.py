@@ -366,7 +366,7 @@ class Planner:
     # ---- other searches of the study (a shared storage) ---------------------------------
     def hand_over(self, task: Task) -> None:
         """Another search claimed this launch first: it runs there, and counts as running
-        here until its result comes in (`absorb`) or it is given up (`withdraw`)."""
+        here until its result comes in (`absorb`) or it is given up (`given_up`)."""
         task.elsewhere = True
         if task.proposal:  # the other search tells the per-batch studies
             self.studies.abandon(task.proposal.trials, "launched by another search")
@@ -385,7 +385,7 @@ class Planner:
         """A launch another search finished (the index-th of its config): counted as one
         of this search's. Returns the config's merged result."""
         key = config_key(result.config)
-        self.withdraw(key, index)
+        self._take_elsewhere(key, index)
         self._drop_queued(key, index)
         self.launched.append(result)
         merged = merge(r for r in self.launched if config_key(r.config) == key)
@@ -396,10 +396,24 @@ class Planner:
         self._plan_adaptive()
         return merged
 
-    def withdraw(self, key: str, index: int) -> None:
-        """Another search's launch is no longer running there (done or given up)."""
-        self.in_flight = [t for t in self.in_flight
-                          if not (t.elsewhere and t.key == key and t.index == index)]
+    def given_up(self, key: str, index: int) -> None:
+        """Another search gave a launch up (it was stopped, or died): a config this
+        search would queue itself (the baseline, a compared config, an adaptive one) is
+        queued again, first; a tree a strategy proposed is free to be proposed again."""
+        task = self._take_elsewhere(key, index)
+        if task is None or index > 0 or key in self.results:
+            return  # a re-measurement is re-decided (`_remeasure`), not redone as such
+        own = {config_key(c) for c in (BASELINE, *self.spec.compare)}
+        if key in own or isinstance(task.config, AdaptiveConfig):
+            self.queue.insert(0, Task(task.config))
+
+    def _take_elsewhere(self, key: str, index: int) -> Task | None:
+        """Another search's launch, no longer counted as running here."""
+        task = next((t for t in self.in_flight
+                     if t.elsewhere and t.key == key and t.index == index), None)
+        if task is not None:
+            self.in_flight.remove(task)
+        return task
 
     @property
     def elsewhere(self) -> list[Task]:

@@ -343,7 +343,7 @@ class _Others:
         live = {(r.key, r.index) for r in running}
         for task in planner.elsewhere:
             if (task.key, task.index) not in live:  # given up there: free to launch here
-                planner.withdraw(task.key, task.index)
+                planner.given_up(task.key, task.index)
                 changed = True
         known = {(t.key, t.index) for t in planner.elsewhere}
         for claim in running:
