@@ -94,6 +94,7 @@ SAMPLES = {
     "--budget-launches": ("7",), "--budget-time": ("600",), "--tolerance": ("0.05",),
     "--backend": ("emulator",), "--profile": ("qwen3-coder-next-h200",),
     "--time-scale": ("4",), "--ray-address": ("127.0.0.1:6379",), "--workers": ("3",),
+    "--gpu-type": ("H100",),
     "--storage": ("sqlite:///elsewhere.db",), "--seed": ("9",), "--compare": ("3,4,8", "5,1,6"),
     "--output": ("OUT",), "--host": ("127.0.0.2",), "--api-key-env": ("MY_KEY",),
     "--strategy": ("grid",), "--prior": ("qwen3-8b-h100",), "--adaptive": (),
@@ -127,6 +128,7 @@ def test_every_option_sets_its_field(capsys, monkeypatch, tmp_path):
     assert spec.backend.time_scale == 4.0
     assert (spec.ray_address, spec.workers, spec.storage, spec.seed) == (
         "127.0.0.1:6379", 3, "sqlite:///elsewhere.db", 9)
+    assert spec.gpu_type == "H100"
     assert spec.compare == (TreeConfig(3, 4, 8), TreeConfig(5, 1, 6))
     assert spec.output == str(tmp_path / "out")
     assert (spec.host, spec.api_key_env) == ("127.0.0.2", "MY_KEY")

@@ -65,6 +65,7 @@ class Task:
     proposal: Proposal | None = None
     remeasure: bool = False
     index: int = 0  # launches of this config before this one (finished or under way)
+    elsewhere: bool = False  # another search of the study runs it (a shared storage)
 
     @property
     def key(self) -> str:
@@ -106,6 +107,7 @@ class Planner:
         self.queue += self._adaptive_chains()
         self.tuning: Tuning | None = None  # the adaptive config tuned from the chains
         self.pending: list[tuple[LaunchResult, Proposal | None]] = []
+        self.absorbed: list[LaunchResult] = []  # other searches' results, for the strategy
         self.floor = floor_of(spec.tolerance)
         self.studies = BatchStudies(store, space)
         prior, why_not = study_prior(spec, facts)
@@ -343,13 +345,88 @@ class Planner:
         self.results[task.key] = merged
         if isinstance(task.config, TreeConfig) and not task.remeasure:
             self.pending.append((merged, task.proposal))
-        if self.baseline is not None:
-            for told, proposal in self.pending:
-                self.studies.record(proposal.trials if proposal else [], told, self.baseline)
-                self.strategy.observe(told, self.baseline)
-            self.pending.clear()
+        self._tell_pending()
         self._plan_adaptive()
         return merged
+
+    def _tell_pending(self) -> None:
+        """Once the baseline is known: the per-batch studies are told this search's
+        launches, and the strategy sees every launch (another search told the studies of
+        its own)."""
+        if self.baseline is None:
+            return
+        for told, proposal in self.pending:
+            self.studies.record(proposal.trials if proposal else [], told, self.baseline)
+            self.strategy.observe(told, self.baseline)
+        for told in self.absorbed:
+            self.strategy.observe(told, self.baseline)
+        self.pending.clear()
+        self.absorbed.clear()
+
+    # ---- other searches of the study (a shared storage) ---------------------------------
+    def hand_over(self, task: Task) -> None:
+        """Another search claimed this launch first: it runs there, and counts as running
+        here until its result comes in (`absorb`) or it is given up (`given_up`)."""
+        task.elsewhere = True
+        if task.proposal:  # the other search tells the per-batch studies
+            self.studies.abandon(task.proposal.trials, "launched by another search")
+            task.proposal = None
+
+    def expect(self, config: ServerConfig, index: int) -> None:
+        """A launch (the index-th of `config`) another search runs: known, and counted
+        as running; the same launch waiting in the queue is dropped."""
+        key = config_key(config)
+        if any(t.key == key and t.index == index for t in self.in_flight):
+            return
+        self._drop_queued(key, index)
+        self.in_flight.append(Task(config, index=index, elsewhere=True))
+
+    def absorb(self, result: LaunchResult, index: int) -> LaunchResult:
+        """A launch another search finished (the index-th of its config): counted as one
+        of this search's. Returns the config's merged result."""
+        key = config_key(result.config)
+        self._take_elsewhere(key, index)
+        self._drop_queued(key, index)
+        self.launched.append(result)
+        merged = merge(r for r in self.launched if config_key(r.config) == key)
+        self.results[key] = merged
+        if isinstance(result.config, TreeConfig) and index == 0:
+            self.absorbed.append(merged)
+        self._tell_pending()
+        self._plan_adaptive()
+        return merged
+
+    def given_up(self, key: str, index: int) -> None:
+        """Another search gave a launch up (it was stopped, or died): a config this
+        search would queue itself (the baseline, a compared config, an adaptive one) is
+        queued again, first; a tree a strategy proposed is free to be proposed again."""
+        task = self._take_elsewhere(key, index)
+        if task is None or index > 0 or key in self.results:
+            return  # a re-measurement is re-decided (`_remeasure`), not redone as such
+        own = {config_key(c) for c in (BASELINE, *self.spec.compare)}
+        if key in own or isinstance(task.config, AdaptiveConfig):
+            self.queue.insert(0, Task(task.config))
+
+    def _take_elsewhere(self, key: str, index: int) -> Task | None:
+        """Another search's launch, no longer counted as running here."""
+        task = next((t for t in self.in_flight
+                     if t.elsewhere and t.key == key and t.index == index), None)
+        if task is not None:
+            self.in_flight.remove(task)
+        return task
+
+    @property
+    def elsewhere(self) -> list[Task]:
+        """Launches other searches run now."""
+        return [t for t in self.in_flight if t.elsewhere]
+
+    def _drop_queued(self, key: str, index: int) -> None:
+        """A queued launch of `key` that would be its index-th is another search's."""
+        before = (sum(1 for r in self.launched if config_key(r.config) == key)
+                  + sum(1 for t in self.in_flight if t.key == key))
+        queued = next((t for t in self.queue if t.key == key), None)
+        if queued is not None and before == index:
+            self.queue.remove(queued)
 
     def requeue(self, task: Task) -> None:
         """A launch whose worker died: done again first, with the same proposal."""

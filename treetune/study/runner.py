@@ -16,9 +16,18 @@ from typing import Any
 from treetune.backends import BackendFacts
 from treetune.config import BASELINE
 from treetune.errors import TreetuneError
-from treetune.results import LaunchResult
+from treetune.results import LaunchResult, config_from_key, config_key
 from treetune.space import load_space
+from treetune.study.claims import Claim, Claims
 from treetune.study.evidence import merge_all
+from treetune.study.placement import (
+    CPUS_PER_SERVER,
+    RAY_GPU,
+    STRATEGY,
+    Placement,
+    gpu_nodes,
+    plan_placement,
+)
 from treetune.study.planner import Planner, Task
 from treetune.study.preflight import check_study
 from treetune.study.recommend import MIXED, Recommendation
@@ -26,9 +35,9 @@ from treetune.study.spec import SPEC_COPY, StudySpec
 from treetune.study.storage import StudyStore, check_writable
 
 RESOURCE_TIMEOUT_S = 120.0  # how long to wait for Ray to place the workers
-RAY_GPU = "GPU"  # the resource Ray detects on GPU nodes by itself
 LOCK_FILE = ".treetune.lock"
 MAX_RESCHEDULES = 2  # a launch whose worker dies more often than this is recorded failed
+POLL_S = 2.0  # how often a search sharing its storage looks at the other searches' launches
 
 
 @dataclass
@@ -101,41 +110,9 @@ class _Ray:
             self.ray.shutdown()
 
 
-def _worker_options(ray: Any, spec: StudySpec) -> tuple[Any, int]:
-    """The launch-worker actor class, and how many GPU groups the cluster offers."""
-    from treetune.study.worker import LaunchWorker
-
-    gpu = spec.backend.gpu_resource
-    options: dict[str, Any] = ({"num_gpus": spec.tp} if gpu == RAY_GPU
-                               else {"resources": {gpu: spec.tp}})
-    available = ray.cluster_resources().get(gpu, 0)
-    groups = int(available // spec.tp)
-    if groups < 1:
-        raise TreetuneError(
-            f"the Ray cluster offers {available:g} {spec.backend.gpu_label}, fewer than one "
-            f"group of tp={spec.tp}"
-            + ("; without GPUs use the emulator: --backend emulator --profile NAME"
-               if gpu == RAY_GPU else ""))
-    # Restarts are ours to make: a dead worker's launch is rescheduled, not replayed by Ray.
-    return ray.remote(LaunchWorker).options(**options, num_cpus=1, max_restarts=0), groups
-
-
-def _start_workers(ray: Any, spec: StudySpec) -> tuple[Any, list[Any]]:
-    actor, groups = _worker_options(ray, spec)
-    count = min(spec.workers or groups, groups)
-    workers = [actor.remote(spec, i) for i in range(count)]
-    try:
-        ray.get([w.ready.remote() for w in workers], timeout=RESOURCE_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        for worker in workers:
-            ray.kill(worker)
-        raise TreetuneError(f"Ray could not place {count} workers of {spec.tp} GPUs within "
-                            f"{RESOURCE_TIMEOUT_S:.0f} s") from None
-    except ray.exceptions.RayError as exc:
-        for worker in workers:
-            ray.kill(worker)
-        raise TreetuneError(f"a launch worker could not start: {_cause(exc)}") from None
-    return actor, workers
+def _placement(ray: Any, spec: StudySpec) -> Placement:
+    """Where the study's servers go on this cluster (refused before any worker starts)."""
+    return plan_placement(spec, gpu_nodes(ray.nodes(), spec.backend.gpu_resource))
 
 
 def _cause(exc: BaseException) -> str:
@@ -146,19 +123,80 @@ def _cause(exc: BaseException) -> str:
 
 
 class _Pool:
-    """The launch workers: idle ones, and replacements for dead ones being placed."""
+    """The launch workers, each in a placement group of its own (one bundle: its server's
+    GPUs on one node): idle ones, and replacements for dead ones being placed."""
 
-    def __init__(self, ray: Any, actor: Any, workers: list[Any]) -> None:
-        self.ray, self.actor = ray, actor
-        self.idle = list(workers)
-        self.alive = len(workers)
+    def __init__(self, ray: Any, spec: StudySpec, placement: Placement) -> None:
+        from treetune.study.worker import LaunchWorker
+
+        self.ray, self.spec, self.placement = ray, spec, placement
+        gpu = placement.resource
+        options: dict[str, Any] = ({"num_gpus": spec.tp} if gpu == RAY_GPU
+                                   else {"resources": {gpu: spec.tp}})
+        # Restarts are ours to make: a dead worker's launch is rescheduled, not replayed by Ray.
+        self.options = {**options, "num_cpus": CPUS_PER_SERVER, "max_restarts": 0}
+        self.actor = ray.remote(LaunchWorker)
+        self.groups: dict[Any, Any] = {}  # worker -> its placement group
+        self.nodes: dict[Any, str | None] = {}  # worker -> the node its bundle is on
+        self.idle: list[Any] = []
+        self.alive = 0
         self.starting: dict[Any, tuple[Any, float]] = {}  # ready ref -> (worker, deadline)
-        self.made = len(workers)
+        self.made = 0
 
-    def replace(self, spec: StudySpec) -> None:
-        """Ask for a new worker in place of a dead one; it joins when Ray places it."""
-        worker = self.actor.remote(spec, self.made)
+    def _spawn(self) -> Any:
+        """A worker in a new placement group; it runs once Ray has placed the group."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = self.ray.util.placement_group([self.placement.bundle()], strategy=STRATEGY)
+        worker = self.actor.options(**self.options, scheduling_strategy=(
+            PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0))
+        ).remote(self.spec, self.made)
         self.made += 1
+        self.groups[worker] = group
+        return worker
+
+    def start(self, count: int) -> None:
+        """`count` workers, placed and ready within RESOURCE_TIMEOUT_S."""
+        workers = [self._spawn() for _ in range(count)]
+        try:
+            self.ray.get([w.ready.remote() for w in workers], timeout=RESOURCE_TIMEOUT_S)
+        except self.ray.exceptions.GetTimeoutError:
+            for worker in workers:
+                self.retire(worker)
+            on = f" on {self.placement.gpu_type} nodes" if self.placement.gpu_type else ""
+            raise TreetuneError(f"Ray could not place {count} workers of {self.spec.tp} "
+                                f"{self.spec.backend.gpu_label}{on} within "
+                                f"{RESOURCE_TIMEOUT_S:.0f} s") from None
+        except self.ray.exceptions.RayError as exc:
+            for worker in workers:
+                self.retire(worker)
+            raise TreetuneError(f"a launch worker could not start: {_cause(exc)}") from None
+        self.idle = workers
+        self.alive = len(workers)
+
+    def retire(self, worker: Any) -> None:
+        """A worker gone (dead, or not placed): killed, its GPUs' reservation freed."""
+        with contextlib.suppress(Exception):  # already dead, or its node gone
+            self.ray.kill(worker)
+        group = self.groups.pop(worker, None)
+        self.nodes.pop(worker, None)
+        if group is not None:
+            with contextlib.suppress(Exception):
+                self.ray.util.remove_placement_group(group)
+
+    def node_of(self, worker: Any) -> str | None:
+        """The Ray node a worker's bundle is on (kept with each launch it runs)."""
+        if worker not in self.nodes:
+            try:
+                table = self.ray.util.placement_group_table(self.groups[worker])
+                self.nodes[worker] = table.get("bundles_to_node_id", {}).get(0)
+            except Exception:  # the state API is advisory here
+                self.nodes[worker] = None
+        return self.nodes[worker]
+
+    def replace(self) -> None:
+        """Ask for a new worker in place of a dead one; it joins when Ray places it."""
+        worker = self._spawn()
         self.starting[worker.ready.remote()] = (worker, time.monotonic() + RESOURCE_TIMEOUT_S)
 
     def settle(self, refs: list[Any]) -> list[str]:
@@ -172,13 +210,13 @@ class _Pool:
                 self.alive += 1
                 notes.append("a replacement worker joined")
             except self.ray.exceptions.RayError as exc:
-                self.ray.kill(worker)
+                self.retire(worker)
                 notes.append(f"a replacement worker failed: {_cause(exc)}")
         now = time.monotonic()
         for ref, (worker, deadline) in list(self.starting.items()):
             if now > deadline:
                 del self.starting[ref]
-                self.ray.kill(worker)
+                self.retire(worker)
                 notes.append("no node could take a replacement worker: going on with "
                              f"{self.alive}")
         return notes
@@ -195,16 +233,17 @@ class _Pool:
             return BackendFacts(None, f"a launch worker could not gather them: {_cause(exc)}")
 
     def shutdown(self) -> None:
-        for worker, _ in self.starting.values():
-            self.ray.kill(worker)
+        for worker in list(self.groups):
+            self.retire(worker)
         self.starting.clear()
 
 
 @contextlib.contextmanager
 def study_lock(spec: StudySpec) -> Iterator[None]:
-    """Hold the study's output folder for this search: two searches of one study would
-    mark each other's running launches stale. Also proves the folder writable, before any
-    server is launched."""
+    """Hold the study's output folder for this search: two searches writing one folder
+    would overwrite each other's outputs, and with SQLite (one search per study) mark each
+    other's running launches stale. Also proves the folder writable, before any server is
+    launched."""
     folder = spec.output_dir
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -218,9 +257,13 @@ def study_lock(spec: StudySpec) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            shared = ("" if spec.storage_url.startswith("sqlite") else
+                      "; searches that share a database storage each need an --output of "
+                      "their own")
             raise TreetuneError(
                 f"another treetune search (pid {holder}) is running study '{spec.name}' in "
-                f"{folder}; wait for it to finish or stop it, then rerun to resume") from None
+                f"{folder}; wait for it to finish or stop it, then rerun to resume"
+                + shared) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
@@ -255,13 +298,79 @@ def _stop_on_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, _interrupt)
 
 
+class _Others:
+    """The other searches of a study that shares its storage: their finished launches are
+    taken in as this search's, their running launches count as running here, and the
+    unfinished launches of a search that died are failed as stale and redone."""
+
+    def __init__(self, store: StudyStore, claims: Claims, seen: set[int]) -> None:
+        self.store, self.claims = store, claims
+        self.seen = seen  # trial ids of the launches this search knows
+        self.due = 0.0  # when to look again
+        self.stale = 0
+
+    def follow(self, planner: Planner, progress: Progress, force: bool = False) -> bool:
+        """Look at the storage (every POLL_S, or now when forced); True when anything
+        changed that the planner may act on."""
+        if not force and time.monotonic() < self.due:
+            return False
+        self.due = time.monotonic() + POLL_S
+        changed = False
+        for driver in self.claims.dead():
+            reaped = self.claims.reap(driver)
+            for _key, _index, trial_id in reaped:
+                if trial_id is not None:
+                    self.store.fail_stale(trial_id)
+            self.store.mark_stale(driver)  # its proposals, and a launch not claimed yet
+            self.stale += len(reaped)
+            progress.notes.append(f"a search of this study stopped beating: its "
+                                  f"{len(reaped)} running launch(es) are stale, to be redone")
+            self.claims.sync([(s.trial_id, config_key(s.result.config))
+                              for s in self.store.finished_launches()])
+            changed = True
+        # Claims first: a claim seen done has its result stored already (stored, then done).
+        running, _ = self.claims.others()
+        for stored in self.store.finished_launches():
+            if stored.trial_id in self.seen:
+                continue
+            self.seen.add(stored.trial_id)
+            key = config_key(stored.result.config)
+            index = stored.index if stored.index is not None else sum(
+                1 for r in planner.launched if config_key(r.config) == key)
+            planner.absorb(stored.result, index)
+            progress.message = f"another search measured {stored.result.config}"
+            changed = True
+        live = {(r.key, r.index) for r in running}
+        for task in planner.elsewhere:
+            if (task.key, task.index) not in live:  # given up there: free to launch here
+                planner.given_up(task.key, task.index)
+                changed = True
+        known = {(t.key, t.index) for t in planner.elsewhere}
+        for claim in running:
+            if (claim.key, claim.index) not in known:
+                planner.expect(config_from_key(claim.key), claim.index)
+                changed = True
+        return changed
+
+
 def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
          store: StudyStore | None) -> StudyOutcome:
     store = store or StudyStore(spec)
     space = load_space(spec.space)
     spec.save(spec.output_dir / SPEC_COPY)  # what `treetune report` reads back
-    stale = store.mark_stale()
-    launched = store.results()
+    claims = Claims.of(store.storage, spec.name)
+    shared = not spec.storage_url.startswith("sqlite")
+    # With SQLite the output folder's lock proves this the study's only search: whatever
+    # an earlier one left running is stale. Sharing a database, only what a search that
+    # stopped beating left running is (found as the search goes).
+    stale = 0 if shared else store.mark_stale()
+    finished = store.finished_launches()
+    if claims is not None:
+        if not shared:
+            claims.forget_unfinished()
+        claims.sync([(s.trial_id, config_key(s.result.config)) for s in finished])
+    launched = [s.result for s in finished]
+    known = {s.trial_id for s in finished}  # the launches the planner counts, by trial id
     progress = Progress(budget=spec.budget.launches, launches_done=len(launched))
     notify = on_progress or (lambda p: None)
     if stale:
@@ -270,11 +379,13 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     reschedules: dict[str, int] = {}
     deadline = (time.monotonic() + spec.budget.wall_time_s) if spec.budget.wall_time_s else None
     planner: Planner | None = None
+    others: _Others | None = None
+    spent = False  # the study's budget is taken by other searches' claims (until a look)
 
     def budget_left() -> bool:
         assert planner is not None
-        used = planner.launches + len(in_flight)
-        if spec.budget.launches is not None and used >= spec.budget.launches:
+        used = planner.launches + len(in_flight) + len(planner.elsewhere)
+        if spent or (spec.budget.launches is not None and used >= spec.budget.launches):
             return False
         return deadline is None or time.monotonic() < deadline
 
@@ -291,21 +402,53 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     interrupted = False
     pool: _Pool | None = None
     try:
-        pool = _Pool(ray, *_start_workers(ray, spec))
+        placement = _placement(ray, spec)
+        store.check_gpu_type(placement.gpu_type)
+        pool = _Pool(ray, spec, placement)
+        pool.start(min(spec.workers or placement.groups, placement.groups))
         # The search's prior comes from a worker: the GPUs and model files servers use.
         planner = Planner(spec, store, space, launched, tp=spec.tp, facts=pool.facts())
+        if shared and claims is not None:
+            claims.start_beating()
+            others = _Others(store, claims, known)
+            others.follow(planner, progress, force=True)
         _decide(planner, store, progress)
         progress.message = progress.message or f"strategy {planner.strategy_name}"
         if planner.note:
             progress.notes.append(planner.note)
         notify(progress)
         while True:
+            if others is not None and others.follow(planner, progress):
+                spent = False
+                progress.launches_done = planner.launches
+                _decide(planner, store, progress)
+                notify(progress)
             while pool.idle and budget_left():
                 task = planner.next()
                 if task is None:
                     break
+                if claims is not None:
+                    claim, task.index = claims.take(task.key, task.index, spec.budget.launches,
+                                                    known)
+                    if claim is Claim.TAKEN:
+                        planner.hand_over(task)
+                        progress.message = f"{task.config} is another search's launch"
+                        continue
+                    if claim is Claim.SPENT:
+                        planner.requeue(task)
+                        spent = True
+                        break
                 worker = pool.idle.pop(0)
-                trial = store.begin_launch(task.config, ())
+                trial = store.begin_launch(
+                    task.config, (), driver=claims.driver if claims else None,
+                    launch_index=task.index, node=pool.node_of(worker),
+                    gpu_type=placement.gpu_type)
+                known.add(trial._trial_id)
+                if claims is not None:
+                    claims.attach(task.key, task.index, trial._trial_id)
+                    if others is not None:
+                        for _, asked, _ in task.proposal.trials if task.proposal else ():
+                            store.tag(asked, claims.driver)
                 ref = worker.run.remote(task.key, [], task.index)
                 in_flight[ref] = _Launch(task, trial, worker)
                 progress.running = running()
@@ -313,6 +456,13 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                                     else f"launched {task.config} on a worker")
                 notify(progress)
             if not in_flight and (pool.idle or not pool.starting):
+                if others is not None:
+                    if others.follow(planner, progress, force=True):
+                        spent = False
+                        continue  # other searches' news: maybe more to launch here
+                    if planner.elsewhere:  # their results (or failures) are still to come
+                        time.sleep(POLL_S)
+                        continue
                 if pool.alive == 0 and (planner.queue or budget_left()):
                     raise TreetuneError("every launch worker died and none could be replaced; "
                                         "results so far are stored: rerun to resume")
@@ -330,9 +480,11 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                     result = LaunchResult.from_dict(ray.get(ref))
                 except ray.exceptions.RayActorError as exc:
                     # The worker process (or its node) died: its server died with it. The
-                    # launch is not a result: it is done again on another worker.
+                    # launch is not a result: it is done again on another worker (its claim
+                    # stays this search's).
                     pool.alive -= 1
-                    pool.replace(spec)
+                    pool.retire(launch.worker)
+                    pool.replace()
                     store.abandon(launch.trial, store.launches,
                                   f"worker died: {_cause(exc)}; rescheduled")
                     reschedules[task.key] = reschedules.get(task.key, 0) + 1
@@ -344,13 +496,20 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                         continue
                     result = LaunchResult(config, reason=f"its worker died "
                                           f"{reschedules[task.key]} times: {_cause(exc)}")
-                    launch.trial = store.begin_launch(config, ())
+                    launch.trial = store.begin_launch(
+                        config, (), driver=claims.driver if claims else None,
+                        launch_index=task.index, gpu_type=placement.gpu_type)
+                    known.add(launch.trial._trial_id)
+                    if claims is not None:
+                        claims.attach(task.key, task.index, launch.trial._trial_id)
                 except ray.exceptions.RayError as exc:
                     result = LaunchResult(config, reason=f"worker failed: {_cause(exc)}")
                     pool.idle.append(launch.worker)
                 else:
                     pool.idle.append(launch.worker)
                 store.finish_launch(launch.trial, result)
+                if claims is not None:
+                    claims.finish(task.key, task.index)
                 planner.finish(task, result)
                 progress.launches_done = planner.launches
                 progress.running = running()
@@ -373,11 +532,17 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         if planner is not None:
             planner.abandon("interrupted" if interrupted else "search ended")
         in_flight.clear()
+        if claims is not None:
+            claims.release_all()  # what this search will not finish, another may launch
+            if others is not None:
+                claims.stop_beating()
         if pool is not None:
             pool.shutdown()
         ray_session.shutdown()
     if planner is None:  # interrupted before the search began: nothing new to report
         raise KeyboardInterrupt
+    if others is not None:
+        stale += others.stale
     return StudyOutcome(spec, list(planner.results.values()), planner.baseline, interrupted,
                         stale, planner.launches, planner.strategy_name,
                         _decide(planner, store, progress))

@@ -226,6 +226,12 @@ class StudySpec:
     # GPU groups to use; None: all the cluster offers (local: 1).
     workers: int | None = field(default=None, metadata=meta(
         "--workers", "GPU groups to use in parallel."))
+    # The GPU type a study runs on, as Ray names a node's GPUs (its accelerator_type:TYPE
+    # resource); None: the cluster's only type. Never part of the fingerprint: the type the
+    # launches ran on is stored with the study and checked on every run.
+    gpu_type: str | None = field(default=None, metadata=meta(
+        "--gpu-type", "Run servers only on Ray nodes of this GPU type (Ray's accelerator "
+        "type, e.g. H100); needed when the cluster mixes GPU types."))
     storage: str | None = field(default=None, metadata=meta(
         "--storage", "Optuna storage URL (default: SQLite in the output folder)."))
     seed: int = field(default=0, metadata=meta("--seed", "Random seed."))
@@ -265,6 +271,10 @@ class StudySpec:
         self._check_methods()
         if self.workers is not None and self.workers < 1:
             raise FieldError("workers", "workers must be >= 1")
+        if self.gpu_type is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*",
+                                                          self.gpu_type):
+            raise FieldError("gpu_type", f"gpu_type '{self.gpu_type}' is not a GPU type as Ray "
+                             "names them (H100, A100-80G, L4, ...)")
         parse_version(self.sglang_version)
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):

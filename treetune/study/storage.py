@@ -15,9 +15,11 @@ import copy
 import json
 import sqlite3
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import quote
 
 import optuna
@@ -37,6 +39,9 @@ STRATEGY_ATTR = "strategy"
 CONFIG_ATTR = "config"
 FINGERPRINT_ATTR = "spec_fingerprint"
 SPEC_ATTR = "spec"
+INDEX_ATTR = "launch_index"  # launches of a config before this one
+DRIVER_ATTR = "driver"  # the search that runs a launch or asked a proposal
+GPU_TYPE_ATTR = "gpu_type"  # the GPU type a study's launches run on
 STALE_REASON = "stale: the search that ran this launch stopped before it finished"
 
 
@@ -86,6 +91,35 @@ def check_sqlite(url: str) -> None:
         connection.close()
 
 
+OPEN_TRIES = 3  # searches starting at once on a new database race to create its tables
+
+
+def _open_rdb(url: str) -> optuna.storages.RDBStorage:
+    """Optuna's storage at `url`, its tables created if new. Two searches sharing a new
+    database both create them, and the loser's CREATE fails: on a second try it finds
+    them made."""
+    sqlite = url.startswith("sqlite")
+    for attempt in range(OPEN_TRIES):
+        try:
+            return optuna.storages.RDBStorage(
+                url, engine_kwargs={"connect_args": {"timeout": 30}} if sqlite else None)
+        except ModuleNotFoundError as exc:  # the database's driver
+            raise TreetuneError(
+                f"cannot open study storage {url}: its database driver is not installed "
+                f"({exc}); for PostgreSQL: pip install 'treetune[postgres]'") from None
+        except Exception as exc:  # SQLAlchemy raises many kinds
+            if sqlite or attempt + 1 == OPEN_TRIES:
+                raise TreetuneError(f"cannot open study storage {url}: {exc}") from None
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+class StoredLaunch(NamedTuple):
+    trial_id: int
+    result: LaunchResult
+    index: int | None  # launches of its config before it (None: stored by an older treetune)
+
+
 class StudyStore:
     def __init__(self, spec: StudySpec,
                  sampler_factory: Callable[[int], optuna.samplers.BaseSampler] | None = None,
@@ -100,12 +134,7 @@ class StudyStore:
         else:
             if url.startswith("sqlite:///"):
                 check_sqlite(url)
-            try:
-                self.storage = optuna.storages.RDBStorage(
-                    url, engine_kwargs={"connect_args": {"timeout": 30}}
-                    if url.startswith("sqlite") else None)
-            except Exception as exc:  # SQLAlchemy raises many kinds
-                raise TreetuneError(f"cannot open study storage {url}: {exc}") from None
+            self.storage = _open_rdb(url)
         self.launches = optuna.create_study(
             study_name=f"{spec.name}:launches", storage=self.storage, load_if_exists=True)
         stored = self.launches.user_attrs.get(FINGERPRINT_ATTR)
@@ -154,28 +183,70 @@ class StudyStore:
         """Every finished launch, measured or failed, oldest first."""
         return _launch_results(self.launches)
 
-    def mark_stale(self) -> int:
+    def finished_launches(self) -> list[StoredLaunch]:
+        """Every finished launch with its trial, oldest first (several searches of one
+        study read each other's launches from here)."""
+        return [StoredLaunch(t._trial_id, _result_of(t), t.user_attrs.get(INDEX_ATTR))
+                for t in _finished(self.launches)]
+
+    def mark_stale(self, driver: str | None = None) -> int:
         """Launches (and proposals) left RUNNING by a search that died: failed without a
-        result, so they are redone. Returns how many launches were stale."""
+        result, so they are redone; only those of search `driver` when given (others may
+        be running them). Returns how many launches were stale."""
         count = 0
         method_studies = (s for per in self.method_studies.values() for s in per.values())
         for study in (self.launches, *self.batch_studies.values(), *method_studies):
             for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-                self.storage.set_trial_user_attr(trial._trial_id, "reason", STALE_REASON)
-                self.storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
-                count += study is self.launches
+                if driver is not None and trial.user_attrs.get(DRIVER_ATTR) != driver:
+                    continue
+                if self.fail_stale(trial._trial_id) and study is self.launches:
+                    count += 1
         return count
+
+    def fail_stale(self, trial_id: int) -> bool:
+        """One trial of a search that died, failed as stale (False: it had finished)."""
+        try:
+            self.storage.set_trial_user_attr(trial_id, "reason", STALE_REASON)
+            self.storage.set_trial_state_values(trial_id, TrialState.FAIL)
+        except RuntimeError:  # optuna's UpdateFinishedTrialError
+            return False  # finished meanwhile, or failed by another search first
+        return True
+
+    def check_gpu_type(self, gpu_type: str | None) -> None:
+        """A study's launches all run on one GPU type: stored with the study by its first
+        run on a cluster that names it, and every later run must use the same."""
+        if gpu_type is None:
+            return
+        stored = self.launches.user_attrs.get(GPU_TYPE_ATTR)
+        if stored is None:
+            self.launches.set_user_attr(GPU_TYPE_ATTR, gpu_type)
+        elif stored != gpu_type:
+            raise TreetuneError(
+                f"study '{self.spec.name}' was measured on {stored} GPUs, and this run would "
+                f"launch on {gpu_type}: speedups of two GPU types must not mix. Pin the "
+                f"study with --gpu-type {stored}, or start a new study (another --name) for "
+                f"{gpu_type}")
+
+    def tag(self, trial: optuna.trial.Trial, driver: str) -> None:
+        """Mark a trial as asked by search `driver`: if that search dies, its trials are
+        found and failed as stale while other searches go on."""
+        trial.set_user_attr(DRIVER_ATTR, driver)
 
     def save_recommendations(self, recs: list[Recommendation], strategy: str) -> None:
         """What the search decided from the launches so far, kept with the study."""
         self.launches.set_user_attr(RECOMMENDATIONS_ATTR, [r.record() for r in recs])
         self.launches.set_user_attr(STRATEGY_ATTR, strategy)
 
-    def begin_launch(self, config: ServerConfig,
-                     flags: tuple[tuple[str, str], ...]) -> optuna.trial.Trial:
+    def begin_launch(self, config: ServerConfig, flags: tuple[tuple[str, str], ...],
+                     **attrs: str | int | None) -> optuna.trial.Trial:
+        """A launch's trial, RUNNING until its result is stored; `attrs`: where it runs
+        (driver, launch_index, node, gpu_type), kept as user attributes."""
         trial = self.launches.ask()
         trial.set_user_attr(CONFIG_ATTR, config_key(config))
         trial.set_user_attr("flags", [list(f) for f in flags])
+        for name, value in attrs.items():
+            if value is not None:
+                trial.set_user_attr(name, value)
         return trial
 
     def finish_launch(self, trial: optuna.trial.Trial, result: LaunchResult) -> None:
@@ -267,7 +338,14 @@ def read_study(spec: StudySpec) -> StoredStudy:
 
 def _launch_results(launches: optuna.Study) -> list[LaunchResult]:
     """Every finished launch of a launches study, measured or failed, oldest first."""
-    return [LaunchResult.from_dict(json.loads(t.user_attrs[RESULT_ATTR]))
-            for t in launches.get_trials(deepcopy=False,
-                                         states=(TrialState.COMPLETE, TrialState.FAIL))
+    return [_result_of(t) for t in _finished(launches)]
+
+
+def _finished(launches: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    return [t for t in launches.get_trials(deepcopy=False,
+                                           states=(TrialState.COMPLETE, TrialState.FAIL))
             if RESULT_ATTR in t.user_attrs]
+
+
+def _result_of(trial: optuna.trial.FrozenTrial) -> LaunchResult:
+    return LaunchResult.from_dict(json.loads(trial.user_attrs[RESULT_ATTR]))

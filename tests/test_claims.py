@@ -1,0 +1,163 @@
+"""Claims decide which search runs a launch when several share a study's storage: a launch
+is claimed once, the budget's slots are never exceeded, an abandoned launch is free again,
+and a search that stops beating loses its unfinished claims; the planner counts other
+searches' launches as its own. Against SQLite here; on a real PostgreSQL server with real
+concurrent searches in test_shared_storage.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import optuna
+import sqlalchemy as sa
+from studykit import small_study
+
+from treetune.config import BASELINE, TreeConfig
+from treetune.perfmodel import PerfModel
+from treetune.space import load_space
+from treetune.study.claims import Claim, Claims
+from treetune.study.offline import Noise, simulate_launch
+from treetune.study.planner import Planner
+from treetune.study.spec import load_study
+from treetune.study.storage import StudyStore
+
+
+def claims_of(engine, study="s"):
+    return Claims(engine, study)
+
+
+def engine_at(tmp_path):
+    return sa.create_engine(f"sqlite:///{tmp_path / 'claims.db'}")
+
+
+def test_a_launch_is_claimed_by_one_search_only(tmp_path):
+    engine = engine_at(tmp_path)
+    first, second = claims_of(engine), claims_of(engine)
+    assert first.take("3,4,8", 0, budget=10) == (Claim.MINE, 0)
+    assert second.take("3,4,8", 0, budget=10) == (Claim.TAKEN, 0)
+    assert first.take("3,4,8", 0, budget=10) == (Claim.MINE, 0)  # its own, rescheduled
+    assert second.take("3,4,8", 1, budget=10) == (Claim.MINE, 1)  # a re-measurement
+    running, claimed = first.others()
+    assert [(r.key, r.index) for r in running] == [("3,4,8", 1)]
+    assert claimed == {("3,4,8", 0), ("3,4,8", 1)}
+
+
+def test_the_searches_together_never_take_more_slots_than_the_budget(tmp_path):
+    engine = engine_at(tmp_path)
+    searches = [claims_of(engine) for _ in range(3)]
+    taken = [s.take(f"1,1,{n}", 0, budget=4)[0] for n, s in
+             zip(range(2, 8), searches * 2, strict=False)]
+    assert taken == [Claim.MINE] * 4 + [Claim.SPENT] * 2
+
+
+def test_an_abandoned_launch_frees_its_config_and_its_slot_and_a_done_one_keeps_both(tmp_path):
+    engine = engine_at(tmp_path)
+    first, second = claims_of(engine), claims_of(engine)
+    assert first.take("baseline", 0, budget=2)[0] is Claim.MINE
+    assert first.take("3,4,8", 0, budget=2)[0] is Claim.MINE
+    first.finish("baseline", 0)
+    first.release("3,4,8", 0)
+    assert second.take("3,4,8", 0, budget=2)[0] is Claim.MINE
+    assert second.take("5,1,6", 0, budget=2)[0] is Claim.SPENT
+    assert second.take("baseline", 0, budget=3)[0] is Claim.TAKEN
+
+
+def test_a_done_launch_the_search_already_counts_moves_its_next_claim_to_a_free_index(
+        tmp_path):
+    """A re-measurement given up between two done ones leaves its index free: a search
+    counting the two done launches asks for index 2, which is done; it gets index 1."""
+    engine = engine_at(tmp_path)
+    first, second = claims_of(engine), claims_of(engine)
+    first.take("3,4,8", 0, budget=None)
+    first.attach("3,4,8", 0, 100)
+    first.finish("3,4,8", 0)
+    first.take("3,4,8", 1, budget=None)
+    second.take("3,4,8", 2, budget=None)
+    second.attach("3,4,8", 2, 102)
+    second.finish("3,4,8", 2)
+    first.release("3,4,8", 1)
+    assert first.take("3,4,8", 2, budget=None, known={100, 102}) == (Claim.MINE, 1)
+    assert second.take("3,4,8", 2, budget=None) == (Claim.TAKEN, 2)  # not counted yet
+
+
+def test_finished_launches_stored_before_claims_get_done_claims_once(tmp_path):
+    engine = engine_at(tmp_path)
+    first, second = claims_of(engine), claims_of(engine)
+    finished = [(1, "baseline"), (2, "3,4,8"), (3, "3,4,8")]
+    first.sync(finished)
+    second.sync(finished)  # a second search syncing the same launches adds nothing
+    _, claimed = first.others()
+    assert claimed == {("baseline", 0), ("3,4,8", 0), ("3,4,8", 1)}
+    assert first.take("5,1,6", 0, budget=3)[0] is Claim.SPENT
+
+
+def test_a_search_that_stops_beating_is_dead_and_its_unfinished_claims_are_released(tmp_path):
+    engine = engine_at(tmp_path)
+    alive, gone = claims_of(engine), claims_of(engine)
+    gone.start_beating()
+    gone.take("3,4,8", 0, budget=None)
+    gone.attach("3,4,8", 0, 7)
+    gone.take("baseline", 0, budget=None)
+    gone.finish("baseline", 0)
+    gone._beating.set()  # its process died: nothing beats any more (its row stays)
+    assert alive.dead(stale_after_s=0.0) == []  # seen once: standing still since now
+    assert alive.dead(stale_after_s=0.0) == [gone.driver]
+    assert alive.reap(gone.driver) == [("3,4,8", 0, 7)]
+    running, claimed = alive.others()
+    assert running == [] and claimed == {("baseline", 0)}
+    assert alive.take("3,4,8", 0, budget=None)[0] is Claim.MINE
+
+
+def test_a_beating_search_is_never_dead(tmp_path):
+    engine = engine_at(tmp_path)
+    watcher, busy = claims_of(engine), claims_of(engine)
+    busy.start_beating()
+    try:
+        busy.take("3,4,8", 0, budget=None)
+        assert watcher.dead(stale_after_s=0.0) == []
+        busy.beat()
+        assert watcher.dead(stale_after_s=0.0) == []
+    finally:
+        busy.stop_beating()
+
+
+# ---- the planner's view of other searches' launches -------------------------------------
+
+def planner_of(tmp_path):
+    spec = load_study(None, small_study(tmp_path, search={"strategy": "grid",
+                                                          "max_launches_per_config": 1}))
+    store = StudyStore(spec, storage=optuna.storages.InMemoryStorage())
+    return spec, Planner(spec, store, load_space(spec.space), [])
+
+
+def measured(spec, config):
+    truth = PerfModel(spec.backend.facts(spec.launch_spec(), {}), spec.tp)
+    return simulate_launch(truth, config, spec, np.random.default_rng(0), Noise(0, 0, 0))
+
+
+def test_a_launch_another_search_runs_is_known_and_its_result_counts_as_ours(tmp_path):
+    spec, planner = planner_of(tmp_path)
+    planner.expect(BASELINE, 0)  # the other search runs the baseline: not queued here
+    assert planner.is_known("baseline") and [t.key for t in planner.elsewhere] == ["baseline"]
+    assert planner.next().key == "3,4,8"  # the compared tree
+    assert planner.next() is None  # proposals wait for the baseline
+    planner.absorb(measured(spec, BASELINE), 0)
+    assert planner.baseline is not None and not planner.elsewhere and planner.launches == 1
+    planner.expect(TreeConfig(1, 1, 2), 0)
+    assert planner.next().key == "1,2,2"  # the grid skips what runs elsewhere
+
+
+def test_a_baseline_given_up_by_another_search_is_queued_again_first(tmp_path):
+    _, planner = planner_of(tmp_path)
+    planner.expect(BASELINE, 0)
+    planner.expect(TreeConfig(1, 1, 2), 0)
+    planner.given_up("baseline", 0)
+    planner.given_up("1,1,2", 0)  # a proposed tree is the strategy's to propose again
+    assert [t.key for t in planner.queue] == ["baseline", "3,4,8"] and not planner.elsewhere
+    assert not planner.is_known("1,1,2")
+
+
+def test_a_launch_handed_over_counts_as_running_elsewhere(tmp_path):
+    _, planner = planner_of(tmp_path)
+    task = planner.next()
+    planner.hand_over(task)
+    assert task.elsewhere and planner.elsewhere == [task] and planner.is_known(task.key)
