@@ -18,7 +18,8 @@ the target in <= 0.35x the wall time of 1 worker, 8 workers in <= 0.25x, with no
 than 1.5x the launches of 1 worker.
 
     .venv/bin/python benchmarks/scaling.py [--workers 1 2 4 8 16] [--strategies model tpe]
-        [--worlds qwen3-coder-next-h200] [--seeds 8] [--quick] [--json] [--output FILE.md]
+        [--worlds qwen3-coder-next-h200] [--seeds 10] [--max-launches 100] [--quick] [--json]
+        [--output FILE.md]
 """
 
 from __future__ import annotations
@@ -171,22 +172,24 @@ def main() -> None:
                         help="shipped world or profile names, or files (default: the demo's "
                         "published Qwen3-Coder-Next profile, 4 datasets)")
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 32])
-    parser.add_argument("--seeds", type=int, default=8)
+    parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--max-launches", type=int, default=40)
+    parser.add_argument("--max-launches", type=int, default=100,
+                        help="launches a study may use to reach the target (TPE needs "
+                        "dozens at one worker)")
     parser.add_argument("--noise", type=float, default=0.03,
                         help="launch and measurement noise (coefficient of variation)")
     parser.add_argument("--load-s", type=float, default=300.0, help="mean server load time")
     parser.add_argument("--duration", type=float, default=60.0,
                         help="each cell's measurement window, seconds")
     parser.add_argument("--quick", action="store_true",
-                        help="3 seeds, up to 30 launches: under 3 minutes on 2 cores")
+                        help="3 seeds, up to 60 launches: under 3 minutes on 2 quiet cores")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--output", type=Path, default=None, help="write the markdown here")
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     if args.quick:
-        args.seeds, args.max_launches = 3, 30
+        args.seeds, args.max_launches = 3, 60
     if any(w < 1 for w in args.workers):
         parser.error("--workers must be >= 1")
     batches = tuple(sorted(set(args.batch)))
