@@ -19,7 +19,13 @@ from treetune.results import LaunchResult, config_key
 from treetune.space import load_space
 from treetune.strategies.model import INITIAL_DESIGN, ModelStrategy
 from treetune.strategies.tpe import TPEStrategy
-from treetune.study.offline import LaunchClock, Noise, run_offline, run_parallel
+from treetune.study.offline import (
+    LaunchClock,
+    Noise,
+    run_offline,
+    run_parallel,
+    simulate_launch,
+)
 from treetune.study.planner import Planner, Task
 from treetune.study.spec import load_study
 from treetune.study.storage import StudyStore
@@ -159,13 +165,19 @@ def test_a_failed_launch_takes_only_the_load_time():
     assert EXACT.duration(spec, ok, rng) == pytest.approx(launch_seconds(spec))
 
 
-def test_one_simulated_worker_makes_the_study_run_offline_makes():
+def test_one_simulated_worker_makes_the_study_a_plain_loop_makes():
+    """One launch at a time, next then finish: the loop search_efficiency's studies ran
+    before the clock existed (their results must not move)."""
     spec = study(search={"strategy": "tpe"})
-    sequential = run_offline(spec, truth(), seed=3, launches=10)
+    planner, rng = fresh_planner(spec), np.random.default_rng(3)
+    while planner.launches < 10:
+        task = planner.next()
+        assert task is not None
+        planner.finish(task, simulate_launch(truth(), task.config, spec, rng, Noise()))
     parallel = run_parallel(spec, truth(), seed=3, launches=10, workers=1)
     assert [config_key(r.config) for r in parallel.launched] == \
-        [config_key(r.config) for r in sequential.launched]
-    assert [r.cells for r in parallel.launched] == [r.cells for r in sequential.launched]
+        [config_key(r.config) for r in planner.launched]
+    assert [r.cells for r in parallel.launched] == [r.cells for r in planner.launched]
 
 
 def test_the_study_ends_when_after_launch_says_so():
