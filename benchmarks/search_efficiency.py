@@ -49,7 +49,7 @@ from treetune.study.evidence import intervals
 from treetune.study.offline import Noise, run_offline
 from treetune.study.planner import Planner
 from treetune.study.recommend import MIXED, recommend
-from treetune.study.spec import load_study
+from treetune.study.spec import StudySpec, load_study
 from treetune.worlds import World, load_world, shipped_worlds
 
 # gp (Optuna's GPSampler) runs where PyTorch is installed (`pip install -e '.[gp]'`).
@@ -84,18 +84,49 @@ def truth_table(world: World, batches: tuple[int, ...]
     return table, best
 
 
+def study_spec(world_name: str, strategy: str, seed: int, max_launches: int, noise: float,
+               batches: tuple[int, ...]) -> StudySpec:
+    """The benchmark's study of a world: its datasets, the default space, tolerance 0, the
+    world's facts as the emulator's (the search's prior)."""
+    world = load_world(world_name)
+    source = {"profile": world_name} if world.own_model else {"world": world_name}
+    return load_study(None, {
+        "name": "efficiency", "model": world.profile.target.name,
+        "draft": world.profile.draft.name, "tp": world.profile.tp,
+        "datasets": list(world.profile.datasets), "batch": list(batches),
+        "space": "default", "budget": {"launches": max_launches}, "seed": seed,
+        "backend": {"kind": "emulator", **source},
+        "search": {"strategy": strategy, "launch_cv": noise},
+    })
+
+
+def judge_mixed(spec: StudySpec, planner: Planner, table: dict[TreeConfig, dict[int, list[float]]],
+                best: dict[int, float]) -> list[tuple[list[float] | None, int, float]]:
+    """The mixed-workload recommendation at every batch size, against the truth: its true
+    speedups per dataset (None: no speculation), its batch size, and its true mean speedup
+    over the best feasible one's (the target is every ratio >= TARGET)."""
+    if planner.baseline is None:
+        return []
+    out = []
+    for rec in recommend(spec, list(planner.results.values()), planner.baseline,
+                         planner.estimates()):
+        if rec.workload != MIXED:
+            continue
+        true = table.get(rec.config) if isinstance(rec.config, TreeConfig) else None
+        mean = statistics.fmean(true[rec.batch]) if true else 1.0  # no speculation: 1
+        out.append((true, rec.batch, mean / best[rec.batch]))
+    return out
+
+
+def within_target(judged: list[tuple[list[float] | None, int, float]]) -> bool:
+    return bool(judged) and min(ratio for _, _, ratio in judged) >= TARGET
+
+
 def run_job(job: Job) -> dict:
     world = load_world(job.world)
     table, best = truth_table(world, job.batches)
-    source = {"profile": job.world} if world.own_model else {"world": job.world}
-    spec = load_study(None, {
-        "name": "efficiency", "model": world.profile.target.name,
-        "draft": world.profile.draft.name, "tp": world.profile.tp,
-        "datasets": list(world.profile.datasets), "batch": list(job.batches),
-        "space": "default", "budget": {"launches": job.max_launches}, "seed": job.seed,
-        "backend": {"kind": "emulator", **source},
-        "search": {"strategy": job.strategy, "launch_cv": job.noise},
-    })
+    spec = study_spec(job.world, job.strategy, job.seed, job.max_launches, job.noise,
+                      job.batches)
     truth = world.model(world.profile.tp)
     within: list[bool] = []
     regret_at_budget: float | None = None
@@ -103,24 +134,14 @@ def run_job(job: Job) -> dict:
 
     def after(planner: Planner) -> None:
         nonlocal regret_at_budget, recommended, false_feasible
-        if planner.baseline is None:
-            within.append(False)
-            return
-        recs = recommend(spec, list(planner.results.values()), planner.baseline,
-                         planner.estimates())
-        ratios = []
-        for rec in recs:
-            if rec.workload != MIXED:
-                continue
-            true = table.get(rec.config) if isinstance(rec.config, TreeConfig) else None
-            mean = statistics.fmean(true[rec.batch]) if true else 1.0  # no speculation: 1
-            ratios.append(mean / best[rec.batch])
+        judged = judge_mixed(spec, planner, table, best)
+        for true, batch, _ in judged:
             if true is not None:
                 recommended += 1
-                false_feasible += min(true[rec.batch]) < 1.0 - spec.tolerance
-        within.append(min(ratios) >= TARGET)
-        if planner.launches == job.budget:
-            regret_at_budget = 1.0 - min(ratios)
+                false_feasible += min(true[batch]) < 1.0 - spec.tolerance
+        within.append(within_target(judged))
+        if judged and planner.launches == job.budget:
+            regret_at_budget = 1.0 - min(ratio for _, _, ratio in judged)
 
     started = time.monotonic()
     noise = Noise(launch_cv=job.noise, measurement_cv=job.noise)

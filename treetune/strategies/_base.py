@@ -60,6 +60,10 @@ class SearchContext:
     max_batch: int = 1
     tp: int | None = None
     prior_why_not: str = ""  # why there is no prior, in one line, when there is none
+    # Trees launched (here or by another search of the study) or queued whose first
+    # result is not in yet: with several workers, a proposal is made while these run, and
+    # must be worth launching beside them, not a copy of what they will tell.
+    pending: Callable[[], list[TreeConfig]] = lambda: []
 
 
 class Strategy(Protocol):

@@ -269,6 +269,11 @@ class ModelStrategy:
                 return Proposal(config)
         explore = EXPLORE_MISFIT if self.correction.misfit else EXPLORE
         exploring = self.rng.random() < explore and measured >= 2
+        # Launches under way (other workers') are believed at what this proposal's draw
+        # predicts for them: a tree must improve on them too, and their near twins are
+        # skipped, so N free workers get N different trees, each worth it beside the
+        # others (batch Thompson sampling: each proposal has its own draw).
+        seen = trees + [c for c in self.context.pending() if c not in trees]
         # Thompson sampling: one draw of the model, and the untried tree that draw says
         # improves most on the measured trees, at whichever batch size gains most. A draw
         # in which no untried tree clears the floor has nothing to launch (its best move
@@ -276,7 +281,7 @@ class ModelStrategy:
         for draw in range(REDRAWS + 1):
             profile = (self.fit.sample(self.rng, inflate=EXPLORE_INFLATE if exploring else 1.0)
                        if draw < REDRAWS else self.fit.profile)
-            pick = self._best_under(profile, untried, trees, self.rng if draw < REDRAWS
+            pick = self._best_under(profile, untried, seen, self.rng if draw < REDRAWS
                                     else None)
             if pick is not None:
                 # An exploring draw's gain is no forecast: it must not hold back a
@@ -287,8 +292,9 @@ class ModelStrategy:
     def _best_under(self, profile: Profile, untried: list[TreeConfig], trees: list[TreeConfig],
                     draw: np.random.Generator | None) -> tuple[float, TreeConfig] | None:
         """The untried tree that `profile` (with the correction, drawn with `draw`) says
-        gains most over the measured trees at some batch size, with that gain; None when
-        no untried tree is predicted clear of the floor, other than near twins."""
+        gains most over `trees` (the measured ones, and those under way) at some batch
+        size, with that gain; None when no untried tree is predicted clear of the floor,
+        other than near twins."""
         batches = self.fit.batches
         table = predicted_speedups(profile, untried + trees, batches, self.fit.datasets,
                                    self.fit.tp)

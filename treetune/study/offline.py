@@ -1,11 +1,17 @@
 """Studies evaluated in-process: each launch is drawn from a performance profile (the
 truth) with launch and measurement noise, instead of starting a server. The planner,
 strategies, re-measurement and recommendations are the ones `treetune search` runs; only
-the server is replaced. For benchmarking search strategies over many seeds in minutes."""
+the server is replaced. For benchmarking search strategies over many seeds in minutes.
+
+With several workers, time is simulated: each launch lasts its server's load time plus
+its cells' measurement time (`LaunchClock`, drawn with noise), and launches finish in the
+order a cluster would finish them (an event queue), so the planner sees the same
+interleaving of proposals and results that `treetune search` on N GPU groups sees."""
 
 from __future__ import annotations
 
 import functools
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +25,7 @@ from treetune.perfmodel import PerfModel, check_memory
 from treetune.perfmodel.noise import lognormal_factor
 from treetune.results import CellResult, LaunchResult
 from treetune.space import load_space
-from treetune.study.planner import Planner
+from treetune.study.planner import Planner, Task
 from treetune.study.spec import StudySpec
 from treetune.study.storage import StudyStore
 
@@ -93,6 +99,28 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
     return LaunchResult(config, ok=True, cells=cells)
 
 
+@dataclass(frozen=True)
+class LaunchClock:
+    """How long a simulated launch takes: the server loads (weights, CUDA graphs), then
+    measures every cell (a warm-up and the study's `measurement.duration_s` window). A
+    launch that fails (out of memory) fails while loading."""
+
+    load_s: float = 300.0
+    load_cv: float = 0.15  # loading varies with the filesystem and the node's cache
+    warmup_s: float = 5.0  # per cell, until every request has its first token
+    warmup_cv: float = 0.5
+
+    def duration(self, spec: StudySpec, result: LaunchResult,
+                 rng: np.random.Generator) -> float:
+        seconds = self.load_s * lognormal_factor(self.load_cv, rng)
+        if result.ok:
+            cells = len(spec.batch) * len(spec.dataset_names)
+            seconds += sum(spec.measurement.duration_s
+                           + self.warmup_s * lognormal_factor(self.warmup_cv, rng)
+                           for _ in range(cells))
+        return seconds
+
+
 def run_offline(spec: StudySpec, truth: PerfModel, seed: int, launches: int,
                 noise: Noise = Noise(),
                 after_launch: Callable[[Planner], None] | None = None,
@@ -101,19 +129,53 @@ def run_offline(spec: StudySpec, truth: PerfModel, seed: int, launches: int,
     after every launch. Kept in memory unless a `store` is given: then every launch and
     the final recommendations are stored as `treetune search` stores them, so the report
     and the notebooks read the study like any other."""
+    def each(planner: Planner, _: float) -> bool:
+        if after_launch is not None:
+            after_launch(planner)
+        return False
+
+    return run_parallel(spec, truth, seed, launches, workers=1, noise=noise,
+                        after_launch=each, store=store)
+
+
+def run_parallel(spec: StudySpec, truth: PerfModel, seed: int, launches: int, workers: int,
+                 noise: Noise = Noise(), clock: LaunchClock = LaunchClock(),
+                 after_launch: Callable[[Planner, float], bool | None] | None = None,
+                 store: StudyStore | None = None) -> Planner:
+    """One study of `launches` launches on `workers` simulated workers: every free worker
+    takes the planner's next launch (as `treetune search`'s runner does), and the launch
+    finishing first in simulated time is handed back first. `after_launch` sees the
+    planner and the simulated time (seconds) after every finished launch, and ends the
+    study by returning True (launches still running are dropped). One worker
+    makes exactly the study `run_offline` makes (durations have their own random
+    stream)."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     store = store or StudyStore(spec, storage=optuna.storages.InMemoryStorage())
     planner = Planner(spec, store, load_space(spec.space), [], tp=truth.cost.tp)
     rng = np.random.default_rng(seed)
-    while planner.launches < launches:
-        task = planner.next()
-        if task is None:
+    durations = np.random.default_rng([seed, workers])
+    # (finish time, launch number: ties in start order, task, trial, result)
+    running: list[tuple[float, int, Task, optuna.trial.Trial, LaunchResult]] = []
+    started = 0
+    now = 0.0
+    while True:
+        while len(running) < workers and started < launches:
+            task = planner.next()
+            if task is None:
+                break  # nothing to launch until a running launch finishes (or for good)
+            trial = store.begin_launch(task.config, ())
+            result = simulate_launch(truth, task.config, spec, rng, noise)
+            heapq.heappush(running, (now + clock.duration(spec, result, durations), started,
+                                     task, trial, result))
+            started += 1
+        if not running:
             break
-        trial = store.begin_launch(task.config, ())
-        result = simulate_launch(truth, task.config, spec, rng, noise)
+        now, _, task, trial, result = heapq.heappop(running)
         store.finish_launch(trial, result)
         planner.finish(task, result)
-        if after_launch:
-            after_launch(planner)
+        if after_launch and after_launch(planner, now):
+            break
     planner.abandon("search ended")
     recs = planner.decide()
     if recs:
@@ -121,4 +183,5 @@ def run_offline(spec: StudySpec, truth: PerfModel, seed: int, launches: int,
     return planner
 
 
-__all__ = ["Noise", "adaptive_throughput", "method_truth", "run_offline", "simulate_launch"]
+__all__ = ["LaunchClock", "Noise", "adaptive_throughput", "method_truth", "run_offline",
+           "run_parallel", "simulate_launch"]

@@ -116,7 +116,7 @@ class Planner:
             datasets=spec.dataset_names, tolerance=spec.tolerance, seed=spec.seed,
             is_known=self.is_known, evidence=self.evidence, prior=prior,
             measurement_variance=self.measurement_variance, max_batch=spec.max_batch, tp=tp,
-            prior_why_not=why_not)
+            prior_why_not=why_not, pending=self.pending_trees)
         self.strategy_name = strategies.resolve(spec.search.strategy, context)
         self.strategy = strategies.make(self.strategy_name, context)
         # Said once when `auto` had to go without the model search, so a user sees why.
@@ -161,6 +161,11 @@ class Planner:
     def is_known(self, key: str) -> bool:
         return key in self.results or any(t.key == key for t in (*self.in_flight, *self.queue))
 
+    def pending_trees(self) -> list[TreeConfig]:
+        """Trees running or queued (here or in another search) with no result yet."""
+        return [t.config for t in (*self.in_flight, *self.queue)
+                if isinstance(t.config, TreeConfig) and t.key not in self.results]
+
     def measurement_variance(self, result: LaunchResult, baseline: LaunchResult, batch: int,
                              dataset: str) -> float:
         """Variance of one measured log speedup, from the study's learned noise."""
@@ -185,9 +190,11 @@ class Planner:
         """The next launch, or None until a running launch finishes (or for good)."""
         if self.queue:
             task = self.queue.pop(0)
-        elif self.baseline is None:
+        elif self.baseline is None and not any(t.key == "baseline" for t in self.in_flight):
             return None  # speedups need the baseline before anything can be judged
         else:
+            # With the baseline still running, other workers need not wait for it: the
+            # strategy proposes as it would before its first result (a start-up design).
             task = self._remeasure()
             if task is None or self._may_defer():
                 proposal = self.strategy.propose()
