@@ -197,3 +197,47 @@ def test_the_per_batch_optuna_constraints_cover_the_rate_cells(tmp_path):
     assert set(constraints) == {"regression:sharegpt", "regression:sharegpt at 2 req/s"}
     failed = store.objective(32, LaunchResult(WIDE), BASE)[1]
     assert set(failed) == set(constraints)
+
+
+# ---- studies/slo.yaml, made small: every launch a real emulated server --------------------
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_tmpdir")
+def test_the_slo_study_runs_on_ray_judging_p99_tpot_in_every_cell(tmp_path):
+    from pathlib import Path
+
+    from treetune.report import figures
+    from treetune.report.data import load_study_data
+    from treetune.study.runner import run_study
+
+    spec = load_study(Path(__file__).resolve().parents[1] / "studies" / "slo.yaml", {
+        "batch": [16], "rates": [4], "compare": ["3,1,4", "3,4,8"],
+        "budget": {"launches": 3}, "search": {"max_launches_per_config": 1},
+        "model": f"{tmp_path}/model-under-test", "output": str(tmp_path / "out"),
+        "backend": {"time_scale": 10.0, "load_time_s": 5.0},
+        "measurement": {"duration_s": 6.0, "repeats": 2, "startup_timeout_s": 60.0,
+                        "max_clock_lag_s": 0.25}})
+    outcome = run_study(spec)
+    assert [r.ok for r in outcome.results] == [True] * 3
+    base = outcome.baseline
+    assert base is not None and base.rate_cell("sharegpt", 4.0) is not None
+    rec = next(r for r in outcome.recommendations if r.workload == "mixed")
+    assert rec.objective == "tpot_p99"
+    assert set(rec.speedups) == {"sharegpt", "sharegpt at 4 req/s"}
+    if rec.config is not BASELINE:
+        # The recorded speedups are the baseline's p99 TPOT over the tree's, cell by cell,
+        # and the tree is surely no worse than no speculation in each.
+        tree = next(r for r in outcome.results if r.config == rec.config)
+        assert rec.speedups["sharegpt"] == pytest.approx(
+            base.cell("sharegpt", 16).tpot.p99 / tree.cell("sharegpt", 16).tpot.p99)
+        assert rec.speedups["sharegpt at 4 req/s"] == pytest.approx(
+            base.rate_cell("sharegpt", 4.0).tpot.p99 / tree.rate_cell("sharegpt", 4.0).tpot.p99)
+        assert min(lo for lo, _ in rec.intervals.values()) >= 1.0
+    theirs = recommend(spec, outcome.results, base, objective=Objective.THROUGHPUT)
+    assert set(by(theirs, "mixed", 16).speedups) == {"sharegpt"}
+    note = objective_note(outcome.recommendations, theirs)
+    assert note is not None and "p99 TPOT picks" in note and "throughput picks" in note
+    write_outputs(spec, outcome.recommendations, spec.output_dir, note)
+    fig = figures.latency_vs_throughput(load_study_data(spec.output_dir))
+    assert {t.name for t in fig.data if t.showlegend is not False} == {"batch 16", "4 req/s"}
+    assert [s.y0 for s in fig.layout.shapes] == [25.0]  # the SLO, drawn
