@@ -417,3 +417,34 @@ def test_a_study_file_entry_builds_a_spec():
     data = {"name": "code", "path": "swe.jsonl", "num_prompts": 5, "api": "chat"}
     spec = build(DatasetSpec, data, "study.yaml", "datasets[0]")
     assert spec == DatasetSpec("code", path="swe.jsonl", num_prompts=5, api="chat")
+
+
+# ---- fixed-length cells ("512 in / 1024 out") -------------------------------------------
+
+def test_a_fixed_length_cell_makes_distinct_prompts_of_exactly_its_tokens_and_answers():
+    spec = DatasetSpec(name="humaneval", prompt_tokens=512, output_tokens=1024)
+    prompts = load_dataset(spec)
+    assert prompts.api == "completion" and prompts.max_new_tokens == 1024 and prompts.ignore_eos
+    texts = [p.text for p in prompts.prompts]
+    assert len(set(texts)) == len(texts) == 64
+    assert all(len(t) == 4 * 512 for t in texts)  # four characters a token, as counted
+    chat = load_dataset(DatasetSpec(name="sharegpt", prompt_tokens=256, output_tokens=256,
+                                    api="chat"))
+    assert all(len(p.messages[0]["content"]) == 4 * (256 - 4) for p in chat.prompts)
+
+
+def test_output_tokens_on_a_file_fixes_every_answer_and_ignores_eos():
+    prompts = load_dataset(DatasetSpec(name="mt-bench", output_tokens=128))
+    assert prompts.max_new_tokens == 128 and prompts.ignore_eos
+    assert not load_dataset(DatasetSpec(name="mt-bench")).ignore_eos
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"prompt_tokens": 512}, "needs output_tokens as well"),
+    ({"prompt_tokens": 512, "output_tokens": 8, "path": "x.jsonl"}, "drop the path"),
+    ({"prompt_tokens": 0, "output_tokens": 8}, "prompt_tokens must be at least 1"),
+    ({"output_tokens": 8, "max_new_tokens": 8}, "not both"),
+])
+def test_a_bad_fixed_length_cell_is_refused_saying_what_to_change(fields, match):
+    with pytest.raises(ValueError, match=match):
+        DatasetSpec(name="humaneval", **fields)

@@ -73,10 +73,13 @@ def test_the_pareto_notebook_shows_every_figure_of_the_study(small_study):
     expected = [figures.pareto_front(data), figures.regression_map(data),
                 figures.speedup_vs_tree_size(data), figures.accept_vs_step_time(data),
                 figures.user_vs_gpu_throughput(data),
+                # Only for a study that measured latencies (this one's launches are offline).
+                *([figures.latency_vs_throughput(data)] if figures.latency_points(data) else []),
                 *(figures.optimization_history(data, b) for b in sorted(data.spec.batch))]
     assert shown(nb) == [signature(f) for f in expected]
     prefixes = ["Pareto front", "Regression map", "Speedup vs tree size",
                 "Accept length vs step time", "Per-user vs per-GPU throughput",
+                *(["p99 TPOT vs throughput"] if figures.latency_points(data) else []),
                 "Optimization history", "Optimization history"]
     assert all(title.startswith(p)
                for (title, _), p in zip(shown(nb), prefixes, strict=True))

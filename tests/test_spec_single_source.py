@@ -88,7 +88,8 @@ def test_profile_implies_the_emulator_unless_a_backend_is_given():
 # without one here, so every option is shown to reach its field.
 SAMPLES = {
     "--name": ("cli-study",), "--model": ("org/model",), "--datasets": ("humaneval", "mt-bench"),
-    "--batch": ("1", "16"), "--rates": ("2", "8.5"), "--draft": ("org/draft",),
+    "--batch": ("1", "16"), "--rates": ("2", "8.5"), "--slo-ttft-ms": ("2000",),
+    "--slo-tpot-ms": ("40",), "--objective": ("goodput",), "--draft": ("org/draft",),
     "--algorithm": ("EAGLE",), "--methods": ("EAGLE", "NEXTN"),
     "--sglang-version": ("0.5.3",), "--tp": ("2",), "--space": ("narrow",),
     "--budget-launches": ("7",), "--budget-time": ("600",), "--tolerance": ("0.05",),
@@ -122,6 +123,7 @@ def test_every_option_sets_its_field(capsys, monkeypatch, tmp_path):
     assert spec.method_names == ("EAGLE", "NEXTN")
     assert spec.dataset_names == ["humaneval", "mt-bench"] and spec.batch == (1, 16)
     assert spec.rates == (2.0, 8.5)
+    assert (spec.slo.ttft_ms, spec.slo.tpot_ms, spec.objective) == (2000.0, 40.0, "goodput")
     assert (spec.sglang_version, spec.tp, spec.space) == ("0.5.3", 2, "narrow")
     assert (spec.budget.launches, spec.budget.wall_time_s, spec.tolerance) == (7, 600.0, 0.05)
     assert spec.backend.kind == "emulator" and spec.backend.profile == "qwen3-coder-next-h200"

@@ -282,8 +282,9 @@ def search(study: Path | None = None, **options: Any) -> None:
     (dataset, batch) cell against a no-speculation baseline, and optimizes mean speedup per
     batch size with no dataset slower than the baseline. Rerunning resumes the study.
     """
+    from treetune.objectives import Objective
     from treetune.study.export import write_outputs
-    from treetune.study.recommend import advice
+    from treetune.study.recommend import advice, objective_note, recommend
     from treetune.study.runner import run_study
     from treetune.study.spec import load_study, option_overrides
 
@@ -301,8 +302,14 @@ def search(study: Path | None = None, **options: Any) -> None:
     outcome = _run_with_progress(spec, run_study)  # SIGTERM stops it as Ctrl-C does
     if outcome.baseline is not None:
         recs = outcome.recommendations
-        write_outputs(spec, recs, spec.output_dir)
+        # Another objective's picks beside throughput's, from the same launches.
+        note = (objective_note(recs, recommend(spec, outcome.results, outcome.baseline,
+                                               objective=Objective.THROUGHPUT))
+                if spec.objective is not Objective.THROUGHPUT else None)
+        write_outputs(spec, recs, spec.output_dir, note)
         _print_outcome(spec, outcome, recs, advice(recs))
+        if note:
+            out.print(f"[bold]objective:[/bold] {escape(note)}")
     if outcome.interrupted:
         err.print("interrupted: servers stopped, results so far are stored; rerun the same "
                   "command to resume")
@@ -376,7 +383,8 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
     from treetune.study.recommend import alternative_advice, summary_rows
 
     failed = [r for r in outcome.results if not r.ok]
-    table = Table(title=f"measured speedups over no speculation ({len(outcome.results)} "
+    what = "" if spec.objective == "throughput" else f"{spec.objective.label} "
+    table = Table(title=f"measured {what}speedups over no speculation ({len(outcome.results)} "
                   f"configs in {outcome.launches} launches, {len(failed)} failed; strategy "
                   f"{outcome.strategy})", caption="* compared config; red: "
                   "slower than no speculation")
@@ -392,13 +400,13 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
             continue
         cells = []
         for b in sorted(spec.batch):
-            per = speedups(result, outcome.baseline, b, spec.dataset_names)
+            per = speedups(result, outcome.baseline, b, spec.dataset_names, spec.objective)
             cells += [f"[red]{s:.3f}[/red]" if s < 1 else f"{s:.3f}" for s in per.values()]
         tag = " *" if config in spec.compare else ""
         table.add_row(spec.config_label(config) + tag, *cells)
     out.print(table)
     # escape: rich would take "[interval]" for a markup tag and print nothing of it.
-    rec_table = Table(title="recommendations", caption=escape(
+    rec_table = Table(title=f"recommendations ({spec.objective.describe()})", caption=escape(
         "[interval]: where the true speedup lies, given the measurement noise; a tree is "
         "recommended only when every lower bound clears 1 - tolerance"))
     for col in ("workload", "batch", "config (tree S,K,N)", "measured speedups [interval]"):

@@ -27,8 +27,14 @@ class Slo:
     """A latency target: a request meets it when its time to first token and its time per
     output token are within these bounds (None: unbounded). Goodput counts such requests."""
 
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
+    # Metadata: `treetune search` options (study/spec.py `meta`, written out here since
+    # this module comes before the study's).
+    ttft_ms: float | None = field(default=None, metadata={
+        "in_file": True, "option": "--slo-ttft-ms", "short": None,
+        "help": "SLO: time to first token, ms (goodput counts the requests within it)."})
+    tpot_ms: float | None = field(default=None, metadata={
+        "in_file": True, "option": "--slo-tpot-ms", "short": None,
+        "help": "SLO: time per output token, ms (goodput counts the requests within it)."})
 
     def __post_init__(self) -> None:
         for key in ("ttft_ms", "tpot_ms"):
@@ -83,6 +89,10 @@ class CellResult:
     # study's measurement.max_clock_lag_s even when measured again.
     clock_lag_s: float | None = None
     lagged: bool = False
+    # Per launch, when several launches are merged: each launch's value of every
+    # non-throughput objective (study/evidence.py `merge`; ms for latencies, None where a
+    # launch could not tell), from which the study learns those objectives' launch noise.
+    launch_metrics: tuple[dict[str, float | None], ...] = field(default=(), hash=False)
 
     @property
     def label(self) -> str:
@@ -104,6 +114,7 @@ class CellResult:
             data["slo"] = Slo(**data["slo"])
         data["repeats"] = tuple(data.get("repeats", ()))
         data["launch_tok_s"] = tuple(data.get("launch_tok_s", ()))
+        data["launch_metrics"] = tuple(dict(m) for m in data.get("launch_metrics", ()))
         return cls(**data)
 
 

@@ -65,6 +65,12 @@ class DatasetSpec:
     max_new_tokens: int | None = None  # None: the dataset's default
     api: str | None = None  # chat | completion; None: the format's default
     seed: int = 0  # picks the subset when capping
+    # Fixed-length cells: with no path, `prompt_tokens` and `output_tokens` make synthetic
+    # prompts of exactly that many tokens, each answered with exactly `output_tokens`
+    # ("512 in / 1024 out"); with a file (or a built-in), `output_tokens` alone fixes the
+    # answers' length. The name stays what profiles know it by (its acceptance).
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -90,6 +96,9 @@ class DatasetSpec:
             )
         if not self.prompt_field.strip():
             raise DatasetSpecError(f"{what}: prompt_field is empty")
+        self._check_lengths(what)
+        if self.synthetic:
+            return
         if self.path is not None:
             if not self.path.strip():
                 raise DatasetSpecError(f"{what}: path is empty")
@@ -107,6 +116,32 @@ class DatasetSpec:
                 f"path to a file, or one of the built-ins: {', '.join(names)}"
             )
 
+    @property
+    def synthetic(self) -> bool:
+        """A fixed-length cell of synthetic prompts (no file)."""
+        return self.prompt_tokens is not None
+
+    def _check_lengths(self, what: str) -> None:
+        for key in ("prompt_tokens", "output_tokens"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise DatasetSpecError(f"{what}: {key} must be at least 1, got {value}")
+        if self.output_tokens is not None and self.max_new_tokens is not None:
+            raise DatasetSpecError(f"{what}: give output_tokens (every answer exactly that "
+                                   "long) or max_new_tokens (a cap), not both")
+        if not self.synthetic:
+            return
+        if self.path is not None:
+            raise DatasetSpecError(f"{what}: prompt_tokens makes synthetic prompts; a file's "
+                                   "prompts keep their lengths: drop the path or prompt_tokens")
+        if self.output_tokens is None:
+            raise DatasetSpecError(f"{what}: a fixed-length cell needs output_tokens as well "
+                                   f"as prompt_tokens, e.g. {{name: {self.name}, prompt_tokens: "
+                                   f"{self.prompt_tokens}, output_tokens: 256}}")
+        if self.format != "auto":
+            raise DatasetSpecError(f"{what}: a fixed-length cell has no format (got "
+                                   f"'{self.format}')")
+
 
 @dataclass
 class PromptSet:
@@ -117,6 +152,8 @@ class PromptSet:
     max_new_tokens: int
     api: str  # chat | completion; every prompt uses it
     source: str  # where the prompts came from, for reports
+    # Every answer runs to max_new_tokens, whatever the model says (a fixed-length workload).
+    ignore_eos: bool = False
 
     def __len__(self) -> int:
         return len(self.prompts)

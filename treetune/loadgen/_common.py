@@ -36,6 +36,7 @@ class PromptSetLike(Protocol):
     name: str
     prompts: list[Prompt]
     max_new_tokens: int
+    ignore_eos: bool  # every answer runs to max_new_tokens (a fixed-length workload)
 
 
 class MeasurementError(TreetuneError):

@@ -54,7 +54,8 @@ async def measure_cell(
     record = Record(workers=batch)
     offsets = [i * len(prompts.prompts) // batch for i in range(batch)]
     tasks = [
-        asyncio.create_task(_worker(client, prompts, i, offsets[i], record, ignore_eos))
+        asyncio.create_task(_worker(client, prompts, i, offsets[i], record,
+                                    ignore_eos or prompts.ignore_eos))
         for i in range(batch)
     ]
     try:

@@ -67,7 +67,7 @@ async def measure_open_cell(
                         record, [])
             tasks.append(asyncio.create_task(send(client, prompts.prompts[i % n],
                                                   prompts.max_new_tokens, record, 0,
-                                                  ignore_eos)))
+                                                  ignore_eos or prompts.ignore_eos)))
         deadline = start + (duration_s + (duration_s if drain_s is None else drain_s)) / scale
         pending = {t for t in tasks if not t.done()}
         if pending:

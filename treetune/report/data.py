@@ -65,7 +65,7 @@ class StudyData:
         if self.baseline is None:
             return []
         names = self.spec.dataset_names
-        noise = study_noise(self.results, self.spec.search.launch_cv)
+        noise = study_noise(self.results, self.spec.search.launch_cv, self.spec.objective)
         out = []
         for result in self.results:
             if not result.ok or not isinstance(result.config, kind):
@@ -76,7 +76,8 @@ class StudyData:
                 cells = [result.cell(d, b) for d in names]
                 if any(c is None for c in cells):
                     continue  # a launch still being measured, or cut short
-                verdict = judge(result, self.baseline, b, names, self.spec.tolerance, noise)
+                verdict = judge(result, self.baseline, b, names, self.spec.tolerance, noise,
+                                criterion=self.spec.criterion)
                 per = {d: i.mean for d, i in verdict.intervals.items()}
                 accepts = [c.accept_length for c in cells if c and c.accept_length]
                 tput = statistics.fmean(c.output_tok_s for c in cells if c)

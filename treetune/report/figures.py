@@ -6,7 +6,9 @@ measured against the study's no-speculation baseline; 1.0 is the no-regression l
 
 from __future__ import annotations
 
+import math
 import re
+import statistics
 from collections.abc import Callable
 
 import optuna
@@ -15,7 +17,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from treetune.config import BASELINE, AdaptiveConfig, TreeConfig
+from treetune.objectives import CellKey, Objective
 from treetune.report.data import ConfigRow, StudyData
+from treetune.study.evidence import merge_all
 
 RED, GREEN, GREY, BLUE = "#d62728", "#2ca02c", "#7f7f7f", "#1f77b4"
 ORANGE, PURPLE = "#ff7f0e", "#9467bd"
@@ -244,7 +248,87 @@ def optimization_history(data: StudyData, batch: int) -> go.Figure:
     study = optuna.load_study(study_name=f"{data.spec.name}:batch-{batch}",
                               storage=data.storage_url)
     fig = optuna.visualization.plot_optimization_history(study)
-    fig.update_layout(title=f"Optimization history at batch {batch} (mean speedup)")
+    fig.update_layout(title=f"Optimization history at batch {batch} (mean "
+                      f"{data.spec.objective.label} speedup)")
+    return fig
+
+
+def latency_metric(data: StudyData) -> Objective:
+    """The latency a latency-vs-throughput figure plots: the study's objective when it is
+    one, else the one its SLO bounds (TPOT first), else p99 TPOT."""
+    if data.spec.objective.is_latency:
+        return data.spec.objective
+    if data.spec.slo.ttft_ms is not None and data.spec.slo.tpot_ms is None:
+        return Objective.TTFT_P99
+    return Objective.TPOT_P99
+
+
+def latency_points(data: StudyData) -> list[tuple[str, str, float, float]]:
+    """(config label, cell label, output tokens/s, latency in ms) per measured config
+    (no speculation included) and cell: the largest batch size's closed loop and each
+    rate, mean over the datasets."""
+    metric = latency_metric(data)
+    merged = merge_all(data.results)
+    names = data.spec.dataset_names
+    keys = [(f"batch {data.spec.max_batch}", [CellKey(d, data.spec.max_batch) for d in names])]
+    keys += [(f"{r:g} req/s", [CellKey(d, 0, r) for d in names])
+             for r in sorted(data.spec.rates)]
+    points = []
+    for result in merged.values():
+        if not result.ok:
+            continue
+        label = "no speculation" if result.config is BASELINE else result.config.label()
+        for cell_label, cell_keys in keys:
+            cells = [k.cell(result) for k in cell_keys]
+            values = [metric.value_of(c) for c in cells if c is not None]
+            if not values or any(v is None or math.isinf(v) for v in values):
+                continue  # unmeasured, or requests left unfinished (latency unbounded)
+            tput = statistics.fmean(c.output_tok_s for c in cells if c is not None)
+            points.append((label, cell_label, tput,
+                           statistics.fmean(v for v in values if v is not None)))
+    return points
+
+
+def latency_vs_throughput(data: StudyData) -> go.Figure:
+    """The latency a user sees against the throughput a server delivers, per config and
+    cell (the largest batch size, and every rate cell): the front joins, per cell, the
+    configs no other beats on both; the SLO is the dashed line. Recommended configs are
+    ringed. Open-loop cells deliver their rate whatever the tree, so they spread along the
+    latency axis only."""
+    metric = latency_metric(data)
+    points = latency_points(data)
+    fig = go.Figure()
+    picked = {r.label() for r in data.recommendations if r.batch == data.spec.max_batch
+              and r.workload == "mixed"}
+    for i, cell in enumerate(dict.fromkeys(c for _, c, _, _ in points)):
+        mine = [p for p in points if p[1] == cell]
+        colour = PALETTE[i % len(PALETTE)]
+        fig.add_trace(go.Scatter(
+            x=[p[2] for p in mine], y=[p[3] for p in mine], mode="markers", name=cell,
+            legendgroup=cell, marker={"color": colour, "size": [14 if p[0] in picked else 8
+                                                               for p in mine],
+                                      "symbol": ["square" if p[0] == "no speculation"
+                                                 else "circle" for p in mine],
+                                      "line": {"width": [3 if p[0] in picked else 0
+                                                         for p in mine], "color": "black"}},
+            hovertext=[f"{p[0]} at {cell}: {p[2]:.0f} tok/s, {metric.label} {p[3]:.1f} ms"
+                       for p in mine], hoverinfo="text"))
+        front = sorted((p for p in mine
+                        if not any(q[2] >= p[2] and q[3] <= p[3] and q != p for q in mine)),
+                       key=lambda p: p[2])
+        fig.add_trace(go.Scatter(x=[p[2] for p in front], y=[p[3] for p in front],
+                                 mode="lines", line={"color": colour, "dash": "dot"},
+                                 legendgroup=cell, showlegend=False, hoverinfo="skip"))
+    bound = data.spec.slo.tpot_ms if metric in (Objective.TPOT_P50, Objective.TPOT_P99) \
+        else data.spec.slo.ttft_ms
+    if bound is not None:
+        fig.add_hline(y=bound, line_dash="dash", line_color=RED,
+                      annotation_text=f"SLO {bound:g} ms", annotation_position="top left")
+    fig.update_layout(title=f"{metric.label} vs throughput per config and cell (objective: "
+                      f"{data.spec.objective.label}; ringed: recommended at batch "
+                      f"{data.spec.max_batch}; squares: no speculation)",
+                      xaxis_title="output tokens/s (whole server)",
+                      yaxis_title=f"{metric.label} (ms, mean over datasets)")
     return fig
 
 
@@ -257,6 +341,8 @@ def all_figures(data: StudyData) -> dict[str, go.Figure]:
         "accept-vs-step-time": lambda: accept_vs_step_time(data),
         "user-vs-gpu-throughput": lambda: user_vs_gpu_throughput(data),
     }
+    if latency_points(data):  # latencies were measured (studies stored before: not)
+        makers["latency-vs-throughput"] = lambda: latency_vs_throughput(data)
     for batch in _batches(data):
         makers[f"optimization-history-batch{batch}"] = (
             lambda b=batch: optimization_history(data, b))  # type: ignore[misc]

@@ -11,6 +11,7 @@ from pathlib import Path
 from treetune.config import BASELINE
 from treetune.report.data import StudyData
 from treetune.report.figures import all_figures
+from treetune.study.export import objective_line
 
 
 @dataclass
@@ -88,6 +89,9 @@ def _index(data: StudyData, outcome: ReportOutcome, out_dir: Path) -> str:
     notices = "".join(f"<p class=\"notice\">{e(n)}</p>" for n in outcome.notices)
     failed = "".join(f"<li>{e(r.config.label())}: {e(r.reason)}</li>" for r in data.failed)
     measured = ", ".join(e(r.config.label()) for r in data.results if r.ok) or "none yet"
+    rates = spec.criterion.rates_at(spec.max_batch)
+    rate_words = (f"; rate cells ({', '.join(f'{r:g}' for r in rates)} req/s) are judged "
+                  f"with batch {spec.max_batch}, whose server serves them" if rates else "")
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>treetune report: {e(spec.name)}</title>
 <style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:4px 10px;text-align:left}}
@@ -96,6 +100,7 @@ tr:nth-child(even){{background:#f4f4f4}}.notice{{color:#a15c00}}</style></head><
 <p>{e(spec.model)} with draft {e(spec.draft or "")}, TP {spec.tp}, SGLang {e(spec.sglang_version)};
 datasets {e(", ".join(spec.dataset_names))}; batch sizes {e(", ".join(map(str, spec.batch)))};
 {len(data.results)} launches ({len(data.failed)} failed); tolerance {spec.tolerance:g}.</p>
+<p>Objective: {e(objective_line(spec))}{e(rate_words)}.</p>
 {notices}
 <p>Measured: {measured}.</p>
 <h2>Recommendations</h2>

@@ -23,7 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from treetune.config import ServerConfig
-from treetune.results import CellResult, LaunchResult, config_key
+from treetune.objectives import THROUGHPUT, CellKey, Criterion, Objective
+from treetune.results import CellResult, Latency, LaunchResult, config_key
 from treetune.strategies import Estimates
 
 Z_LOWER = 2.0  # one-sided: the true speedup is below `low` about 2% of the time
@@ -58,7 +59,8 @@ def launches_of(result: LaunchResult) -> int:
 
 def merge(results: Iterable[LaunchResult]) -> LaunchResult:
     """One result per config: the successful launches merged, cell by cell (the mean of
-    per-launch throughputs); a failed launch only when none succeeded."""
+    per-launch throughputs, latency percentiles and goodputs; `launch_metrics` keeps each
+    launch's objectives); a failed launch only when none succeeded."""
     results = list(results)
     ok = [r for r in results if r.ok]
     if not ok:
@@ -66,23 +68,50 @@ def merge(results: Iterable[LaunchResult]) -> LaunchResult:
     if len(ok) == 1:
         return ok[0]
     first = ok[0]
-    cells = []
-    for cell in first.cells:
-        same = [c for r in ok if (c := r.cell(cell.dataset, cell.batch)) is not None]
-        per_launch = tuple(v for c in same for v in (c.launch_tok_s or (c.output_tok_s,)))
-        accepts = [c.accept_length for c in same if c.accept_length is not None]
-        cells.append(dataclasses.replace(
-            cell,
-            output_tok_s=statistics.fmean(per_launch),
-            accept_length=statistics.fmean(accepts) if accepts else None,
-            requests=sum(c.requests for c in same),
-            output_tokens=sum(c.output_tokens for c in same),
-            duration_s=sum(c.duration_s for c in same),
-            errors=sum(c.errors for c in same),
-            repeats=tuple(v for c in same for v in c.repeats),
-            launch_tok_s=per_launch,
-        ))
-    return dataclasses.replace(first, cells=cells, attempts=sum(r.attempts for r in ok))
+    cells = [_merge_cell(cell, [c for r in ok if (c := r.cell(cell.dataset, cell.batch))])
+             for cell in first.cells]
+    rate_cells = [_merge_cell(cell, [c for r in ok
+                                     if (c := r.rate_cell(cell.dataset, cell.rate or 0.0))])
+                  for cell in first.rate_cells]
+    return dataclasses.replace(first, cells=cells, rate_cells=rate_cells,
+                               attempts=sum(r.attempts for r in ok))
+
+
+def _merge_cell(cell: CellResult, same: list[CellResult]) -> CellResult:
+    per_launch = tuple(v for c in same for v in (c.launch_tok_s or (c.output_tok_s,)))
+    accepts = [c.accept_length for c in same if c.accept_length is not None]
+    metrics = tuple(m for c in same for m in (c.launch_metrics or (_metrics(c),)))
+    goodputs = [c.goodput for c in same if c.goodput is not None]
+    return dataclasses.replace(
+        cell,
+        output_tok_s=statistics.fmean(per_launch),
+        accept_length=statistics.fmean(accepts) if accepts else None,
+        requests=sum(c.requests for c in same),
+        output_tokens=sum(c.output_tokens for c in same),
+        duration_s=sum(c.duration_s for c in same),
+        errors=sum(c.errors for c in same),
+        unfinished=sum(c.unfinished for c in same),
+        repeats=tuple(v for c in same for v in c.repeats),
+        launch_tok_s=per_launch,
+        ttft=_mean_latency([c.ttft for c in same]),
+        tpot=_mean_latency([c.tpot for c in same]),
+        itl=_mean_latency([c.itl for c in same]),
+        e2e=_mean_latency([c.e2e for c in same]),
+        goodput=statistics.fmean(goodputs) if goodputs else None,
+        launch_metrics=metrics,
+    )
+
+
+def _metrics(cell: CellResult) -> dict[str, float | None]:
+    return {o.value: o.value_of(cell) for o in Objective if o is not Objective.THROUGHPUT}
+
+
+def _mean_latency(latencies: list[Latency | None]) -> Latency | None:
+    known = [x for x in latencies if x is not None]
+    if not known:
+        return None
+    return Latency(*(statistics.fmean(getattr(x, p) for x in known)
+                     for p in ("p50", "p90", "p99")))
 
 
 def merge_all(results: Iterable[LaunchResult]) -> dict[str, LaunchResult]:
@@ -108,17 +137,24 @@ class StudyNoise:
     window_cv: float | None = None  # None: each cell's own sub-window spread
     launch_dof: int = 0  # degrees of freedom behind launch_cv (0: the prior alone)
     window_dof: int = 0
+    # The objective this noise is of: another than throughput has no sub-windows, and
+    # its launch spread is per cell (`_objective_noise`).
+    objective: Objective = Objective.THROUGHPUT
 
     @classmethod
     def prior(cls, launch_cv: float) -> StudyNoise:
         return cls(launch_cv)
 
 
-def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float) -> StudyNoise:
+def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,
+                objective: Objective = Objective.THROUGHPUT) -> StudyNoise:
     """The study's noise from its (merged) results: sub-window spread pooled over every
     launch and cell; launch spread pooled over every config launched more than once (the
     baseline first of all), less what the sub-windows explain, shrunk toward the prior by
-    PRIOR_LAUNCHES degrees of freedom."""
+    PRIOR_LAUNCHES degrees of freedom. For another objective than throughput, see
+    `_objective_noise`."""
+    if objective is not Objective.THROUGHPUT:
+        return _objective_noise(results, prior_launch_cv, objective)
     window_ss = 0.0
     window_dof = 0
     repeated: list[LaunchResult] = []
@@ -162,9 +198,45 @@ def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float) -> Stud
                       launch_dof, window_dof)
 
 
+def _objective_noise(results: Iterable[LaunchResult], prior_cv: float,
+                     objective: Objective) -> StudyNoise:
+    """The launch-to-launch spread of a latency or goodput, per cell (closed and open
+    loop), pooled over every config launched more than once and shrunk toward the prior
+    as throughput's is. A percentile has no sub-windows to split: each launch's value is
+    one draw of the whole measurement (its sampling error of a few hundred requests and
+    the launch's speed alike), so this spread is all of a measurement's noise; and it is
+    each cell's own (a p99 wanders per cell, not with a launch-wide factor)."""
+    ss = 0.0
+    dof = 0
+    for result in results:
+        if not result.ok:
+            continue
+        for cell in (*result.cells, *result.rate_cells):
+            logs = [math.log(v) for v in launch_values(cell, objective)
+                    if v is not None and 0 < v < math.inf]
+            if len(logs) >= 2:
+                mean = statistics.fmean(logs)
+                ss += sum((v - mean) ** 2 for v in logs)
+                dof += len(logs) - 1
+    cv = math.sqrt((ss + PRIOR_LAUNCHES * prior_cv ** 2) / (dof + PRIOR_LAUNCHES))
+    return StudyNoise(cv, None, dof, 0, objective)
+
+
+def launch_values(cell: CellResult, objective: Objective) -> list[float | None]:
+    """The objective's value on each launch merged into `cell`."""
+    if objective is Objective.THROUGHPUT:
+        return list(cell.launch_tok_s or (cell.output_tok_s,))
+    if cell.launch_metrics:
+        return [m.get(objective.value) for m in cell.launch_metrics]
+    return [objective.value_of(cell)]
+
+
 def relative_variance(cell: CellResult, noise: StudyNoise) -> float:
-    """Variance of log(measured / true throughput) of a cell's (merged) measurement: each
-    launch's factor plus the mean of its sub-windows, averaged over the launches."""
+    """Variance of log(measured / true value) of a cell's (merged) measurement: each
+    launch's factor plus the mean of its sub-windows, averaged over the launches (for
+    another objective than throughput, its per-launch spread over the launches)."""
+    if noise.objective is not Objective.THROUGHPUT:
+        return noise.launch_cv ** 2 / len(launch_values(cell, noise.objective))
     count = len(cell.launch_tok_s) or 1
     per_launch_repeats = len(cell.repeats) // count if cell.repeats else 0
     within = 0.0
@@ -177,25 +249,38 @@ def relative_variance(cell: CellResult, noise: StudyNoise) -> float:
 
 
 def speedup_interval(result: LaunchResult, baseline: LaunchResult, dataset: str, batch: int,
-                     noise: StudyNoise, z: float = Z_LOWER) -> Interval:
-    cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
-    if cell is None or base is None or base.output_tok_s <= 0 or cell.output_tok_s <= 0:
+                     noise: StudyNoise, z: float = Z_LOWER, rate: float | None = None
+                     ) -> Interval:
+    """The speedup of one cell under the noise's objective (how many times better than no
+    speculation: a latency's ratio is the baseline's over the tree's), with its interval;
+    `rate`: the open-loop cell at that rate instead of the closed loop at `batch`."""
+    key = CellKey(dataset, batch, rate)
+    cell, base = key.cell(result), key.cell(baseline)
+    if cell is None or base is None:
         return Interval(0.0, 0.0, 0.0)
-    mean = cell.output_tok_s / base.output_tok_s
+    objective = noise.objective
+    mean = objective.ratio(objective.value_of(cell), objective.value_of(base))
+    if mean <= 0 or math.isinf(mean):
+        return Interval(mean, mean, mean)
     sd = math.sqrt(relative_variance(cell, noise) + relative_variance(base, noise))
     return Interval(mean, mean * math.exp(-z * sd), mean * math.exp(z * sd))
 
 
 def intervals(result: LaunchResult, baseline: LaunchResult, batch: int, datasets: list[str],
-              noise: StudyNoise, z: float = Z_LOWER) -> dict[str, Interval]:
-    return {d: speedup_interval(result, baseline, d, batch, noise, z) for d in datasets}
+              noise: StudyNoise, z: float = Z_LOWER, criterion: Criterion = THROUGHPUT
+              ) -> dict[str, Interval]:
+    """Per judged cell (`Criterion.cells`: each dataset, then rate cells at the largest
+    batch size for objectives that judge them), its speedup interval."""
+    return {k.name: speedup_interval(result, baseline, k.dataset, batch, noise, z, k.rate)
+            for k in criterion.cells(datasets, batch)}
 
 
 def speedups(result: LaunchResult, baseline: LaunchResult, batch: int,
-             datasets: Iterable[str]) -> dict[str, float]:
+             datasets: Iterable[str], objective: Objective = Objective.THROUGHPUT
+             ) -> dict[str, float]:
     """Measured speedup per dataset at one batch size (0 where a cell is missing)."""
-    return {d: speedup_interval(result, baseline, d, batch, StudyNoise(0.0)).mean
-            for d in datasets}
+    exact = StudyNoise(0.0, objective=objective)
+    return {d: speedup_interval(result, baseline, d, batch, exact).mean for d in datasets}
 
 
 def floor_of(tolerance: float) -> float:
@@ -274,15 +359,21 @@ class Verdict:
 
 def judge(result: LaunchResult, baseline: LaunchResult, batch: int, datasets: list[str],
           tolerance: float, noise: StudyNoise, estimates: Estimates | None = None,
-          needs_launches: int = 1) -> Verdict:
-    """The verdict on one (merged) result at one batch size; `needs_launches`: how many
-    launches a feasible tree needs before it may be recommended, unless it is sure."""
-    ivs = intervals(result, baseline, batch, datasets, noise)
-    rank = statistics.fmean(_blend(ivs[d], estimates, result.config, batch, d)
-                            for d in datasets)
+          needs_launches: int = 1, criterion: Criterion = THROUGHPUT) -> Verdict:
+    """The verdict on one (merged) result at one batch size over the cells `criterion`
+    judges there (the noise must be of its objective); `needs_launches`: how many
+    launches a feasible tree needs before it may be recommended, unless it is sure. The
+    model's estimates are of throughput: they join the ranking only under that
+    objective."""
+    assert noise.objective is criterion.objective, "noise of another objective"
+    ivs = intervals(result, baseline, batch, datasets, noise, criterion=criterion)
+    if criterion.objective is not Objective.THROUGHPUT:
+        estimates = None
+    rank = statistics.fmean(_blend(iv, estimates, result.config, batch, key)
+                            for key, iv in ivs.items())
     floor = floor_of(tolerance)
-    sure = all(i.low >= floor
-               for i in intervals(result, baseline, batch, datasets, noise, Z_SURE).values())
+    sure = all(i.low >= floor for i in intervals(result, baseline, batch, datasets, noise,
+                                                 Z_SURE, criterion).values())
     return Verdict(result.config, batch, ivs, floor, rank, launches_of(result), sure,
                    needs_launches)
 

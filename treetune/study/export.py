@@ -122,6 +122,7 @@ def launch_script(spec: StudySpec, rec: Recommendation,
                  f"# {server(rec)}; measured speedups [interval]: "
                  + ", ".join(rec.speedup_labels())]
     lines.append(f"# {rec.reason}")
+    lines.append(f"# objective: {objective_line(spec)}")
     lines += [f"export {k}={shell_line([v])}" for k, v in sorted(spec.env.items())]
     command = shell_line(argv)
     if spec.api_key_env:
@@ -331,13 +332,23 @@ def adaptive_readme(spec: StudySpec, recs: list[Recommendation]) -> str | None:
     return "\n".join(out)
 
 
-def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path) -> None:
+def objective_line(spec: StudySpec) -> str:
+    """What the study optimized, and its SLO: for headers and recommendations.yaml."""
+    slo = ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms"
+                    for k, v in (("ttft_ms", spec.slo.ttft_ms), ("tpot_ms", spec.slo.tpot_ms))
+                    if v is not None)
+    return spec.objective.describe() + (f"; SLO {slo}" if slo else "")
+
+
+def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path,
+                  note: str | None = None) -> None:
     """recommendations.yaml/.json, one launch script per recommendation and, next to each
     script, `.args.json` and `.config.yaml` (when the engine version reads config files);
     POOLS.md when batch sizes want different trees; for an adaptive pool (the advice, or
     the alternative to it) one script (for all batch sizes), its JSON config, the vLLM and
     TensorRT-LLM schedules and ADAPTIVE.md.
-    Files that no longer apply (a re-run changed the advice) are removed."""
+    Files that no longer apply (a re-run changed the advice) are removed. `note`: for
+    another objective than throughput, its picks beside throughput's (`objective_note`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "launch").mkdir(exist_ok=True)
     records = [r.record() for r in recs]
@@ -345,6 +356,8 @@ def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path) ->
     advice = pools_advice(recs)
     adaptive = adaptive_advice(recs)
     dump_yaml({"study": spec.name, "tolerance": spec.tolerance,
+               "objective": spec.objective.value, "objective_means": objective_line(spec),
+               **({"objective_note": note} if note else {}),
                **({"pools": advice} if advice else {}),
                **({"adaptive": adaptive} if adaptive else {}), "recommendations": records},
               out_dir / "recommendations.yaml")

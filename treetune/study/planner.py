@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from treetune import strategies
 from treetune.backends import BackendFacts, gather_facts
 from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
+from treetune.objectives import Objective
 from treetune.perfmodel import Profile, load_profile
 from treetune.perfmodel.prior import neutral_prior, with_datasets
 from treetune.results import LaunchResult, config_key
@@ -169,21 +170,24 @@ class Planner:
     def measurement_variance(self, result: LaunchResult, baseline: LaunchResult, batch: int,
                              dataset: str) -> float:
         """Variance of one measured log speedup, from the study's learned noise."""
-        noise = self.noise()
+        # Of throughput, whatever the objective: what the model strategy fits.
+        noise = study_noise(self.results.values(), self.spec.search.launch_cv)
         cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
         if cell is None or base is None:
             return math.inf
         return relative_variance(cell, noise) + relative_variance(base, noise)
 
     def noise(self) -> StudyNoise:
-        """The study's measurement noise, learned from its launches so far."""
-        return study_noise(self.results.values(), self.spec.search.launch_cv)
+        """The study's measurement noise of its objective, learned from its launches so
+        far."""
+        return study_noise(self.results.values(), self.spec.search.launch_cv,
+                           self.spec.objective)
 
     def intervals(self, result: LaunchResult, batch: int, names: list[str] | None = None
                   ) -> dict[str, Interval]:
         assert self.baseline is not None
         return intervals(result, self.baseline, batch, names or self.spec.dataset_names,
-                         self.noise())
+                         self.noise(), criterion=self.spec.criterion)
 
     # ---- what next --------------------------------------------------------------------
     def next(self) -> Task | None:
@@ -218,6 +222,8 @@ class Planner:
         much more: not for long, and not near the end of the launch budget."""
         if not strategies.STRATEGIES[self.strategy_name].forecasts or self.deferred >= DEFER_MAX:
             return False
+        if self.spec.objective is not Objective.THROUGHPUT:
+            return False  # the forecasts are of throughput, not of the objective
         budget = self.spec.budget.launches
         return budget is None or self.launches + len(self.in_flight) < budget - DEFER_MAX
 
@@ -234,7 +240,8 @@ class Planner:
         candidates: list[tuple[float, str, int]] = []  # (gain over the best, key, batch)
         for batch in self.spec.batch:
             verdicts = {key: judge(result, self.baseline, batch, names, self.spec.tolerance,
-                                   noise, needs_launches=self.spec.search.confirming_launches)
+                                   noise, needs_launches=self.spec.search.confirming_launches,
+                                   criterion=self.spec.criterion)
                         for key, result in self.results.items()
                         if result.ok and isinstance(result.config, TreeConfig)}
             best = max((v.mean for v in verdicts.values() if v.confirmed), default=1.0)
@@ -244,7 +251,9 @@ class Planner:
                     candidates.append((verdict.mean - best, key, batch))
         if not candidates:
             return self._remeasure_leader(busy, noise)
-        model = self.estimates() or {}  # only now: it costs a model evaluation
+        # Only now: it costs a model evaluation. Its estimates are of throughput, so they
+        # speak for no other objective.
+        model = (self.estimates() or {}) if self.spec.objective is Objective.THROUGHPUT else {}
 
         def expected_regression(key: str, batch: int) -> bool:
             config = self.results[key].config
@@ -286,7 +295,7 @@ class Planner:
                                 if result.ok and isinstance(result.config, TreeConfig)
                                 and (verdict := judge(result, self.baseline, batch, names,
                                                       self.spec.tolerance, noise, model,
-                                                      needs)).confirmed),
+                                                      needs, self.spec.criterion)).confirmed),
                                key=lambda v: v.rank, reverse=True)
             if len(confirmed) < 2:
                 continue
@@ -322,7 +331,8 @@ class Planner:
         if self.tuning is None and all(c.is_sglang_default for c in known):
             self.tuning = tune(self.spec.batch, self.spec.dataset_names, self.spec.tolerance,
                                self.results.values(), self.baseline, self.noise(),
-                               self.strategy.estimates(adaptive_chains()))
+                               self.strategy.estimates(adaptive_chains()),
+                               self.spec.criterion)
             if self.tuning.config is not None:
                 configs.append(self.tuning.config)
         self.queue += [Task(c) for c in configs if not self.is_known(config_key(c))]
@@ -336,7 +346,8 @@ class Planner:
                 continue
             verdicts = [judge(result, self.baseline, b, self.spec.dataset_names,
                               self.spec.tolerance, self.noise(),
-                              needs_launches=self.spec.search.confirming_launches)
+                              needs_launches=self.spec.search.confirming_launches,
+                              criterion=self.spec.criterion)
                         for b in self.spec.batch]
             if any(v.unsettled for v in verdicts):
                 unsettled.append((statistics.fmean(v.rank for v in verdicts), key))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
+from treetune.objectives import Objective
 from treetune.results import LaunchResult, config_from_key, config_key
 from treetune.study.evidence import (
     Estimates,
@@ -72,6 +73,8 @@ class Recommendation:
     # One adaptive pool instead, surely feasible at every batch size but not chosen (its
     # reason says what it would cost here); None when none is, or when it is the advice.
     alternative: Recommendation | None = None
+    # What the speedups are of (treetune/objectives.py): 'throughput', 'tpot_p99', ...
+    objective: str = Objective.THROUGHPUT.value
 
     @property
     def mean_speedup(self) -> float:
@@ -103,6 +106,7 @@ class Recommendation:
             "launch_script": self.script_name,
             "reason": self.reason,
             "alternative": self.alternative.record() if self.alternative else None,
+            "objective": self.objective,
         }
 
     @classmethod
@@ -121,7 +125,8 @@ class Recommendation:
                    record["reason"], {k: (lo, hi) for k, (lo, hi) in record["intervals"].items()},
                    method=method, kind=Advice(record.get("kind", STATIC)),
                    alternative=(cls.from_record(record["alternative"], algorithm)
-                                if record.get("alternative") else None))
+                                if record.get("alternative") else None),
+                   objective=record.get("objective", Objective.THROUGHPUT.value))
 
     def speedup_labels(self) -> list[str]:
         """'dataset 1.234 [1.201, 1.268]' per dataset."""
@@ -131,11 +136,13 @@ class Recommendation:
 
 
 def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResult,
-              estimates: Estimates | None = None) -> list[Recommendation]:
+              estimates: Estimates | None = None, objective: Objective | None = None
+              ) -> list[Recommendation]:
     """Per batch size and workload, the measured tree with the best rank among those
     surely feasible (see `evidence.judge`), or for every batch size of a workload one
     adaptive server (see the module's rule). Several launches of one config are merged
-    first.
+    first. Speedups are of the study's objective, or of `objective` when given (what
+    another objective would recommend from the same launches).
 
     With model `estimates` (the model search's fitted model, which pools every launch),
     the ranking blends each measured speedup with the model's estimate; feasibility always
@@ -144,7 +151,9 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
     baseline = merged.get("baseline", baseline)
     measured = [r for r in merged.values() if r.ok and isinstance(r.config, TreeConfig)]
     adaptive = [r for r in merged.values() if r.ok and isinstance(r.config, AdaptiveConfig)]
-    noise = study_noise(merged.values(), spec.search.launch_cv)
+    if objective is not None and objective is not spec.objective:
+        spec = spec.replace(objective=objective)
+    noise = study_noise(merged.values(), spec.search.launch_cv, spec.objective)
     batches = sorted(spec.batch)
     workloads = [(MIXED, spec.dataset_names)] + [(d, [d]) for d in spec.dataset_names]
     chosen: dict[tuple[str, int], Recommendation] = {}
@@ -158,7 +167,8 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
             chosen[workload, batch] = (pick[batch] if pick else dataclasses.replace(
                 static[batch], kind=kind,
                 alternative=alternative[batch] if alternative else None))
-    return [chosen[workload, batch] for batch in batches for workload, _ in workloads]
+    return [dataclasses.replace(chosen[workload, batch], objective=spec.objective.value)
+            for batch in batches for workload, _ in workloads]
 
 
 def _static(spec: StudySpec, workload: str, names: list[str], batch: int,
@@ -166,16 +176,18 @@ def _static(spec: StudySpec, workload: str, names: list[str], batch: int,
             estimates: Estimates | None) -> Recommendation:
     """The best confirmed tree at one batch size, or no speculation, and why."""
     verdicts = [judge(r, baseline, batch, names, spec.tolerance, noise, estimates,
-                      spec.search.confirming_launches) for r in measured]
+                      spec.search.confirming_launches, spec.criterion) for r in measured]
     chosen = best(verdicts)
     if chosen is None:
-        return Recommendation(workload, batch, BASELINE, {d: 1.0 for d in names},
+        return Recommendation(workload, batch, BASELINE,
+                              {k.name: 1.0 for k in spec.criterion.cells(names, batch)},
                               _why_none(verdicts, batch))
     per = {d: i.mean for d, i in chosen.intervals.items()}
     confirmed = sum(v.confirmed for v in verdicts)
     once = sum(v.feasible and not v.confirmed for v in verdicts)
     unsure = sum(v.borderline for v in verdicts)
-    reason = (f"best mean speedup {chosen.mean:.3f} of {confirmed} surely feasible "
+    what = "" if spec.objective is Objective.THROUGHPUT else f"{spec.objective.label} "
+    reason = (f"best mean {what}speedup {chosen.mean:.3f} of {confirmed} surely feasible "
               f"configs out of {len(verdicts)} measured"
               + (f" ({unsure} more were not slower on average but their interval "
                  "reaches below the floor)" if unsure else "")
@@ -198,7 +210,8 @@ def _adaptive(spec: StudySpec, workload: str, names: list[str],
     for result in adaptive:
         assert isinstance(result.config, AdaptiveConfig)
         verdicts = {b: judge(result, baseline, b, names, spec.tolerance, noise,
-                             needs_launches=spec.search.confirming_launches) for b in static}
+                             needs_launches=spec.search.confirming_launches,
+                             criterion=spec.criterion) for b in static}
         # Where its slot never drafts it runs plain decode rounds: no launch can prove
         # them no slower than no speculation, so not surely slower is what it needs.
         plain = {b for b in static if result.config.slot_for(b).steps == (0,)}
@@ -311,3 +324,30 @@ def summary_rows(recs: list[Recommendation], methods: bool = False
         return config_key(r.config)
 
     return [(r.workload, str(r.batch), server(r), ", ".join(r.speedup_labels())) for r in recs]
+
+
+def objective_note(recs: list[Recommendation], throughput: list[Recommendation]
+                   ) -> str | None:
+    """For a study optimizing another objective than throughput: per batch size, the mixed
+    workload's pick beside what the throughput objective picks from the same launches
+    (`throughput`: `recommend(..., objective=Objective.THROUGHPUT)`), and whether they
+    differ. None for a throughput study."""
+    mine = {r.batch: r for r in recs if r.workload == MIXED}
+    other = {r.batch: r for r in throughput if r.workload == MIXED}
+    if not mine or next(iter(mine.values())).objective == Objective.THROUGHPUT.value:
+        return None
+    label = Objective(next(iter(mine.values())).objective).label
+    parts = []
+    for batch in sorted(mine):
+        rec, alt = mine[batch], other.get(batch)
+        text = (f"batch {batch}: {label} picks {rec.label()} (mean {label} speedup "
+                f"{rec.mean_speedup:.3f})")
+        if alt is not None:
+            same = "the same" if alt.config == rec.config else alt.label()
+            text += (f", throughput picks {same} (mean throughput speedup "
+                     f"{alt.mean_speedup:.3f})")
+        parts.append(text)
+    differs = any(b in other and other[b].config != r.config for b, r in mine.items())
+    return (f"objective {label}" + (" changes the pick" if differs else
+                                     " picks what throughput picks")
+            + ": " + "; ".join(parts))

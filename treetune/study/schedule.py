@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from treetune.config import AdaptiveConfig, AdaptiveSlot, TreeConfig, chain
+from treetune.objectives import THROUGHPUT, Criterion, Objective
 from treetune.results import LaunchResult
 from treetune.strategies import Estimates
 from treetune.study.evidence import StudyNoise, Verdict, estimated_verdict, judge
@@ -85,12 +86,17 @@ class Tuning:
 def chain_verdicts(results: Iterable[LaunchResult], baseline: LaunchResult, batch: int,
                    datasets: list[str], tolerance: float, noise: StudyNoise,
                    estimates: Estimates | None = None,
-                   steps: Sequence[int] = ADAPTIVE_CHAIN_STEPS) -> dict[int, Verdict]:
+                   steps: Sequence[int] = ADAPTIVE_CHAIN_STEPS,
+                   criterion: Criterion = THROUGHPUT) -> dict[int, Verdict]:
     """Per chain length, the verdict at one batch size: measured chains (merged results)
-    as measured; of `steps`, those not measured from the model's estimates, if any."""
-    verdicts = {r.config.steps: judge(r, baseline, batch, datasets, tolerance, noise, estimates)
+    as measured; of `steps`, those not measured from the model's estimates, if any (of
+    throughput: under another objective, measured chains only)."""
+    verdicts = {r.config.steps: judge(r, baseline, batch, datasets, tolerance, noise, estimates,
+                                      criterion=criterion)
                 for r in results if r.ok and isinstance(r.config, TreeConfig)
                 and r.config.is_chain}
+    if criterion.objective is not Objective.THROUGHPUT:
+        return verdicts
     for s in steps:
         if s not in verdicts and (v := estimated_verdict(chain(s), batch, datasets, tolerance,
                                                          estimates)) is not None:
@@ -125,14 +131,17 @@ def tune_slot(batch: int, key: int, verdicts: dict[int, Verdict],
 
 def tune(batches: Iterable[int], datasets: list[str], tolerance: float,
          results: Iterable[LaunchResult], baseline: LaunchResult, noise: StudyNoise,
-         estimates: Estimates | None = None) -> Tuning:
-    """A tuned adaptive config from a study's (merged) results, one slot per batch size."""
+         estimates: Estimates | None = None, criterion: Criterion = THROUGHPUT) -> Tuning:
+    """A tuned adaptive config from a study's (merged) results, one slot per batch size,
+    by the study's objective (`criterion`)."""
     results = list(results)
     ordered = sorted(set(batches))
+    steps = ADAPTIVE_CHAIN_STEPS
     return Tuning(tuple(
         tune_slot(batch, key, chain_verdicts(results, baseline, batch, datasets, tolerance,
-                                             noise, estimates),
-                  [chain_verdicts(results, baseline, batch, [d], tolerance, noise, estimates)
+                                             noise, estimates, steps, criterion),
+                  [chain_verdicts(results, baseline, batch, [d], tolerance, noise, estimates,
+                                  steps, criterion)
                    for d in datasets] if len(datasets) > 1 else ())
         for batch, key in zip(ordered, slot_keys(ordered), strict=True)))
 

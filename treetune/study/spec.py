@@ -34,6 +34,7 @@ from treetune.backends.sglang import (
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.datasets import DatasetSpec
 from treetune.errors import ConfigFileError, FieldError, InvalidTreeError, TreetuneError
+from treetune.objectives import OBJECTIVES, Criterion, Objective
 from treetune.results import Slo, config_key
 from treetune.yamlio import build, closest, dump_yaml, load_yaml
 
@@ -193,6 +194,15 @@ class StudySpec:
         "time), e.g. --rates 2 8.", file_type=list[float]))
     # The latency target rate and batch cells report goodput against (empty: none).
     slo: Slo = field(default_factory=Slo)
+    # What a tree must improve and may not make worse, per dataset and cell (see
+    # treetune/objectives.py); `file_type` str: the name, checked in __post_init__.
+    objective: Objective = field(default=Objective.THROUGHPUT, metadata=meta(
+        "--objective", f"What to optimize: {', '.join(OBJECTIVES)} (default throughput). "
+        "Latency objectives (p50/p99 time per output token, p99 time to first token) count "
+        "lower as better: a tree's speedup is no speculation's latency over its own; "
+        "goodput is requests/s within the slo (needs --slo-tpot-ms or --slo-ttft-ms). "
+        "Every objective but throughput also judges the rate cells (--rates), with the "
+        "largest batch size.", file_type=str))
     draft: str | None = field(default=None, metadata=meta("--draft",
                                                           "Draft head path or name."))
     algorithm: str = field(default="EAGLE3", metadata=meta(
@@ -269,6 +279,7 @@ class StudySpec:
         if not 0 <= self.tolerance < 1:
             raise FieldError("tolerance", f"tolerance must be in [0, 1), got {self.tolerance}")
         self._check_methods()
+        self._check_objective()
         if self.workers is not None and self.workers < 1:
             raise FieldError("workers", "workers must be >= 1")
         if self.gpu_type is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*",
@@ -286,6 +297,23 @@ class StudySpec:
         for flag in self.server_flags:
             if not flag.startswith("--"):
                 raise FieldError("server_flags", f"server_flags: '{flag}' must start with '--'")
+
+    def _check_objective(self) -> None:
+        if not isinstance(self.objective, Objective):
+            if self.objective not in OBJECTIVES:
+                raise FieldError("objective", f"objective must be one of "
+                                 f"{', '.join(OBJECTIVES)}, got '{self.objective}'"
+                                 f"{closest(str(self.objective), OBJECTIVES)}")
+            object.__setattr__(self, "objective", Objective(self.objective))
+        if self.objective is Objective.GOODPUT and not self.slo.bounded:
+            raise FieldError("objective", "objective goodput counts requests within the "
+                             "slo: give slo: {tpot_ms: ..., ttft_ms: ...} (or --slo-tpot-ms, "
+                             "--slo-ttft-ms)")
+
+    @property
+    def criterion(self) -> Criterion:
+        """What every verdict of this study judges: its objective, over which cells."""
+        return Criterion(self.objective, self.rates, self.max_batch)
 
     def _check_methods(self) -> None:
         """The algorithm, the draft methods and their drafts, and the compared trees'
@@ -414,6 +442,8 @@ class StudySpec:
             relevant["rates"] = sorted(self.rates)
         if self.slo.bounded:
             relevant["slo"] = dataclasses.asdict(self.slo)
+        if self.objective is not Objective.THROUGHPUT:  # throughput studies: as before
+            relevant["objective"] = self.objective.value
         if self.method_names != (self.algorithm,):  # a study of one method: as before
             relevant["methods"] = {n: self.method_draft(n) for n in self.method_names}
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
@@ -438,6 +468,7 @@ class StudySpec:
         data["backend"] = self.backend_dict()
         data["batch"] = list(self.batch)
         data["rates"] = list(self.rates)
+        data["objective"] = self.objective.value
         data["compare"] = [config_key(c) if c.method else [c.steps, c.topk, c.draft_tokens]
                            for c in self.compare]
         data["methods"] = [m.entry() for m in self.methods]

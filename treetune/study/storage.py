@@ -282,14 +282,18 @@ class StudyStore:
 
     def objective(self, batch: int, result: LaunchResult,
                   baseline: LaunchResult) -> tuple[float, dict[str, float]]:
-        """Mean speedup, and per dataset how far it falls short of 1 - tolerance (<= 0 is
-        feasible). A failed launch is infeasible everywhere."""
+        """Mean speedup of the study's objective, and per judged cell (each dataset; with
+        another objective than throughput, rate cells too at the largest batch size) how
+        far it falls short of 1 - tolerance (<= 0 is feasible). A failed launch is
+        infeasible everywhere."""
         names = self.spec.dataset_names
+        criterion = self.spec.criterion
         if not result.ok:
-            return 0.0, {f"regression:{d}": 1.0 for d in names}
+            return 0.0, {f"regression:{k.name}": 1.0 for k in criterion.cells(names, batch)}
         # Only the measured means feed the sampler: noise does not change them.
         verdict = judge(result, baseline, batch, names, self.spec.tolerance,
-                        StudyNoise.prior(self.spec.search.launch_cv))
+                        StudyNoise(self.spec.search.launch_cv, objective=criterion.objective),
+                        criterion=criterion)
         return verdict.mean, {f"regression:{d}": s for d, s in verdict.shortfalls().items()}
 
 

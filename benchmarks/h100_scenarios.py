@@ -1,0 +1,74 @@
+"""studies/h100-scenarios.yaml in-process: what treetune recommends for the published
+single-H100 scenarios (Qwen3-Coder-30B-A3B, tree (5,8,32)) on the shipped
+qwen3-30b-a3b-h100 profile, and whether (5,8,32) survives the no-regression constraint at
+concurrency 64 and 128.
+
+The launches are drawn from the profile (treetune/study/offline.py) with its launch and
+measurement noise: steady-state decode throughput per (dataset, batch) cell, each server
+sized for the largest batch (128), so a tree that does not fit in memory there fails as
+its launch would. Offline launches measure no latencies and no rate cells (the chat
+scenario's 8 req/s is an emulated run's): this answers the throughput objective at the
+closed-loop cells.
+
+    PYTHONPATH=. python benchmarks/h100_scenarios.py [--launches 16] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from treetune.config import BASELINE, TreeConfig
+from treetune.perfmodel import PerfModel, check_memory, load_profile
+from treetune.study.evidence import judge
+from treetune.study.offline import Noise, run_offline
+from treetune.study.spec import load_study
+
+STUDY = Path(__file__).resolve().parents[1] / "studies" / "h100-scenarios.yaml"
+PUBLISHED = TreeConfig(5, 8, 32)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--launches", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    spec = load_study(STUDY)
+    profile = load_profile(spec.backend.profile)  # type: ignore[attr-defined]
+    truth = PerfModel(profile, spec.tp)
+    print(f"noise-free model, {PUBLISHED} over no speculation (throughput):")
+    for batch in spec.batch:
+        ratios = {d: truth.throughput(PUBLISHED, batch, d) / truth.throughput(BASELINE, batch, d)
+                  for d in spec.dataset_names}
+        cells = ", ".join(f"{d} {r:.3f}" for d, r in ratios.items())
+        print(f"  batch {batch}: {cells}")
+    for size in spec.batch:
+        fits = check_memory(profile, PUBLISHED, size, tp=spec.tp).fits
+        print(f"  fits in memory at --max-running-requests {size}: {fits}")
+    noise = Noise(profile.noise.launch_cv, profile.noise.measurement_cv, 0.01)
+    planner = run_offline(spec, truth, args.seed, args.launches, noise)
+    print(f"\n{planner.launches} launches, strategy {planner.strategy_name}")
+    for key, result in planner.results.items():
+        if not result.ok:
+            print(f"  {key}: failed: {result.reason}")
+    for rec in planner.decide():
+        # The mixed workload, and each scenario's own cell (chat's is a rate cell).
+        if rec.workload == "mixed" or (rec.batch, rec.workload) in ((64, "humaneval"),
+                                                                    (128, "mt-bench")):
+            print(f"  {rec.workload} at batch {rec.batch}: {rec.label()}: "
+                  + ", ".join(rec.speedup_labels()))
+    published = planner.results.get("5,8,32")
+    assert planner.baseline is not None and published is not None
+    for batch in spec.batch:
+        if not published.ok:
+            print(f"  {PUBLISHED} at batch {batch}: infeasible (its launch failed)")
+            continue
+        verdict = judge(published, planner.baseline, batch, spec.dataset_names,
+                        spec.tolerance, planner.noise())
+        print(f"  {PUBLISHED} at batch {batch}: "
+              + ", ".join(f"{d} {i.label()}" for d, i in verdict.intervals.items())
+              + f"; feasible: {verdict.feasible}")
+
+
+if __name__ == "__main__":
+    main()
