@@ -25,12 +25,9 @@ than 1.5x the launches of 1 worker.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # search_efficiency, b
 
 from search_efficiency import (
     judge_mixed,
+    output_arguments,
+    publish,
+    run_pool,
     study_spec,
     truth_table,
     within_target,
@@ -184,9 +184,7 @@ def main() -> None:
                         help="each cell's measurement window, seconds")
     parser.add_argument("--quick", action="store_true",
                         help="3 seeds, up to 60 launches: under 3 minutes on 2 quiet cores")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    parser.add_argument("--output", type=Path, default=None, help="write the markdown here")
-    parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+    output_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.max_launches = 3, 60
@@ -201,24 +199,11 @@ def main() -> None:
             for seed in range(args.first_seed, args.first_seed + args.seeds)]
     args.cells = len(batches) * len(load_world(args.worlds[0]).profile.datasets)
     started = time.monotonic()
-    rows = []
-    with ProcessPoolExecutor(max_workers=args.processes) as pool:
-        for done, row in enumerate(pool.map(run_job, jobs, chunksize=1), start=1):
-            rows.append(row)
-            print(f"  {done}/{len(jobs)} {row['strategy']} x{row['workers']} seed "
-                  f"{row['seed']}: target at {row['wall_s'] / 3600:.2f} h, "
-                  f"{row['launches']} launches", file=sys.stderr, flush=True)
+    rows = run_pool(run_job, jobs, args.processes, lambda row: (
+        f"{row['strategy']} x{row['workers']} seed {row['seed']}: target at "
+        f"{row['wall_s'] / 3600:.2f} h, {row['launches']} launches"))
     summary = summarize(rows)
-    text = markdown(summary, args)
-    text += (f"\n{len(jobs)} studies in {time.monotonic() - started:.0f} s "
-             f"({time.strftime('%Y-%m-%d')}).\n")
-    if args.output:
-        args.output.write_text(text)
-    if args.json:
-        print(text, file=sys.stderr)  # the table still shows; stdout is the JSON alone
-        print(json.dumps(summary))
-    else:
-        print(text)
+    publish(markdown(summary, args), summary, args, len(jobs), started)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,11 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -239,6 +241,38 @@ def world_names(requested: list[str]) -> list[str]:
     return requested
 
 
+
+def output_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every in-process benchmark shares: --json, --output and --processes."""
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--output", type=Path, default=None, help="write the markdown here")
+    parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+
+
+def run_pool(run: Callable[[Any], dict], jobs: list, processes: int,
+             describe: Callable[[dict], str]) -> list[dict]:
+    """Every job in a process pool, a progress line each on stderr."""
+    rows = []
+    with ProcessPoolExecutor(max_workers=processes) as pool:
+        for done, row in enumerate(pool.map(run, jobs, chunksize=1), start=1):
+            rows.append(row)
+            print(f"  {done}/{len(jobs)} {describe(row)}", file=sys.stderr, flush=True)
+    return rows
+
+
+def publish(text: str, data: dict, args: argparse.Namespace, studies: int,
+            started: float) -> None:
+    """The markdown (to --output, and to stdout or beside the JSON) and the JSON summary."""
+    text += (f"\n{studies} studies in {time.monotonic() - started:.0f} s "
+             f"({time.strftime('%Y-%m-%d')}).\n")
+    if args.output:
+        args.output.write_text(text)
+    if args.json:
+        print(text, file=sys.stderr)  # the table still shows; stdout is the JSON alone
+        print(json.dumps(data))
+    else:
+        print(text)
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", nargs="+", default=["all"],
@@ -257,9 +291,7 @@ def main() -> None:
                         choices=list(strategies.STRATEGIES))
     parser.add_argument("--quick", action="store_true",
                         help="every world, 1 seed, up to 16 launches: a smoke run")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    parser.add_argument("--output", type=Path, default=None, help="write the markdown here")
-    parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+    output_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.max_launches, args.budget = 1, 16, 12
@@ -274,25 +306,13 @@ def main() -> None:
             for w in names for s in args.strategies
             for seed in range(args.first_seed, args.first_seed + args.seeds)]
     started = time.monotonic()
-    rows = []
-    with ProcessPoolExecutor(max_workers=args.processes) as pool:
-        for done, row in enumerate(pool.map(run_job, jobs, chunksize=1), start=1):
-            rows.append(row)
-            print(f"  {done}/{len(jobs)} {row['world']} {row['strategy']} seed "
-                  f"{row['seed']}: target at {row['launches_to_target']} launches",
-                  file=sys.stderr, flush=True)
+    rows = run_pool(run_job, jobs, args.processes, lambda row: (
+        f"{row['world']} {row['strategy']} seed {row['seed']}: target at "
+        f"{row['launches_to_target']} launches"))
     per_world = {name: summarize([r for r in rows if r["world"] == name]) for name in names}
     overall = summarize(rows)
-    text = markdown(per_world, overall, args, kinds)
-    text += (f"\n{len(jobs)} studies in {time.monotonic() - started:.0f} s "
-             f"({time.strftime('%Y-%m-%d')}).\n")
-    if args.output:
-        args.output.write_text(text)
-    if args.json:
-        print(text, file=sys.stderr)  # the table still shows; stdout is the JSON alone
-        print(json.dumps({"worlds": per_world, "all": overall}))
-    else:
-        print(text)
+    publish(markdown(per_world, overall, args, kinds), {"worlds": per_world, "all": overall},
+            args, len(jobs), started)
 
 
 if __name__ == "__main__":
