@@ -20,8 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
-import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -44,7 +45,7 @@ GOALS = {"speedup": 0.02, "tok_s": 0.02, "tpot_p50": 0.05}
 @dataclass(frozen=True)
 class Cell:
     shape: str
-    batch: int  # closed loop: the concurrency; open loop: the baseline's mean running batch
+    batch: int  # closed loop: the concurrency; open loop: the baseline's mean requests in
     rate: float | None = None  # requests/s (emulated), open loop
 
     @property
@@ -131,6 +132,9 @@ async def open_loop(url: str, cell: Cell, scale: float, requests: int,
     assert cell.rate is not None
     prompt, output = SHAPES[cell.shape]
     gaps = np.random.default_rng(seed).exponential(1.0 / cell.rate, requests)
+    # A Poisson process given its count: the sample's own rate is the cell's, so that a
+    # short run's luck does not change the load it offers.
+    gaps *= 1.0 / cell.rate / gaps.mean()
     times = np.cumsum(gaps) - gaps[0]
     streams: list[Stream] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
@@ -140,11 +144,12 @@ async def open_loop(url: str, cell: Cell, scale: float, requests: int,
             await asyncio.sleep(max(0.0, t0 + at / scale - time.monotonic()))
             tasks.append(asyncio.create_task(request(session, url, prompt, output, streams)))
         await asyncio.gather(*tasks)
-    measured = [s for s in streams[requests // 10: requests - requests // 10]]
-    first, last = measured[0].sent, measured[-1].sent
+    measured = sorted(streams, key=lambda s: s.sent)[requests // 10: requests - requests // 10]
     tpots = [(s.end - s.first) * scale / (output - 1) for s in measured]  # type: ignore[operator]
-    return {"tok_s": len(measured) * output / ((last - first) * scale) if last > first else 0,
-            "tpot_p50": statistics.median(tpots), "requests": float(len(measured))}
+    # Tokens streamed while the measured requests arrived: what the server delivered.
+    window = summarize(streams, measured[0].sent, measured[-1].sent, scale, output)
+    return {"tok_s": window["tok_s"], "tpot_p50": statistics.median(tpots),
+            "requests": float(len(measured))}
 
 
 def free_port() -> int:
@@ -197,8 +202,8 @@ async def clock_lag(base: str) -> float:
 
 
 def rates_for(tree: str) -> dict[tuple[str, int], float]:
-    """Per shape and batch, the Poisson rate at which the baseline runs that many requests
-    on average (the model's open loop, bisected)."""
+    """Per shape and batch, the Poisson rate at which the baseline holds that many requests
+    on average, queued or running (Little's law on the model's open loop, bisected)."""
     from treetune.config import BASELINE
     from treetune.perfmodel import PerfModel, Shape, load_profile
 
@@ -211,8 +216,8 @@ def rates_for(tree: str) -> dict[tuple[str, int], float]:
             for _ in range(20):
                 mid = (low + high) / 2
                 served = model.open_loop(BASELINE, DATASET, shape, mid, MAX_RUNNING)
-                low, high = (mid, high) if served.running < batch and not served.saturated \
-                    else (low, mid)
+                in_system = mid * (served.ttft_s + served.tpot_s * (output - 1))  # Little
+                low, high = (mid, high) if in_system < batch else (low, mid)
             rates[name, batch] = round(low, 3 if low < 10 else 2)
     return rates
 
@@ -246,15 +251,23 @@ def predictions(tree: str, cells: list[Cell]) -> dict[Cell, dict[str, float]]:
     return out
 
 
-def measure(tree: str, cells: list[Cell], scale: float, quick: bool,
+def measure(tree: str, cells: list[Cell], scale: float, fine_scale: float, quick: bool,
             logdir: str) -> dict[Cell, dict[str, float]]:
-    """Each cell on the baseline and on the tree, one server per config."""
-    sides: dict[str, dict[Cell, dict[str, float]]] = {}
-    for side, config in (("base", None), ("spec", tree)):
-        sides[side] = {}
-        with emulator(config, scale, f"{logdir}/{side}.log") as base:
+    """Each cell on the baseline and on the tree, one server per config and time scale."""
+    sides: dict[str, dict[Cell, dict[str, float]]] = {"base": {}, "spec": {}}
+    # A closed loop's successor must reach the server within the pass after its
+    # predecessor's last round, as a real client does: the client's reaction, in wall time,
+    # counts `scale` times in emulated time, so turnover-bound cells run at a slower clock.
+    groups = {fine_scale: [c for c in cells if c.rate is None and c.shape == "short"]}
+    groups.setdefault(scale, []).extend(c for c in cells if c not in groups[fine_scale])
+    for (side, config), (cell_scale, group) in itertools.product(
+            (("base", None), ("spec", tree)), groups.items()):
+        if not group:
+            continue
+        scale = cell_scale
+        with emulator(config, scale, f"{logdir}/{side}-{scale:g}.log") as base:
             url = f"{base}/v1/completions"
-            for cell in cells:
+            for cell in group:
                 output = SHAPES[cell.shape][1]
                 if cell.rate is None:
                     # Long enough for a tree's requests to spread out of their common start.
@@ -270,7 +283,8 @@ def measure(tree: str, cells: list[Cell], scale: float, quick: bool,
                       f"{got['tpot_p50'] * 1e3:.3f} ms, {got['requests']:.0f} requests",
                       file=sys.stderr, flush=True)
             lag = asyncio.run(clock_lag(base))
-            print(f"  {side} server: worst clock lag {lag * 1e3:.1f} ms emulated",
+            print(f"  {side} server at time scale {scale:g}: worst clock lag "
+                  f"{lag * 1e3:.1f} ms emulated",
                   file=sys.stderr, flush=True)
     measured = {}
     for cell in cells:
@@ -289,6 +303,9 @@ def main() -> None:
                         help="shorter windows and fewer open-loop requests (about 3 minutes)")
     parser.add_argument("--time-scale", type=float, default=None,
                         help="emulator time scale (default: 4, 8 with --quick)")
+    parser.add_argument("--fine-time-scale", type=float, default=2.0,
+                        help="time scale of the closed loops with short outputs, where the "
+                        "client's reaction time counts (default 2)")
     parser.add_argument("--closed-only", action="store_true", help="skip the open loops")
     parser.add_argument("--only", default="",
                         help="only the cells whose label contains this, e.g. 'short closed'")
@@ -303,7 +320,8 @@ def main() -> None:
     started = time.monotonic()
     predicted = predictions(args.tree, cells)
     with tempfile.TemporaryDirectory(prefix="agree") as logdir:
-        measured = measure(args.tree, cells, scale, args.quick, logdir)
+        measured = measure(args.tree, cells, scale, args.fine_time_scale, args.quick,
+                           logdir)
     rows = []
     for cell in cells:
         p, m = predicted[cell], measured[cell]
@@ -317,11 +335,13 @@ def main() -> None:
     elapsed = time.monotonic() - started
     if args.json:
         print(json.dumps({"tree": args.tree, "profile": PROFILE, "dataset": DATASET,
-                          "time_scale": scale, "quick": args.quick,
+                          "time_scale": scale,
+                          "fine_time_scale": args.fine_time_scale, "quick": args.quick,
                           "elapsed_s": round(elapsed, 1), "cells": rows}, indent=1))
         return
     print(f"tree ({args.tree}) vs no speculation, {PROFILE}/{DATASET}, noise off, time scale "
-          f"{scale:g}, {elapsed:.0f} s; errors are predicted / measured - 1")
+          f"{scale:g} ({args.fine_time_scale:g} for short closed loops), {elapsed:.0f} s; "
+          "errors are predicted / measured - 1")
     print(f"{'cell':28} {'speedup m/p':>15} {'err':>7} {'tok/s m/p':>17} {'err':>7} "
           f"{'p50 TPOT ms m/p':>17} {'err':>7}  goal")
     for cell, row in zip(cells, rows, strict=True):
@@ -333,5 +353,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    # A terminated benchmark still stops its emulators (the `finally` in `emulator`).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()
