@@ -44,6 +44,32 @@ def test_predict_json_covers_every_config_dataset_and_batch(capsys):
     assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["baseline_tok_s"], rel=1e-3)
 
 
+def test_predict_with_a_request_shape_models_whole_requests_closed_and_open(capsys):
+    code, out, _ = run(capsys, "predict", "-p", "qwen3-8b-h100", "--tree", "3,4,8",
+                       "--dataset", "sharegpt", "--prompt-tokens", "12", "--output-tokens",
+                       "256", "--batch", "8", "--rate", "4", "--max-running-requests", "32",
+                       "--json")
+    assert code == 0
+    closed, opened = json.loads(out)
+    model = PerfModel(load_profile("qwen3-8b-h100"))
+    assert (closed["batch"], closed["rate"], opened["batch"], opened["rate"]) == (8, None, 0, 4)
+    assert closed["prompt_tokens"] == 12 and closed["output_tokens"] == 256
+    # prefill and turnover cost a short-output cell what the steady state does not charge
+    assert closed["speedup"] < model.predict(TreeConfig(3, 4, 8), "sharegpt", 8).speedup
+    assert opened["spec_tok_s"] == pytest.approx(4 * 256)
+    assert opened["speedup"] == pytest.approx(opened["baseline_tpot_ms"] / opened["tpot_ms"],
+                                              rel=1e-3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rate", "0"], "--rate must be > 0"),
+    (["--output-tokens", "0"], "--output-tokens must be >= 1"),
+])
+def test_predict_refuses_a_bad_request_shape_or_rate(capsys, args, message):
+    code, out, err = run(capsys, "predict", "-p", "qwen3-8b-h100", "--tree", "3,4,8", *args)
+    assert code != 0 and message in out + err
+
+
 def test_predict_accepts_a_profile_file_path(capsys, tmp_path):
     path = tmp_path / "mine.yaml"
     load_profile("qwen3-8b-h100").replace(name="mine").save(path)

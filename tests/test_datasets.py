@@ -419,32 +419,68 @@ def test_a_study_file_entry_builds_a_spec():
     assert spec == DatasetSpec("code", path="swe.jsonl", num_prompts=5, api="chat")
 
 
-# ---- fixed-length cells ("512 in / 1024 out") -------------------------------------------
-
-def test_a_fixed_length_cell_makes_distinct_prompts_of_exactly_its_tokens_and_answers():
-    spec = DatasetSpec(name="humaneval", prompt_tokens=512, output_tokens=1024)
-    prompts = load_dataset(spec)
-    assert prompts.api == "completion" and prompts.max_new_tokens == 1024 and prompts.ignore_eos
-    texts = [p.text for p in prompts.prompts]
-    assert len(set(texts)) == len(texts) == 64
-    assert all(len(t) == 4 * 512 for t in texts)  # four characters a token, as counted
-    chat = load_dataset(DatasetSpec(name="sharegpt", prompt_tokens=256, output_tokens=256,
-                                    api="chat"))
-    assert all(len(p.messages[0]["content"]) == 4 * (256 - 4) for p in chat.prompts)
+# --- workload shapes: fixed-length cells, recorded reply lengths -----------------------
 
 
-def test_output_tokens_on_a_file_fixes_every_answer_and_ignores_eos():
-    prompts = load_dataset(DatasetSpec(name="mt-bench", output_tokens=128))
-    assert prompts.max_new_tokens == 128 and prompts.ignore_eos
-    assert not load_dataset(DatasetSpec(name="mt-bench")).ignore_eos
+def test_a_fixed_length_cell_has_distinct_prompts_of_exactly_its_tokens():
+    from treetune.datasets import prompt_tokens
+
+    for api in ("completion", "chat"):
+        prompts = load_dataset(DatasetSpec(name="code", prompt_tokens=512, output_tokens=1024,
+                                           api=api))
+        assert prompts.lengths() == ([512] * 64, [1024] * 64)
+        assert len({p.text or p.messages[0]["content"] for p in prompts.prompts}) == 64
+        assert all(prompt_tokens(p) == 512 for p in prompts.prompts)
+        assert prompts.ignore_eos and prompts.api == api
 
 
-@pytest.mark.parametrize("fields,match", [
+def test_a_fixed_length_cell_is_written_in_a_study_file_as_two_numbers():
+    spec = build(DatasetSpec, {"name": "chat-256", "prompt_tokens": 256, "output_tokens": 256},
+                 "study.yaml", "datasets[0]")
+    assert spec.synthetic and load_dataset(spec).max_new_tokens == 256
+
+
+@pytest.mark.parametrize("fields, message", [
     ({"prompt_tokens": 512}, "needs output_tokens as well"),
-    ({"prompt_tokens": 512, "output_tokens": 8, "path": "x.jsonl"}, "drop the path"),
     ({"prompt_tokens": 0, "output_tokens": 8}, "prompt_tokens must be at least 1"),
+    ({"prompt_tokens": 8, "output_tokens": "lots"}, "output_tokens must be a number"),
+    ({"prompt_tokens": 8, "output_tokens": 8, "path": "x.jsonl"}, "drop the path"),
     ({"output_tokens": 8, "max_new_tokens": 8}, "not both"),
 ])
-def test_a_bad_fixed_length_cell_is_refused_saying_what_to_change(fields, match):
-    with pytest.raises(ValueError, match=match):
-        DatasetSpec(name="humaneval", **fields)
+def test_bad_workload_lengths_are_refused_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DatasetSpec(name="cell", **fields)
+
+
+def test_output_tokens_on_a_file_fixes_every_answers_length(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "x" * 40}])
+    prompts = load_file(path, output_tokens=300)
+    assert prompts.lengths() == ([10], [300]) and prompts.ignore_eos
+
+
+def test_sharegpt_answers_as_long_as_the_recorded_first_reply(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps([
+        {"id": "a", "conversations": [{"from": "human", "value": "q" * 20},
+                                      {"from": "gpt", "value": "r" * 400}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "hello"}]},
+    ]))
+    prompts = load_file(path, output_tokens="dataset", max_new_tokens=None)
+    # a: 5 text tokens + 4 for the chat message; b has no reply: the set's default length
+    assert prompts.lengths() == ([9, 6], [100, prompts.max_new_tokens])
+    assert prompts.ignore_eos
+
+
+def test_mt_bench_turns_answer_as_long_as_their_reference_answers(tmp_path):
+    path = write_jsonl(tmp_path / "q.jsonl", [{"question_id": 1, "turns": ["t1", "t2"],
+                                               "reference": ["a" * 80, "b" * 40]}])
+    prompts = load_file(path, output_tokens="dataset")
+    assert [prompts.new_tokens(p) for p in prompts.prompts] == [20, 10]
+    # the second turn carries the first reference answer back as the conversation so far
+    assert prompts.prompts[1].messages[1] == {"role": "assistant", "content": "a" * 80}
+
+
+def test_reply_lengths_from_a_file_that_records_none_are_refused(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "x"}])
+    with pytest.raises(TreetuneError, match="output_tokens as a number"):
+        load_file(path, output_tokens="dataset")

@@ -18,9 +18,16 @@ from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.table import Table
 
+from treetune.backends.sglang import SPEC_DEFAULT_MAX_RUNNING
 from treetune.config import AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.errors import TreetuneError
-from treetune.perfmodel import PerfModel, Prediction, load_profile, shipped_profiles
+from treetune.perfmodel import (
+    PerfModel,
+    Prediction,
+    ServingPrediction,
+    load_profile,
+    shipped_profiles,
+)
 from treetune.study.spec import search_options
 
 if TYPE_CHECKING:
@@ -61,7 +68,10 @@ ProfileOpt = Annotated[
 @app.command()
 def predict(
     profile: ProfileOpt,
-    batch: Annotated[list[int], typer.Option(help="Batch size(s), e.g. --batch 1 32.")] = [1],  # noqa: B006
+    batch: Annotated[
+        list[int] | None, typer.Option(help="Batch size(s), e.g. --batch 1 32 (default: 1, "
+                                       "none when --rate is given).")
+    ] = None,
     tree: Annotated[
         list[str] | None, typer.Option(help="Tree(s) as steps,topk,draft_tokens, e.g. 3,4,8.")
     ] = None,
@@ -72,20 +82,40 @@ def predict(
         list[str] | None, typer.Option(help="Dataset(s) of the profile (default: all).")
     ] = None,
     max_running_requests: Annotated[
-        int | None, typer.Option(help="For the memory check (default: the batch size).")
+        int | None, typer.Option(help="For the memory check (default: the batch size); with "
+                                 "--rate, the server's cap (default: the largest batch, or "
+                                 f"{SPEC_DEFAULT_MAX_RUNNING} as SGLang's with speculation).")
     ] = None,
     top: Annotated[int, typer.Option(help="Rows per batch size when ranking a space.")] = 10,
     method: Annotated[
         str | None, typer.Option(help="Draft method of the profile (default: its own draft "
                                  "head; `treetune profiles` lists each profile's methods).")
     ] = None,
+    prompt_tokens: Annotated[
+        int | None, typer.Option(help="Whole requests of this many prompt tokens (default "
+                                 "with --output-tokens or --rate: the dataset's).")
+    ] = None,
+    output_tokens: Annotated[
+        int | None, typer.Option(help="Whole requests of this many output tokens (default "
+                                 "with --prompt-tokens or --rate: the dataset's).")
+    ] = None,
+    rate: Annotated[
+        list[float] | None, typer.Option(help="Open-loop cells: requests/s (Poisson), e.g. "
+                                         "--rate 2 8; implies whole requests.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON records instead.")] = False,
 ) -> None:
     """Noise-free predicted throughput, speedup and accept length per config, dataset, batch.
 
-    The JSON form is a list of records with keys steps, topk, draft_tokens, batch, dataset,
-    baseline_tok_s, spec_tok_s, speedup, accept_length, oom.
+    By default, the steady state of decoding: every batch slot busy for ever. With
+    --prompt-tokens, --output-tokens or --rate, whole requests as a benchmark sends them:
+    each request's prefill, the slot its end leaves empty and, at a rate, the queueing;
+    with TPOT and TTFT. The JSON form is a list of records with keys steps, topk,
+    draft_tokens, batch, dataset, baseline_tok_s, spec_tok_s, speedup, accept_length, oom;
+    whole requests add rate, prompt_tokens, output_tokens, max_running_requests, tpot_ms,
+    baseline_tpot_ms, ttft_ms, baseline_ttft_ms, saturated, baseline_saturated.
     """
+    from treetune.perfmodel import Shape
     from treetune.space import load_space
 
     prof = load_profile(profile)
@@ -93,26 +123,91 @@ def predict(
     datasets = dataset or list(prof.datasets)
     for name in datasets:
         prof.dataset(name)
-    if any(b < 1 for b in batch):
-        raise TreetuneError(f"batch sizes must be >= 1, got {batch}")
+    batches = batch if batch is not None else ([] if rate else [1])
+    if any(b < 1 for b in batches):
+        raise TreetuneError(f"batch sizes must be >= 1, got {batches}")
+    if any(r <= 0 for r in rate or []):
+        raise TreetuneError(f"--rate must be > 0 requests/s, got {rate}")
+    for flag, value in (("--prompt-tokens", prompt_tokens), ("--output-tokens", output_tokens),
+                        ("--max-running-requests", max_running_requests)):
+        if value is not None and value < 1:
+            raise TreetuneError(f"{flag} must be >= 1, got {value}")
     configs: list[ServerConfig] = [TreeConfig.parse(t) for t in tree or []]
     if space is not None:
         configs += [c for c in load_space(space).configs() if c not in configs]
     if not configs:
         raise TreetuneError("nothing to predict: give --tree S,K,N and/or --space NAME")
-    rows = [
-        model.predict(c, d, b, max_running_requests)
-        for b in batch
-        for c in dict.fromkeys(configs)
-        for d in datasets
-    ]
-    if as_json:
-        print(json.dumps([r.record() for r in rows], indent=1))
+    configs = list(dict.fromkeys(configs))
+    title = prof.name if method is None else f"{prof.name} ({model.method_name})"
+    if prompt_tokens is None and output_tokens is None and not rate:
+        rows = [model.predict(c, d, b, max_running_requests)
+                for b in batches for c in configs for d in datasets]
+        if as_json:
+            print(json.dumps([r.record() for r in rows], indent=1))
+            return
+        for b in batches:
+            _print_ranking(title, b, [r for r in rows if r.batch == b], datasets,
+                           top if space else None)
         return
-    for b in batch:
-        title = prof.name if method is None else f"{prof.name} ({model.method_name})"
-        _print_ranking(title, b, [r for r in rows if r.batch == b], datasets,
-                       top if space else None)
+
+    def shape(name: str) -> Shape:
+        mean = model.shape(name)
+        return Shape(prompt_tokens or mean.prompt_tokens, output_tokens or mean.output_tokens)
+
+    cap = max_running_requests or max(batches, default=SPEC_DEFAULT_MAX_RUNNING)
+    cells: list[tuple[int | None, float | None]] = [(b, None) for b in batches]
+    cells += [(None, r) for r in rate or []]
+    served = [model.predict_serving(c, d, shape(d), batch=b, rate=r,
+                                    max_running_requests=max_running_requests if b else cap)
+              for b, r in cells for c in configs for d in datasets]
+    if as_json:
+        print(json.dumps([p.record() for p in served], indent=1))
+        return
+    for b, r in cells:
+        _print_serving(title, [p for p in served if p.batch == (b or 0) and p.rate == r],
+                       datasets, top if space else None)
+
+
+def _print_serving(profile: str, rows: list[ServingPrediction], datasets: list[str],
+                   top: int | None) -> None:
+    """One cell's whole-request predictions: a row per config and dataset, configs ranked
+    by mean speedup over the datasets."""
+    first = rows[0]
+    by_config: dict[ServerConfig, list[ServingPrediction]] = {}
+    for row in rows:
+        by_config.setdefault(row.config, []).append(row)
+    ranked = sorted(by_config.values(), key=lambda cells: -statistics.fmean(
+        p.speedup for p in cells))
+    shown = ranked[:top] if top else ranked
+    if first.rate is None:
+        cell, speedup = f"closed loop at batch {first.batch}", "speedup over no speculation"
+    else:
+        cell = (f"open loop at {first.rate:g} requests/s (Poisson), at most "
+                f"{first.max_running} running")
+        speedup = "speedup: the baseline's TPOT over the config's"
+    title = f"{profile}, {cell}"
+    if top:
+        title += f": top {len(shown)} of {len(ranked)} configs by mean speedup"
+    table = Table(title=title, caption=f"whole requests; {speedup}; TPOT is per output token "
+                  "after the first, TTFT the median (mean at a rate); red: slower than "
+                  "baseline; inf: saturated, the queue grows")
+    for col in ("tree S,K,N", "dataset", "in/out", "speedup", "tok/s", "base tok/s",
+                "TPOT ms", "base TPOT", "TTFT ms", "base TTFT", "accept"):
+        table.add_column(col, justify="left" if col in ("tree S,K,N", "dataset") else "right")
+
+    def ms(seconds: float) -> str:
+        return "inf" if seconds == float("inf") else f"{seconds * 1e3:.2f}"
+
+    for cells in shown:
+        for p in sorted(cells, key=lambda p: datasets.index(p.dataset)):
+            table.add_row(
+                p.config.label() + (" OOM" if p.oom else ""), p.dataset,
+                f"{p.shape.prompt_tokens}/{p.shape.output_tokens}", f"{p.speedup:.3f}",
+                f"{p.spec.output_tok_s:.1f}", f"{p.baseline.output_tok_s:.1f}",
+                ms(p.spec.tpot_s), ms(p.baseline.tpot_s), ms(p.spec.ttft_s),
+                ms(p.baseline.ttft_s), f"{p.accept_length:.2f}",
+                style="red" if p.speedup < 1 else None)
+    out.print(table)
 
 
 def _print_ranking(

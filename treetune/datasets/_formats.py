@@ -6,12 +6,14 @@
   when the record has a ``reference`` list with answers for turns 1..k-1: its messages are
   the earlier user turns, each followed by the reference answer for that turn, then turn k.
   Without references there is no answer to put between the turns (the benchmarked model's
-  own answer would vary from server to server), so only the first turn is used.
+  own answer would vary from server to server), so only the first turn is used. A turn's
+  own reference answer, when given, is its recorded reply length.
 - ``sharegpt`` (a JSON array, or JSON lines, of ``{"id", "conversations": [{"from",
   "value"}]}``): the conversation up to, not including, the first reply; "human"/"user"
   turns are user messages, "system" is a system message, any other speaker ("gpt",
   "chatgpt", "bing", ...) is a reply. Conversations with no human turn before the first
-  reply are skipped; a file where every conversation is skipped is an error.
+  reply are skipped; a file where every conversation is skipped is an error. The first
+  reply is the prompt's recorded reply length.
 - ``jsonl``: a record with a ``messages`` list (OpenAI role/content) is a chat prompt;
   otherwise its ``prompt_field`` (default "prompt") is a completion prompt. Id: ``id``.
 - ``swebench`` (``instance_id``, ``problem_statement``, optional ``repo`` and
@@ -26,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from treetune.datasets._records import Record
-from treetune.datasets._spec import DatasetSpec, Prompt
+from treetune.datasets._spec import DatasetSpec, Prompt, text_tokens
 from treetune.errors import ConfigFileError
 
 # Typical answer lengths, used when the spec gives no max_new_tokens.
@@ -69,18 +71,22 @@ def mt_bench(records: list[Record], spec: DatasetSpec) -> list[Prompt]:
         turns = record.texts("turns")
         qid = record.ident("question_id")
         history = [_user(turns[0])]
-        prompts.append(Prompt(qid, messages=tuple(history)))
         references = record.data.get("reference")
         if references is None:
+            prompts.append(Prompt(qid, messages=tuple(history)))
             continue
         if not isinstance(references, list):
             raise record.error("'reference' must be a list of answers, one per turn")
+        answers = [record.check_text(a, f"reference[{i}]") for i, a in enumerate(references)]
+        # Turn k's recorded reply: its reference answer (answers[k - 1]), if given.
+        replies = [text_tokens(a) for a in answers] + [None] * len(turns)
+        prompts.append(Prompt(qid, messages=tuple(history), reply_tokens=replies[0]))
         for k, turn in enumerate(turns[1:], 2):
-            if k - 2 >= len(references):
+            if k - 2 >= len(answers):
                 break
-            answer = record.check_text(references[k - 2], f"reference[{k - 2}]")
-            history += [{"role": "assistant", "content": answer}, _user(turn)]
-            prompts.append(Prompt(f"{qid}-turn{k}", messages=tuple(history)))
+            history += [{"role": "assistant", "content": answers[k - 2]}, _user(turn)]
+            prompts.append(Prompt(f"{qid}-turn{k}", messages=tuple(history),
+                                  reply_tokens=replies[k - 1]))
     return prompts
 
 
@@ -88,21 +94,24 @@ def sharegpt(records: list[Record], spec: DatasetSpec) -> list[Prompt]:
     prompts = []
     for record in records:
         messages = []
+        reply = None
         for i, turn in enumerate(record.items("conversations", allow_empty=True)):
             key = f"conversations[{i}]"
             if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
                 raise record.error(f"'{key}' must be an object with 'from' and 'value'")
             speaker = record.check_text(turn["from"], f"{key}.from")
             role = _SHAREGPT_ROLES.get(speaker.strip().lower())
-            if role is None:
-                break
             value = turn["value"]
             if not isinstance(value, str):
                 raise record.error(f"'{key}.value' must be text")
+            if role is None:
+                reply = text_tokens(value) if value.strip() else None
+                break
             if value.strip():
                 messages.append({"role": role, "content": value})
         if any(m["role"] == "user" for m in messages):
-            prompts.append(Prompt(record.ident("id"), messages=tuple(messages)))
+            prompts.append(Prompt(record.ident("id"), messages=tuple(messages),
+                                  reply_tokens=reply))
     if not prompts:
         raise ConfigFileError(
             records[0].path, "no conversation has a human turn before the first reply"

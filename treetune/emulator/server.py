@@ -23,6 +23,7 @@ from treetune.backends.sglang import (
     INTERNAL_STATES_KEY,
 )
 from treetune.config import TreeConfig
+from treetune.datasets import CHAT_MESSAGE_TOKENS, text_tokens
 from treetune.emulator.args import EmulatorSettings
 from treetune.emulator.engine import Engine, Request
 from treetune.emulator.metrics import ServerMetrics
@@ -37,11 +38,6 @@ WORDS = (
 ).split(" ")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def count_tokens(text: str) -> int:
-    """About four characters per token, as BPE tokenizers give on English and code."""
-    return max(1, (len(text) + 3) // 4)
 
 
 def token_text(seed: int, start: int, end: int) -> str:
@@ -274,7 +270,7 @@ class EmulatedServer:
         ids = body.get("input_ids")
         if text is None and ids is None:
             raise web.HTTPBadRequest(text="/generate needs 'text' or 'input_ids'")
-        prompt_tokens = len(ids) if isinstance(ids, list) else count_tokens(str(text))
+        prompt_tokens = len(ids) if isinstance(ids, list) else text_tokens(str(text))
         params = body.get("sampling_params") or {}
         req = self._submit(dataset, prompt_tokens, params.get("max_new_tokens", 128),
                            params.get("ignore_eos", False))
@@ -300,7 +296,7 @@ class EmulatedServer:
             prompt = prompt[0]
         if prompt is None:
             raise web.HTTPBadRequest(text="/v1/completions needs 'prompt'")
-        prompt_tokens = len(prompt) if isinstance(prompt, list) else count_tokens(str(prompt))
+        prompt_tokens = len(prompt) if isinstance(prompt, list) else text_tokens(str(prompt))
         return await self._openai(request, body, dataset, prompt_tokens, str(prompt),
                                   chat=False)
 
@@ -310,7 +306,7 @@ class EmulatedServer:
         if not isinstance(messages, list) or not messages:
             raise web.HTTPBadRequest(text="/v1/chat/completions needs a non-empty 'messages'")
         text = "".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
-        prompt_tokens = count_tokens(text) + 4 * len(messages)  # chat template overhead
+        prompt_tokens = text_tokens(text) + CHAT_MESSAGE_TOKENS * len(messages)
         return await self._openai(request, body, dataset, prompt_tokens, text, chat=True)
 
     async def _openai(self, request: web.Request, body: dict[str, Any], dataset: str,

@@ -36,7 +36,10 @@ class PromptSetLike(Protocol):
     name: str
     prompts: list[Prompt]
     max_new_tokens: int
-    ignore_eos: bool  # every answer runs to max_new_tokens (a fixed-length workload)
+    ignore_eos: bool  # every answer runs to the tokens asked for (a fixed-length workload)
+
+    def new_tokens(self, prompt: Prompt) -> int:
+        """How many tokens to ask for `prompt`."""
 
 
 class MeasurementError(TreetuneError):

@@ -42,8 +42,8 @@ async def measure_cell(
     `repeats` equal sub-windows whose throughputs give a spread. Latencies and goodput
     (against `slo`) are those of the requests completed inside the window. `errors` counts
     requests that failed before the window closed; if every request keeps failing, or the
-    server has no `/metrics`, raises instead. `ignore_eos` makes every request generate
-    exactly `prompts.max_new_tokens`.
+    server has no `/metrics`, raises instead. `ignore_eos` (or the set's own) makes every
+    request generate exactly what it asks for (`prompts.new_tokens`).
     """
     if batch < 1 or repeats < 1 or duration_s <= 0:
         raise ValueError(f"need batch >= 1, repeats >= 1 and duration_s > 0; got batch={batch}, "
@@ -84,5 +84,6 @@ async def _worker(client: ServerClient, prompts: PromptSetLike, index: int, offs
     while True:
         prompt = prompts.prompts[i % n]
         i += 1
-        if not await send(client, prompt, prompts.max_new_tokens, record, index, ignore_eos):
+        if not await send(client, prompt, prompts.new_tokens(prompt), record, index,
+                          ignore_eos):
             await asyncio.sleep(ERROR_BACKOFF_S)

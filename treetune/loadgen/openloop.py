@@ -65,9 +65,9 @@ async def measure_open_cell(
         for i, at in enumerate(times):
             await until(asyncio.sleep(max(0.0, start + at / scale - time.monotonic())),
                         record, [])
-            tasks.append(asyncio.create_task(send(client, prompts.prompts[i % n],
-                                                  prompts.max_new_tokens, record, 0,
-                                                  ignore_eos or prompts.ignore_eos)))
+            prompt = prompts.prompts[i % n]
+            tasks.append(asyncio.create_task(send(client, prompt, prompts.new_tokens(prompt),
+                                                  record, 0, ignore_eos or prompts.ignore_eos)))
         deadline = start + (duration_s + (duration_s if drain_s is None else drain_s)) / scale
         pending = {t for t in tasks if not t.done()}
         if pending:

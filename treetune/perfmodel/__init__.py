@@ -10,7 +10,7 @@ from treetune.perfmodel.acceptance import (
 from treetune.perfmodel.cost import CostModel, RoundTime, distinct_experts, independent_tokens
 from treetune.perfmodel.memory import MemoryCheck, check_memory
 from treetune.perfmodel.noise import Drift, NoiseModel, lognormal_factor
-from treetune.perfmodel.predict import PerfModel, Prediction
+from treetune.perfmodel.predict import PerfModel, Prediction, ServingPrediction
 from treetune.perfmodel.profile import (
     DEFAULT_METHOD,
     DRAFTERS,
@@ -27,6 +27,7 @@ from treetune.perfmodel.profile import (
     load_profile,
     shipped_profiles,
 )
+from treetune.perfmodel.serving import Serving, Shape
 
 __all__ = [
     "DEFAULT_METHOD",
@@ -49,6 +50,9 @@ __all__ = [
     "Prediction",
     "Profile",
     "RoundTime",
+    "Serving",
+    "ServingPrediction",
+    "Shape",
     "Target",
     "build_tree",
     "check_memory",

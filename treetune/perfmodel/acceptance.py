@@ -164,6 +164,18 @@ def expected_accept_length(config: TreeConfig, acceptance: Acceptance) -> float:
     return 1.0 + float(scores[order[: config.draft_tokens - 1]].sum())
 
 
+def accepted_distribution(tree: DraftTree) -> np.ndarray:
+    """P(accepted drafts = d) for d = 0..steps in one verify round: the distribution
+    `sample_accepted` draws from. The target's walk reaches a verified node with its path
+    probability, and the nodes of one depth are disjoint outcomes, so it gets at least d
+    drafts with the summed score of the depth-d nodes."""
+    reach = np.ones(tree.config.steps + 2)
+    reach[-1] = 0.0
+    for d in range(1, tree.config.steps + 1):
+        reach[d] = float(tree.score[tree.depth == d].sum())
+    return reach[:-1] - reach[1:]
+
+
 def sample_accepted(
     tree: DraftTree, acceptance: Acceptance, rng: np.random.Generator, count: int
 ) -> np.ndarray:

@@ -1,4 +1,6 @@
-"""Noise-free predictions: throughput, speedup and accept length per (config, dataset, batch)."""
+"""Noise-free predictions: throughput, speedup and accept length per (config, dataset, batch):
+in the steady state of decoding (`predict`), or for whole requests of a shape under a
+closed or open loop, as a benchmark measures them (`predict_serving`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.perfmodel.acceptance import (
     Acceptance,
     DraftTree,
+    accepted_distribution,
     build_tree,
     expected_accept_length,
     sample_accepted,
@@ -17,6 +20,7 @@ from treetune.perfmodel.acceptance import (
 from treetune.perfmodel.cost import CostModel, RoundTime
 from treetune.perfmodel.memory import check_memory
 from treetune.perfmodel.profile import DEFAULT_METHOD, Profile
+from treetune.perfmodel.serving import Serving, Shape, closed_loop, open_loop
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,65 @@ class Prediction:
             "spec_tok_s": round(self.spec_tok_s, 3),
             "speedup": round(self.speedup, 4),
             "accept_length": round(self.accept_length, 4),
+            "oom": self.oom,
+        }
+
+
+@dataclass(frozen=True)
+class ServingPrediction:
+    """A config against the baseline on one cell (a closed loop at `batch` clients, or an
+    open loop at `rate` requests/s with `batch` 0) of whole requests of one shape.
+
+    speedup: closed loop, the output throughputs' ratio (what a study measures); open loop,
+    the ratio of the baseline's TPOT to the config's: below saturation both deliver what
+    arrives, and speculation shows as faster requests.
+    """
+
+    config: ServerConfig
+    dataset: str
+    shape: Shape
+    batch: int
+    rate: float | None
+    max_running: int
+    baseline: Serving
+    spec: Serving
+    accept_length: float
+    oom: bool
+
+    @property
+    def speedup(self) -> float:
+        if self.rate is None:
+            return self.spec.output_tok_s / self.baseline.output_tok_s
+        return self.baseline.tpot_s / self.spec.tpot_s
+
+    def record(self) -> dict[str, object]:
+        """The stable JSON record of `treetune predict --prompt-tokens/--output-tokens/--rate
+        --json`: the steady-state record's keys, and the shape's and latencies'."""
+        tree = self.config if isinstance(self.config, TreeConfig) else None
+
+        def ms(seconds: float) -> float | None:
+            return round(seconds * 1e3, 4) if seconds != float("inf") else None
+
+        return {
+            "steps": tree.steps if tree else None,
+            "topk": tree.topk if tree else None,
+            "draft_tokens": tree.draft_tokens if tree else None,
+            "batch": self.batch,
+            "rate": self.rate,
+            "dataset": self.dataset,
+            "prompt_tokens": self.shape.prompt_tokens,
+            "output_tokens": self.shape.output_tokens,
+            "max_running_requests": self.max_running,
+            "baseline_tok_s": round(self.baseline.output_tok_s, 3),
+            "spec_tok_s": round(self.spec.output_tok_s, 3),
+            "speedup": round(self.speedup, 4),
+            "accept_length": round(self.accept_length, 4),
+            "baseline_tpot_ms": ms(self.baseline.tpot_s),
+            "tpot_ms": ms(self.spec.tpot_s),
+            "baseline_ttft_ms": ms(self.baseline.ttft_s),
+            "ttft_ms": ms(self.spec.ttft_s),
+            "baseline_saturated": self.baseline.saturated,
+            "saturated": self.spec.saturated,
             "oom": self.oom,
         }
 
@@ -79,16 +142,26 @@ class PerfModel:
         assert isinstance(config, TreeConfig)
         return self.cost.spec_round(config, batch, data)
 
+    def _tree(self, config: TreeConfig, dataset: str) -> DraftTree:
+        tree = self._trees.get((config, dataset))
+        if tree is None:
+            tree = self._trees[config, dataset] = build_tree(config, self.acceptance(dataset))
+        return tree
+
     def sample_accepted(self, config: ServerConfig, dataset: str, rng: np.random.Generator,
                         count: int) -> np.ndarray:
         """Accepted drafts (bonus excluded) of `count` requests in one verify round."""
         if not isinstance(config, TreeConfig):
             return np.zeros(count, dtype=np.int64)
-        acceptance = self.acceptance(dataset)
-        tree = self._trees.get((config, dataset))
-        if tree is None:
-            tree = self._trees[config, dataset] = build_tree(config, acceptance)
-        return sample_accepted(tree, acceptance, rng, count)
+        return sample_accepted(self._tree(config, dataset), self.acceptance(dataset), rng,
+                               count)
+
+    def gains_distribution(self, config: ServerConfig, dataset: str) -> np.ndarray:
+        """P(a request gains k tokens in one round) for k = 0..steps+1: its accepted
+        drafts plus the bonus token (one token a step without speculation)."""
+        if not isinstance(config, TreeConfig):
+            return np.array([0.0, 1.0])
+        return np.concatenate([[0.0], accepted_distribution(self._tree(config, dataset))])
 
     def throughput(self, config: ServerConfig, batch: float, dataset: str) -> float:
         """Output tokens/s over the whole batch, decoding in steady state."""
@@ -115,6 +188,47 @@ class PerfModel:
         prefill = self.prefill_time(config, 1, data.prompt_tokens, dataset)
         rounds = max(data.output_tokens - 1, 0) / self.accept_length(config, dataset)
         return data.output_tokens / (prefill + rounds * self.round_time(config, 1, dataset).total_s)
+
+    def shape(self, dataset: str) -> Shape:
+        """The dataset's mean request shape, as the profile gives it."""
+        data = self.profile.dataset(dataset)
+        return Shape(data.prompt_tokens, data.output_tokens)
+
+    def closed_loop(self, config: ServerConfig, dataset: str, shape: Shape, concurrency: int,
+                    max_running: int | None = None) -> Serving:
+        """Whole requests of `shape` from `concurrency` clients, each sending its next
+        request when its last one ends (`treetune.perfmodel.serving`)."""
+        return closed_loop(self, config, dataset, shape, concurrency, max_running)
+
+    def open_loop(self, config: ServerConfig, dataset: str, shape: Shape, rate: float,
+                  max_running: int) -> Serving:
+        """Whole requests of `shape` arriving at `rate` per second (Poisson)."""
+        return open_loop(self, config, dataset, shape, rate, max_running)
+
+    def predict_serving(self, config: ServerConfig, dataset: str, shape: Shape, *,
+                        batch: int | None = None, rate: float | None = None,
+                        max_running_requests: int | None = None) -> ServingPrediction:
+        """`config` and the baseline serving whole requests of `shape`: closed loop at
+        `batch` clients, or open loop at `rate` (give one). The server runs at most
+        `max_running_requests` at once (default: the batch; required for a rate)."""
+        if (batch is None) == (rate is None):
+            raise ValueError("give a batch (closed loop) or a rate (open loop), not both")
+        if batch is not None:
+            if batch < 1:
+                raise ValueError(f"batch must be >= 1, got {batch}")
+            cap = max_running_requests or batch
+            base = self.closed_loop(BASELINE, dataset, shape, batch, cap)
+            spec = self.closed_loop(config, dataset, shape, batch, cap)
+        else:
+            assert rate is not None
+            if max_running_requests is None:
+                raise ValueError("an open loop needs max_running_requests")
+            cap = max_running_requests
+            base = self.open_loop(BASELINE, dataset, shape, rate, cap)
+            spec = self.open_loop(config, dataset, shape, rate, cap)
+        memory = check_memory(self.profile, config, cap, tp=self.cost.tp, method=self.method)
+        return ServingPrediction(config, dataset, shape, batch or 0, rate, cap, base, spec,
+                                 self.accept_length(config, dataset), not memory.fits)
 
     def predict(
         self,
