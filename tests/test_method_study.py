@@ -6,6 +6,7 @@ picks per benchmark the method the published EAGLE3-vs-MTP table says is faster.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -33,6 +34,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILE = "qwen3.5-397b-a17b-h200"
 DATASETS = ["mt-bench", "gsm8k", "math500", "humaneval", "mmstar", "ceval"]
 PUBLISHED = ROOT.parent / "shared" / "reference" / "published-results.yaml"
+
+
+# Outside CI a clone may lack ../shared; in CI it is always there and these tests must run.
+needs_published = pytest.mark.skipif(
+    not PUBLISHED.exists() and os.environ.get("CI") != "true",
+    reason=f"{PUBLISHED} not present (it sits beside the repository in CI)",
+)
 
 
 def published_winners() -> dict[str, str]:
@@ -232,6 +240,7 @@ def test_each_method_keeps_its_own_optuna_studies_and_the_baseline_is_launched_o
 
 # ---- the acceptance check: the published winner per benchmark --------------------------
 
+@needs_published
 @pytest.mark.parametrize("strategy", ["auto", "grid"])
 def test_the_study_picks_per_benchmark_the_method_the_published_table_says_wins(
         tmp_path, strategy):
@@ -280,6 +289,7 @@ def test_recommendations_and_launch_scripts_name_the_method(tmp_path):
 
 # ---- the real thing: Ray workers and emulated servers -------------------------------
 
+@needs_published
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_tmpdir")
 def test_a_ray_study_on_emulated_servers_picks_each_benchmark_s_published_winner(tmp_path):

@@ -31,15 +31,28 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 from scipy import stats
 
 from treetune.config import ServerConfig
 
-if TYPE_CHECKING:
-    from treetune.perfmodel.predict import PerfModel
+
+class _Duration(Protocol):
+    total_s: float
+
+
+class ServingModel(Protocol):
+    """What whole requests need of `treetune.perfmodel.predict.PerfModel` (a protocol, so
+    that the model imports this module and not the other way round)."""
+
+    def round_time(self, config: ServerConfig, batch: float, dataset: str) -> _Duration: ...
+
+    def gains_distribution(self, config: ServerConfig, dataset: str) -> np.ndarray: ...
+
+    def prefill_time(self, config: ServerConfig, requests: float, prompt_tokens: float,
+                     dataset: str) -> float: ...
 
 OPEN_LOOP_ITERATIONS = 200  # fixed-point steps for an open loop's mean running batch
 PREFILL_CHAIN_DEPTH = 3  # prefills of the arrivals during prefills, followed this deep
@@ -98,7 +111,7 @@ def rounds_needed(gains: np.ndarray, tokens: int) -> float:
 class _Costs:
     """One server's pass durations for one dataset and shape, memoized by batch."""
 
-    def __init__(self, model: PerfModel, config: ServerConfig, dataset: str,
+    def __init__(self, model: ServingModel, config: ServerConfig, dataset: str,
                  shape: Shape) -> None:
         self._model, self._config, self._dataset, self._shape = model, config, dataset, shape
         self._rounds: dict[int, float] = {}
@@ -131,7 +144,7 @@ class _Costs:
 class _Server:
     """The costs and round counts of one config serving one dataset and shape."""
 
-    def __init__(self, model: PerfModel, config: ServerConfig, dataset: str,
+    def __init__(self, model: ServingModel, config: ServerConfig, dataset: str,
                  shape: Shape) -> None:
         gains = model.gains_distribution(config, dataset)
         self.shape = shape
@@ -151,7 +164,7 @@ class _Server:
                        float(running), self.rounds, saturated)
 
 
-def closed_loop(model: PerfModel, config: ServerConfig, dataset: str, shape: Shape,
+def closed_loop(model: ServingModel, config: ServerConfig, dataset: str, shape: Shape,
                 concurrency: int, max_running: int | None = None) -> Serving:
     """`concurrency` clients, each sending its next request when its last one ends; the
     server runs at most `max_running` of them (default: all)."""
@@ -173,7 +186,7 @@ def closed_loop(model: PerfModel, config: ServerConfig, dataset: str, shape: Sha
     return serving
 
 
-def open_loop(model: PerfModel, config: ServerConfig, dataset: str, shape: Shape,
+def open_loop(model: ServingModel, config: ServerConfig, dataset: str, shape: Shape,
               rate: float, max_running: int) -> Serving:
     """Requests arriving at `rate` per second (Poisson), at most `max_running` at once."""
     if rate <= 0 or max_running < 1:
