@@ -199,11 +199,13 @@ def main() -> None:
             for seed in range(args.first_seed, args.first_seed + args.seeds)]
     args.cells = len(batches) * len(load_world(args.worlds[0]).profile.datasets)
     started = time.monotonic()
-    rows = run_pool(run_job, jobs, args.processes, lambda row: (
+    rows, failed = run_pool(run_job, jobs, args.processes, lambda row: (
         f"{row['strategy']} x{row['workers']} seed {row['seed']}: target at "
         f"{row['wall_s'] / 3600:.2f} h, {row['launches']} launches"))
     summary = summarize(rows)
     publish(markdown(summary, args), summary, args, len(jobs), started)
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ import numpy as np
 
 from treetune import strategies
 from treetune.config import BASELINE, TreeConfig
+from treetune.datasets import builtin_names
 from treetune.perfmodel import check_memory, shipped_profiles
 from treetune.space import load_space
 from treetune.strategies import gp
@@ -95,7 +96,9 @@ def study_spec(world_name: str, strategy: str, seed: int, max_launches: int, noi
     return load_study(None, {
         "name": "efficiency", "model": world.profile.target.name,
         "draft": world.profile.draft.name, "tp": world.profile.tp,
-        "datasets": list(world.profile.datasets), "batch": list(batches),
+        "datasets": [name if name in builtin_names() else {"name": name, "path": f"{name}.jsonl"}
+                     for name in world.profile.datasets],  # in-process: no prompt is read
+        "batch": list(batches),
         "space": "default", "budget": {"launches": max_launches}, "seed": seed,
         "backend": {"kind": "emulator", **source},
         "search": {"strategy": strategy, "launch_cv": noise},
@@ -250,14 +253,26 @@ def output_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_pool(run: Callable[[Any], dict], jobs: list, processes: int,
-             describe: Callable[[dict], str]) -> list[dict]:
-    """Every job in a process pool, a progress line each on stderr."""
-    rows = []
+             describe: Callable[[dict], str]) -> tuple[list[dict], int]:
+    """Every job in a process pool, a progress line each on stderr: the rows in job order,
+    and how many jobs raised (each reported, left out; the others' results are kept)."""
+    rows: dict[int, dict] = {}
+    failed = 0
     with ProcessPoolExecutor(max_workers=processes) as pool:
-        for done, row in enumerate(pool.map(run, jobs, chunksize=1), start=1):
-            rows.append(row)
+        futures = {pool.submit(run, job): i for i, job in enumerate(jobs)}
+        for done, future in enumerate(as_completed(futures), start=1):
+            try:
+                rows[futures[future]] = row = future.result()
+            except Exception as exc:  # one bad job must not lose the run
+                failed += 1
+                print(f"  {done}/{len(jobs)} FAILED {jobs[futures[future]]}: "
+                      f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                continue
             print(f"  {done}/{len(jobs)} {describe(row)}", file=sys.stderr, flush=True)
-    return rows
+    if failed:
+        print(f"{failed} of {len(jobs)} jobs failed (above); the summary leaves them out",
+              file=sys.stderr)
+    return [rows[i] for i in sorted(rows)], failed
 
 
 def publish(text: str, data: dict, args: argparse.Namespace, studies: int,
@@ -306,13 +321,15 @@ def main() -> None:
             for w in names for s in args.strategies
             for seed in range(args.first_seed, args.first_seed + args.seeds)]
     started = time.monotonic()
-    rows = run_pool(run_job, jobs, args.processes, lambda row: (
+    rows, failed = run_pool(run_job, jobs, args.processes, lambda row: (
         f"{row['world']} {row['strategy']} seed {row['seed']}: target at "
         f"{row['launches_to_target']} launches"))
     per_world = {name: summarize([r for r in rows if r["world"] == name]) for name in names}
     overall = summarize(rows)
     publish(markdown(per_world, overall, args, kinds), {"worlds": per_world, "all": overall},
             args, len(jobs), started)
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

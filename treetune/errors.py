@@ -45,6 +45,20 @@ class ConfigFileError(TreetuneError):
             where += f": key '{key}'"
         super().__init__(f"{where}: {message}")
 
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its fields where it was raised in another process (a process pool):
+        # the default would call __init__ with the formatted message alone.
+        return (_rebuild_config_error, (type(self), self.path, self.message, self.key,
+                                        self.line, str(self)))
+
+
+def _rebuild_config_error(cls: type[ConfigFileError], path: object, message: str,
+                          key: str | None, line: int | None, text: str) -> ConfigFileError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, text)
+    error.path, error.message, error.key, error.line = path, message, key, line
+    return error
+
 
 def _may_be_yaml(path: object) -> bool:
     """Whether `path` may be a YAML (or JSON) file worth parsing for a key's line."""
