@@ -1,0 +1,56 @@
+"""The in-process benchmarks' own plumbing: every shipped profile runs, a job that raises
+loses no other job's result, and treetune's errors cross a process pool intact."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from treetune.errors import ConfigFileError
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from search_efficiency import run_pool  # noqa: E402
+
+
+def _invert(x: int) -> dict:
+    if x == 0:
+        raise ConfigFileError("study.yaml", "zero has no inverse", "datasets[1]")
+    return {"x": x, "inverse": 1 / x}
+
+
+def test_a_config_error_raised_in_another_process_arrives_whole():
+    error = ConfigFileError("study.yaml", "unknown built-in dataset 'gsm8k'", "datasets[1]")
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is ConfigFileError and str(back) == str(error)
+    assert (back.path, back.key, back.message) == ("study.yaml", "datasets[1]",
+                                                   "unknown built-in dataset 'gsm8k'")
+
+
+def test_a_job_that_raises_is_reported_and_the_others_are_kept_in_order(capsys):
+    rows, failed = run_pool(_invert, [4, 0, 2, 1], 2, lambda row: f"x={row['x']}")
+    assert failed == 1
+    assert [row["x"] for row in rows] == [4, 2, 1]
+    err = capsys.readouterr().err
+    assert "FAILED 0: ConfigFileError: study.yaml: key 'datasets[1]': zero has no inverse" in err
+    assert "1 of 4 jobs failed" in err
+
+
+@pytest.mark.parametrize("world", ["qwen3.5-397b-a17b-h200"])
+def test_a_profile_whose_datasets_are_not_built_in_runs_in_process(world):
+    """The 397B profile's benchmarks (gsm8k, math500, ...) have no built-in prompts: the
+    in-process benchmark reads none, so it must not ask for them."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "search_efficiency.py"), "--worlds", world,
+         "--seeds", "1", "--max-launches", "3", "--budget", "2", "--strategies", "random",
+         "--processes", "1", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(done.stdout)["worlds"][world]["random"]
+    assert row["studies"] == 1 and 0.0 <= row["coverage"] <= 1.0
