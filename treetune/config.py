@@ -278,6 +278,14 @@ class AdaptiveConfig:
 ServerConfig = TreeConfig | Baseline | AdaptiveConfig
 
 
+def tree_fields(config: ServerConfig) -> dict[str, int | None]:
+    """A record's `steps`, `topk` and `draft_tokens`: null for no speculation and for an
+    adaptive server, which have no one tree."""
+    tree = config if isinstance(config, TreeConfig) else None
+    return {"steps": tree.steps if tree else None, "topk": tree.topk if tree else None,
+            "draft_tokens": tree.draft_tokens if tree else None}
+
+
 def chain(steps: int) -> TreeConfig | Baseline:
     """The static server an adaptive server runs at `steps`: the chain (S, 1, S+1), or
     no drafting at 0."""

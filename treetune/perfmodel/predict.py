@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.config import BASELINE, ServerConfig, TreeConfig, tree_fields
 from treetune.perfmodel.acceptance import (
     Acceptance,
     DraftTree,
@@ -37,11 +37,8 @@ class Prediction:
 
     def record(self) -> dict[str, object]:
         """The stable JSON record of `treetune predict --json`."""
-        tree = self.config if isinstance(self.config, TreeConfig) else None
         return {
-            "steps": tree.steps if tree else None,
-            "topk": tree.topk if tree else None,
-            "draft_tokens": tree.draft_tokens if tree else None,
+            **tree_fields(self.config),
             "batch": self.batch,
             "dataset": self.dataset,
             "baseline_tok_s": round(self.baseline_tok_s, 3),
@@ -82,15 +79,12 @@ class ServingPrediction:
     def record(self) -> dict[str, object]:
         """The stable JSON record of `treetune predict --prompt-tokens/--output-tokens/--rate
         --json`: the steady-state record's keys, and the shape's and latencies'."""
-        tree = self.config if isinstance(self.config, TreeConfig) else None
 
         def ms(seconds: float) -> float | None:
             return round(seconds * 1e3, 4) if seconds != float("inf") else None
 
         return {
-            "steps": tree.steps if tree else None,
-            "topk": tree.topk if tree else None,
-            "draft_tokens": tree.draft_tokens if tree else None,
+            **tree_fields(self.config),
             "batch": self.batch,
             "rate": self.rate,
             "dataset": self.dataset,

@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
+from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig, tree_fields
 from treetune.objectives import Objective
 from treetune.results import LaunchResult, config_from_key, config_key
 from treetune.study.evidence import (
@@ -90,15 +90,12 @@ class Recommendation:
     def record(self) -> dict[str, Any]:
         """The stable JSON record of recommendations.json (steps, topk and draft_tokens
         are null for no speculation and for an adaptive server: see `config`)."""
-        tree = self.config if isinstance(self.config, TreeConfig) else None
         return {
             "workload": self.workload,
             "batch": self.batch,
             "kind": str(self.kind),
             "config": config_key(self.config),
-            "steps": tree.steps if tree else None,
-            "topk": tree.topk if tree else None,
-            "draft_tokens": tree.draft_tokens if tree else None,
+            **tree_fields(self.config),
             "method": self.method,
             "speedups": {k: round(v, 4) for k, v in self.speedups.items()},
             "intervals": {k: [round(lo, 4), round(hi, 4)]
