@@ -64,6 +64,7 @@ class Job:
     noise: float
     batches: tuple[int, ...]
     clock: LaunchClock
+    duration_s: float  # each cell's measurement window
 
 
 def run_job(job: Job) -> dict:
@@ -71,7 +72,7 @@ def run_job(job: Job) -> dict:
     world = load_world(job.world)
     table, best = truth_table(world, job.batches)
     spec = study_spec(job.world, job.strategy, job.seed, job.max_launches, job.noise,
-                      job.batches)
+                      job.batches, job.duration_s)
     reached: dict[str, float] = {}
     last = {"wall_s": 0.0}
 
@@ -90,10 +91,8 @@ def run_job(job: Job) -> dict:
                            job.workers, noise, job.clock, after)
     hit = bool(reached)
     if not hit:
-        cells = len(spec.batch) * len(spec.dataset_names)
-        mean_launch = job.clock.load_s + cells * (spec.measurement.duration_s
-                                                  + job.clock.warmup_s)
-        reached.update(wall_s=last["wall_s"] + mean_launch, launches=job.max_launches + 1,
+        reached.update(wall_s=last["wall_s"] + job.clock.nominal(spec),
+                       launches=job.max_launches + 1,
                        started=job.max_launches + 1)
     return {"world": job.world, "strategy": job.strategy, "workers": job.workers,
             "seed": job.seed, "reached": hit,
@@ -193,7 +192,7 @@ def main() -> None:
     batches = tuple(sorted(set(args.batch)))
     args.clock = LaunchClock(load_s=args.load_s)
     jobs = [Job(world, strategy, workers, seed, args.max_launches, args.noise, batches,
-                args.clock)
+                args.clock, args.duration)
             for world in args.worlds for strategy in args.strategies
             for workers in sorted(set(args.workers))
             for seed in range(args.first_seed, args.first_seed + args.seeds)]

@@ -88,20 +88,23 @@ def truth_table(world: World, batches: tuple[int, ...]
 
 
 def study_spec(world_name: str, strategy: str, seed: int, max_launches: int, noise: float,
-               batches: tuple[int, ...]) -> StudySpec:
+               batches: tuple[int, ...], duration_s: float | None = None) -> StudySpec:
     """The benchmark's study of a world: its datasets, the default space, tolerance 0, the
-    world's facts as the emulator's (the search's prior)."""
+    world's facts as the emulator's (the search's prior); `duration_s`, each cell's
+    measurement window (the study's default when None)."""
     world = load_world(world_name)
     source = {"profile": world_name} if world.own_model else {"world": world_name}
+    builtins = builtin_names()
     return load_study(None, {
         "name": "efficiency", "model": world.profile.target.name,
         "draft": world.profile.draft.name, "tp": world.profile.tp,
-        "datasets": [name if name in builtin_names() else {"name": name, "path": f"{name}.jsonl"}
+        "datasets": [name if name in builtins else {"name": name, "path": f"{name}.jsonl"}
                      for name in world.profile.datasets],  # in-process: no prompt is read
         "batch": list(batches),
         "space": "default", "budget": {"launches": max_launches}, "seed": seed,
         "backend": {"kind": "emulator", **source},
         "search": {"strategy": strategy, "launch_cv": noise},
+        **({"measurement": {"duration_s": duration_s}} if duration_s is not None else {}),
     })
 
 
@@ -244,7 +247,6 @@ def world_names(requested: list[str]) -> list[str]:
     return requested
 
 
-
 def output_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every in-process benchmark shares: --json, --output and --processes."""
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -287,6 +289,7 @@ def publish(text: str, data: dict, args: argparse.Namespace, studies: int,
         print(json.dumps(data))
     else:
         print(text)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

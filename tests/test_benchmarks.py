@@ -54,3 +54,18 @@ def test_a_profile_whose_datasets_are_not_built_in_runs_in_process(world):
     assert done.returncode == 0, done.stderr[-2000:]
     row = json.loads(done.stdout)["worlds"][world]["random"]
     assert row["studies"] == 1 and 0.0 <= row["coverage"] <= 1.0
+
+
+def test_the_scaling_benchmark_s_cell_window_reaches_the_simulated_study():
+    """`--duration` sets each cell's window in the study the simulated clock times."""
+    from search_efficiency import study_spec
+
+    from treetune.study.offline import LaunchClock, cells_of
+
+    short = study_spec("qwen3-8b-h100", "model", 0, 10, 0.03, (1, 32), duration_s=30.0)
+    default = study_spec("qwen3-8b-h100", "model", 0, 10, 0.03, (1, 32))
+    assert short.measurement.duration_s == 30.0 and cells_of(short) == 2 * 4
+    clock = LaunchClock(load_s=300.0, warmup_s=5.0)
+    assert clock.nominal(short) == 300.0 + 8 * (30.0 + 5.0)
+    assert clock.nominal(default) - clock.nominal(short) == 8 * (default.measurement.duration_s
+                                                                 - 30.0)

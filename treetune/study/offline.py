@@ -114,11 +114,20 @@ class LaunchClock:
                  rng: np.random.Generator) -> float:
         seconds = self.load_s * lognormal_factor(self.load_cv, rng)
         if result.ok:
-            cells = len(spec.batch) * len(spec.dataset_names)
             seconds += sum(spec.measurement.duration_s
                            + self.warmup_s * lognormal_factor(self.warmup_cv, rng)
-                           for _ in range(cells))
+                           for _ in range(cells_of(spec)))
         return seconds
+
+    def nominal(self, spec: StudySpec) -> float:
+        """A successful launch without the noise: load, then every cell's warm-up and
+        window."""
+        return self.load_s + cells_of(spec) * (spec.measurement.duration_s + self.warmup_s)
+
+
+def cells_of(spec: StudySpec) -> int:
+    """The cells one launch measures: every batch size of every dataset."""
+    return len(spec.batch) * len(spec.dataset_names)
 
 
 def run_offline(spec: StudySpec, truth: PerfModel, seed: int, launches: int,
