@@ -212,8 +212,7 @@ class Planner:
                     self.queue.insert(0, Task(proposal.config, proposal))  # after this one
             if task.remeasure:
                 self.deferred = 0
-        task.index = (sum(1 for r in self.launched if config_key(r.config) == task.key)
-                      + sum(1 for t in self.in_flight if t.key == task.key))
+        task.index = self._next_index(task.key)
         self.in_flight.append(task)
         return task
 
@@ -358,14 +357,25 @@ class Planner:
     def finish(self, task: Task, result: LaunchResult) -> LaunchResult:
         """Record a finished launch; returns the config's merged result."""
         self.in_flight.remove(task)
-        self.launched.append(result)
-        merged = merge(r for r in self.launched if config_key(r.config) == task.key)
-        self.results[task.key] = merged
+        merged = self._record(task.key, result)
         if isinstance(task.config, TreeConfig) and not task.remeasure:
             self.pending.append((merged, task.proposal))
         self._tell_pending()
         self._plan_adaptive()
         return merged
+
+    def _record(self, key: str, result: LaunchResult) -> LaunchResult:
+        """A finished launch of `key` (this search's or another's) kept; returns the
+        config's merged result."""
+        self.launched.append(result)
+        merged = self.results[key] = merge(r for r in self.launched
+                                           if config_key(r.config) == key)
+        return merged
+
+    def _next_index(self, key: str) -> int:
+        """Which launch of `key` the next one is: those finished and those running."""
+        return (sum(1 for r in self.launched if config_key(r.config) == key)
+                + sum(1 for t in self.in_flight if t.key == key))
 
     def _tell_pending(self) -> None:
         """Once the baseline is known: the per-batch studies are told this search's
@@ -405,9 +415,7 @@ class Planner:
         key = config_key(result.config)
         self._take_elsewhere(key, index)
         self._drop_queued(key, index)
-        self.launched.append(result)
-        merged = merge(r for r in self.launched if config_key(r.config) == key)
-        self.results[key] = merged
+        merged = self._record(key, result)
         if isinstance(result.config, TreeConfig) and index == 0:
             self.absorbed.append(merged)
         self._tell_pending()
@@ -440,10 +448,8 @@ class Planner:
 
     def _drop_queued(self, key: str, index: int) -> None:
         """A queued launch of `key` that would be its index-th is another search's."""
-        before = (sum(1 for r in self.launched if config_key(r.config) == key)
-                  + sum(1 for t in self.in_flight if t.key == key))
         queued = next((t for t in self.queue if t.key == key), None)
-        if queued is not None and before == index:
+        if queued is not None and self._next_index(key) == index:
             self.queue.remove(queued)
 
     def requeue(self, task: Task) -> None:

@@ -408,6 +408,17 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         pool.start(min(spec.workers or placement.groups, placement.groups))
         # The search's prior comes from a worker: the GPUs and model files servers use.
         planner = Planner(spec, store, space, launched, tp=spec.tp, facts=pool.facts())
+
+        def begin(task: Task, node: str | None = None) -> Any:
+            """A launch's trial in storage, counted as known and claimed as this search's."""
+            trial = store.begin_launch(task.config, (), driver=claims.driver if claims else None,
+                                       launch_index=task.index, node=node,
+                                       gpu_type=placement.gpu_type)
+            known.add(trial._trial_id)
+            if claims is not None:
+                claims.attach(task.key, task.index, trial._trial_id)
+            return trial
+
         if shared and claims is not None:
             claims.start_beating()
             others = _Others(store, claims, known)
@@ -439,16 +450,10 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                         spent = True
                         break
                 worker = pool.idle.pop(0)
-                trial = store.begin_launch(
-                    task.config, (), driver=claims.driver if claims else None,
-                    launch_index=task.index, node=pool.node_of(worker),
-                    gpu_type=placement.gpu_type)
-                known.add(trial._trial_id)
-                if claims is not None:
-                    claims.attach(task.key, task.index, trial._trial_id)
-                    if others is not None:
-                        for _, asked, _ in task.proposal.trials if task.proposal else ():
-                            store.tag(asked, claims.driver)
+                trial = begin(task, pool.node_of(worker))
+                if claims is not None and others is not None:
+                    for _, asked, _ in task.proposal.trials if task.proposal else ():
+                        store.tag(asked, claims.driver)
                 ref = worker.run.remote(task.key, [], task.index)
                 in_flight[ref] = _Launch(task, trial, worker)
                 progress.running = running()
@@ -496,12 +501,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                         continue
                     result = LaunchResult(config, reason=f"its worker died "
                                           f"{reschedules[task.key]} times: {_cause(exc)}")
-                    launch.trial = store.begin_launch(
-                        config, (), driver=claims.driver if claims else None,
-                        launch_index=task.index, gpu_type=placement.gpu_type)
-                    known.add(launch.trial._trial_id)
-                    if claims is not None:
-                        claims.attach(task.key, task.index, launch.trial._trial_id)
+                    launch.trial = begin(task)
                 except ray.exceptions.RayError as exc:
                     result = LaunchResult(config, reason=f"worker failed: {_cause(exc)}")
                     pool.idle.append(launch.worker)
