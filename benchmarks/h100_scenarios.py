@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from treetune.config import BASELINE, TreeConfig
-from treetune.perfmodel import PerfModel, check_memory, load_profile
+from treetune.config import TreeConfig
+from treetune.perfmodel import PerfModel, load_profile
 from treetune.study.evidence import judge
 from treetune.study.offline import Noise, run_offline
 from treetune.study.spec import load_study
@@ -38,12 +38,11 @@ def main() -> None:
     truth = PerfModel(profile, spec.tp)
     print(f"noise-free model, {PUBLISHED} over no speculation (throughput):")
     for batch in spec.batch:
-        ratios = {d: truth.throughput(PUBLISHED, batch, d) / truth.throughput(BASELINE, batch, d)
-                  for d in spec.dataset_names}
+        ratios = {d: truth.predict(PUBLISHED, d, batch).speedup for d in spec.dataset_names}
         cells = ", ".join(f"{d} {r:.3f}" for d, r in ratios.items())
         print(f"  batch {batch}: {cells}")
     for size in spec.batch:
-        fits = check_memory(profile, PUBLISHED, size, tp=spec.tp).fits
+        fits = not truth.predict(PUBLISHED, spec.dataset_names[0], size).oom
         print(f"  fits in memory at --max-running-requests {size}: {fits}")
     noise = Noise(profile.noise.launch_cv, profile.noise.measurement_cv, 0.01)
     planner = run_offline(spec, truth, args.seed, args.launches, noise)

@@ -201,7 +201,7 @@ async def clock_lag(base: str) -> float:
     return max(lags, default=0.0)
 
 
-def rates_for(tree: str) -> dict[tuple[str, int], float]:
+def rates_for() -> dict[tuple[str, int], float]:
     """Per shape and batch, the Poisson rate at which the baseline holds that many requests
     on average, queued or running (Little's law on the model's open loop, bisected)."""
     from treetune.config import BASELINE
@@ -312,7 +312,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print JSON records")
     args = parser.parse_args()
     scale = args.time_scale or (8.0 if args.quick else 4.0)
-    rates = rates_for(args.tree)
+    rates = rates_for()
     cells = [Cell(shape, b) for shape in SHAPES for b in BATCHES]
     if not args.closed_only:
         cells += [Cell(shape, b, rates[shape, b]) for shape in SHAPES for b in BATCHES]

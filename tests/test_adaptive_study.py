@@ -291,6 +291,7 @@ def test_an_adaptive_server_slower_than_a_pool_beyond_the_noise_leaves_two_pools
     mixed32 = next(r for r in recs if r.workload == "mixed" and r.batch == 32)
     assert mixed32.alternative is not None and mixed32.alternative.config == TUNED
     assert mixed32.alternative.reason.startswith("not recommended (the pools measured faster")
+    assert mixed32.alternative.objective == mixed32.objective  # made where it is built
     assert "batch 32: 1.165 against (2,1,3) at 1.275" in alternative_advice(recs)
     back = Recommendation.from_record(mixed32.record()).alternative
     assert back is not None and (back.config, back.kind, back.reason) == (

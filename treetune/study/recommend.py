@@ -164,8 +164,7 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
             chosen[workload, batch] = (pick[batch] if pick else dataclasses.replace(
                 static[batch], kind=kind,
                 alternative=alternative[batch] if alternative else None))
-    return [dataclasses.replace(chosen[workload, batch], objective=spec.objective.value)
-            for batch in batches for workload, _ in workloads]
+    return [chosen[workload, batch] for batch in batches for workload, _ in workloads]
 
 
 def _static(spec: StudySpec, workload: str, names: list[str], batch: int,
@@ -178,7 +177,7 @@ def _static(spec: StudySpec, workload: str, names: list[str], batch: int,
     if chosen is None:
         return Recommendation(workload, batch, BASELINE,
                               {k.name: 1.0 for k in spec.criterion.cells(names, batch)},
-                              _why_none(verdicts, batch))
+                              _why_none(verdicts, batch), objective=spec.objective.value)
     per = {d: i.mean for d, i in chosen.intervals.items()}
     confirmed = sum(v.confirmed for v in verdicts)
     once = sum(v.feasible and not v.confirmed for v in verdicts)
@@ -192,7 +191,8 @@ def _static(spec: StudySpec, workload: str, names: list[str], batch: int,
                  "confirmed by a second)" if once else ""))
     return Recommendation(workload, batch, chosen.config, per, reason,
                           {d: (i.low, i.high) for d, i in chosen.intervals.items()},
-                          method=spec.method_of(chosen.config))
+                          method=spec.method_of(chosen.config),
+                          objective=spec.objective.value)
 
 
 def _adaptive(spec: StudySpec, workload: str, names: list[str],
@@ -242,7 +242,8 @@ def _adaptive(spec: StudySpec, workload: str, names: list[str],
                        "measured in this study (SGLang's guess or the model's estimate)")
         out[b] = Recommendation(workload, b, config, {d: i.mean for d, i in v.intervals.items()},
                                 reason, {d: (i.low, i.high) for d, i in v.intervals.items()},
-                                method=spec.method_of(config), kind=ADAPTIVE)
+                                method=spec.method_of(config), kind=ADAPTIVE,
+                                objective=spec.objective.value)
     return (out, None) if qualifies else (None, out)
 
 
