@@ -241,7 +241,9 @@ POOL_32 = launch(TreeConfig(2, 1, 3), {1: {"sharegpt": 120, "humaneval": 125},
 def noisy_spec(tmp_path, **over):
     from synthetic import spec
 
-    return spec(tmp_path, search={"launch_cv": 0.01}, **over)
+    # Single launches judged as stated: a study that never re-launches takes its launch
+    # noise as given (no Student-t widening of an unlearned spread).
+    return spec(tmp_path, search={"launch_cv": 0.01, "max_launches_per_config": 1}, **over)
 
 
 def kinds(recs) -> dict[tuple[str, int], tuple[str, object]]:

@@ -69,3 +69,16 @@ def test_the_scaling_benchmark_s_cell_window_reaches_the_simulated_study():
     assert clock.nominal(short) == 300.0 + 8 * (30.0 + 5.0)
     assert clock.nominal(default) - clock.nominal(short) == 8 * (default.measurement.duration_s
                                                                  - 30.0)
+
+
+def test_the_coverage_interval_resamples_whole_studies():
+    """A study whose baseline was off misses many intervals at once: the coverage's
+    interval must be as wide as the studies disagree, and a point when they agree."""
+    from search_efficiency import coverage_ci
+
+    agree = [{"covered": 95, "intervals": 100} for _ in range(12)]
+    assert coverage_ci(agree) == [0.95, 0.95]
+    split = [{"covered": 100, "intervals": 100}] * 10 + [{"covered": 60, "intervals": 100}] * 2
+    low, high = coverage_ci(split)
+    assert low < 0.94 < high <= 1.0 and high - low > 0.04
+    assert coverage_ci(agree[:1]) is None

@@ -302,6 +302,9 @@ def test_a_ray_study_on_emulated_servers_picks_each_benchmark_s_published_winner
                                                              / f"{d}.jsonl"),
                                       "max_new_tokens": 1024} for d in ("gsm8k", "mmstar")],
                  budget={"launches": 3}, workers=2,
+                 # Three launches, three configs: none is re-launched, so the stated launch
+                 # noise is the noise (no Student-t widening of a spread never learned).
+                 search={"max_launches_per_config": 1},
                  backend={"kind": "emulator", "profile": PROFILE, "time_scale": 20.0,
                           "load_time_s": 5.0, "noise": False},
                  measurement={"duration_s": 20.0, "repeats": 2, "startup_timeout_s": 60.0})

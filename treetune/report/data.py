@@ -65,7 +65,8 @@ class StudyData:
         if self.baseline is None:
             return []
         names = self.spec.dataset_names
-        noise = study_noise(self.results, self.spec.search.launch_cv, self.spec.objective)
+        noise = study_noise(self.results, self.spec.search.launch_cv, self.spec.objective,
+                            self.spec.search.learns_noise)
         out = []
         for result in self.results:
             if not result.ok or not isinstance(result.config, kind):

@@ -11,7 +11,10 @@ learned from the whole study (`study_noise`): the launch spread from every confi
 more than once, shrunk toward a prior (`search.launch_cv`) while there are few.
 
 A speedup's interval combines the config's cell and the baseline's cell (the baseline's own
-launch noise shifts every speedup alike, which is why it is re-measured too).
+launch noise shifts every speedup alike, which is why it is re-measured too). A spread learned
+from few launches is itself uncertain: the interval's reach is a Student-t quantile for the
+degrees of freedom behind it (Welch-Satterthwaite over the launch and sub-window parts), so
+the intervals hold what they claim early in a study too, and narrow as the noise is learned.
 """
 
 from __future__ import annotations
@@ -21,16 +24,23 @@ import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
+
+from scipy import stats
 
 from treetune.config import ServerConfig
 from treetune.objectives import THROUGHPUT, CellKey, Criterion, Objective
 from treetune.results import CellResult, Latency, LaunchResult, config_key
 from treetune.strategies import Estimates
 
-Z_LOWER = 2.0  # one-sided: the true speedup is below `low` about 2% of the time
+Z_INTERVAL = 1.96  # the intervals shown and judged for coverage: two-sided 95%
+# Feasibility rests on a one-sided 99% lower bound: a tree truly just below the floor passes
+# about 1% of the time, the false-feasible limit the search is held to (issue 11); a 95%
+# bound would let such a tree through 2.5% of the time on each dataset.
+Z_LOWER = 2.326
 # A single launch is trusted on its own only when even twice the interval's reach keeps it
 # clear of the floor: one launch can be lucky (a fast allocator draw, a warm clock).
-Z_SURE = 2 * Z_LOWER
+Z_SURE = 2 * Z_INTERVAL
 
 
 @dataclass(frozen=True)
@@ -47,8 +57,9 @@ class Interval:
 
     @property
     def log_sd(self) -> float:
-        """The standard error of log(speedup) that this interval spans (Z_LOWER each way)."""
-        return (math.log(self.high) - math.log(self.low)) / (2 * Z_LOWER)
+        """The standard error of log(speedup) that this interval spans (Z_INTERVAL each
+        way)."""
+        return (math.log(self.high) - math.log(self.low)) / (2 * Z_INTERVAL)
 
 
 def launches_of(result: LaunchResult) -> int:
@@ -140,21 +151,39 @@ class StudyNoise:
     # The objective this noise is of: another than throughput has no sub-windows, and
     # its launch spread is per cell (`_objective_noise`).
     objective: Objective = Objective.THROUGHPUT
+    # Whether launch_cv may be learned: a study that never re-launches takes its prior as
+    # stated, with no Student-t widening (nothing it measures could revise the prior).
+    learned: bool = True
 
     @classmethod
-    def prior(cls, launch_cv: float) -> StudyNoise:
-        return cls(launch_cv)
+    def prior(cls, launch_cv: float, learned: bool = True) -> StudyNoise:
+        return cls(launch_cv, learned=learned)
+
+    def dof_of(self, launch_var: float, window_var: float) -> float:
+        """Degrees of freedom of a variance made of a launch part and a sub-window part
+        (Welch-Satterthwaite): the launch spread counts its repeated launches plus the
+        prior's PRIOR_LAUNCHES; the exact (zero) noise counts as known."""
+        if launch_var + window_var <= 0 or not self.learned:
+            return math.inf
+        launch_dof = self.launch_dof + PRIOR_LAUNCHES
+        terms = launch_var ** 2 / launch_dof
+        if window_var > 0:
+            terms += window_var ** 2 / max(self.window_dof, 1)
+        return (launch_var + window_var) ** 2 / terms
 
 
 def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,
-                objective: Objective = Objective.THROUGHPUT) -> StudyNoise:
+                objective: Objective = Objective.THROUGHPUT, learned: bool = True
+                ) -> StudyNoise:
     """The study's noise from its (merged) results: sub-window spread pooled over every
     launch and cell; launch spread pooled over every config launched more than once (the
     baseline first of all), less what the sub-windows explain, shrunk toward the prior by
     PRIOR_LAUNCHES degrees of freedom. For another objective than throughput, see
-    `_objective_noise`."""
+    `_objective_noise`. `learned`: whether the study re-launches at all (see
+    StudyNoise.learned)."""
     if objective is not Objective.THROUGHPUT:
-        return _objective_noise(results, prior_launch_cv, objective)
+        return dataclasses.replace(_objective_noise(results, prior_launch_cv, objective),
+                                   learned=learned)
     window_ss = 0.0
     window_dof = 0
     repeated: list[LaunchResult] = []
@@ -195,7 +224,7 @@ def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,
                   / (launch_dof + PRIOR_LAUNCHES))
     return StudyNoise(math.sqrt(launch_var),
                       math.sqrt(window_var) if window_var is not None else None,
-                      launch_dof, window_dof)
+                      launch_dof, window_dof, learned=learned)
 
 
 def _objective_noise(results: Iterable[LaunchResult], prior_cv: float,
@@ -235,21 +264,28 @@ def relative_variance(cell: CellResult, noise: StudyNoise) -> float:
     """Variance of log(measured / true value) of a cell's (merged) measurement: each
     launch's factor plus the mean of its sub-windows, averaged over the launches (for
     another objective than throughput, its per-launch spread over the launches)."""
+    return sum(variance_parts(cell, noise))
+
+
+def variance_parts(cell: CellResult, noise: StudyNoise) -> tuple[float, float]:
+    """`relative_variance` in its two parts: the launch factor's, and the sub-windows'
+    (0 where the spread is the cell's own or the objective has none)."""
     if noise.objective is not Objective.THROUGHPUT:
-        return noise.launch_cv ** 2 / len(launch_values(cell, noise.objective))
+        return noise.launch_cv ** 2 / len(launch_values(cell, noise.objective)), 0.0
     count = len(cell.launch_tok_s) or 1
     per_launch_repeats = len(cell.repeats) // count if cell.repeats else 0
     within = 0.0
     if noise.window_cv is not None and per_launch_repeats >= 1:
         within = noise.window_cv ** 2 / per_launch_repeats
     elif per_launch_repeats > 1 and cell.output_tok_s > 0:
+        # The cell's own spread: its few windows are no better known than the launch's.
         spread = statistics.variance(cell.repeats) / cell.output_tok_s ** 2
-        within = spread / per_launch_repeats  # one launch's mean of its sub-windows
-    return (noise.launch_cv ** 2 + within) / count
+        return (noise.launch_cv ** 2 + spread / per_launch_repeats) / count, 0.0
+    return noise.launch_cv ** 2 / count, within / count
 
 
 def speedup_interval(result: LaunchResult, baseline: LaunchResult, dataset: str, batch: int,
-                     noise: StudyNoise, z: float = Z_LOWER, rate: float | None = None
+                     noise: StudyNoise, z: float = Z_INTERVAL, rate: float | None = None
                      ) -> Interval:
     """The speedup of one cell under the noise's objective (how many times better than no
     speculation: a latency's ratio is the baseline's over the tree's), with its interval;
@@ -262,12 +298,29 @@ def speedup_interval(result: LaunchResult, baseline: LaunchResult, dataset: str,
     mean = objective.ratio(objective.value_of(cell), objective.value_of(base))
     if mean <= 0 or math.isinf(mean):
         return Interval(mean, mean, mean)
-    sd = math.sqrt(relative_variance(cell, noise) + relative_variance(base, noise))
+    parts = [variance_parts(cell, noise), variance_parts(base, noise)]
+    launch, window = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    sd = math.sqrt(launch + window)
+    z *= widening(noise.dof_of(launch, window), min(z, Z_LOWER))
     return Interval(mean, mean * math.exp(-z * sd), mean * math.exp(z * sd))
 
 
+@lru_cache(maxsize=1024)
+def _widening(dof: float, z: float) -> float:
+    return float(stats.t.ppf(stats.norm.cdf(z), dof)) / z
+
+
+def widening(dof: float, z: float) -> float:
+    """How much farther than the normal quantile `z` the Student-t quantile of the same
+    level reaches with `dof` degrees of freedom (1 with the noise known exactly). A bound
+    beyond the feasibility bound's level (Z_SURE's margin) takes that level's widening."""
+    if math.isinf(dof) or dof > 1000 or z <= 0:
+        return 1.0
+    return _widening(round(max(dof, 1.0), 1), round(z, 3))
+
+
 def intervals(result: LaunchResult, baseline: LaunchResult, batch: int, datasets: list[str],
-              noise: StudyNoise, z: float = Z_LOWER, criterion: Criterion = THROUGHPUT
+              noise: StudyNoise, z: float = Z_INTERVAL, criterion: Criterion = THROUGHPUT
               ) -> dict[str, Interval]:
     """Per judged cell (`Criterion.cells`: each dataset, then rate cells at the largest
     batch size for objectives that judge them), its speedup interval."""
@@ -301,6 +354,9 @@ class Verdict:
     launches: int = 1  # successful launches merged into the measurement
     sure: bool = False  # feasible by a wide margin (Z_SURE), even on one launch
     needs_launches: int = 1  # launches a feasible tree needs unless it is sure
+    # Per dataset, the one-sided 99% lower bound feasibility rests on (Z_LOWER); None: the
+    # intervals' own lower ends.
+    lower: dict[str, float] | None = None
 
     @property
     def mean(self) -> float:
@@ -323,7 +379,12 @@ class Verdict:
     @property
     def feasible(self) -> bool:
         """Surely no regression: every dataset's lower bound clears the floor."""
-        return all(i.low >= self.floor for i in self.intervals.values())
+        return all(low >= self.floor for low in self.lower_bounds().values())
+
+    def lower_bounds(self) -> dict[str, float]:
+        """Per dataset, the lower bound that must clear the floor."""
+        return self.lower if self.lower is not None else {
+            d: i.low for d, i in self.intervals.items()}
 
     @property
     def plausible(self) -> bool:
@@ -374,8 +435,10 @@ def judge(result: LaunchResult, baseline: LaunchResult, batch: int, datasets: li
     floor = floor_of(tolerance)
     sure = all(i.low >= floor for i in intervals(result, baseline, batch, datasets, noise,
                                                  Z_SURE, criterion).values())
+    lower = {d: i.low for d, i in intervals(result, baseline, batch, datasets, noise,
+                                            Z_LOWER, criterion).items()}
     return Verdict(result.config, batch, ivs, floor, rank, launches_of(result), sure,
-                   needs_launches)
+                   needs_launches, lower)
 
 
 def estimated_verdict(config: ServerConfig, batch: int, datasets: list[str], tolerance: float,
@@ -388,8 +451,8 @@ def estimated_verdict(config: ServerConfig, batch: int, datasets: list[str], tol
     for d in datasets:
         log_mean, variance = estimates[config, batch, d]  # type: ignore[index]
         sd = math.sqrt(max(variance, 0.0))
-        ivs[d] = Interval(math.exp(log_mean), math.exp(log_mean - Z_LOWER * sd),
-                          math.exp(log_mean + Z_LOWER * sd))
+        ivs[d] = Interval(math.exp(log_mean), math.exp(log_mean - Z_INTERVAL * sd),
+                          math.exp(log_mean + Z_INTERVAL * sd))
     rank = statistics.fmean(i.mean for i in ivs.values())
     return Verdict(config, batch, ivs, floor_of(tolerance), rank, launches=0)
 

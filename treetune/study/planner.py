@@ -33,7 +33,7 @@ from treetune.results import LaunchResult, config_key
 from treetune.space import SearchSpace
 from treetune.strategies import BatchStudies, Proposal, SearchContext
 from treetune.study.evidence import (
-    Z_LOWER,
+    Z_INTERVAL,
     Estimates,
     Interval,
     StudyNoise,
@@ -171,7 +171,8 @@ class Planner:
                              dataset: str) -> float:
         """Variance of one measured log speedup, from the study's learned noise."""
         # Of throughput, whatever the objective: what the model strategy fits.
-        noise = study_noise(self.results.values(), self.spec.search.launch_cv)
+        noise = study_noise(self.results.values(), self.spec.search.launch_cv,
+                            learned=self.spec.search.learns_noise)
         cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
         if cell is None or base is None:
             return math.inf
@@ -181,7 +182,7 @@ class Planner:
         """The study's measurement noise of its objective, learned from its launches so
         far."""
         return study_noise(self.results.values(), self.spec.search.launch_cv,
-                           self.spec.objective)
+                           self.spec.objective, self.spec.search.learns_noise)
 
     def intervals(self, result: LaunchResult, batch: int, names: list[str] | None = None
                   ) -> dict[str, Interval]:
@@ -303,7 +304,7 @@ class Planner:
             if leader.launches >= needs or key in busy:
                 continue
             spread = statistics.fmean(i.log_sd for i in leader.intervals.values())
-            if math.log(leader.rank / runner_up.rank) < Z_LOWER * spread:
+            if math.log(leader.rank / runner_up.rank) < Z_INTERVAL * spread:
                 return self._baseline_first(key, busy)
         return None
 

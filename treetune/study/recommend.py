@@ -150,7 +150,8 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
     adaptive = [r for r in merged.values() if r.ok and isinstance(r.config, AdaptiveConfig)]
     if objective is not None and objective is not spec.objective:
         spec = spec.replace(objective=objective)
-    noise = study_noise(merged.values(), spec.search.launch_cv, spec.objective)
+    noise = study_noise(merged.values(), spec.search.launch_cv, spec.objective,
+                        spec.search.learns_noise)
     batches = sorted(spec.batch)
     workloads = [(MIXED, spec.dataset_names)] + [(d, [d]) for d in spec.dataset_names]
     chosen: dict[tuple[str, int], Recommendation] = {}
@@ -256,11 +257,12 @@ def _why_none(verdicts: list[Verdict], batch: int) -> str:
         return (f"no speculation: {len(once)} config(s) looked feasible at batch {batch} on a "
                 f"single launch (best {top.config} at {top.mean:.3f}) but none was confirmed "
                 "by a second launch; raise the budget to confirm them")
-    closest = max(verdicts, key=lambda v: min(i.low for i in v.intervals.values()))
-    worst, iv = min(closest.intervals.items(), key=lambda kv: kv[1].low)
+    closest = max(verdicts, key=lambda v: min(v.lower_bounds().values()))
+    worst, low = min(closest.lower_bounds().items(), key=lambda kv: kv[1])
     return (f"no speculation: no measured config is surely as fast as no speculation on "
-            f"every dataset at batch {batch} (closest: {closest.config} at {iv.label()} on "
-            f"{worst}, needs a lower bound >= {closest.floor:.2f})")
+            f"every dataset at batch {batch} (closest: {closest.config} at "
+            f"{closest.intervals[worst].label()} on {worst}, whose 99% lower bound {low:.3f} "
+            f"must reach {closest.floor:.2f})")
 
 
 def pools_advice(recs: list[Recommendation]) -> str | None:

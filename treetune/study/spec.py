@@ -133,6 +133,12 @@ class Search:
         off."""
         return min(2, self.max_launches_per_config)
 
+    @property
+    def learns_noise(self) -> bool:
+        """Whether re-launches can measure the launch noise; without, `launch_cv` is taken
+        as stated (exact), as nothing in the study could revise it."""
+        return self.max_launches_per_config > 1
+
     def __post_init__(self) -> None:
         # Imported here: the strategies pull in SciPy and Optuna, and every `treetune`
         # command imports this module for the options of `search`.
