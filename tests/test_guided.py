@@ -140,6 +140,29 @@ def test_repeated_launches_merge_and_narrow_the_interval():
     assert recs[0].config is BASELINE and "lower bound" in recs[0].reason
 
 
+def test_a_spread_learned_from_few_launches_widens_the_interval_as_student_t_does():
+    from scipy import stats
+
+    from treetune.study.evidence import Z_INTERVAL
+
+    tree = TreeConfig(3, 4, 8)
+    base, one = launch(BASELINE, 100.0, (100, 100, 100)), launch(tree, 120.0, (120, 120, 120))
+
+    def reach(noise):
+        iv = intervals(one, base, 1, ["humaneval"], noise)["humaneval"]
+        return np.log(iv.high / iv.mean)
+
+    sd = 0.03 * np.sqrt(2)
+    # Known exactly (a study that never re-launches): the normal quantile.
+    assert reach(StudyNoise.prior(0.03, learned=False)) == pytest.approx(Z_INTERVAL * sd)
+    # Two degrees of freedom (the prior's alone), then eight more from re-launches: the
+    # Student-t reach at the 95% level, narrowing toward the normal one.
+    few, many = reach(StudyNoise(0.03)), reach(StudyNoise(0.03, launch_dof=8))
+    assert few == pytest.approx(stats.t.ppf(0.975, 2) * sd, rel=1e-3)
+    assert many == pytest.approx(stats.t.ppf(0.975, 10) * sd, rel=1e-3)
+    assert Z_INTERVAL * sd < many < few
+
+
 def test_a_borderline_best_config_is_re_measured_before_new_proposals():
     spec = load_study(None, {"name": "b", "model": "m", "draft": "d", "datasets": ["humaneval"],
                              "batch": [1], "space": "narrow", "search": {"strategy": "tpe"}})
