@@ -290,19 +290,35 @@ def speedup_interval(result: LaunchResult, baseline: LaunchResult, dataset: str,
     """The speedup of one cell under the noise's objective (how many times better than no
     speculation: a latency's ratio is the baseline's over the tree's), with its interval;
     `rate`: the open-loop cell at that rate instead of the closed loop at `batch`."""
-    key = CellKey(dataset, batch, rate)
+    return _spread(result, baseline, CellKey(dataset, batch, rate), noise).interval(z)
+
+
+@dataclass(frozen=True)
+class _Spread:
+    """A cell's speedup with the standard error of its log and the degrees of freedom
+    behind that error: every bound of the cell, at any level, follows from it."""
+
+    mean: float
+    sd: float = 0.0
+    dof: float = math.inf
+
+    def interval(self, z: float) -> Interval:
+        if self.mean <= 0 or math.isinf(self.mean):
+            return Interval(self.mean, self.mean, self.mean)
+        reach = z * widening(self.dof, min(z, Z_LOWER)) * self.sd
+        return Interval(self.mean, self.mean * math.exp(-reach), self.mean * math.exp(reach))
+
+
+def _spread(result: LaunchResult, baseline: LaunchResult, key: CellKey,
+            noise: StudyNoise) -> _Spread:
     cell, base = key.cell(result), key.cell(baseline)
     if cell is None or base is None:
-        return Interval(0.0, 0.0, 0.0)
+        return _Spread(0.0)
     objective = noise.objective
     mean = objective.ratio(objective.value_of(cell), objective.value_of(base))
-    if mean <= 0 or math.isinf(mean):
-        return Interval(mean, mean, mean)
     parts = [variance_parts(cell, noise), variance_parts(base, noise)]
     launch, window = sum(p[0] for p in parts), sum(p[1] for p in parts)
-    sd = math.sqrt(launch + window)
-    z *= widening(noise.dof_of(launch, window), min(z, Z_LOWER))
-    return Interval(mean, mean * math.exp(-z * sd), mean * math.exp(z * sd))
+    return _Spread(mean, math.sqrt(launch + window), noise.dof_of(launch, window))
 
 
 @lru_cache(maxsize=1024)
@@ -351,12 +367,12 @@ class Verdict:
     intervals: dict[str, Interval]
     floor: float
     rank: float  # mean speedup, blended with the model's estimate where there is one
+    # Per dataset, the lower bound feasibility rests on: the one-sided 99% bound (Z_LOWER)
+    # of a measurement; the interval's own lower end for a model estimate (`estimated_verdict`).
+    lower: dict[str, float]
     launches: int = 1  # successful launches merged into the measurement
     sure: bool = False  # feasible by a wide margin (Z_SURE), even on one launch
     needs_launches: int = 1  # launches a feasible tree needs unless it is sure
-    # Per dataset, the one-sided 99% lower bound feasibility rests on (Z_LOWER); None: the
-    # intervals' own lower ends.
-    lower: dict[str, float] | None = None
 
     @property
     def mean(self) -> float:
@@ -379,12 +395,7 @@ class Verdict:
     @property
     def feasible(self) -> bool:
         """Surely no regression: every dataset's lower bound clears the floor."""
-        return all(low >= self.floor for low in self.lower_bounds().values())
-
-    def lower_bounds(self) -> dict[str, float]:
-        """Per dataset, the lower bound that must clear the floor."""
-        return self.lower if self.lower is not None else {
-            d: i.low for d, i in self.intervals.items()}
+        return all(low >= self.floor for low in self.lower.values())
 
     @property
     def plausible(self) -> bool:
@@ -427,18 +438,18 @@ def judge(result: LaunchResult, baseline: LaunchResult, batch: int, datasets: li
     model's estimates are of throughput: they join the ranking only under that
     objective."""
     assert noise.objective is criterion.objective, "noise of another objective"
-    ivs = intervals(result, baseline, batch, datasets, noise, criterion=criterion)
+    spreads = {k.name: _spread(result, baseline, k, noise)
+               for k in criterion.cells(datasets, batch)}
+    ivs = {name: s.interval(Z_INTERVAL) for name, s in spreads.items()}
     if criterion.objective is not Objective.THROUGHPUT:
         estimates = None
     rank = statistics.fmean(_blend(iv, estimates, result.config, batch, key)
                             for key, iv in ivs.items())
     floor = floor_of(tolerance)
-    sure = all(i.low >= floor for i in intervals(result, baseline, batch, datasets, noise,
-                                                 Z_SURE, criterion).values())
-    lower = {d: i.low for d, i in intervals(result, baseline, batch, datasets, noise,
-                                            Z_LOWER, criterion).items()}
-    return Verdict(result.config, batch, ivs, floor, rank, launches_of(result), sure,
-                   needs_launches, lower)
+    sure = all(s.interval(Z_SURE).low >= floor for s in spreads.values())
+    lower = {name: s.interval(Z_LOWER).low for name, s in spreads.items()}
+    return Verdict(result.config, batch, ivs, floor, rank, lower, launches_of(result), sure,
+                   needs_launches)
 
 
 def estimated_verdict(config: ServerConfig, batch: int, datasets: list[str], tolerance: float,
@@ -454,7 +465,8 @@ def estimated_verdict(config: ServerConfig, batch: int, datasets: list[str], tol
         ivs[d] = Interval(math.exp(log_mean), math.exp(log_mean - Z_INTERVAL * sd),
                           math.exp(log_mean + Z_INTERVAL * sd))
     rank = statistics.fmean(i.mean for i in ivs.values())
-    return Verdict(config, batch, ivs, floor_of(tolerance), rank, launches=0)
+    return Verdict(config, batch, ivs, floor_of(tolerance), rank,
+                   {d: i.low for d, i in ivs.items()}, launches=0)
 
 
 def best(verdicts: Iterable[Verdict]) -> Verdict | None:

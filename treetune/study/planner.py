@@ -171,8 +171,7 @@ class Planner:
                              dataset: str) -> float:
         """Variance of one measured log speedup, from the study's learned noise."""
         # Of throughput, whatever the objective: what the model strategy fits.
-        noise = study_noise(self.results.values(), self.spec.search.launch_cv,
-                            learned=self.spec.search.learns_noise)
+        noise = study_noise(self.results.values(), self.spec.search.launch_cv)
         cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
         if cell is None or base is None:
             return math.inf

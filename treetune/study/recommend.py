@@ -257,8 +257,8 @@ def _why_none(verdicts: list[Verdict], batch: int) -> str:
         return (f"no speculation: {len(once)} config(s) looked feasible at batch {batch} on a "
                 f"single launch (best {top.config} at {top.mean:.3f}) but none was confirmed "
                 "by a second launch; raise the budget to confirm them")
-    closest = max(verdicts, key=lambda v: min(v.lower_bounds().values()))
-    worst, low = min(closest.lower_bounds().items(), key=lambda kv: kv[1])
+    closest = max(verdicts, key=lambda v: min(v.lower.values()))
+    worst, low = min(closest.lower.items(), key=lambda kv: kv[1])
     return (f"no speculation: no measured config is surely as fast as no speculation on "
             f"every dataset at batch {batch} (closest: {closest.config} at "
             f"{closest.intervals[worst].label()} on {worst}, whose 99% lower bound {low:.3f} "
