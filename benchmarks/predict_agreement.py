@@ -40,6 +40,16 @@ SHAPES = {"short": (12, 256), "long": (512, 1024)}
 BATCHES = (1, 8, 32)
 MAX_RUNNING = 64  # the servers' cap: open loops at a baseline batch of 32 must not hit it
 GOALS = {"speedup": 0.02, "tok_s": 0.02, "tpot_p50": 0.05}
+# A closed loop's tree starts its requests together and their phases spread slowly (the
+# model predicts the spread state): the warm-up lasts this many request durations, the
+# window WINDOW of them (fewer with --quick).
+WARMUP, WINDOW = 20, 15
+# Open loops: requests per cell by the baseline's mean requests in the system. The load
+# itself fluctuates for seconds; at ~32 in the system, 200 requests measured a speedup
+# with a spread of 1.5% between arrival seeds (a discrete-event run of the same scheduler),
+# 1000 requests 0.8%.
+OPEN_REQUESTS = {1: 80, 8: 200, 32: 1000}
+CHUNKS = 5  # consecutive parts of a cell's measurement: their spread gives its standard error
 
 
 @dataclass(frozen=True)
@@ -121,8 +131,12 @@ async def closed_loop(url: str, cell: Cell, scale: float, warmup_s: float,
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return summarize(streams, t0 + warmup_s / scale, t0 + (warmup_s + window_s) / scale,
-                     scale, output)
+    start, stop = t0 + warmup_s / scale, t0 + (warmup_s + window_s) / scale
+    got = summarize(streams, start, stop, scale, output)
+    edges = np.linspace(start, stop, CHUNKS + 1)
+    got["chunks"] = [summarize(streams, a, b, scale, output)["tok_s"]  # type: ignore[assignment]
+                     for a, b in itertools.pairwise(edges)]
+    return got
 
 
 async def open_loop(url: str, cell: Cell, scale: float, requests: int,
@@ -154,8 +168,9 @@ async def open_loop(url: str, cell: Cell, scale: float, requests: int,
     tpots = [(s.end - s.first) * scale / (output - 1) for s in measured]  # type: ignore[operator]
     # Tokens streamed while the measured requests arrived: what the server delivered.
     window = summarize(streams, measured[0].sent, measured[-1].sent, scale, output)
+    chunks = [statistics.median(part) for part in np.array_split(tpots, CHUNKS)]
     return {"tok_s": window["tok_s"], "tpot_p50": statistics.median(tpots),
-            "requests": float(len(measured))}
+            "requests": float(len(measured)), "chunks": chunks}  # type: ignore[dict-item]
 
 
 def free_port() -> int:
@@ -278,11 +293,12 @@ def measure(tree: str, cells: list[Cell], scale: float, fine_scale: float, quick
                 if cell.rate is None:
                     # Long enough for a tree's requests to spread out of their common start.
                     request_s = output * 0.01
-                    warmup = request_s * (3 if quick else 5)
-                    window = request_s * (5 if quick else 15)
+                    warmup = request_s * (3 if quick else WARMUP)
+                    window = request_s * (5 if quick else WINDOW)
                     got = asyncio.run(closed_loop(url, cell, scale, warmup, window))
                 else:
-                    count = (60 if quick else 200) if cell.batch > 1 else (24 if quick else 80)
+                    count = (60 if cell.batch > 1 else 24) if quick else \
+                        OPEN_REQUESTS[cell.batch]
                     got = asyncio.run(open_loop(url, cell, scale, count, seed=cell.batch))
                 sides[side][cell] = got
                 print(f"  {side:4} {cell.label}: {got['tok_s']:.1f} tok/s, p50 TPOT "
@@ -297,8 +313,14 @@ def measure(tree: str, cells: list[Cell], scale: float, fine_scale: float, quick
         b, s = sides["base"][cell], sides["spec"][cell]
         speedup = (s["tok_s"] / b["tok_s"] if cell.rate is None
                    else b["tpot_p50"] / s["tpot_p50"])
+        # The same chunk of both sides: the same stretch of time (closed) or the same
+        # arrivals (open, one seed for both).
+        parts = (np.divide(s["chunks"], b["chunks"]) if cell.rate is None
+                 else np.divide(b["chunks"], s["chunks"]))
         measured[cell] = {"speedup": speedup, "tok_s": s["tok_s"], "base_tok_s": b["tok_s"],
-                          "tpot_p50": s["tpot_p50"], "base_tpot_p50": b["tpot_p50"]}
+                          "tpot_p50": s["tpot_p50"], "base_tpot_p50": b["tpot_p50"],
+                          "speedup_se": float(np.std(parts, ddof=1) / np.sqrt(CHUNKS)
+                                              / speedup)}
     return measured
 
 
@@ -306,7 +328,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", default="3,4,8", help="the tree, steps,topk,draft_tokens")
     parser.add_argument("--quick", action="store_true",
-                        help="shorter windows and fewer open-loop requests (about 3 minutes)")
+                        help="shorter windows and fewer open-loop requests (about 5 minutes; the full run about 25)")
     parser.add_argument("--time-scale", type=float, default=None,
                         help="emulator time scale (default: 4, 8 with --quick)")
     parser.add_argument("--fine-time-scale", type=float, default=2.0,
@@ -348,11 +370,14 @@ def main() -> None:
     print(f"tree ({args.tree}) vs no speculation, {PROFILE}/{DATASET}, noise off, time scale "
           f"{scale:g} ({args.fine_time_scale:g} for short closed loops), {elapsed:.0f} s; "
           "errors are predicted / measured - 1")
-    print(f"{'cell':28} {'speedup m/p':>15} {'err':>7} {'tok/s m/p':>17} {'err':>7} "
+    print("+-: the measured speedup's standard error, from its spread over "
+          f"{CHUNKS} consecutive parts of the cell")
+    print(f"{'cell':28} {'speedup m/p':>15} {'err':>7} {'+-':>5} {'tok/s m/p':>17} {'err':>7} "
           f"{'p50 TPOT ms m/p':>17} {'err':>7}  goal")
     for cell, row in zip(cells, rows, strict=True):
         print(f"{cell.label:28} {row['measured_speedup']:7.3f}/{row['predicted_speedup']:<7.3f}"
-              f" {row['error_speedup']:+7.1%} {row['measured_tok_s']:8.0f}/"
+              f" {row['error_speedup']:+7.1%} {row['measured_speedup_se']:5.1%}"
+              f" {row['measured_tok_s']:8.0f}/"
               f"{row['predicted_tok_s']:<8.0f} {row['error_tok_s']:+7.1%} "
               f"{row['measured_tpot_p50'] * 1e3:8.3f}/{row['predicted_tpot_p50'] * 1e3:<8.3f} "
               f"{row['error_tpot_p50']:+7.1%}  {'met' if row['met'] else 'NOT met'}")
