@@ -12,7 +12,7 @@ import optuna
 from treetune.config import BASELINE, AdaptiveConfig, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.results import LaunchResult
-from treetune.study.evidence import judge, merge_all, study_noise
+from treetune.study.evidence import judge, merge_all, noise_of
 from treetune.study.recommend import Recommendation, recommend
 from treetune.study.spec import SPEC_COPY, StudySpec, load_study, study_from_mapping
 from treetune.study.storage import SPEC_ATTR, read_only_storage, read_study
@@ -65,8 +65,7 @@ class StudyData:
         if self.baseline is None:
             return []
         names = self.spec.dataset_names
-        noise = study_noise(self.results, self.spec.search.launch_cv, self.spec.objective,
-                            self.spec.search.learns_noise)
+        noise = noise_of(self.spec, self.results)
         out = []
         for result in self.results:
             if not result.ok or not isinstance(result.config, kind):

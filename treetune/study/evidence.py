@@ -25,6 +25,7 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from scipy import stats
 
@@ -32,6 +33,9 @@ from treetune.config import ServerConfig
 from treetune.objectives import THROUGHPUT, CellKey, Criterion, Objective
 from treetune.results import CellResult, Latency, LaunchResult, config_key
 from treetune.strategies import Estimates
+
+if TYPE_CHECKING:
+    from treetune.study.spec import StudySpec
 
 Z_INTERVAL = 1.96  # the intervals shown and judged for coverage: two-sided 95%
 # Feasibility rests on a one-sided 99% lower bound: a tree truly just below the floor passes
@@ -170,6 +174,13 @@ class StudyNoise:
         if window_var > 0:
             terms += window_var ** 2 / max(self.window_dof, 1)
         return (launch_var + window_var) ** 2 / terms
+
+
+def noise_of(spec: StudySpec, results: Iterable[LaunchResult]) -> StudyNoise:
+    """The noise of `spec`'s objective learned from its (merged) results, from the prior
+    its search states (see `study_noise`)."""
+    return study_noise(results, spec.search.launch_cv, spec.objective,
+                       spec.search.learns_noise)
 
 
 def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,

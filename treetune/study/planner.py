@@ -43,6 +43,7 @@ from treetune.study.evidence import (
     launches_of,
     merge,
     merge_all,
+    noise_of,
     relative_variance,
     study_noise,
 )
@@ -180,8 +181,7 @@ class Planner:
     def noise(self) -> StudyNoise:
         """The study's measurement noise of its objective, learned from its launches so
         far."""
-        return study_noise(self.results.values(), self.spec.search.launch_cv,
-                           self.spec.objective, self.spec.search.learns_noise)
+        return noise_of(self.spec, self.results.values())
 
     def intervals(self, result: LaunchResult, batch: int, names: list[str] | None = None
                   ) -> dict[str, Interval]:

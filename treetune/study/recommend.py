@@ -34,7 +34,7 @@ from treetune.study.evidence import (
     best,
     judge,
     merge_all,
-    study_noise,
+    noise_of,
 )
 from treetune.study.schedule import estimated_steps
 from treetune.study.spec import StudySpec
@@ -150,8 +150,7 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
     adaptive = [r for r in merged.values() if r.ok and isinstance(r.config, AdaptiveConfig)]
     if objective is not None and objective is not spec.objective:
         spec = spec.replace(objective=objective)
-    noise = study_noise(merged.values(), spec.search.launch_cv, spec.objective,
-                        spec.search.learns_noise)
+    noise = noise_of(spec, merged.values())
     batches = sorted(spec.batch)
     workloads = [(MIXED, spec.dataset_names)] + [(d, [d]) for d in spec.dataset_names]
     chosen: dict[tuple[str, int], Recommendation] = {}
