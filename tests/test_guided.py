@@ -11,7 +11,7 @@ import optuna
 import pytest
 
 from treetune.config import BASELINE, TreeConfig
-from treetune.perfmodel import PerfModel, load_profile
+from treetune.perfmodel import PerfModel, Shape, load_profile
 from treetune.perfmodel.calibrate import get_value
 from treetune.perfmodel.prior import neutral_prior
 from treetune.results import CellResult, LaunchResult, config_key
@@ -87,6 +87,36 @@ def test_the_model_estimates_of_measured_trees_sit_on_the_fit_not_off_it():
               for r in trees for b in fit.batches for d in fit.datasets]
     assert len(trees) >= 5
     assert abs(statistics.fmean(shifts)) <= 0.02, statistics.fmean(shifts)
+
+
+def test_in_process_launches_serve_fixed_length_requests_whole_and_open_loop_cells():
+    """A fixed-length dataset (synthetic prompts, every answer as long) is served in-process
+    as the emulator serves it: whole requests, prefill and turnover included, and its rate
+    cells as an open loop; a dataset of the profile's own lengths stays the steady state
+    of decoding."""
+    profile = load_profile("qwen3-30b-a3b-h100")
+    model = PerfModel(profile, profile.tp)
+    spec = load_study(None, {
+        "name": "w", "model": "m", "draft": "d", "batch": [8, 64], "rates": [8],
+        "datasets": [{"name": "mt-bench", "prompt_tokens": 1024, "output_tokens": 128},
+                     "humaneval"],
+        "backend": {"kind": "emulator", "profile": "qwen3-30b-a3b-h100"}})
+    tree, shape = TreeConfig(3, 1, 4), Shape(1024, 128)
+    result = simulate_launch(model, tree, spec, np.random.default_rng(0), Noise(0, 0, 0))
+    for batch in (8, 64):
+        served = model.closed_loop(tree, "mt-bench", shape, batch, 64)
+        cell = result.cell("mt-bench", batch)
+        assert cell.output_tok_s == pytest.approx(served.output_tok_s)
+        assert cell.tpot.p50 == pytest.approx(served.tpot_s)
+        # Whole requests pay the 1024-token prefills: below the steady state of decoding.
+        assert cell.output_tok_s < 0.9 * model.throughput(tree, batch, "mt-bench")
+        assert result.cell("humaneval", batch).output_tok_s == pytest.approx(
+            model.throughput(tree, batch, "humaneval"))
+    [rate_cell] = result.rate_cells
+    opened = model.open_loop(tree, "mt-bench", shape, 8, 64)
+    assert (rate_cell.dataset, rate_cell.rate) == ("mt-bench", 8)
+    assert rate_cell.tpot.p99 == pytest.approx(opened.tpot_s)
+    assert rate_cell.output_tok_s == pytest.approx(8 * 128)
 
 
 def test_the_neutral_prior_keeps_facts_and_forgets_every_fitted_value():
@@ -240,6 +270,32 @@ def test_a_tree_feasible_on_one_launch_is_confirmed_by_a_second_before_it_is_rec
                (chain, launch(chain, 109.0, (108.8, 109, 109.2))))
     recs = recommend(spec, list(planner.results.values()), planner.baseline)
     assert recs[0].config == chain
+
+
+def test_when_no_tree_serves_every_dataset_each_datasets_own_leader_is_confirmed():
+    """A tree 10% faster on humaneval regresses mt-bench by 20%: no tree is even plausible
+    for the mixed workload, so what a humaneval-only server would run is confirmed
+    instead (the baseline first), and then recommended for humaneval. Before, confirmations
+    served the mixed workload alone and this one was never made (the single-H100
+    scenarios: 30 launches, no per-scenario tree confirmed)."""
+    spec = one_dataset_study(datasets=["humaneval", "mt-bench"])
+    chain = TreeConfig(3, 1, 4)
+
+    def two(config, humaneval, mt_bench):
+        return LaunchResult(config, ok=True, cells=[
+            cell("humaneval", 1, humaneval, (humaneval - 0.2, humaneval, humaneval + 0.2)),
+            cell("mt-bench", 1, mt_bench, (mt_bench - 0.2, mt_bench, mt_bench + 0.2))])
+
+    base, tree = two(BASELINE, 100.0, 100.0), two(chain, 110.0, 80.0)
+    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                      load_space("narrow"), [base, tree])
+    assert [r.config for r in recommend(spec, [base, tree], base)
+            if r.workload == "humaneval"] == [BASELINE]
+    remeasures(planner, (BASELINE, two(BASELINE, 100.2, 100.1)),
+               (chain, two(chain, 109.0, 80.5)))
+    recs = recommend(spec, list(planner.results.values()), planner.baseline)
+    assert {r.workload: r.config for r in recs} == {"mixed": BASELINE, "humaneval": chain,
+                                                    "mt-bench": BASELINE}
 
 
 class Forecaster:

@@ -21,9 +21,9 @@ import optuna
 from treetune.backends.sglang import profile_method
 from treetune.backends.sglang_adaptive import Schedule, graph_batch_sizes, settled_steps
 from treetune.config import AdaptiveConfig, ServerConfig, TreeConfig, chain
-from treetune.perfmodel import PerfModel, check_memory
+from treetune.perfmodel import PerfModel, Serving, Shape, check_memory
 from treetune.perfmodel.noise import lognormal_factor
-from treetune.results import CellResult, LaunchResult
+from treetune.results import CellResult, Latency, LaunchResult
 from treetune.space import load_space
 from treetune.study.planner import Planner, Task
 from treetune.study.spec import StudySpec
@@ -77,6 +77,7 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
                             exit_code=1)
     launch = lognormal_factor(noise.launch_cv, rng)
     repeats = spec.measurement.repeats
+    shapes, most = request_shapes(spec), max(spec.batch)
     cells = []
     for batch in spec.batch:
         for dataset in spec.dataset_names:
@@ -88,15 +89,51 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
                 tput = truth.throughput(config, batch, dataset)
                 if isinstance(config, TreeConfig):
                     accept = truth.accept_length(config, dataset)
-            tput *= launch
-            windows = tuple(tput * lognormal_factor(noise.measurement_cv, rng)
-                            for _ in range(repeats))
-            if accept is not None:
-                accept *= lognormal_factor(noise.accept_cv, rng)
-            cells.append(CellResult(dataset, batch, float(np.mean(windows)), accept,
-                                    requests=batch, output_tokens=0, duration_s=0.0,
-                                    ttft=None, tpot=None, repeats=windows))
-    return LaunchResult(config, ok=True, cells=cells)
+            served = (truth.closed_loop(config, dataset, shapes[dataset], batch, most)
+                      if dataset in shapes and not isinstance(config, AdaptiveConfig)
+                      else None)
+            cells.append(_cell(dataset, batch, None, served.output_tok_s if served else tput,
+                               accept, served, launch, repeats, noise, rng))
+    rate_cells = []
+    for rate in spec.rates:
+        for dataset in spec.dataset_names:
+            if dataset not in shapes or isinstance(config, AdaptiveConfig):
+                continue
+            served = truth.open_loop(config, dataset, shapes[dataset], rate, most)
+            accept = (truth.accept_length(config, dataset) if isinstance(config, TreeConfig)
+                      else None)
+            rate_cells.append(_cell(dataset, 0, rate, served.output_tok_s, accept, served,
+                                    launch, repeats, noise, rng))
+    return LaunchResult(config, ok=True, cells=cells, rate_cells=rate_cells)
+
+
+def request_shapes(spec: StudySpec) -> dict[str, Shape]:
+    """The datasets of fixed-length requests (synthetic prompts, every answer exactly as
+    long): an in-process launch serves those as whole requests, prefill and turnover
+    included (`treetune.perfmodel.serving`), as the emulator does. The others are the
+    steady state of decoding at the profile's context."""
+    return {d.name: Shape(d.prompt_tokens, d.output_tokens) for d in spec.datasets
+            if d.synthetic and d.prompt_tokens and isinstance(d.output_tokens, int)}
+
+
+def _cell(dataset: str, batch: int, rate: float | None, tput: float, accept: float | None,
+          served: Serving | None, launch: float, repeats: int, noise: Noise,
+          rng: np.random.Generator) -> CellResult:
+    """One measured cell: the truth's throughput (and, for whole requests, latencies,
+    the same at every percentile) with the launch's and each window's noise."""
+    windows = tuple(tput * launch * lognormal_factor(noise.measurement_cv, rng)
+                    for _ in range(repeats))
+    if accept is not None:
+        accept *= lognormal_factor(noise.accept_cv, rng)
+    measured = float(np.mean(windows))
+    ttft = tpot = None
+    if served is not None:
+        slower = tput / measured if measured > 0 else 1.0  # a slow launch: slow tokens
+        ttft = Latency(*[served.ttft_s * slower] * 3)
+        tpot = Latency(*[served.tpot_s * slower] * 3)
+    return CellResult(dataset, batch, measured, accept, requests=max(batch, 1),
+                      output_tokens=0, duration_s=0.0, ttft=ttft, tpot=tpot,
+                      repeats=windows, rate=rate, arrival="poisson" if rate else "")
 
 
 @dataclass(frozen=True)

@@ -234,27 +234,24 @@ class Planner:
         limit = self.spec.search.max_launches_per_config
         if limit <= 1 or self.baseline is None:
             return None
-        names = self.spec.dataset_names  # the mixed workload's recommendation
         noise = self.noise()
-        candidates: list[tuple[float, str, int]] = []  # (gain over the best, key, batch)
+        candidates: list[tuple[float, str, int, tuple[str, ...]]] = []
         for batch in self.spec.batch:
-            verdicts = {key: judge(result, self.baseline, batch, names, self.spec.tolerance,
-                                   noise, needs_launches=self.spec.search.confirming_launches,
-                                   criterion=self.spec.criterion)
-                        for key, result in self.results.items()
-                        if result.ok and isinstance(result.config, TreeConfig)}
-            best = max((v.mean for v in verdicts.values() if v.confirmed), default=1.0)
-            for key, verdict in verdicts.items():
-                if (verdict.unsettled and verdict.mean > best and key not in busy
-                        and launches_of(self.results[key]) < limit):
-                    candidates.append((verdict.mean - best, key, batch))
+            # The mixed workload's recommendation; when no tree is even plausible for every
+            # dataset at this batch size, each dataset's own (what a server dedicated to
+            # that workload runs), or they would never be confirmed.
+            workloads = [tuple(self.spec.dataset_names)]
+            mixed = self._unsettled(batch, workloads[0], noise, busy, limit, candidates)
+            if not mixed and len(workloads[0]) > 1:
+                for dataset in workloads[0]:
+                    self._unsettled(batch, (dataset,), noise, busy, limit, candidates)
         if not candidates:
             return self._remeasure_leader(busy, noise)
         # Only now: it costs a model evaluation. Its estimates are of throughput, so they
         # speak for no other objective.
         model = (self.estimates() or {}) if self.spec.objective is Objective.THROUGHPUT else {}
 
-        def expected_regression(key: str, batch: int) -> bool:
+        def expected_regression(key: str, batch: int, names: tuple[str, ...]) -> bool:
             config = self.results[key].config
             return any((config, batch, d) in model
                        and model[config, batch, d][0] + 2 * math.sqrt(model[config, batch, d][1])
@@ -262,11 +259,30 @@ class Planner:
 
         # The model, from every launch so far, may be sure of a regression: not worth a
         # launch. A model that does not fit is not sure of much (its variance says so).
-        viable = [c for c in candidates if not expected_regression(c[1], c[2])]
+        viable = [c for c in candidates if not expected_regression(*c[1:])]
         pick = max(viable, key=lambda c: c[0])[1] if viable else None
         if pick is None:
             return None
         return self._baseline_first(pick, busy)
+
+    def _unsettled(self, batch: int, names: tuple[str, ...], noise: StudyNoise, busy: set[str],
+                   limit: int, candidates: list[tuple[float, str, int, tuple[str, ...]]]
+                   ) -> bool:
+        """Add to `candidates` (gain over the best confirmed, key, batch, workload) every
+        tree that would lead workload `names` at `batch` if it were confirmed; returns
+        whether any tree is plausible for it there."""
+        assert self.baseline is not None
+        verdicts = {key: judge(result, self.baseline, batch, list(names), self.spec.tolerance,
+                               noise, needs_launches=self.spec.search.confirming_launches,
+                               criterion=self.spec.criterion)
+                    for key, result in self.results.items()
+                    if result.ok and isinstance(result.config, TreeConfig)}
+        best = max((v.mean for v in verdicts.values() if v.confirmed), default=1.0)
+        for key, verdict in verdicts.items():
+            if (verdict.unsettled and verdict.mean > best and key not in busy
+                    and launches_of(self.results[key]) < limit):
+                candidates.append((verdict.mean - best, key, batch, names))
+        return any(v.plausible for v in verdicts.values())
 
     def _baseline_first(self, key: str, busy: set[str]) -> Task:
         """The re-measurement of `key`, or of the baseline before it: the baseline's noise
