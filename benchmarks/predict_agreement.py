@@ -328,7 +328,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", default="3,4,8", help="the tree, steps,topk,draft_tokens")
     parser.add_argument("--quick", action="store_true",
-                        help="shorter windows and fewer open-loop requests (about 5 minutes; the full run about 25)")
+                        help="shorter windows and fewer open-loop requests (about 4 minutes; "
+                        "the full run about 25)")
     parser.add_argument("--time-scale", type=float, default=None,
                         help="emulator time scale (default: 4, 8 with --quick)")
     parser.add_argument("--fine-time-scale", type=float, default=2.0,
