@@ -68,12 +68,14 @@ def main() -> None:
         print(f"  {PUBLISHED} at batch {batch}: "
               + ", ".join(f"{d} {i.label()}" for d, i in verdict.intervals.items())
               + f"; feasible: {verdict.feasible}")
-    base = planner.baseline.rate_cell("sharegpt", 8.0)
-    if base is not None and base.tpot is not None:
-        print(f"chat at 8 req/s (sharegpt rate cell), p50 TPOT, no speculation "
+    for rate in spec.rates:  # the chat scenario's (sharegpt)
+        base = planner.baseline.rate_cell("sharegpt", rate)
+        if base is None or base.tpot is None:
+            continue
+        print(f"chat at {rate:g} req/s (sharegpt rate cell), p50 TPOT, no speculation "
               f"{base.tpot.p50 * 1e3:.2f} ms:")
         for key, result in planner.results.items():
-            cell = result.rate_cell("sharegpt", 8.0) if result.ok else None
+            cell = result.rate_cell("sharegpt", rate) if result.ok else None
             if key != "baseline" and cell is not None and cell.tpot is not None:
                 print(f"  {key}: {cell.tpot.p50 * 1e3:.2f} ms, "
                       f"{base.tpot.p50 / cell.tpot.p50:.2f}x faster per token")

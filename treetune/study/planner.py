@@ -240,10 +240,10 @@ class Planner:
             # The mixed workload's recommendation; when no tree is even plausible for every
             # dataset at this batch size, each dataset's own (what a server dedicated to
             # that workload runs), or they would never be confirmed.
-            workloads = [tuple(self.spec.dataset_names)]
-            mixed = self._unsettled(batch, workloads[0], noise, busy, limit, candidates)
-            if not mixed and len(workloads[0]) > 1:
-                for dataset in workloads[0]:
+            every = tuple(self.spec.dataset_names)
+            if not self._unsettled(batch, every, noise, busy, limit, candidates) \
+                    and len(every) > 1:
+                for dataset in every:
                     self._unsettled(batch, (dataset,), noise, busy, limit, candidates)
         if not candidates:
             return self._remeasure_leader(busy, noise)
