@@ -11,8 +11,9 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import numpy as np
@@ -31,12 +32,13 @@ from treetune.backends.sglang import SGLANG_API
 from treetune.config import TreeConfig
 from treetune.emulator.engine import Engine
 from treetune.emulator.metrics import ServerMetrics
-from treetune.loadgen._common import Counters, clock_lag
+from treetune.loadgen._common import Counters, Record, client_lag, clock_lag, heartbeat
 from treetune.perfmodel import NoiseModel, load_profile
 from treetune.results import CellResult, LaunchResult
-from treetune.study.worker import measure_watched
+from treetune.study.worker import measure_watched, normal_priority
 
 PROFILE = "qwen3-coder-next-h200"
+PRINT_NICENESS = "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"
 DATASET = "humaneval"
 TREE = TreeConfig(3, 4, 8)
 LAG = f"{CLOCK_LAG_METRIC}_count"
@@ -111,22 +113,25 @@ def test_a_cells_clock_lag_is_the_mean_over_the_deadlines_met_in_its_window():
 
 # ---- the worker re-measures and marks it ------------------------------------------------
 
-def cell(lag: float | None) -> CellResult:
+def cell(lag: float | None, client_lag: float | None = None) -> CellResult:
     return CellResult(dataset=DATASET, batch=8, output_tok_s=900.0, accept_length=3.0,
                       requests=10, output_tokens=5400, duration_s=6.0, ttft=None, tpot=None,
-                      clock_lag_s=lag)
+                      clock_lag_s=lag, client_lag_s=client_lag)
 
 
 class Measured:
-    """A stand-in for a cell's measurement that returns cells with these lags in turn."""
+    """A stand-in for a cell's measurement that returns cells with these lags in turn
+    (the server's; the load generator's with `client`)."""
 
-    def __init__(self, *lags: float | None) -> None:
+    def __init__(self, *lags: float | None, client: bool = False) -> None:
         self.lags = list(lags)
+        self.client = client
         self.calls = 0
 
     async def __call__(self) -> CellResult:
         self.calls += 1
-        return cell(self.lags.pop(0))
+        lag = self.lags.pop(0)
+        return cell(0.001, lag) if self.client else cell(lag)
 
 
 def watched(measure: Measured, time_scale: float = 20.0) -> tuple[CellResult, str | None]:
@@ -157,6 +162,109 @@ def test_a_cell_that_lagged_twice_is_kept_marked_lagged_with_a_warning_saying_wh
     assert warning.endswith(f"kept, marked lagged. To fix: {CLOCK_LAG_HINT} (time scale now "
                             "20).")
     assert "lower backend.time_scale (--time-scale) or run fewer workers" in CLOCK_LAG_HINT
+
+
+def test_a_load_generator_that_lagged_twice_is_named_in_the_warning():
+    # The server kept its clock; the client measuring it did not.
+    measure = Measured(0.3, 0.09, client=True)
+    result, warning = watched(measure)
+    assert (measure.calls, result.client_lag_s, result.lagged) == (2, 0.09, True)
+    assert warning is not None and warning.startswith(
+        "humaneval at batch 8: the load generator's own timers ran 300 ms, then measured "
+        "again 90 ms behind its schedule")
+    once = Measured(0.3, 0.01, client=True)
+    assert watched(once)[0].lagged is False and once.calls == 2
+
+
+# ---- the load generator watches its own loop -----------------------------------------------
+
+def test_a_blocked_load_generator_shows_as_client_lag_in_server_seconds():
+    record = Record(workers=1)
+
+    async def run() -> None:
+        beat = asyncio.create_task(heartbeat(record))
+        await asyncio.sleep(0.05)
+        time.sleep(0.3)  # a starved client in miniature: its loop cannot run at all
+        await asyncio.sleep(0.05)
+        beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beat
+
+    asyncio.run(run())
+    late = [lateness for _, lateness in record.beats]
+    assert max(late) >= 0.25 and min(late) >= 0  # the beat due during the block, met after
+    everything = (record.beats[0][0], record.beats[-1][0] + 1.0)
+    assert client_lag(record, everything, 10.0) == pytest.approx(10.0 * float(np.mean(late)))
+    before = (record.beats[0][0] - 1.0, record.beats[0][0])
+    assert client_lag(record, before, 10.0) is None  # no beat in that window
+
+
+# ---- the load generator and its server get the CPU -----------------------------------------
+# Ray starts its workers niced (15): beside anything at niceness 0 (a CPU hog, the study's
+# own fits) the load generator then ran its timers 0.2-0.8 s late at batch 8, and measured
+# a third of the throughput it measures alone.
+
+def in_niced_thread(work: Callable[[], object]) -> object:
+    """`work()` in a fresh thread at niceness 7 (on Linux niceness is per thread), as Ray
+    runs its workers; returns what it returned."""
+    out: list[object] = []
+
+    def run() -> None:
+        os.setpriority(os.PRIO_PROCESS, 0, 7)
+        out.append(work())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=60)
+    return out[0]
+
+
+def this_niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_a_niced_worker_measures_and_starts_its_server_at_niceness_zero():
+    if os.geteuid() != 0:
+        pytest.skip("lowering niceness needs CAP_SYS_NICE (root here)")
+
+    def work() -> tuple[str | None, int, int]:
+        warning = normal_priority()
+        child = subprocess.run([sys.executable, "-c", PRINT_NICENESS], capture_output=True,
+                               text=True, check=True, timeout=60).stdout
+        return warning, os.getpriority(os.PRIO_PROCESS, 0), int(child)
+
+    assert in_niced_thread(work) == (None, 0, 0)
+
+
+def test_a_worker_that_may_not_lower_its_niceness_says_what_to_do(monkeypatch):
+    def refused(*args: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    def work() -> str | None:
+        monkeypatch.setattr(os, "setpriority", refused)
+        return normal_priority()
+
+    warning = in_niced_thread(work)
+    assert isinstance(warning, str) and warning.startswith("this launch ran at niceness 7")
+    assert "RAY_worker_niceness=0" in warning
+    assert normal_priority() is None  # this thread runs at 0 already
+
+
+@pytest.mark.usefixtures("ray_tmpdir")
+def test_a_local_ray_starts_its_workers_at_niceness_zero(tmp_path):
+    import ray
+
+    from treetune.study.runner import _Ray
+    from treetune.study.spec import load_study
+
+    session = _Ray(load_study(None, small_study(tmp_path)))
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # not importable there
+    try:
+        niceness = ray.get(ray.remote(num_cpus=1)(this_niceness).remote(), timeout=120)
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        session.shutdown()
+    assert niceness == 0
 
 
 # ---- a CPU hog makes it happen ------------------------------------------------------------

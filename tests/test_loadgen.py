@@ -235,6 +235,7 @@ def test_a_closed_loop_cell_also_has_itl_e2e_its_request_rate_and_the_servers_cl
     # A 1024-token request: its end-to-end time is its first token plus 1023 at the TPOT.
     assert cell.e2e.p50 == pytest.approx(cell.ttft.p50 + 1023 * cell.tpot.p50, rel=0.2)
     assert cell.clock_lag_s is not None and cell.clock_lag_s >= 0 and not cell.lagged
+    assert cell.client_lag_s is not None and cell.client_lag_s >= 0  # its own heartbeat
 
 
 def test_a_cell_where_every_request_fails_raises_with_the_cause(tree_url):
@@ -298,6 +299,7 @@ def test_an_open_loop_cell_completes_every_scheduled_request_at_about_the_asked_
         assert cell.request_rate == pytest.approx(RATE, rel=0.1)
     assert cell.output_tokens == 64 * len(scheduled)
     assert cell.accept_length is not None and cell.clock_lag_s is not None
+    assert cell.client_lag_s is not None and cell.client_lag_s >= 0
 
 
 def test_an_open_loop_cells_latency_percentiles_are_ordered_and_consistent(open_cell):

@@ -139,7 +139,8 @@ def test_a_cell_stored_before_open_loops_still_loads_as_a_closed_loop_cell():
     cell = CellResult.from_dict(OLD_CELL)
     assert (cell.batch, cell.rate, cell.arrival, cell.itl, cell.e2e, cell.goodput) == (
         8, None, "", None, None, None)
-    assert (cell.clock_lag_s, cell.lagged, cell.unfinished) == (None, False, 0)
+    assert (cell.clock_lag_s, cell.client_lag_s, cell.lagged, cell.unfinished) == (
+        None, None, False, 0)
     assert cell.label == "humaneval at batch 8"
     launch = LaunchResult.from_dict({"config": "3,4,8", "ok": True, "cells": [OLD_CELL]})
     assert launch.rate_cells == [] and launch.cell("humaneval", 8) == cell
@@ -150,7 +151,7 @@ def test_a_rate_cell_round_trips_and_is_never_found_as_a_batch_cell():
     rate_cell = dataclasses.replace(
         base, batch=0, rate=2.0, arrival="poisson", request_rate=1.9,
         itl=Latency(0.02, 0.03, 0.05), e2e=Latency(1.0, 2.0, 3.0), slo=Slo(tpot_ms=50),
-        goodput=1.5, unfinished=1, clock_lag_s=0.004, lagged=True)
+        goodput=1.5, unfinished=1, clock_lag_s=0.004, lagged=True, client_lag_s=0.002)
     launch = LaunchResult.from_dict({"config": "3,4,8", "ok": True, "cells": [OLD_CELL]})
     launch.rate_cells.append(rate_cell)
     again = LaunchResult.from_dict(launch.to_dict())

@@ -86,9 +86,12 @@ class CellResult:
     unfinished: int = 0  # open loop: requests still running when the cell ended, aborted
     # How late the server's clock ran behind its schedule, mean over the cell, server
     # seconds (the emulator's; None for a server on a real clock); `lagged`: above the
-    # study's measurement.max_clock_lag_s even when measured again.
+    # study's measurement.max_clock_lag_s even when measured again (this or `client_lag_s`).
     clock_lag_s: float | None = None
     lagged: bool = False
+    # How late the load generator ran its own timers, mean over the cell, server seconds
+    # (None: not watched): a starved client measures late on any server.
+    client_lag_s: float | None = None
     # Per launch, when several launches are merged: each launch's value of every
     # non-throughput objective (study/evidence.py `merge`; ms for latencies, None where a
     # launch could not tell), from which the study learns those objectives' launch noise.

@@ -54,9 +54,11 @@ class ServerApi:
     launch_warnings: Callable[[Flags, Mapping[str, Any], str], list[str]] | None = None
     # A histogram of how late the server's clock met its schedule, in server seconds (None:
     # the server runs on a real clock, as SGLang does); its _sum over its _count over a cell
-    # is the cell's mean clock lag. With what to do when it lags, for the study's warning.
+    # is the cell's mean clock lag. With what to do when it (or the load generator) lags,
+    # for the study's warning.
     clock_lag: str | None = None
-    clock_lag_hint: str = ""
+    clock_lag_hint: str = ("give the load generator a CPU to itself: run fewer workers at "
+                           "once (--workers) or the study on a less busy machine")
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 MIN_FAILURES = 5  # failed requests in a row that end a cell, at least
 DRAIN_TIMEOUT_S = 30.0  # wall seconds to wait for the server to finish aborted requests
+HEARTBEAT_S = 0.01  # wall seconds between the load generator's checks of its own timers
 
 
 class PromptSetLike(Protocol):
@@ -68,6 +69,7 @@ class Record:
     started: set[int] = field(default_factory=set)  # workers that received a token
     all_started: asyncio.Event = field(default_factory=asyncio.Event)
     hopeless: asyncio.Event = field(default_factory=asyncio.Event)
+    beats: list[tuple[float, float]] = field(default_factory=list)  # (wall time, lateness)
 
     def first_token(self, worker: int) -> None:
         self.failures_in_a_row = 0
@@ -102,6 +104,18 @@ async def send(client: ServerClient, prompt: Prompt, max_new_tokens: int, record
     except (ServerRequestError, OSError, ValueError) as exc:
         record.failure(exc)
         return False
+
+
+async def heartbeat(record: Record) -> None:
+    """Note, until cancelled, how late this event loop runs its own timers
+    (`Record.beats`). A starved load generator sends late and stamps arrivals late, and
+    its sub-windows then count tokens in bursts, whatever the server's own clock did."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + HEARTBEAT_S
+        await asyncio.sleep(HEARTBEAT_S)
+        now = loop.time()
+        record.beats.append((now, max(0.0, now - due)))
 
 
 async def until(waiting: Awaitable[object], record: Record,
@@ -202,6 +216,7 @@ def cell_result(dataset: str, record: Record, window: tuple[float, float], scale
         goodput=latency.goodput,
         unfinished=unfinished,
         clock_lag_s=clock_lag(api, counters),
+        client_lag_s=client_lag(record, window, scale),
     )
 
 
@@ -221,3 +236,11 @@ def clock_lag(api: ServerApi, counters: Counters) -> float | None:
         return None
     deadlines = counters.delta(f"{api.clock_lag}_count")
     return counters.delta(f"{api.clock_lag}_sum") / deadlines if deadlines > 0 else 0.0
+
+
+def client_lag(record: Record, window: tuple[float, float], scale: float) -> float | None:
+    """How late the load generator ran its own timers during the window, on average, in
+    server seconds; None when it kept no heartbeat."""
+    start, end = window
+    late = [lateness for at, lateness in record.beats if start <= at < end]
+    return float(np.mean(late)) * scale if late else None

@@ -14,6 +14,7 @@ from treetune.loadgen._common import (
     Record,
     cell_result,
     drain,
+    heartbeat,
     send,
     stop,
     until,
@@ -58,6 +59,7 @@ async def measure_cell(
                                     ignore_eos or prompts.ignore_eos))
         for i in range(batch)
     ]
+    tasks.append(asyncio.create_task(heartbeat(record)))
     try:
         if warmup_s is None:
             await until(record.all_started.wait(), record, tasks)

@@ -16,6 +16,7 @@ from treetune.loadgen._common import (
     Record,
     cell_result,
     drain,
+    heartbeat,
     send,
     stop,
     until,
@@ -61,6 +62,7 @@ async def measure_open_cell(
     tasks: list[asyncio.Task[bool]] = []
     before = await client.metrics()
     start = time.monotonic()
+    watch = asyncio.create_task(heartbeat(record))
     try:
         for i, at in enumerate(times):
             await until(asyncio.sleep(max(0.0, start + at / scale - time.monotonic())),
@@ -80,7 +82,7 @@ async def measure_open_cell(
         unfinished = sum(not t.done() for t in tasks)
         after = await client.metrics()
     finally:
-        await stop(tasks)  # type: ignore[arg-type]
+        await stop([*tasks, watch])  # type: ignore[list-item]
     await drain(client)
     return cell_result(prompts.name, record, (start, end), scale, repeats, client.api,
                        Counters(before, after), rate=rate, arrival=arrival, slo=slo,
