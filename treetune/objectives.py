@@ -44,10 +44,6 @@ class Objective(StrEnum):
         """As tables and headers write it: 'p99 TPOT', 'throughput'."""
         return _LABELS[self]
 
-    @property
-    def unit(self) -> str:
-        return {Objective.THROUGHPUT: "tok/s", Objective.GOODPUT: "req/s"}.get(self, "ms")
-
     def describe(self) -> str:
         """One line: what a speedup means under this objective."""
         if self is Objective.THROUGHPUT:

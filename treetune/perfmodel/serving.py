@@ -92,7 +92,6 @@ class Serving:
     tpot_s: float
     ttft_s: float
     running: float
-    rounds_per_request: float
     saturated: bool = False
 
 
@@ -161,7 +160,7 @@ class _Server:
                 running: float, saturated: bool = False) -> Serving:
         return Serving(float(requests_per_s * self.shape.output_tokens),
                        float(requests_per_s), float(self.per_token(decode_s)), float(ttft_s),
-                       float(running), self.rounds, saturated)
+                       float(running), saturated)
 
 
 def closed_loop(model: ServingModel, config: ServerConfig, dataset: str, shape: Shape,
