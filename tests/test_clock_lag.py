@@ -267,6 +267,42 @@ def test_a_local_ray_starts_its_workers_at_niceness_zero(tmp_path):
     assert niceness == 0
 
 
+NICED = "this launch ran at niceness 15 (a stand-in for a worker that may not lower it)"
+
+
+def niced_workers() -> None:
+    """A Ray worker setup hook: every launch reports the niceness it could not undo."""
+    import treetune.study.worker
+
+    treetune.study.worker.normal_priority = lambda: NICED
+
+
+@pytest.mark.usefixtures("ray_tmpdir")
+def test_a_warning_every_launch_carries_is_kept_with_each_and_printed_once(tmp_path):
+    import ray
+
+    from treetune.study.runner import run_study
+    from treetune.study.spec import load_study
+
+    spec = load_study(None, small_study(
+        tmp_path, batch=[1], datasets=[DATASET], budget={"launches": 2}, workers=1,
+        measurement={"duration_s": 2.0, "repeats": 2, "startup_timeout_s": 30.0,
+                     "max_clock_lag_s": 0.25}))
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # not importable there
+    ray.init(num_cpus=2, resources={spec.backend.gpu_resource: float(spec.tp)},
+             include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"worker_process_setup_hook": niced_workers})
+    notes: list[str] = []
+    try:
+        outcome = run_study(spec, lambda p: notes.extend(n for n in p.notes if n not in notes))
+    finally:
+        ray.shutdown()
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    assert [r.ok and NICED in r.warnings for r in outcome.results] == [True, True], [
+        (r.ok, r.reason, r.warnings) for r in outcome.results]
+    assert [n for n in notes if NICED in n] == [f"baseline: {NICED}"]
+
+
 # ---- a CPU hog makes it happen ------------------------------------------------------------
 
 @contextlib.contextmanager

@@ -178,7 +178,7 @@ class LaunchWorker:
                 if not result.server_info:
                     info = await client.server_info()
                     result.server_info = server_facts(spec.backend.api, info)
-                    result.warnings = self._launch_warnings(info, log, command)
+                    result.warnings += self._launch_warnings(info, log, command)
                 if is_rate:
                     measure = functools.partial(
                         measure_open_cell, client, prompts, size, duration_s=m.duration_s,
