@@ -40,9 +40,11 @@ RAY_DEFAULT_NICENESS = 15
 @contextlib.contextmanager
 def hogs(count: int) -> Iterator[None]:
     """`count` busy loops at this process's niceness (0), killed afterwards."""
-    started = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                                stdin=subprocess.DEVNULL) for _ in range(count)]
+    started: list[subprocess.Popen[bytes]] = []
     try:
+        for _ in range(count):
+            started.append(subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                            stdin=subprocess.DEVNULL))
         yield
     finally:
         for hog in started:

@@ -606,7 +606,10 @@ def test_the_adaptive_study_runs_on_ray_and_exports_what_sglang_accepts(tmp_path
         "budget": {"launches": 7}, "search": {"max_launches_per_config": 1},
         "model": f"{tmp_path}/model-under-test", "output": str(tmp_path / "out"),
         "backend": {"time_scale": 20.0, "load_time_s": 5.0},
-        "measurement": {"duration_s": 16.0, "repeats": 2, "startup_timeout_s": 60.0}})
+        # A clock or load generator lag of tens of ms at time scale 20 on a busy machine is
+        # not what this test is about (test_clock_lag.py is): a threshold above it.
+        "measurement": {"duration_s": 16.0, "repeats": 2, "startup_timeout_s": 60.0,
+                        "max_clock_lag_s": 0.25}})
     outcome = run_study(spec)
     keys = [config_key(r.config) for r in outcome.results]
     assert keys[:5] == ["baseline", "1,1,2", "2,1,3", "3,1,4", "5,1,6"]

@@ -384,7 +384,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     planner: Planner | None = None
     others: _Others | None = None
     spent = False  # the study's budget is taken by other searches' claims (until a look)
-    warned: set[str] = set()  # a warning every launch carries (a worker's niceness) once
+    warned: dict[str, str] = {}  # each launch warning -> the config it was first seen on
 
     def budget_left() -> bool:
         assert planner is not None
@@ -521,9 +521,10 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                                     else f"{config} failed: {result.reason}")
                 if result.ok and result.attempts > 1:
                     progress.message += f" (second server: {result.retried_because})"
-                progress.notes += [f"{config}: {warning}" for warning in result.warnings
-                                   if warning not in warned]
-                warned.update(result.warnings)
+                for warning in result.warnings:  # in full once, then by reference
+                    first = warned.setdefault(warning, str(config))
+                    progress.notes.append(f"{config}: {warning}" if first == str(config)
+                                          else f"{config}: the same warning as {first}")
                 if config is BASELINE and not result.ok and planner.baseline is None:
                     raise TreetuneError(f"the baseline launch failed: {result.reason}\n"
                                         f"{result.log_tail}")

@@ -224,19 +224,27 @@ async def measure_watched(measure: Callable[[], Awaitable[CellResult]], max_lag_
     cell = await measure()
     if not _lags(cell, max_lag_s):
         return cell, None
-    first = _lag(cell)
+    first = _lagging(cell)
     cell = await measure()
     if not _lags(cell, max_lag_s):
         return cell, None
-    who = ("the server's clock" if (cell.clock_lag_s or 0.0) >= (cell.client_lag_s or 0.0)
-           else "the load generator's own timers")
-    warning = (f"{cell.label}: {who} ran {first * 1e3:.0f} ms, then measured again "
-               f"{_lag(cell) * 1e3:.0f} ms behind its schedule on average (server time, "
+    second = _lagging(cell)
+    again = ("measured again" if second[0] == first[0]
+             else f"measured again, {second[0]}")
+    warning = (f"{cell.label}: {first[0]} ran {first[1] * 1e3:.0f} ms, then {again} "
+               f"{second[1] * 1e3:.0f} ms behind its schedule on average (server time, "
                f"over measurement.max_clock_lag_s = {max_lag_s * 1e3:g} ms): its latencies "
                f"are off by that much, its throughput too if the lag outgrew a round; kept, "
                f"marked lagged. To fix: {hint}"
                f"{f' (time scale now {time_scale:g})' if time_scale != 1 else ''}.")
     return dataclasses.replace(cell, lagged=True), warning
+
+
+def _lagging(cell: CellResult) -> tuple[str, float]:
+    """Which lagged more, in words, and by how much (server seconds)."""
+    if (cell.clock_lag_s or 0.0) >= (cell.client_lag_s or 0.0):
+        return "the server's clock", cell.clock_lag_s or 0.0
+    return "the load generator's own timers", cell.client_lag_s or 0.0
 
 
 def _lag(cell: CellResult) -> float:
@@ -250,20 +258,23 @@ def _lags(cell: CellResult, max_lag_s: float) -> bool:
 
 def normal_priority() -> str | None:
     """Run this thread (the load generator, and the server it starts: both inherit it) at
-    niceness 0. Ray starts its workers niced (15 unless the cluster was started with
+    the niceness of the process that started this worker (the node's Ray), not above.
+    Ray starts its workers niced (15 above its own, unless the cluster was started with
     RAY_worker_niceness=0): on a node with anything else to run, they would get the CPU
-    last, and the cells would measure that. A line for the study when it cannot be undone
-    (lowering niceness needs CAP_SYS_NICE); None when it is 0."""
+    last, and the cells would measure that. A study run under `nice` on purpose keeps its
+    niceness. A line for the study when it cannot be undone (lowering niceness needs
+    CAP_SYS_NICE); None when there is nothing to undo."""
     niceness = os.getpriority(os.PRIO_PROCESS, 0)  # on Linux, this thread's
-    if niceness <= 0:
+    node = os.getpriority(os.PRIO_PROCESS, os.getppid())
+    if niceness <= node:
         return None
     try:
-        os.setpriority(os.PRIO_PROCESS, 0, 0)
+        os.setpriority(os.PRIO_PROCESS, 0, node)
     except PermissionError:
-        return (f"this launch ran at niceness {niceness} (Ray's worker default), which this "
-                "worker may not lower: its server and load generator get the CPU after "
-                "everything else on the node. Start the Ray cluster with "
-                "RAY_worker_niceness=0 (`RAY_worker_niceness=0 ray start ...`).")
+        return (f"this launch ran at niceness {niceness}, above the {node} of the Ray node "
+                "that started its worker, which may not lower it: its server and load "
+                "generator get the CPU after everything else on the node. Start the Ray "
+                "cluster with RAY_worker_niceness=0 (`RAY_worker_niceness=0 ray start ...`).")
     return None
 
 
