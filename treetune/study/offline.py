@@ -71,39 +71,38 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
     truth = method_truth(truth, config)
     # SGLang sizes an adaptive server for its longest candidate chain.
     sized = config.longest if isinstance(config, AdaptiveConfig) else config
-    if not check_memory(truth.profile, sized, max(spec.batch), tp=truth.cost.tp,
+    shapes, most = request_shapes(spec), max(spec.batch)
+    if not check_memory(truth.profile, sized, most, tp=truth.cost.tp,
                         method=truth.method).fits:
         return LaunchResult(config, reason="RuntimeError: Not enough memory (emulated)",
                             exit_code=1)
     launch = lognormal_factor(noise.launch_cv, rng)
     repeats = spec.measurement.repeats
-    shapes, most = request_shapes(spec), max(spec.batch)
+
+    def accept_of(dataset: str) -> float | None:
+        return truth.accept_length(config, dataset) if isinstance(config, TreeConfig) else None
+
     cells = []
     for batch in spec.batch:
         for dataset in spec.dataset_names:
-            accept = None
+            served = None
             if isinstance(config, AdaptiveConfig):
-                tput, accept = adaptive_throughput(truth, config, batch, dataset,
-                                                   max(spec.batch))
+                tput, accept = adaptive_throughput(truth, config, batch, dataset, most)
+            elif dataset in shapes:
+                served = truth.closed_loop(config, dataset, shapes[dataset], batch, most)
+                tput, accept = served.output_tok_s, accept_of(dataset)
             else:
-                tput = truth.throughput(config, batch, dataset)
-                if isinstance(config, TreeConfig):
-                    accept = truth.accept_length(config, dataset)
-            served = (truth.closed_loop(config, dataset, shapes[dataset], batch, most)
-                      if dataset in shapes and not isinstance(config, AdaptiveConfig)
-                      else None)
-            cells.append(_cell(dataset, batch, None, served.output_tok_s if served else tput,
-                               accept, served, launch, repeats, noise, rng))
+                tput, accept = truth.throughput(config, batch, dataset), accept_of(dataset)
+            cells.append(_cell(dataset, batch, None, tput, accept, served, launch, repeats,
+                               noise, rng))
     rate_cells = []
     for rate in spec.rates:
         for dataset in spec.dataset_names:
             if dataset not in shapes or isinstance(config, AdaptiveConfig):
                 continue
             served = truth.open_loop(config, dataset, shapes[dataset], rate, most)
-            accept = (truth.accept_length(config, dataset) if isinstance(config, TreeConfig)
-                      else None)
-            rate_cells.append(_cell(dataset, 0, rate, served.output_tok_s, accept, served,
-                                    launch, repeats, noise, rng))
+            rate_cells.append(_cell(dataset, 0, rate, served.output_tok_s, accept_of(dataset),
+                                    served, launch, repeats, noise, rng))
     return LaunchResult(config, ok=True, cells=cells, rate_cells=rate_cells)
 
 

@@ -236,11 +236,11 @@ class Planner:
             return None
         noise = self.noise()
         candidates: list[tuple[float, str, int, tuple[str, ...]]] = []
+        every = tuple(self.spec.dataset_names)
         for batch in self.spec.batch:
             # The mixed workload's recommendation; when no tree is even plausible for every
             # dataset at this batch size, each dataset's own (what a server dedicated to
             # that workload runs), or they would never be confirmed.
-            every = tuple(self.spec.dataset_names)
             if not self._unsettled(batch, every, noise, busy, limit, candidates) \
                     and len(every) > 1:
                 for dataset in every:

@@ -241,19 +241,15 @@ async def measure_watched(measure: Callable[[], Awaitable[CellResult]], max_lag_
 
 
 def _lagging(cell: CellResult) -> tuple[str, float]:
-    """Which lagged more, in words, and by how much (server seconds)."""
+    """Which lagged more, the server or the load generator, in words, and by how much
+    (server seconds; 0 when neither keeps a lag)."""
     if (cell.clock_lag_s or 0.0) >= (cell.client_lag_s or 0.0):
         return "the server's clock", cell.clock_lag_s or 0.0
     return "the load generator's own timers", cell.client_lag_s or 0.0
 
 
-def _lag(cell: CellResult) -> float:
-    """The larger of the server's and the load generator's lag (0 when neither keeps one)."""
-    return max(cell.clock_lag_s or 0.0, cell.client_lag_s or 0.0)
-
-
 def _lags(cell: CellResult, max_lag_s: float) -> bool:
-    return _lag(cell) > max_lag_s
+    return _lagging(cell)[1] > max_lag_s
 
 
 def normal_priority() -> str | None:
