@@ -4,6 +4,7 @@ beyond it fail the check, and the learned correction follows what the model got 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from treetune.config import TreeConfig
 from treetune.strategies._misfit import MIN_SURPRISES, Correction, Residual
@@ -52,3 +53,23 @@ def test_surprises_beyond_the_noise_fail_the_check_and_the_correction_learns_the
     assert mean[0] < -0.08 and var[0] > 0
     under, _ = fit.predict([over], 1, "humaneval")  # 8 tokens at batch 1
     assert abs(under[0]) < 0.05
+
+
+def test_a_draw_of_the_correction_moves_near_trees_together_with_the_predicted_spread():
+    """Thompson sampling draws the correction jointly: near twins get near-equal shifts
+    (drawn one by one, a large family of twins holds the highest of many independent
+    draws by number alone), each with the spread `predict` gives it."""
+    rng = np.random.default_rng(2)
+    fit = Correction(DATASETS)
+    fit.surprise(list(9 * rng.chisquare(1, 40)))
+    fit.update(residuals(lambda c, b: -0.1 if c.steps >= 3 else 0.0, variance=0.02 ** 2))
+    assert fit.misfit
+    twins = [TreeConfig.of(6, 8, 63), TreeConfig.of(6, 8, 64), TreeConfig.of(1, 2, 3)]
+    mean, var = fit.predict(twins, 1, "humaneval")
+    draws = np.array([fit.sample(twins, 1, np.random.default_rng(seed))[:, 1]
+                      for seed in range(300)])  # humaneval's column
+    assert np.sqrt(var[0]) > 0.01  # far from every measured tree: uncertain
+    gap = np.abs(draws[:, 0] - draws[:, 1])
+    assert gap.max() < 0.2 * np.sqrt(var[0])
+    assert draws.mean(axis=0) == pytest.approx(mean, abs=0.25 * np.sqrt(var.max()))
+    assert draws.std(axis=0) == pytest.approx(np.sqrt(var), rel=0.2)

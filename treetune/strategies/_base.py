@@ -21,6 +21,7 @@ from treetune.space import SearchSpace
 
 if TYPE_CHECKING:
     from treetune.perfmodel import Profile
+    from treetune.perfmodel.serving import Shape
     from treetune.strategies._trials import BatchStudies
 
 AUTO = "auto"
@@ -64,6 +65,9 @@ class SearchContext:
     # result is not in yet: with several workers, a proposal is made while these run, and
     # must be worth launching beside them, not a copy of what they will tell.
     pending: Callable[[], list[TreeConfig]] = lambda: []
+    # Datasets of fixed-length requests (prompt and output tokens): their cells measure
+    # whole requests, prefill and turnover included (`strategies/_whole.py`).
+    shapes: Mapping[str, Shape] = field(default_factory=dict)
 
 
 class Strategy(Protocol):

@@ -104,3 +104,20 @@ class Correction:
         x = np.array([features(c, batch, dataset, self.datasets) for c in configs])
         mean, sd = self._gp.predict(x, return_std=True)
         return mean, sd ** 2
+
+    def sample(self, configs: Sequence[TreeConfig], batch: float,
+               rng: np.random.Generator) -> np.ndarray:
+        """One joint draw of the log residual of `configs` at `batch`, per dataset (shape:
+        configs x datasets; zeros while the model fits). Joint, not cell by cell: near
+        trees move together, as the correction says they do. Drawn independently, a large
+        family of near twins would hold the highest of many draws by sheer number, and
+        Thompson sampling would sweep through it one twin at a time."""
+        if self._gp is None or not configs:
+            return np.zeros((len(configs), len(self.datasets)))
+        x = np.array([features(c, batch, d, self.datasets)
+                      for c in configs for d in self.datasets])
+        mean, cov = self._gp.predict(x, return_cov=True)
+        values, vectors = np.linalg.eigh(cov)
+        draw = mean + vectors @ (np.sqrt(np.clip(values, 0.0, None))
+                                 * rng.standard_normal(len(values)))
+        return draw.reshape(len(configs), len(self.datasets))

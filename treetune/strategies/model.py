@@ -13,7 +13,7 @@ too sure of itself cannot trap the search.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -29,10 +29,12 @@ from treetune.perfmodel.calibrate import (
     set_values,
     values_of,
 )
+from treetune.perfmodel.serving import Shape
 from treetune.results import LaunchResult, config_key
 from treetune.strategies._base import Estimates, Proposal, SearchContext, register
 from treetune.strategies._misfit import Correction, Residual
 from treetune.strategies._trials import nearest_config
+from treetune.strategies._whole import WholeRequests
 from treetune.strategies.tpe import TPEStrategy
 
 EXPLORE = 0.1  # share of proposals drawn from a wider posterior (EXPLORE_INFLATE)
@@ -45,6 +47,13 @@ EXPLORE_INFLATE = 4.0
 REDRAWS = 3  # posterior draws a proposal tries before the fit itself
 NOVELTY = 0.005  # a proposal must be predicted this different (log) from measured trees
 MARGIN = 0.02  # a config must be predicted this far above the floor on every dataset
+# A Thompson draw of the misfit correction is joint over the configs whose upper bound
+# (Z_UPPER standard deviations of the correction) ranks among this many per batch size.
+JOINT_CANDIDATES = 128
+# With cells of whole requests, a draw's proposal is among the trees its steady state ranks
+# highest, this many per batch size, served whole (`_whole.py`).
+SERVED = 12
+Z_UPPER = 2.0
 ONLINE_DATASET_FIT = ("acceptance.top1", "acceptance.top1_decay", "acceptance.rank_mass",
                       "context_tokens")
 # First launches after the baseline, before the model has anything to go on: a deep chain
@@ -54,8 +63,11 @@ INITIAL_DESIGN = (TreeConfig(5, 1, 6), TreeConfig(3, 8, 24))
 
 
 def measurements(results: list[LaunchResult], baseline: LaunchResult, batches: list[int],
-                 datasets: list[str]) -> list[Measurement]:
-    """Every measured (tree, batch, dataset) cell with its baseline, as calibrate takes."""
+                 datasets: list[str], whole: WholeRequests | None = None
+                 ) -> list[Measurement]:
+    """Every measured (tree, batch, dataset) cell with its baseline, as calibrate takes
+    (which fits the steady state: a cell of whole requests is read as the steady-state
+    throughputs it implies, by `whole`'s shifts)."""
     points = []
     for result in results:
         if not result.ok or not isinstance(result.config, TreeConfig):
@@ -64,8 +76,12 @@ def measurements(results: list[LaunchResult], baseline: LaunchResult, batches: l
             for dataset in datasets:
                 cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
                 if cell and base and cell.output_tok_s > 0 and base.output_tok_s > 0:
-                    points.append(Measurement(result.config, batch, dataset, base.output_tok_s,
-                                              cell.output_tok_s, cell.accept_length,
+                    base_tok_s, cell_tok_s = base.output_tok_s, cell.output_tok_s
+                    if whole:
+                        base_tok_s /= np.exp(whole.server_shift(BASELINE, batch, dataset))
+                        cell_tok_s /= np.exp(whole.server_shift(result.config, batch, dataset))
+                    points.append(Measurement(result.config, batch, dataset, float(base_tok_s),
+                                              float(cell_tok_s), cell.accept_length,
                                               launch=config_key(result.config)))
     return points
 
@@ -75,18 +91,22 @@ class ModelFit:
     warm-started from the previous fit."""
 
     def __init__(self, prior: Profile, batches: list[int], datasets: list[str],
-                 tp: int | None = None) -> None:
+                 tp: int | None = None, shapes: Mapping[str, Shape] | None = None,
+                 max_batch: int | None = None) -> None:
         self.prior = prior
         self.batches, self.datasets, self.tp = batches, datasets, tp
         self.result: CalibrationResult | None = None
         self.params: list[Parameter] = []
+        # The shift to whole requests on datasets of fixed-length requests, at the fit.
+        self.whole = WholeRequests(shapes or {}, max_batch or max(batches), tp)
+        self.whole.at(prior)
 
     @property
     def profile(self) -> Profile:
         return self.result.profile if self.result else self.prior
 
     def update(self, results: list[LaunchResult], baseline: LaunchResult) -> None:
-        points = measurements(results, baseline, self.batches, self.datasets)
+        points = measurements(results, baseline, self.batches, self.datasets, self.whole)
         if not points:
             return
         self.params = free_parameters(self.prior, points, _calibration_fit(self.prior),
@@ -96,6 +116,7 @@ class ModelFit:
         steps = 400 if start is None else 100 if len(points) < 80 else 40
         self.result = calibrate(self.prior, points, self.params, starts=1, start=start,
                                 max_nfev=steps, tolerance=1e-4)
+        self.whole.at(self.result.profile)
 
     def sample(self, rng: np.random.Generator, inflate: float = 1.0) -> Profile:
         """One parameter set drawn from the fit's posterior (the fit itself before any)."""
@@ -153,7 +174,8 @@ class ModelStrategy:
         self.space = context.space
         self.floor = 1.0 - context.tolerance
         self.rng = np.random.default_rng(context.seed)
-        self.fit = ModelFit(context.prior, context.batches, context.datasets, context.tp)
+        self.fit = ModelFit(context.prior, context.batches, context.datasets, context.tp,
+                            context.shapes, context.max_batch)
         self.correction = Correction(context.datasets)
         self.fitted_on: tuple[int, int] = (-1, -1)
         self.fitted_configs: set[object] = set()
@@ -205,6 +227,8 @@ class ModelStrategy:
         trees = [r.config for r in measured if isinstance(r.config, TreeConfig)]
         table = predicted_speedups(self.fit.profile, trees, self.fit.batches,
                                    self.fit.datasets, self.fit.tp)
+        for batch in self.fit.batches:
+            self.fit.whole.serve(table, trees, batch, self.fit.datasets)
         out = []
         for result in measured:
             assert isinstance(result.config, TreeConfig)
@@ -221,18 +245,31 @@ class ModelStrategy:
         return out
 
     def corrected(self, table: dict[TreeConfig, dict[int, list[float]]],
-                  draw: np.random.Generator | None = None) -> None:
+                  draw: np.random.Generator | None = None,
+                  measured: Sequence[TreeConfig] = ()) -> None:
         """Apply the learned correction to a table of predicted speedups, in place: its
-        mean, or with `draw` one sample of it per cell (Thompson sampling)."""
+        mean, or with `draw` one joint sample of it (Thompson sampling) over the configs
+        that could win under it (JOINT_CANDIDATES per batch size, by their upper bound)
+        and the `measured` ones they are judged against; the others take its mean."""
         if not self.correction.misfit:
             return
         configs = list(table)
         for batch in self.fit.batches:
+            shifts = np.zeros((len(configs), len(self.fit.datasets)))
+            spreads = np.zeros_like(shifts)
             for i, dataset in enumerate(self.fit.datasets):
-                mean, var = self.correction.predict(configs, batch, dataset)
-                shift = mean if draw is None else draw.normal(mean, np.sqrt(var))
-                for config, delta in zip(configs, shift, strict=True):
-                    table[config][batch][i] *= float(np.exp(delta))
+                shifts[:, i], spreads[:, i] = self.correction.predict(configs, batch, dataset)
+            if draw is not None:
+                upper = np.log([table[c][batch] for c in configs]) + shifts \
+                    + Z_UPPER * np.sqrt(spreads)
+                chosen = set(np.argsort(-upper.mean(axis=1))[:JOINT_CANDIDATES].tolist())
+                chosen |= {i for i, c in enumerate(configs) if c in set(measured)}
+                rows = sorted(chosen)
+                shifts[rows] = self.correction.sample([configs[i] for i in rows], batch, draw)
+            for config, delta in zip(configs, shifts, strict=True):
+                table[config][batch] = [v * float(np.exp(d))
+                                        for v, d in zip(table[config][batch], delta,
+                                                        strict=True)]
 
     def observe(self, result: LaunchResult, baseline: LaunchResult) -> None:
         """Nothing to do now: the next proposal refits from every result (see refresh)."""
@@ -289,32 +326,82 @@ class ModelStrategy:
                 return Proposal(pick[1], gain=None if exploring else pick[0])
         return Proposal(untried[int(self.rng.integers(len(untried)))])
 
+    def _served(self, table: dict[TreeConfig, dict[int, list[float]]],
+                untried: list[TreeConfig], trees: list[TreeConfig], batch: int,
+                workload: tuple[int, ...], done: set[tuple[TreeConfig, int]]
+                ) -> list[TreeConfig]:
+        """The untried trees a proposal for `workload` (dataset indices) at `batch`
+        chooses from: all of them; with cells of whole requests, the SERVED ones this
+        draw's steady state ranks highest there, served whole in `table` (and the measured
+        `trees` with them), at the fit's shifts; `done`: the cells served already."""
+        if not self.fit.whole:
+            return untried
+        top = _top(table, untried, batch, workload, self.floor + MARGIN, SERVED)
+        fresh = [c for c in top + trees if (c, batch) not in done]
+        self.fit.whole.serve(table, fresh, batch, self.fit.datasets)
+        done.update((c, batch) for c in fresh)
+        return top
+
     def _best_under(self, profile: Profile, untried: list[TreeConfig], trees: list[TreeConfig],
                     draw: np.random.Generator | None) -> tuple[float, TreeConfig] | None:
         """The untried tree that `profile` (with the correction, drawn with `draw`) says
         gains most over `trees` (the measured ones, and those under way) at some batch
         size, with that gain; None when no untried tree is predicted clear of the floor,
-        other than near twins."""
-        batches = self.fit.batches
-        table = predicted_speedups(profile, untried + trees, batches, self.fit.datasets,
-                                   self.fit.tp)
-        self.corrected(table, draw=draw)
-        known = {b: np.log([table[c][b] for c in trees]) for b in batches} if trees else None
+        other than near twins.
+
+        Where no tree is predicted clear of the floor on every dataset at any batch size,
+        the study recommends each dataset its own tree (what a server dedicated to that
+        workload runs): the gain is then over each dataset's best."""
+        table = predicted_speedups(profile, untried + trees, self.fit.batches,
+                                   self.fit.datasets, self.fit.tp)
+        self.corrected(table, draw=draw, measured=trees)
+        done: set[tuple[TreeConfig, int]] = set()
+        every = tuple(range(len(self.fit.datasets)))
+        pick = self._gain_over(table, untried, trees, [every], done)
+        if pick is None and len(every) > 1:
+            pick = self._gain_over(table, untried, trees, [(i,) for i in every], done)
+        return pick
+
+    def _gain_over(self, table: dict[TreeConfig, dict[int, list[float]]],
+                   untried: list[TreeConfig], trees: list[TreeConfig],
+                   workloads: list[tuple[int, ...]], done: set[tuple[TreeConfig, int]]
+                   ) -> tuple[float, TreeConfig] | None:
+        """The untried tree of most gain over `trees` for some workload (dataset indices)
+        at some batch size, clear of the floor on the workload's datasets and no near twin
+        of a measured tree; None if there is none."""
         best_pick: tuple[float, TreeConfig] | None = None
-        for batch in batches:
-            incumbent = max((statistics.fmean(table[c][batch]) for c in trees
-                             if min(table[c][batch]) >= self.floor), default=1.0)
-            for config in untried:
-                per = table[config][batch]
-                if min(per) < self.floor + MARGIN:
-                    continue
-                if known is not None and np.abs(known[batch] - np.log(per)).max(
-                        axis=1).min() < NOVELTY:
-                    continue  # a near twin of a measured tree: launching it teaches nothing
-                gain = statistics.fmean(per) / incumbent
-                if best_pick is None or gain > best_pick[0]:
-                    best_pick = (gain, config)
+        for batch in self.fit.batches:
+            for workload in workloads:
+                among = self._served(table, untried, trees, batch, workload, done)
+                known = np.log([table[c][batch] for c in trees]) if trees else None
+
+                def on(config: TreeConfig) -> list[float]:
+                    return [table[config][batch][i] for i in workload]  # noqa: B023
+
+                incumbent = max((statistics.fmean(on(c)) for c in trees
+                                 if min(on(c)) >= self.floor), default=1.0)
+                for config in among:
+                    if min(on(config)) < self.floor + MARGIN:
+                        continue
+                    if known is not None and np.abs(known - np.log(table[config][batch])).max(
+                            axis=1).min() < NOVELTY:
+                        continue  # a near twin of a measured tree: launching it teaches nothing
+                    gain = statistics.fmean(on(config)) / incumbent
+                    if best_pick is None or gain > best_pick[0]:
+                        best_pick = (gain, config)
         return best_pick
+
+
+def _top(table: dict[TreeConfig, dict[int, list[float]]], configs: list[TreeConfig],
+         batch: int, workload: tuple[int, ...], floor: float, count: int
+         ) -> list[TreeConfig]:
+    """The `count` configs of the highest mean speedup at `batch` over the workload's
+    datasets (indices) among those clear of `floor` on each of them."""
+    def on(config: TreeConfig) -> list[float]:
+        return [table[config][batch][i] for i in workload]
+
+    clear = [c for c in configs if min(on(c)) >= floor]
+    return sorted(clear, key=lambda c: -statistics.fmean(on(c)))[:count]
 
 
 def model_estimates(fit: ModelFit, configs: list[TreeConfig], rng: np.random.Generator,
@@ -337,6 +424,7 @@ def model_estimates(fit: ModelFit, configs: list[TreeConfig], rng: np.random.Gen
         for batch in fit.batches:
             for i, dataset in enumerate(fit.datasets):
                 logs = np.log([d[config][batch][i] for d in draws])
-                out[config, batch, dataset] = (float(np.log(fitted[config][batch][i])),
+                out[config, batch, dataset] = (float(np.log(fitted[config][batch][i]))
+                                               + fit.whole.shift(config, batch, dataset),
                                                max(float(logs.var()), 1e-6))
     return out

@@ -21,7 +21,7 @@ import optuna
 from treetune.backends.sglang import profile_method
 from treetune.backends.sglang_adaptive import Schedule, graph_batch_sizes, settled_steps
 from treetune.config import AdaptiveConfig, ServerConfig, TreeConfig, chain
-from treetune.perfmodel import PerfModel, Serving, Shape, check_memory
+from treetune.perfmodel import PerfModel, Serving, check_memory
 from treetune.perfmodel.noise import lognormal_factor
 from treetune.results import CellResult, Latency, LaunchResult
 from treetune.space import load_space
@@ -71,7 +71,7 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
     truth = method_truth(truth, config)
     # SGLang sizes an adaptive server for its longest candidate chain.
     sized = config.longest if isinstance(config, AdaptiveConfig) else config
-    shapes, most = request_shapes(spec), max(spec.batch)
+    shapes, most = spec.request_shapes(), max(spec.batch)
     if not check_memory(truth.profile, sized, most, tp=truth.cost.tp,
                         method=truth.method).fits:
         return LaunchResult(config, reason="RuntimeError: Not enough memory (emulated)",
@@ -104,15 +104,6 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
             rate_cells.append(_cell(dataset, 0, rate, served.output_tok_s, accept_of(dataset),
                                     served, launch, repeats, noise, rng))
     return LaunchResult(config, ok=True, cells=cells, rate_cells=rate_cells)
-
-
-def request_shapes(spec: StudySpec) -> dict[str, Shape]:
-    """The datasets of fixed-length requests (synthetic prompts, every answer exactly as
-    long): an in-process launch serves those as whole requests, prefill and turnover
-    included (`treetune.perfmodel.serving`), as the emulator does. The others are the
-    steady state of decoding at the profile's context."""
-    return {d.name: Shape(d.prompt_tokens, d.output_tokens) for d in spec.datasets
-            if d.synthetic and d.prompt_tokens and isinstance(d.output_tokens, int)}
 
 
 def _cell(dataset: str, batch: int, rate: float | None, tput: float, accept: float | None,

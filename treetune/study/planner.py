@@ -118,7 +118,8 @@ class Planner:
             datasets=spec.dataset_names, tolerance=spec.tolerance, seed=spec.seed,
             is_known=self.is_known, evidence=self.evidence, prior=prior,
             measurement_variance=self.measurement_variance, max_batch=spec.max_batch, tp=tp,
-            prior_why_not=why_not, pending=self.pending_trees)
+            prior_why_not=why_not, pending=self.pending_trees,
+            shapes=spec.request_shapes())
         self.strategy_name = strategies.resolve(spec.search.strategy, context)
         self.strategy = strategies.make(self.strategy_name, context)
         # Said once when `auto` had to go without the model search, so a user sees why.

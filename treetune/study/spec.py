@@ -35,6 +35,7 @@ from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.datasets import DatasetSpec
 from treetune.errors import ConfigFileError, FieldError, InvalidTreeError, TreetuneError
 from treetune.objectives import OBJECTIVES, Criterion, Objective
+from treetune.perfmodel.serving import Shape
 from treetune.results import Slo, config_key
 from treetune.yamlio import build, closest, dump_yaml, load_yaml
 
@@ -404,6 +405,15 @@ class StudySpec:
     @property
     def dataset_names(self) -> list[str]:
         return [d.name for d in self.datasets]
+
+    def request_shapes(self) -> dict[str, Shape]:
+        """The datasets of fixed-length requests (synthetic prompts, every answer exactly
+        as long): their cells are served as whole requests, prefill and turnover included
+        (`treetune.perfmodel.serving`), by an in-process launch as by the emulator, and the
+        model search predicts them so. The others are the steady state of decoding at the
+        profile's context."""
+        return {d.name: Shape(d.prompt_tokens, d.output_tokens) for d in self.datasets
+                if d.synthetic and d.prompt_tokens and isinstance(d.output_tokens, int)}
 
     def launch_spec(self, port: int = 30000, host: str | None = None) -> LaunchSpec:
         """Server flags shared by every launch: the batch must really form at every batch
