@@ -7,7 +7,8 @@ from the measured accept lengths, step-time costs from the measured throughputs.
 Jacobian gives a Gaussian posterior over the parameters; each proposal draws one parameter
 set from it (Thompson sampling), so configs the data cannot yet tell apart all get their
 chance, and a share of proposals draws from a posterior made wider, so that a model that is
-too sure of itself cannot trap the search.
+too sure of itself cannot trap the search. Cells of fixed-length requests are fitted and
+predicted as the whole requests they measure (`_whole.py`).
 """
 
 from __future__ import annotations
