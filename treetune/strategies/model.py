@@ -255,6 +255,7 @@ class ModelStrategy:
         if not self.correction.misfit:
             return
         configs = list(table)
+        judged_against = set(measured)
         for batch in self.fit.batches:
             shifts = np.zeros((len(configs), len(self.fit.datasets)))
             spreads = np.zeros_like(shifts)
@@ -264,7 +265,7 @@ class ModelStrategy:
                 upper = np.log([table[c][batch] for c in configs]) + shifts \
                     + Z_UPPER * np.sqrt(spreads)
                 chosen = set(np.argsort(-upper.mean(axis=1))[:JOINT_CANDIDATES].tolist())
-                chosen |= {i for i, c in enumerate(configs) if c in set(measured)}
+                chosen |= {i for i, c in enumerate(configs) if c in judged_against}
                 rows = sorted(chosen)
                 shifts[rows] = self.correction.sample([configs[i] for i in rows], batch, draw)
             for config, delta in zip(configs, shifts, strict=True):
