@@ -65,10 +65,8 @@ class WholeRequests:
     def shift(self, config: ServerConfig, batch: int, dataset: str) -> float:
         """log(whole-request speedup / steady-state speedup) of `config` (0 on datasets
         of other requests)."""
-        if dataset not in self.shapes:
-            return 0.0
-        return self._log_ratio(config, batch, dataset) - self._log_ratio(BASELINE, batch,
-                                                                           dataset)
+        return (self.server_shift(config, batch, dataset)
+                - self.server_shift(BASELINE, batch, dataset))
 
     def serve(self, table: dict, configs: list, batch: int, datasets: list[str]) -> None:
         """A table of steady-state speedups (config -> batch -> per dataset), with

@@ -51,10 +51,10 @@ MARGIN = 0.02  # a config must be predicted this far above the floor on every da
 # A Thompson draw of the misfit correction is joint over the configs whose upper bound
 # (Z_UPPER standard deviations of the correction) ranks among this many per batch size.
 JOINT_CANDIDATES = 128
+Z_UPPER = 2.0
 # With cells of whole requests, a draw's proposal is among the trees its steady state ranks
 # highest, this many per batch size, served whole (`_whole.py`).
 SERVED = 12
-Z_UPPER = 2.0
 ONLINE_DATASET_FIT = ("acceptance.top1", "acceptance.top1_decay", "acceptance.rank_mass",
                       "context_tokens")
 # First launches after the baseline, before the model has anything to go on: a deep chain
@@ -376,22 +376,26 @@ class ModelStrategy:
             for workload in workloads:
                 among = self._served(table, untried, trees, batch, workload, done)
                 known = np.log([table[c][batch] for c in trees]) if trees else None
-
-                def on(config: TreeConfig) -> list[float]:
-                    return [table[config][batch][i] for i in workload]  # noqa: B023
-
-                incumbent = max((statistics.fmean(on(c)) for c in trees
-                                 if min(on(c)) >= self.floor), default=1.0)
+                incumbent = max((statistics.fmean(cells) for c in trees
+                                 if min(cells := _on(table, c, batch, workload)) >= self.floor),
+                                default=1.0)
                 for config in among:
-                    if min(on(config)) < self.floor + MARGIN:
+                    per = _on(table, config, batch, workload)
+                    if min(per) < self.floor + MARGIN:
                         continue
                     if known is not None and np.abs(known - np.log(table[config][batch])).max(
                             axis=1).min() < NOVELTY:
                         continue  # a near twin of a measured tree: launching it teaches nothing
-                    gain = statistics.fmean(on(config)) / incumbent
+                    gain = statistics.fmean(per) / incumbent
                     if best_pick is None or gain > best_pick[0]:
                         best_pick = (gain, config)
         return best_pick
+
+
+def _on(table: dict[TreeConfig, dict[int, list[float]]], config: TreeConfig, batch: int,
+        workload: tuple[int, ...]) -> list[float]:
+    """A config's speedups at `batch` on the workload's datasets (indices)."""
+    return [table[config][batch][i] for i in workload]
 
 
 def _top(table: dict[TreeConfig, dict[int, list[float]]], configs: list[TreeConfig],
@@ -399,11 +403,9 @@ def _top(table: dict[TreeConfig, dict[int, list[float]]], configs: list[TreeConf
          ) -> list[TreeConfig]:
     """The `count` configs of the highest mean speedup at `batch` over the workload's
     datasets (indices) among those clear of `floor` on each of them."""
-    def on(config: TreeConfig) -> list[float]:
-        return [table[config][batch][i] for i in workload]
-
-    clear = [c for c in configs if min(on(c)) >= floor]
-    return sorted(clear, key=lambda c: -statistics.fmean(on(c)))[:count]
+    clear = [c for c in configs if min(_on(table, c, batch, workload)) >= floor]
+    return sorted(clear, key=lambda c: -statistics.fmean(_on(table, c, batch, workload))
+                  )[:count]
 
 
 def model_estimates(fit: ModelFit, configs: list[TreeConfig], rng: np.random.Generator,
