@@ -31,12 +31,14 @@ Per world and strategy:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +50,10 @@ from treetune import strategies
 from treetune.config import BASELINE, TreeConfig
 from treetune.datasets import builtin_names
 from treetune.perfmodel import check_memory, shipped_profiles
+from treetune.results import LaunchResult, config_key
 from treetune.space import load_space
 from treetune.strategies import gp
+from treetune.strategies._base import Proposal, SearchContext, register
 from treetune.study.evidence import intervals
 from treetune.study.offline import Noise, run_offline
 from treetune.study.planner import Planner
@@ -60,6 +64,41 @@ from treetune.worlds import World, load_world, shipped_worlds
 # gp (Optuna's GPSampler) runs where PyTorch is installed (`pip install -e '.[gp]'`).
 STRATEGIES = ("model", "tpe", "grid", "random", *(("gp",) if gp.torch_installed() else ()))
 TARGET = 0.99  # within 1% of the true best
+ORACLE = "oracle"
+# The oracle's order of trees in the study this process runs (set by run_job).
+ORACLE_ORDER: list[TreeConfig] = []
+
+
+class Oracle:
+    """A reference, not a search: proposes the truly best feasible trees first, taking the
+    batch sizes in turn, while the planner re-measures and recommends as it does for any
+    strategy. Its launches to the target are what noise and the no-regression proof alone
+    cost: the floor under every strategy's count."""
+
+    def __init__(self, context: SearchContext) -> None:
+        self.context = context
+
+    def propose(self) -> Proposal | None:
+        for config in ORACLE_ORDER:
+            if not self.context.is_known(config_key(config)):
+                return Proposal(config)
+        return None
+
+    def observe(self, result: LaunchResult, baseline: LaunchResult) -> None:
+        """Nothing to learn: it knows."""
+
+    def estimates(self, configs: object) -> None:
+        return None
+
+
+def oracle_order(table: dict[TreeConfig, dict[int, list[float]]]) -> list[TreeConfig]:
+    """Every tree, the batch sizes in turn, each batch size's feasible trees best first
+    (those feasible nowhere last)."""
+    ranked = [sorted((c for c, v in table.items() if min(v[b]) >= 1.0),
+                     key=lambda c, b=b: -statistics.fmean(table[c][b]))
+              for b in sorted(next(iter(table.values())))]
+    turns = (c for turn in itertools.zip_longest(*ranked) for c in turn if c is not None)
+    return list(dict.fromkeys([*turns, *table]))
 
 
 @dataclass(frozen=True)
@@ -132,9 +171,30 @@ def within_target(judged: list[tuple[list[float] | None, int, float]]) -> bool:
     return bool(judged) and min(ratio for _, _, ratio in judged) >= TARGET
 
 
+@contextlib.contextmanager
+def oracle_known(order: list[TreeConfig]) -> Iterator[None]:
+    """The oracle, proposing `order`, is a strategy the planner knows, within the block."""
+    register(ORACLE, "benchmark only: reads the world's truth")(Oracle)
+    ORACLE_ORDER[:] = order
+    try:
+        yield
+    finally:
+        strategies.STRATEGIES.pop(ORACLE, None)
+        ORACLE_ORDER.clear()
+
+
 def run_job(job: Job) -> dict:
     world = load_world(job.world)
     table, best = truth_table(world, job.batches)
+    if job.strategy != ORACLE:
+        return study(job, world, table, best)
+    with oracle_known(oracle_order(table)):
+        return study(job, world, table, best)
+
+
+def study(job: Job, world: World, table: dict[TreeConfig, dict[int, list[float]]],
+          best: dict[int, float]) -> dict:
+    """One seeded study of `job`, judged against the world's `table` and `best`."""
     spec = study_spec(job.world, job.strategy, job.seed, job.max_launches, job.noise,
                       job.batches)
     truth = world.model(world.profile.tp)
@@ -324,7 +384,9 @@ def main() -> None:
     parser.add_argument("--noise", type=float, default=0.03,
                         help="launch and measurement noise (coefficient of variation)")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES),
-                        choices=list(strategies.STRATEGIES))
+                        choices=[*strategies.STRATEGIES, ORACLE],
+                        help="oracle: a reference that reads the world's truth and proposes "
+                        "its best trees first (the floor noise and proof set)")
     parser.add_argument("--quick", action="store_true",
                         help="every world, 1 seed, up to 16 launches: a smoke run")
     output_arguments(parser)

@@ -82,3 +82,30 @@ def test_the_coverage_interval_resamples_whole_studies():
     low, high = coverage_ci(split)
     assert low < 0.94 < high <= 1.0 and high - low > 0.04
     assert coverage_ci(agree[:1]) is None
+
+
+def test_the_oracle_takes_the_batch_sizes_in_turn_best_feasible_first():
+    from search_efficiency import oracle_order
+
+    from treetune.config import TreeConfig
+
+    a, b, c, d = (TreeConfig(2, 1, 3), TreeConfig(3, 1, 4), TreeConfig(3, 2, 6),
+                  TreeConfig(5, 8, 32))
+    table = {a: {1: [1.2, 1.2], 32: [1.10, 1.10]},
+             b: {1: [1.4, 1.4], 32: [1.05, 1.05]},
+             c: {1: [1.5, 1.5], 32: [1.20, 0.98]},  # regresses one dataset at 32
+             d: {1: [1.6, 0.90], 32: [0.50, 0.50]}}  # feasible nowhere
+    assert oracle_order(table) == [c, a, b, d]
+
+
+def test_an_oracle_study_reaches_the_target_and_leaves_no_strategy_behind():
+    from search_efficiency import Job, run_job
+
+    from treetune import strategies
+
+    row = run_job(Job("qwen3-8b-h100", "oracle", 0, 6, 4, 0.03, (1, 32)))
+    assert row["launches"] == 6 and row["false_feasible"] == 0
+    # Its first tree is the best at batch 1; with the baseline measured twice, the study
+    # can be at the target by launch 3 and must be by 6 on this world of a wide margin.
+    assert row["launches_to_target"] <= 6
+    assert "oracle" not in strategies.names()  # a benchmark's reference, not a strategy
