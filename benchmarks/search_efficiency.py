@@ -25,7 +25,8 @@ Per world and strategy:
 
     .venv/bin/python benchmarks/search_efficiency.py [--worlds all | NAME_OR_FILE ...]
         [--batch 1 32] [--seeds 20] [--first-seed 0] [--quick] [--json] [--output FILE.md]
-        [--strategies model tpe grid random gp]  (gp: with treetune[gp] installed)
+        [--strategies model tpe grid random gp oracle]  (gp: with treetune[gp] installed;
+        oracle: a reference that reads the truth, the floor under every strategy)
 """
 
 from __future__ import annotations
