@@ -39,11 +39,11 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -66,21 +66,22 @@ from treetune.worlds import World, load_world, shipped_worlds
 STRATEGIES = ("model", "tpe", "grid", "random", *(("gp",) if gp.torch_installed() else ()))
 TARGET = 0.99  # within 1% of the true best
 ORACLE = "oracle"
-# The oracle's order of trees in the study this process runs (set by run_job).
-ORACLE_ORDER: list[TreeConfig] = []
 
 
 class Oracle:
     """A reference, not a search: proposes the truly best feasible trees first, taking the
     batch sizes in turn, while the planner re-measures and recommends as it does for any
     strategy. Its launches to the target are what noise and the no-regression proof alone
-    cost: the floor under every strategy's count."""
+    cost: the floor under every strategy's count. `order` is set for each study (see
+    `oracle_known`)."""
+
+    order: ClassVar[list[TreeConfig]] = []
 
     def __init__(self, context: SearchContext) -> None:
         self.context = context
 
     def propose(self) -> Proposal | None:
-        for config in ORACLE_ORDER:
+        for config in self.order:
             if not self.context.is_known(config_key(config)):
                 return Proposal(config)
         return None
@@ -88,7 +89,7 @@ class Oracle:
     def observe(self, result: LaunchResult, baseline: LaunchResult) -> None:
         """Nothing to learn: it knows."""
 
-    def estimates(self, configs: object) -> None:
+    def estimates(self, configs: Sequence[TreeConfig]) -> None:
         return None
 
 
@@ -175,13 +176,12 @@ def within_target(judged: list[tuple[list[float] | None, int, float]]) -> bool:
 @contextlib.contextmanager
 def oracle_known(order: list[TreeConfig]) -> Iterator[None]:
     """The oracle, proposing `order`, is a strategy the planner knows, within the block."""
-    register(ORACLE, "benchmark only: reads the world's truth")(Oracle)
-    ORACLE_ORDER[:] = order
+    register(ORACLE, "benchmark only: reads the world's truth")(
+        type("Oracle", (Oracle,), {"order": order}))
     try:
         yield
     finally:
         strategies.STRATEGIES.pop(ORACLE, None)
-        ORACLE_ORDER.clear()
 
 
 def run_job(job: Job) -> dict:
