@@ -25,14 +25,16 @@ Per world and strategy:
 
     .venv/bin/python benchmarks/search_efficiency.py [--worlds all | NAME_OR_FILE ...]
         [--batch 1 32] [--seeds 20] [--first-seed 0] [--quick] [--json] [--output FILE.md]
-        [--strategies model tpe grid random gp oracle]  (gp: with treetune[gp] installed;
-        oracle: a reference that reads the truth, the floor under every strategy)
+        [--strategies model tpe grid random gp oracle model-oracle]  (gp: with treetune[gp]
+        installed; oracle: a reference that reads the truth, the floor under every strategy;
+        model-oracle: one that reads the truth's profile but not the world's effects)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -66,6 +68,10 @@ from treetune.worlds import World, load_world, shipped_worlds
 STRATEGIES = ("model", "tpe", "grid", "random", *(("gp",) if gp.torch_installed() else ()))
 TARGET = 0.99  # within 1% of the true best
 ORACLE = "oracle"
+MODEL_ORACLE = "model-oracle"
+# References, not searches: what each reads of the world to order its trees.
+ORACLES = {ORACLE: "the world's truth",
+           MODEL_ORACLE: "the truth's profile without the world's effects"}
 
 
 class Oracle:
@@ -174,22 +180,31 @@ def within_target(judged: list[tuple[list[float] | None, int, float]]) -> bool:
 
 
 @contextlib.contextmanager
-def oracle_known(order: list[TreeConfig]) -> Iterator[None]:
-    """The oracle, proposing `order`, is a strategy the planner knows, within the block."""
-    register(ORACLE, "benchmark only: reads the world's truth")(
+def oracle_known(order: list[TreeConfig], name: str = ORACLE) -> Iterator[None]:
+    """The oracle `name`, proposing `order`, is a strategy the planner knows, within the
+    block."""
+    register(name, f"benchmark only: reads {ORACLES[name]}")(
         type("Oracle", (Oracle,), {"order": order}))
     try:
         yield
     finally:
-        strategies.STRATEGIES.pop(ORACLE, None)
+        strategies.STRATEGIES.pop(name, None)
+
+
+def model_only(world: World) -> World:
+    """The world as the search's own model would have it: its truth's profile (acceptance
+    effects included, as the profile states them), no cost effects, no replayed table. An
+    oracle of it knows everything a perfect fit of the model could, and nothing more."""
+    return dataclasses.replace(world, effects=type(world.effects)(), replay_path=None)
 
 
 def run_job(job: Job) -> dict:
     world = load_world(job.world)
     table, best = truth_table(world, job.batches)
-    if job.strategy != ORACLE:
+    if job.strategy not in ORACLES:
         return study(job, world, table, best)
-    with oracle_known(oracle_order(table)):
+    known = table if job.strategy == ORACLE else truth_table(model_only(world), job.batches)[0]
+    with oracle_known(oracle_order(known), job.strategy):
         return study(job, world, table, best)
 
 
@@ -385,9 +400,11 @@ def main() -> None:
     parser.add_argument("--noise", type=float, default=0.03,
                         help="launch and measurement noise (coefficient of variation)")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES),
-                        choices=[*strategies.STRATEGIES, ORACLE],
+                        choices=[*strategies.STRATEGIES, *ORACLES],
                         help="oracle: a reference that reads the world's truth and proposes "
-                        "its best trees first (the floor noise and proof set)")
+                        "its best trees first (the floor noise and proof set); "
+                        "model-oracle: the same from the truth's profile without the "
+                        "world's effects (what a perfect fit of the model could do)")
     parser.add_argument("--quick", action="store_true",
                         help="every world, 1 seed, up to 16 launches: a smoke run")
     output_arguments(parser)

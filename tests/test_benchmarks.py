@@ -109,3 +109,28 @@ def test_an_oracle_study_reaches_the_target_and_leaves_no_strategy_behind():
     # can be at the target by launch 3 and must be by 6 on this world of a wide margin.
     assert row["launches_to_target"] <= 6
     assert "oracle" not in strategies.names()  # a benchmark's reference, not a strategy
+
+
+def test_the_model_oracle_orders_by_the_truth_without_the_worlds_cost_effects():
+    from search_efficiency import Job, model_only, run_job, truth_table
+
+    from treetune import strategies
+    from treetune.worlds import load_world
+
+    world = load_world("launch-bias")
+    plain = model_only(world)
+    assert world.effects.launch_bias is not None and plain.effects.launch_bias is None
+    assert plain.profile == world.profile and plain.replay_path is None
+    biased, _ = truth_table(world, (1,))
+    unbiased, _ = truth_table(plain, (1,))
+    # Same trees; the bias (within 3% for each tree and for the baseline) moves their
+    # speedups, and not all alike.
+    assert biased.keys() == unbiased.keys()
+    ratios = [biased[c][1][0] / unbiased[c][1][0] for c in biased]
+    assert 0.93 < min(ratios) < 0.98 and max(ratios) - min(ratios) > 0.04
+    assert max(ratios) < 1.07
+    replay = model_only(load_world("replay-cliff-grid"))
+    assert replay.replay_path is None
+    row = run_job(Job("launch-bias", "model-oracle", 0, 4, 4, 0.03, (1, 32)))
+    assert row["launches"] == 4 and row["strategy"] == "model-oracle"
+    assert "model-oracle" not in strategies.names()
