@@ -99,10 +99,15 @@ class Oracle:
         return None
 
 
+def truly_feasible(speedups: Sequence[float], tolerance: float = 0.0) -> bool:
+    """No dataset's noise-free speedup below 1 - tolerance."""
+    return min(speedups) >= 1.0 - tolerance
+
+
 def oracle_order(table: dict[TreeConfig, dict[int, list[float]]]) -> list[TreeConfig]:
     """Every tree, the batch sizes in turn, each batch size's feasible trees best first
     (those feasible nowhere last)."""
-    ranked = [sorted((c for c, v in table.items() if min(v[b]) >= 1.0),
+    ranked = [sorted((c for c, v in table.items() if truly_feasible(v[b])),
                      key=lambda c, b=b: -statistics.fmean(table[c][b]))
               for b in sorted(next(iter(table.values())))]
     turns = (c for turn in itertools.zip_longest(*ranked) for c in turn if c is not None)
@@ -131,7 +136,7 @@ def truth_table(world: World, batches: tuple[int, ...]
     base = {(b, d): model.throughput(BASELINE, b, d) for b in batches for d in datasets}
     table = {c: {b: [model.throughput(c, b, d) / base[b, d] for d in datasets]
                  for b in batches} for c in trees}
-    best = {b: max((statistics.fmean(v[b]) for v in table.values() if min(v[b]) >= 1.0),
+    best = {b: max((statistics.fmean(v[b]) for v in table.values() if truly_feasible(v[b])),
                    default=1.0) for b in batches}
     return table, best
 
@@ -224,7 +229,7 @@ def study(job: Job, world: World, table: dict[TreeConfig, dict[int, list[float]]
         for true, batch, _ in judged:
             if true is not None:
                 recommended += 1
-                false_feasible += min(true[batch]) < 1.0 - spec.tolerance
+                false_feasible += not truly_feasible(true[batch], spec.tolerance)
         within.append(within_target(judged))
         if judged and planner.launches == job.budget:
             regret_at_budget = 1.0 - min(ratio for _, _, ratio in judged)
