@@ -94,6 +94,24 @@ def test_the_model_search_proposes_again_once_the_baseline_is_measured():
     assert fresh.key not in {t.key for t in tasks if t is not None}
 
 
+def test_the_model_search_waits_for_a_slow_baseline_after_its_design_has_finished():
+    # Loading times vary: the design trees may be measured while the baseline still loads.
+    # Nothing is pending then but the baseline, and still nothing blind is proposed.
+    spec = study(search={"strategy": "model"})
+    planner = fresh_planner(spec)
+    baseline, *design = [planner.next() for _ in range(3)]
+    rng = np.random.default_rng(0)
+    for task in design:
+        assert task is not None
+        planner.finish(task, simulate_launch(truth(), task.config, spec, rng,
+                                             Noise(0.03, 0.03)))
+    assert planner.pending_trees() == [] and planner.baseline is None
+    assert planner.next() is None
+    assert baseline is not None
+    planner.finish(baseline, simulate_launch(truth(), BASELINE, spec, rng, Noise(0.03, 0.03)))
+    assert planner.next() is not None
+
+
 def test_without_a_baseline_launched_or_running_nothing_is_proposed():
     spec = study(search={"strategy": "tpe"})
     planner = fresh_planner(spec)

@@ -310,8 +310,10 @@ class ModelStrategy:
             config = nearest_config(self.space, design.steps, design.topk, design.draft_tokens)
             if config in untried:
                 return Proposal(config)
-        if self.context.evidence()[1] is None and self.context.pending():
-            return None  # the baseline is under way: propose from what it will show
+        if self.context.evidence()[1] is None:
+            # Asked before the baseline's result only while it runs (the planner's rule):
+            # past the start-up design, wait and propose from what it will show.
+            return None
         explore = EXPLORE_MISFIT if self.correction.misfit else EXPLORE
         exploring = self.rng.random() < explore and measured >= 2
         # Launches under way (other workers') are believed at what this proposal's draw
