@@ -53,10 +53,10 @@ from treetune import strategies
 from treetune.config import BASELINE, TreeConfig
 from treetune.datasets import builtin_names
 from treetune.perfmodel import check_memory, shipped_profiles
-from treetune.results import LaunchResult, config_key
 from treetune.space import load_space
 from treetune.strategies import gp
-from treetune.strategies._base import Proposal, SearchContext, register
+from treetune.strategies._base import register
+from treetune.strategies.grid import GridStrategy
 from treetune.study.evidence import intervals
 from treetune.study.offline import Noise, run_offline
 from treetune.study.planner import Planner
@@ -74,29 +74,17 @@ ORACLES = {ORACLE: "the world's truth",
            MODEL_ORACLE: "the truth's profile without the world's effects"}
 
 
-class Oracle:
+class Oracle(GridStrategy):
     """A reference, not a search: proposes the truly best feasible trees first, taking the
     batch sizes in turn, while the planner re-measures and recommends as it does for any
     strategy. Its launches to the target are what noise and the no-regression proof alone
-    cost: the floor under every strategy's count. `order` is set for each study (see
+    cost: the floor under every strategy's count. `trees` is set for each study (see
     `oracle_known`)."""
 
-    order: ClassVar[list[TreeConfig]] = []
+    trees: ClassVar[list[TreeConfig]] = []
 
-    def __init__(self, context: SearchContext) -> None:
-        self.context = context
-
-    def propose(self) -> Proposal | None:
-        for config in self.order:
-            if not self.context.is_known(config_key(config)):
-                return Proposal(config)
-        return None
-
-    def observe(self, result: LaunchResult, baseline: LaunchResult) -> None:
-        """Nothing to learn: it knows."""
-
-    def estimates(self, configs: Sequence[TreeConfig]) -> None:
-        return None
+    def order(self) -> list[TreeConfig]:
+        return self.trees
 
 
 def truly_feasible(speedups: Sequence[float], tolerance: float = 0.0) -> bool:
@@ -189,7 +177,7 @@ def oracle_known(order: list[TreeConfig], name: str = ORACLE) -> Iterator[None]:
     """The oracle `name`, proposing `order`, is a strategy the planner knows, within the
     block."""
     register(name, f"benchmark only: reads {ORACLES[name]}")(
-        type("Oracle", (Oracle,), {"order": order}))
+        type("Oracle", (Oracle,), {"trees": order}))
     try:
         yield
     finally:

@@ -3,7 +3,7 @@ hand-run grid would go."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from treetune.config import TreeConfig
 from treetune.results import LaunchResult, config_key
@@ -15,8 +15,12 @@ class GridStrategy:
     def __init__(self, context: SearchContext) -> None:
         self.context = context
 
+    def order(self) -> Iterable[TreeConfig]:
+        """The trees in the order they are launched."""
+        return self.context.space.configs()
+
     def propose(self) -> Proposal | None:
-        for config in self.context.space.configs():
+        for config in self.order():
             if not self.context.is_known(config_key(config)):
                 return Proposal(config)
         return None
