@@ -328,12 +328,13 @@ class _Others:
             self.stale += len(reaped)
             progress.notes.append(f"a search of this study stopped beating: its "
                                   f"{len(reaped)} running launch(es) are stale, to be redone")
-            self.claims.sync([(s.trial_id, config_key(s.result.config))
-                              for s in self.store.finished_launches()])
             changed = True
         # Claims first: a claim seen done has its result stored already (stored, then done).
         running, _ = self.claims.others()
-        for stored in self.store.finished_launches():
+        finished = self.store.finished_launches()
+        if changed:  # a dead search may have stored a result without marking its claim done
+            self.claims.sync([(s.trial_id, config_key(s.result.config)) for s in finished])
+        for stored in finished:
             if stored.trial_id in self.seen:
                 continue
             self.seen.add(stored.trial_id)
