@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 import optuna
+import pytest
 import sqlalchemy as sa
 from studykit import small_study
 
 from treetune.config import BASELINE, TreeConfig
+from treetune.errors import TreetuneError
 from treetune.perfmodel import PerfModel
 from treetune.space import load_space
-from treetune.study.claims import Claim, Claims
+from treetune.study.claims import Claim, Claims, created_racing
 from treetune.study.offline import Noise, simulate_launch
 from treetune.study.planner import Planner
 from treetune.study.spec import load_study
@@ -163,3 +165,34 @@ def test_a_launch_handed_over_counts_as_running_elsewhere(tmp_path):
     task = planner.next()
     planner.hand_over(task)
     assert task.elsewhere and planner.elsewhere == [task] and planner.is_known(task.key)
+
+
+def test_a_lost_race_to_create_tables_is_tried_again_and_a_lasting_failure_is_named():
+    attempts = []
+
+    def create_after_a_race():
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise sa.exc.OperationalError("CREATE TABLE", {}, Exception("already exists"))
+        return "made"
+
+    assert created_racing(create_after_a_race, "cannot create", sa.exc.SQLAlchemyError) == "made"
+    assert len(attempts) == 2
+
+    def never():
+        attempts.append(1)
+        raise sa.exc.OperationalError("CREATE TABLE", {}, Exception("disk full"))
+
+    attempts.clear()
+    with pytest.raises(TreetuneError, match=r"cannot create the tables: .*disk full"):
+        created_racing(never, "cannot create the tables", sa.exc.SQLAlchemyError, tries=2)
+    assert len(attempts) == 2
+
+    def told():  # an error already explained is not tried again
+        attempts.append(1)
+        raise TreetuneError("its database driver is not installed")
+
+    attempts.clear()
+    with pytest.raises(TreetuneError, match="driver is not installed"):
+        created_racing(told, "cannot open")
+    assert len(attempts) == 1

@@ -23,10 +23,10 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
@@ -67,6 +67,28 @@ class Claim(Enum):
     SPENT = "spent"  # the launch budget's slots are all taken
 
 
+T = TypeVar("T")
+
+
+def created_racing(create: Callable[[], T], failure: str,
+                   retry: type[Exception] | tuple[type[Exception], ...] = Exception,
+                   tries: int = CREATE_TRIES) -> T:
+    """`create()` of a database's tables, tried again on a `retry` error: searches starting
+    at once on a new database race to create them, one wins and the other's CREATE fails,
+    and a second try finds them made. The last failure is a TreetuneError, `failure`: the
+    error."""
+    for attempt in range(tries):
+        try:
+            return create()
+        except TreetuneError:
+            raise
+        except retry as exc:
+            if attempt + 1 == tries:
+                raise TreetuneError(f"{failure}: {exc}") from None
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 @dataclass(frozen=True)
 class Running:
     """A launch another search of the study has claimed and not finished."""
@@ -94,16 +116,9 @@ class Claims:
         self.driver = uuid.uuid4().hex[:16]
         self._seen: dict[str, tuple[int, float]] = {}  # driver -> (beat, since when, here)
         self._beating: threading.Event | None = None
-        for attempt in range(CREATE_TRIES):
-            try:
-                _METADATA.create_all(engine)  # checks first: tables made earlier stay
-                break
-            except sa.exc.SQLAlchemyError as exc:
-                # Two searches creating the tables at once: one wins, the other finds them.
-                if attempt + 1 == CREATE_TRIES:
-                    raise TreetuneError(f"cannot create treetune's claims tables in the "
-                                        f"study storage: {exc}") from None
-                time.sleep(0.5 * (attempt + 1))
+        created_racing(lambda: _METADATA.create_all(engine),  # checks first: made ones stay
+                       "cannot create treetune's claims tables in the study storage",
+                       sa.exc.SQLAlchemyError)
 
     @classmethod
     def of(cls, storage: Any, study: str) -> Claims | None:

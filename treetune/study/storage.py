@@ -15,7 +15,6 @@ import copy
 import json
 import sqlite3
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from optuna.trial import TrialState
 from treetune.config import ServerConfig
 from treetune.errors import TreetuneError
 from treetune.results import LaunchResult, config_key
+from treetune.study.claims import CREATE_TRIES, created_racing
 from treetune.study.evidence import StudyNoise, judge
 from treetune.study.recommend import Recommendation
 from treetune.study.spec import StudySpec
@@ -91,15 +91,12 @@ def check_sqlite(url: str) -> None:
         connection.close()
 
 
-OPEN_TRIES = 3  # searches starting at once on a new database race to create its tables
-
-
 def _open_rdb(url: str) -> optuna.storages.RDBStorage:
-    """Optuna's storage at `url`, its tables created if new. Two searches sharing a new
-    database both create them, and the loser's CREATE fails: on a second try it finds
-    them made."""
+    """Optuna's storage at `url`, its tables created if new (by the first of several
+    searches starting at once: `created_racing`)."""
     sqlite = url.startswith("sqlite")
-    for attempt in range(OPEN_TRIES):
+
+    def create() -> optuna.storages.RDBStorage:
         try:
             return optuna.storages.RDBStorage(
                 url, engine_kwargs={"connect_args": {"timeout": 30}} if sqlite else None)
@@ -107,11 +104,10 @@ def _open_rdb(url: str) -> optuna.storages.RDBStorage:
             raise TreetuneError(
                 f"cannot open study storage {url}: its database driver is not installed "
                 f"({exc}); for PostgreSQL: pip install 'treetune[postgres]'") from None
-        except Exception as exc:  # SQLAlchemy raises many kinds
-            if sqlite or attempt + 1 == OPEN_TRIES:
-                raise TreetuneError(f"cannot open study storage {url}: {exc}") from None
-            time.sleep(0.5 * (attempt + 1))
-    raise AssertionError("unreachable")
+
+    # SQLAlchemy raises many kinds; SQLite's file is the study's alone (its folder's lock).
+    return created_racing(create, f"cannot open study storage {url}",
+                          tries=1 if sqlite else CREATE_TRIES)
 
 
 class StoredLaunch(NamedTuple):
