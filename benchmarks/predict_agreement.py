@@ -23,16 +23,19 @@ import contextlib
 import itertools
 import json
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import numpy as np
+
+from treetune.server import start_server
 
 PROFILE = "qwen3-8b-h100"
 DATASET = "sharegpt"
@@ -173,45 +176,24 @@ async def open_loop(url: str, cell: Cell, scale: float, requests: int,
             "requests": float(len(measured)), "chunks": chunks}  # type: ignore[dict-item]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
-def emulator(tree: str | None, scale: float, log: str):
-    """An emulator on a free port, noise off, until the block ends."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "treetune.emulator", "--profile", PROFILE, "--no-noise",
-           "--seed", "1", "--time-scale", str(scale), "--load-time", "0",
-           "--model-path", "Qwen/Qwen3-8B", "--port", str(port), "--host", "127.0.0.1",
-           "--max-running-requests", str(MAX_RUNNING)]
-    if tree:
-        steps, topk, draft = tree.split(",")
-        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d",
-                "--speculative-num-steps", steps, "--speculative-eagle-topk", topk,
-                "--speculative-num-draft-tokens", draft]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=err, stderr=err)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"emulator exited ({proc.returncode}); see {log}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"emulator did not start in 60 s; see {log}")
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def emulator(tree: str | None, scale: float, log: str) -> Iterator[str]:
+    """An emulator on a free port, noise off, started and stopped as a study's servers
+    are, until the block ends."""
+    def command(port: int) -> list[str]:
+        cmd = [sys.executable, "-m", "treetune.emulator", "--profile", PROFILE, "--no-noise",
+               "--seed", "1", "--time-scale", str(scale), "--load-time", "0",
+               "--model-path", "Qwen/Qwen3-8B", "--port", str(port), "--host", "127.0.0.1",
+               "--max-running-requests", str(MAX_RUNNING)]
+        if tree:
+            steps, topk, draft = tree.split(",")
+            cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d",
+                    "--speculative-num-steps", steps, "--speculative-eagle-topk", topk,
+                    "--speculative-num-draft-tokens", draft]
+        return cmd
+
+    with start_server(command, log_path=Path(log), timeout_s=60) as server:
+        yield server.base_url
 
 
 async def clock_lag(base: str) -> float:
