@@ -215,6 +215,30 @@ def test_a_spread_learned_from_few_launches_widens_the_interval_as_student_t_doe
     assert Z_INTERVAL * sd < many < few
 
 
+def test_the_ranking_weighs_a_measurement_by_its_own_error_not_the_baselines():
+    """The baseline's error moves every tree's speedup alike: it does not make a
+    measurement less telling of the trees' order against the model's estimate."""
+    from treetune.study.evidence import judge
+
+    tree = TreeConfig(3, 4, 8)
+    one = launch(tree, 120.0, (120, 120, 120))
+    noise = StudyNoise.prior(0.03, learned=False)  # each launch 3%, known exactly
+    estimates = {(tree, 1, "humaneval"): (float(np.log(1.10)), 0.03 ** 2)}
+
+    def rank(base):
+        return judge(one, base, 1, ["humaneval"], 0.0, noise, estimates).rank
+
+    once = launch(BASELINE, 100.0, (100, 100, 100))
+    many = merge([launch(BASELINE, 100.0, (100, 100, 100)) for _ in range(4)])
+    # As sure of the tree as the model is: the geometric middle of 1.20 and 1.10, however
+    # often the baseline was measured (the interval itself does narrow with it).
+    assert rank(once) == pytest.approx(np.sqrt(1.20 * 1.10))
+    assert rank(many) == pytest.approx(rank(once))
+    wide = intervals(one, once, 1, ["humaneval"], noise)["humaneval"]
+    narrow = intervals(one, many, 1, ["humaneval"], noise)["humaneval"]
+    assert narrow.high - narrow.low < wide.high - wide.low
+
+
 def test_a_borderline_best_config_is_re_measured_before_new_proposals():
     spec = load_study(None, {"name": "b", "model": "m", "draft": "d", "datasets": ["humaneval"],
                              "batch": [1], "space": "narrow", "search": {"strategy": "tpe"}})

@@ -312,6 +312,10 @@ class _Spread:
     mean: float
     sd: float = 0.0
     dof: float = math.inf
+    # The part of `sd` that is the config's own measurement's, without the baseline's:
+    # the baseline's error moves every tree's speedup in the cell alike, so it leaves
+    # their order (the ranking) as it is.
+    own_sd: float = 0.0
 
     def interval(self, z: float) -> Interval:
         if self.mean <= 0 or math.isinf(self.mean):
@@ -329,7 +333,8 @@ def _spread(result: LaunchResult, baseline: LaunchResult, key: CellKey,
     mean = objective.ratio(objective.value_of(cell), objective.value_of(base))
     parts = [variance_parts(cell, noise), variance_parts(base, noise)]
     launch, window = sum(p[0] for p in parts), sum(p[1] for p in parts)
-    return _Spread(mean, math.sqrt(launch + window), noise.dof_of(launch, window))
+    return _Spread(mean, math.sqrt(launch + window), noise.dof_of(launch, window),
+                   math.sqrt(sum(parts[0])))
 
 
 @lru_cache(maxsize=1024)
@@ -454,8 +459,8 @@ def judge(result: LaunchResult, baseline: LaunchResult, batch: int, datasets: li
     ivs = {name: s.interval(Z_INTERVAL) for name, s in spreads.items()}
     if criterion.objective is not Objective.THROUGHPUT:
         estimates = None
-    rank = statistics.fmean(_blend(iv, estimates, result.config, batch, key)
-                            for key, iv in ivs.items())
+    rank = statistics.fmean(_blend(s, estimates, result.config, batch, key)
+                            for key, s in spreads.items())
     floor = floor_of(tolerance)
     sure = all(s.interval(Z_SURE).low >= floor for s in spreads.values())
     lower = {name: s.interval(Z_LOWER).low for name, s in spreads.items()}
@@ -485,14 +490,17 @@ def best(verdicts: Iterable[Verdict]) -> Verdict | None:
     return max((v for v in verdicts if v.confirmed), key=lambda v: v.rank, default=None)
 
 
-def _blend(measured: Interval, estimates: Estimates | None, config: ServerConfig,
+def _blend(measured: _Spread, estimates: Estimates | None, config: ServerConfig,
            batch: int, dataset: str) -> float:
     """The measured speedup, or its inverse-variance blend with the model's estimate (the
     model pools every launch, so it ranks near-equal trees better than one launch can);
-    feasibility never rests on it."""
+    feasibility never rests on it. The measurement weighs by its own error, without the
+    baseline's, which moves every tree alike (and the model's fit with them); both as
+    the shown interval widens them (Student-t)."""
     model = estimates.get((config, batch, dataset)) if estimates else None
-    if model is None or measured.mean <= 0 or measured.high <= measured.low:
+    if model is None or measured.mean <= 0 or measured.own_sd <= 0:
         return measured.mean
-    weight_m, weight_p = 1 / measured.log_sd ** 2, 1 / model[1]
+    own_sd = measured.own_sd * widening(measured.dof, Z_INTERVAL)
+    weight_m, weight_p = 1 / own_sd ** 2, 1 / model[1]
     return math.exp((weight_m * math.log(measured.mean) + weight_p * model[0])
                     / (weight_m + weight_p))
