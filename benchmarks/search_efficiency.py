@@ -24,7 +24,8 @@ Per world and strategy:
   so a dozen studies pin the coverage down to a few points, not to a tenth).
 
     .venv/bin/python benchmarks/search_efficiency.py [--worlds all | NAME_OR_FILE ...]
-        [--batch 1 32] [--seeds 20] [--first-seed 0] [--quick] [--json] [--output FILE.md]
+        [--batch 1 32] [--seeds 20] [--first-seed 0] [--noise 0.03] [--prior-noise CV]
+        [--quick] [--json] [--output FILE.md]
         [--strategies model tpe grid random gp oracle model-oracle]  (gp: with treetune[gp]
         installed; oracle: a reference that reads the truth, the floor under every strategy;
         model-oracle: one that reads the truth's profile but not the world's effects)
@@ -111,6 +112,7 @@ class Job:
     budget: int
     noise: float
     batches: tuple[int, ...]
+    prior_noise: float | None = None  # the study's stated launch_cv (None: the true noise)
 
 
 def truth_table(world: World, batches: tuple[int, ...]
@@ -132,8 +134,9 @@ def truth_table(world: World, batches: tuple[int, ...]
 def study_spec(world_name: str, strategy: str, seed: int, max_launches: int, noise: float,
                batches: tuple[int, ...], duration_s: float | None = None) -> StudySpec:
     """The benchmark's study of a world: its datasets, the default space, tolerance 0, the
-    world's facts as the emulator's (the search's prior); `duration_s`, each cell's
-    measurement window (the study's default when None)."""
+    world's facts as the emulator's (the search's prior), `noise` as the launch noise it
+    states (`search.launch_cv`, the prior its learned noise starts from); `duration_s`,
+    each cell's measurement window (the study's default when None)."""
     world = load_world(world_name)
     source = {"profile": world_name} if world.own_model else {"world": world_name}
     builtins = builtin_names()
@@ -204,8 +207,8 @@ def run_job(job: Job) -> dict:
 def study(job: Job, world: World, table: dict[TreeConfig, dict[int, list[float]]],
           best: dict[int, float]) -> dict:
     """One seeded study of `job`, judged against the world's `table` and `best`."""
-    spec = study_spec(job.world, job.strategy, job.seed, job.max_launches, job.noise,
-                      job.batches)
+    stated = job.noise if job.prior_noise is None else job.prior_noise
+    spec = study_spec(job.world, job.strategy, job.seed, job.max_launches, stated, job.batches)
     truth = world.model(world.profile.tp)
     within: list[bool] = []
     regret_at_budget: float | None = None
@@ -304,8 +307,9 @@ def _summary(mine: list[dict]) -> dict:
 def markdown(worlds: dict[str, dict[str, dict]], overall: dict[str, dict],
              args: argparse.Namespace, kinds: dict[str, str]) -> str:
     batches = ", ".join(map(str, args.batch))
+    stated = "" if args.prior_noise is None else f" (stated: {args.prior_noise:.0%})"
     lines = [f"# Search efficiency ({len(worlds)} worlds x {args.seeds} seeds, noise "
-             f"{args.noise:.0%}, budget {args.budget}, up to {args.max_launches} launches, "
+             f"{args.noise:.0%}{stated}, budget {args.budget}, up to {args.max_launches} launches, "
              f"batch sizes {batches})", "",
              "| world | kind | strategy | median launches | p90 launches | median (stable) "
              "| p90 (stable) | regret at budget | false-feasible | coverage | reached |",
@@ -392,6 +396,11 @@ def main() -> None:
                         help="launches each study may use to reach the target")
     parser.add_argument("--noise", type=float, default=0.03,
                         help="launch and measurement noise (coefficient of variation)")
+    parser.add_argument("--prior-noise", type=float, default=None,
+                        help="the launch noise the studies state (search.launch_cv, the "
+                        "prior the learned noise starts from); default: --noise. E.g. "
+                        "--noise 0.01 --prior-noise 0.03: a quiet engine (SGLang's own "
+                        "run-to-run spread is under 1%%) under the default prior")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES),
                         choices=[*strategies.STRATEGIES, *ORACLES],
                         help="oracle: a reference that reads the world's truth and proposes "
@@ -411,7 +420,8 @@ def main() -> None:
         kinds[name] = "own model" if world.own_model else (
             "replay" if world.replay_path else "misspecified")
     batches = tuple(sorted(set(args.batch)))
-    jobs = [Job(w, s, seed, args.max_launches, args.budget, args.noise, batches)
+    jobs = [Job(w, s, seed, args.max_launches, args.budget, args.noise, batches,
+                args.prior_noise)
             for w in names for s in args.strategies
             for seed in range(args.first_seed, args.first_seed + args.seeds)]
     started = time.monotonic()
