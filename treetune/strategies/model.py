@@ -55,6 +55,9 @@ Z_UPPER = 2.0
 # With cells of whole requests, a draw's proposal is among the trees its steady state ranks
 # highest, this many per batch size, served whole (`_whole.py`).
 SERVED = 12
+# A cell's accept-length noise (coefficient of variation) where no tree was measured at two
+# batch sizes to show it.
+ACCEPT_CV = 0.01
 ONLINE_DATASET_FIT = ("acceptance.top1", "acceptance.top1_decay", "acceptance.rank_mass",
                       "context_tokens")
 # First launches after the baseline, before the model has anything to go on: a chain
@@ -135,6 +138,50 @@ class ModelFit:
         return set_values(self.prior, values_of(self.params, np.clip(x, low, high)))
 
 
+def acceptance_shifts(fit: ModelFit, measured: Sequence[LaunchResult]
+                      ) -> dict[tuple[TreeConfig, int, str], float]:
+    """Per measured (tree, batch size, dataset): how much to move the fit's log speedup
+    toward the tree's measured acceptance.
+
+    A launch's speed factor moves its throughputs but not its accept lengths, which a cell
+    measures to about 1%: where the model's acceptance form does not fit (a plateau, then
+    a drop, puts the fit 2% off on both sides of the drop, enough to rank a depth-4 tree
+    above the better depth-5 one), a measured tree's acceptance is known better than the
+    fit gives it; a round's time does not depend on acceptance, so its speedup moves with
+    it. Where the form fits, the measured accept lengths only differ from the fit by their
+    noise, and the fit, which pools every tree, is the better estimate. So each (tree,
+    dataset)'s log(measured / fitted accept length) is shrunk by the share of its spread
+    that is misfit (empirical Bayes): the noise from the spread of one tree's accept
+    length between batch sizes (acceptance does not depend on the batch), the misfit from
+    how far the trees' mean residuals spread beyond that noise."""
+    model = PerfModel(fit.profile, fit.tp)
+    fitted: dict[tuple[TreeConfig, str], float] = {}
+    residuals: dict[tuple[TreeConfig, str], list[float]] = {}
+    for result in measured:
+        config = result.config
+        if not isinstance(config, TreeConfig):
+            continue
+        for cell in result.cells:
+            if cell.accept_length and cell.batch in fit.batches and cell.dataset in fit.datasets:
+                key = config, cell.dataset
+                if key not in fitted:
+                    fitted[key] = model.accept_length(config, cell.dataset)
+                residuals.setdefault(key, []).append(
+                    float(np.log(cell.accept_length / fitted[key])))
+    repeated = [r for r in residuals.values() if len(r) >= 2]
+    dof = sum(len(r) - 1 for r in repeated)
+    noise = (sum(float(np.var(r)) * len(r) for r in repeated) / dof if dof
+             else ACCEPT_CV ** 2)
+    misfit = max(statistics.fmean(statistics.fmean(r) ** 2 - noise / len(r)
+                                  for r in residuals.values()), 0.0) if residuals else 0.0
+    out = {}
+    for (config, dataset), r in residuals.items():
+        share = misfit / (misfit + noise / len(r)) if misfit > 0 else 0.0
+        for batch in fit.batches:
+            out[config, batch, dataset] = share * statistics.fmean(r)
+    return out
+
+
 def _calibration_fit(profile: Profile) -> tuple[str, ...]:
     """The cost parameters measurements can tell apart: KV bandwidth efficiency only ever
     appears divided into a dataset's context length (which is fitted), and a dense target
@@ -184,6 +231,8 @@ class ModelStrategy:
         self.correction = Correction(context.datasets)
         self.fitted_on: tuple[int, int] = (-1, -1)
         self.fitted_configs: set[object] = set()
+        # Per measured (tree, batch, dataset): log(measured accept length / the fit's).
+        self.accepted: dict[tuple[TreeConfig, int, str], float] = {}
         # Nothing left but configs the memory model says cannot start: TPE's own fallback.
         self.fallback = TPEStrategy(context)
         # Configs the memory model says cannot start are never proposed (facts, not fits).
@@ -200,6 +249,7 @@ class ModelStrategy:
         if baseline is not None and measured and news != self.fitted_on:
             self._judge_predictions(measured, baseline)
             self.fit.update(results, baseline)
+            self.accepted = acceptance_shifts(self.fit, measured)
             self.correction.update(self._residuals(measured, baseline))
             self.fitted_on = news
             self.fitted_configs = {r.config for r in measured}
@@ -288,6 +338,11 @@ class ModelStrategy:
         self.refresh()
         out = model_estimates(self.fit, list(configs), np.random.default_rng(self.context.seed))
         if not self.correction.misfit or not out:
+            # Measured trees at their measured acceptance (a misfit model's correction,
+            # learned from every measured cell, moves them toward their measurements).
+            for key, shift in self.accepted.items():
+                if key in out:
+                    out[key] = (out[key][0] + shift, out[key][1])
             return out
         # A model that does not fit: corrected, and trusted less against the measurements.
         for batch in self.fit.batches:
