@@ -139,9 +139,9 @@ class ModelFit:
 
 
 def acceptance_shifts(fit: ModelFit, measured: Sequence[LaunchResult]
-                      ) -> dict[tuple[TreeConfig, int, str], float]:
-    """Per measured (tree, batch size, dataset): how much to move the fit's log speedup
-    toward the tree's measured acceptance.
+                      ) -> dict[tuple[TreeConfig, str], float]:
+    """Per measured (tree, dataset): how much to move the fit's log speedup, at every batch
+    size, toward the tree's measured acceptance.
 
     A launch's speed factor moves its throughputs but not its accept lengths, which a cell
     measures to about 1%: where the model's acceptance form does not fit (a plateau, then
@@ -155,31 +155,25 @@ def acceptance_shifts(fit: ModelFit, measured: Sequence[LaunchResult]
     length between batch sizes (acceptance does not depend on the batch), the misfit from
     how far the trees' mean residuals spread beyond that noise."""
     model = PerfModel(fit.profile, fit.tp)
-    fitted: dict[tuple[TreeConfig, str], float] = {}
     residuals: dict[tuple[TreeConfig, str], list[float]] = {}
     for result in measured:
-        config = result.config
-        if not isinstance(config, TreeConfig):
-            continue
-        for cell in result.cells:
-            if cell.accept_length and cell.batch in fit.batches and cell.dataset in fit.datasets:
-                key = config, cell.dataset
-                if key not in fitted:
-                    fitted[key] = model.accept_length(config, cell.dataset)
-                residuals.setdefault(key, []).append(
-                    float(np.log(cell.accept_length / fitted[key])))
+        assert isinstance(result.config, TreeConfig)
+        for dataset in fit.datasets:
+            cells = [c for b in fit.batches if (c := result.cell(dataset, b)) and c.accept_length]
+            if cells:
+                fitted = model.accept_length(result.config, dataset)
+                residuals.setdefault((result.config, dataset), []).extend(
+                    float(np.log(c.accept_length / fitted)) for c in cells)
     repeated = [r for r in residuals.values() if len(r) >= 2]
     dof = sum(len(r) - 1 for r in repeated)
     noise = (sum(float(np.var(r)) * len(r) for r in repeated) / dof if dof
              else ACCEPT_CV ** 2)
     misfit = max(statistics.fmean(statistics.fmean(r) ** 2 - noise / len(r)
                                   for r in residuals.values()), 0.0) if residuals else 0.0
-    out = {}
-    for (config, dataset), r in residuals.items():
-        share = misfit / (misfit + noise / len(r)) if misfit > 0 else 0.0
-        for batch in fit.batches:
-            out[config, batch, dataset] = share * statistics.fmean(r)
-    return out
+    if misfit == 0.0:
+        return {}
+    return {key: misfit / (misfit + noise / len(r)) * statistics.fmean(r)
+            for key, r in residuals.items()}
 
 
 def _calibration_fit(profile: Profile) -> tuple[str, ...]:
@@ -231,8 +225,9 @@ class ModelStrategy:
         self.correction = Correction(context.datasets)
         self.fitted_on: tuple[int, int] = (-1, -1)
         self.fitted_configs: set[object] = set()
-        # Per measured (tree, batch, dataset): log(measured accept length / the fit's).
-        self.accepted: dict[tuple[TreeConfig, int, str], float] = {}
+        # Per measured (tree, dataset): the log-speedup shift toward its measured
+        # acceptance (`acceptance_shifts`).
+        self.accepted: dict[tuple[TreeConfig, str], float] = {}
         # Nothing left but configs the memory model says cannot start: TPE's own fallback.
         self.fallback = TPEStrategy(context)
         # Configs the memory model says cannot start are never proposed (facts, not fits).
@@ -340,9 +335,9 @@ class ModelStrategy:
         if not self.correction.misfit or not out:
             # Measured trees at their measured acceptance (a misfit model's correction,
             # learned from every measured cell, moves them toward their measurements).
-            for key, shift in self.accepted.items():
-                if key in out:
-                    out[key] = (out[key][0] + shift, out[key][1])
+            for (config, batch, dataset), (mean, variance) in out.items():
+                out[config, batch, dataset] = (
+                    mean + self.accepted.get((config, dataset), 0.0), variance)
             return out
         # A model that does not fit: corrected, and trusted less against the measurements.
         for batch in self.fit.batches:
