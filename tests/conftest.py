@@ -36,8 +36,8 @@ def _tmp_entries() -> set[str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _the_suite_leaves_nothing_in_tmp(tmp_path_factory: pytest.TempPathFactory
-                                     ) -> Iterator[None]:
+def _the_suite_leaves_nothing_in_tmp(tmp_path_factory: pytest.TempPathFactory,
+                                     pytestconfig: pytest.Config) -> Iterator[None]:
     """Tests write in tmp_path, and Ray in a short dir of its own that is removed after
     it (studykit.short_ray_dir); the session fails if any of those is left in /tmp, or a
     Ray session named after this process. Any other new entry of /tmp is listed at the end
@@ -54,11 +54,88 @@ def _the_suite_leaves_nothing_in_tmp(tmp_path_factory: pytest.TempPathFactory
             if str(TMP / name) in RAY_DIRS
             or (name.startswith("ray/session_") and name.endswith(f"_{os.getpid()}"))]
     _new_in_tmp[:] = new
+    if hasattr(pytestconfig, "workeroutput"):  # an xdist worker: tell the controller
+        pytestconfig.workeroutput["new_in_tmp"] = new
     if ours or (new and os.environ.get(STRICT_TMP) == "1"):
         pytest.fail(f"the suite left these in /tmp: {', '.join(ours or new)}", pytrace=False)
 
 
+HEAVY_FIXTURES = {"ray_cluster", "ray_tmpdir"}
+
+
+@pytest.hookimpl(wrapper=True)  # around xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config: pytest.Config,
+                                  items: list[pytest.Item]) -> Iterator[None]:
+    """Under pytest-xdist (`-n`, `--dist loadgroup`): the heavy tests (marked slow, or
+    starting Ray) run one after another on one worker, while the others share the rest.
+    Two heavy tests at once (two Ray clusters and their servers on 2 cores) starve each
+    other's emulators far beyond one busy neighbour, which every test is built to bear;
+    and the session's Ray cluster is then started once, not once per worker. A module
+    with a shared (module-scoped) fixture keeps its tests on one worker, so that fixture
+    is set up once: the heavy one if the module has heavy tests."""
+    heavy = {item for item in items if item.get_closest_marker("slow")
+             or set(getattr(item, "fixturenames", ())) & HEAVY_FIXTURES}
+    heavy_modules = {item.module for item in heavy if isinstance(item, pytest.Function)}
+    for item in items:
+        module = getattr(item, "module", None)
+        if item in heavy or (module in heavy_modules and _has_module_fixture(item)):
+            item.add_marker(pytest.mark.xdist_group("heavy"))
+        elif module is not None and _has_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(module.__name__))
+    result = yield
+    # On an xdist worker, xdist's own hook has now marked each grouped test's node id.
+    ungrouped = [item.nodeid for item in items
+                 if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if getattr(config.option, "loadgroup", False) and ungrouped:
+        raise pytest.UsageError(
+            f"pytest-xdist did not group {ungrouped[0]} (and {len(ungrouped) - 1} more): "
+            "this pytest and pytest-xdist do not work together for --dist loadgroup "
+            "(pytest-dev/pytest-xdist#1386); install the versions pyproject.toml's dev "
+            "extra names, or run the tests serially with -n 0")
+    return result
+
+
+def _has_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(defs[-1].scope == "module"
+               for defs in info.name2fixturedefs.values() if defs)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # an xdist worker is done
+    _new_in_tmp.extend(getattr(node, "workeroutput", {}).get("new_in_tmp", ()))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """After a passing run pytest removes its base temp dir (tmp_path_retention_policy),
+    which leaves `/tmp/pytest-of-USER` holding only its dangling `pytest-current` link:
+    that goes too, unless something else is in it (another run's, or a failed one's)."""
+    if hasattr(config, "workerinput") or config.option.basetemp:
+        return
+    parent = TMP / f"pytest-of-{_user()}"
+    with contextlib.suppress(OSError):
+        links = [entry for entry in parent.iterdir()
+                 if entry.is_symlink() and not entry.exists()]
+        if len(links) == len(list(parent.iterdir())):
+            for link in links:
+                link.unlink()
+            parent.rmdir()
+
+
+def _user() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (ImportError, KeyError, OSError):
+        return "unknown"
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    # Another worker's entry may have gone since a worker looked: what is still there.
+    _new_in_tmp[:] = sorted({name for name in _new_in_tmp if (TMP / name).exists()})
     if _new_in_tmp:
         terminalreporter.section("new entries in /tmp since the session started")
         terminalreporter.line("(this suite's, or another process's on this machine; "
