@@ -103,6 +103,20 @@ def _has_module_fixture(item: pytest.Item) -> bool:
                for defs in info.name2fixturedefs.values() if defs)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """On the xdist controller, before any worker starts: refuse a pytest whose node ids
+    xdist's grouping cannot mark (a worker's own check below stops the run, but xdist
+    shows it only as an internal error)."""
+    grouping = (not hasattr(config, "workerinput") and config.pluginmanager.has_plugin("xdist")
+                and config.getoption("dist", "no") == "loadgroup"
+                and config.getoption("numprocesses", None))
+    if grouping and tuple(pytest.version_tuple[:2]) >= (9, 2):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} breaks pytest-xdist's --dist loadgroup "
+            "(pytest-dev/pytest-xdist#1386), which keeps this suite's heavy tests on one "
+            "worker: install the dev extra's pytest (<9.2), or run serially with -n 0")
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:  # an xdist worker is done
     _new_in_tmp.extend(getattr(node, "workeroutput", {}).get("new_in_tmp", ()))
