@@ -63,9 +63,8 @@ def _the_suite_leaves_nothing_in_tmp(tmp_path_factory: pytest.TempPathFactory,
 HEAVY_FIXTURES = {"ray_cluster", "ray_tmpdir"}
 
 
-@pytest.hookimpl(wrapper=True)  # around xdist's own hook, which reads the groups
-def pytest_collection_modifyitems(config: pytest.Config,
-                                  items: list[pytest.Item]) -> Iterator[None]:
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`-n`, `--dist loadgroup`): the heavy tests (marked slow, or
     starting Ray) run one after another on one worker, while the others share the rest.
     Two heavy tests at once (two Ray clusters and their servers on 2 cores) starve each
@@ -82,17 +81,6 @@ def pytest_collection_modifyitems(config: pytest.Config,
             item.add_marker(pytest.mark.xdist_group("heavy"))
         elif module is not None and _has_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(module.__name__))
-    result = yield
-    # On an xdist worker, xdist's own hook has now marked each grouped test's node id.
-    ungrouped = [item.nodeid for item in items
-                 if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
-    if getattr(config.option, "loadgroup", False) and ungrouped:
-        raise pytest.UsageError(
-            f"pytest-xdist did not group {ungrouped[0]} (and {len(ungrouped) - 1} more): "
-            "this pytest and pytest-xdist do not work together for --dist loadgroup "
-            "(pytest-dev/pytest-xdist#1386); install the versions pyproject.toml's dev "
-            "extra names, or run the tests serially with -n 0")
-    return result
 
 
 def _has_module_fixture(item: pytest.Item) -> bool:
@@ -105,8 +93,7 @@ def _has_module_fixture(item: pytest.Item) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     """On the xdist controller, before any worker starts: refuse a pytest whose node ids
-    xdist's grouping cannot mark (a worker's own check below stops the run, but xdist
-    shows it only as an internal error)."""
+    xdist's grouping cannot mark; the heavy tests would silently run two at a time."""
     grouping = (not hasattr(config, "workerinput") and config.pluginmanager.has_plugin("xdist")
                 and config.getoption("dist", "no") == "loadgroup"
                 and config.getoption("numprocesses", None))
