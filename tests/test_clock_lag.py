@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -186,6 +187,48 @@ def test_a_lag_that_moved_from_the_server_to_the_client_names_each():
     assert warning is not None and warning.startswith(
         "humaneval at batch 8: the server's clock ran 300 ms, then measured again, the load "
         "generator's own timers 90 ms behind its schedule")
+
+
+def without_accept(c: CellResult) -> CellResult:
+    """The cell as a window in which the server counted no verify call."""
+    return dataclasses.replace(c, accept_length=None)
+
+
+def test_a_speculative_cell_without_an_accept_length_is_measured_again():
+    # A window in which tokens arrived but the server made no round (stalled, or its
+    # metrics missed it): the second measurement, with its accept length, is kept.
+    cells = [without_accept(cell(0.0)), cell(0.0)]
+
+    async def measure() -> CellResult:
+        return cells.pop(0)
+
+    result, warning = asyncio.run(measure_watched(measure, 0.05, CLOCK_LAG_HINT, 20.0,
+                                                  speculative=True))
+    assert (cells, result.accept_length, warning) == ([], 3.0, None)
+
+
+def test_a_speculative_cell_twice_without_an_accept_length_is_kept_with_a_warning():
+    cells = [without_accept(cell(0.0)), without_accept(cell(0.01))]
+
+    async def measure() -> CellResult:
+        return cells.pop(0)
+
+    result, warning = asyncio.run(measure_watched(measure, 0.05, CLOCK_LAG_HINT, 20.0,
+                                                  speculative=True))
+    assert (result.accept_length, result.clock_lag_s, result.lagged) == (None, 0.01, False)
+    assert warning is not None and warning.startswith(
+        "humaneval at batch 8: the server counted no speculative verify call in the window, "
+        "measured twice, though 5400 tokens arrived: no accept length")
+
+
+def test_a_baseline_cell_has_no_accept_length_and_is_measured_once():
+    measure = Measured(0.0)
+
+    async def baseline() -> CellResult:
+        return without_accept(await measure())
+
+    result, warning = asyncio.run(measure_watched(baseline, 0.05, CLOCK_LAG_HINT, 20.0))
+    assert (measure.calls, result.accept_length, warning) == (1, None, None)
 
 
 # ---- the load generator watches its own loop -----------------------------------------------

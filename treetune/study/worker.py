@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from treetune.backends import BackendFacts, LaunchContext, gather_facts, server_facts
-from treetune.config import AdaptiveConfig, ServerConfig
+from treetune.config import AdaptiveConfig, Baseline, ServerConfig
 from treetune.results import CellResult, LaunchResult, config_from_key, config_key
 from treetune.study.spec import StudySpec
 
@@ -188,9 +188,9 @@ class LaunchWorker:
                     measure = functools.partial(
                         measure_cell, client, prompts, int(size), duration_s=m.duration_s,
                         warmup_s=m.warmup_s, repeats=m.repeats, slo=slo)
-                cell, warning = await measure_watched(measure, m.max_clock_lag_s,
-                                                      spec.backend.api.clock_lag_hint,
-                                                      await client.time_scale())
+                cell, warning = await measure_watched(
+                    measure, m.max_clock_lag_s, spec.backend.api.clock_lag_hint,
+                    await client.time_scale(), speculative=not isinstance(result.config, Baseline))
             if warning:
                 result.warnings.append(warning)
             (result.rate_cells if is_rate else result.cells).append(cell)
@@ -215,29 +215,48 @@ def command_flags(argv: list[str]) -> list[tuple[str, str | None]]:
 
 
 async def measure_watched(measure: Callable[[], Awaitable[CellResult]], max_lag_s: float,
-                          hint: str, time_scale: float = 1.0
+                          hint: str, time_scale: float = 1.0, *, speculative: bool = False
                           ) -> tuple[CellResult, str | None]:
     """A cell measured by `measure`, and measured once more if its server's clock, or the
-    load generator's own timers, lagged more than `max_lag_s` behind schedule; if the
-    second lags too, it is kept marked `lagged`, with a warning for the study that says
-    what to do (`hint`)."""
+    load generator's own timers, lagged more than `max_lag_s` behind schedule, or if a
+    `speculative` server delivered tokens in the window without one verify call counted
+    (it made no round in the window: its accept length is missing); if the second is no
+    better, it is kept (marked `lagged` if it lagged), with a warning for the study that
+    says what to do (`hint`)."""
     cell = await measure()
-    if not _lags(cell, max_lag_s):
+    if not _lags(cell, max_lag_s) and not _no_accept(cell, speculative):
         return cell, None
-    first = _lagging(cell)
+    first = cell
     cell = await measure()
-    if not _lags(cell, max_lag_s):
-        return cell, None
-    second = _lagging(cell)
-    again = ("measured again" if second[0] == first[0]
-             else f"measured again, {second[0]}")
-    warning = (f"{cell.label}: {first[0]} ran {first[1] * 1e3:.0f} ms, then {again} "
-               f"{second[1] * 1e3:.0f} ms behind its schedule on average (server time, "
-               f"over measurement.max_clock_lag_s = {max_lag_s * 1e3:g} ms): its latencies "
-               f"are off by that much, its throughput too if the lag outgrew a round; kept, "
-               f"marked lagged. To fix: {hint}"
-               f"{f' (time scale now {time_scale:g})' if time_scale != 1 else ''}.")
-    return dataclasses.replace(cell, lagged=True), warning
+    if _lags(cell, max_lag_s):
+        return dataclasses.replace(cell, lagged=True), _lag_warning(first, cell, max_lag_s,
+                                                                    hint, time_scale)
+    if _no_accept(cell, speculative):
+        return cell, (f"{cell.label}: the server counted no speculative verify call in the "
+                      f"window, measured twice, though {cell.output_tokens} tokens arrived: "
+                      "no accept length (the search fits its throughput alone). Check that "
+                      "the server counts verify calls in its metrics, and that it was not "
+                      "stalled; a longer measurement.duration_s spans more rounds.")
+    return cell, None
+
+
+def _lag_warning(first: CellResult, second: CellResult, max_lag_s: float, hint: str,
+                 time_scale: float) -> str:
+    """Why a cell measured twice is kept marked lagged, and what to do."""
+    before, after = _lagging(first), _lagging(second)
+    again = ("measured again" if after[0] == before[0]
+             else f"measured again, {after[0]}")
+    return (f"{second.label}: {before[0]} ran {before[1] * 1e3:.0f} ms, then {again} "
+            f"{after[1] * 1e3:.0f} ms behind its schedule on average (server time, "
+            f"over measurement.max_clock_lag_s = {max_lag_s * 1e3:g} ms): its latencies "
+            f"are off by that much, its throughput too if the lag outgrew a round; kept, "
+            f"marked lagged. To fix: {hint}"
+            f"{f' (time scale now {time_scale:g})' if time_scale != 1 else ''}.")
+
+
+def _no_accept(cell: CellResult, speculative: bool) -> bool:
+    """A speculative server's cell that delivered tokens with no verify call counted."""
+    return speculative and cell.output_tokens > 0 and cell.accept_length is None
 
 
 def _lagging(cell: CellResult) -> tuple[str, float]:
