@@ -60,7 +60,17 @@ def _the_suite_leaves_nothing_in_tmp(tmp_path_factory: pytest.TempPathFactory,
         pytest.fail(f"the suite left these in /tmp: {', '.join(ours or new)}", pytrace=False)
 
 
-HEAVY_FIXTURES = {"ray_cluster", "ray_tmpdir"}
+def _heavy(item: pytest.Item) -> bool:
+    """Marked slow (unless also `no_ray`), or starting Ray: through the session's cluster,
+    or asking for a Ray temp dir of its own. Fault tests all get one (tests/faults/
+    conftest.py), for its check that no process outlives them; only those that ask for it
+    themselves, or are marked slow, start Ray."""
+    if item.get_closest_marker("slow") and not item.get_closest_marker("no_ray"):
+        return True
+    info = getattr(item, "_fixtureinfo", None)
+    asked = set(info.argnames) if info is not None else set()
+    asked.update(name for mark in item.iter_markers("usefixtures") for name in mark.args)
+    return "ray_cluster" in getattr(item, "fixturenames", ()) or "ray_tmpdir" in asked
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
@@ -69,11 +79,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     starting Ray) run one after another on one worker, while the others share the rest.
     Two heavy tests at once (two Ray clusters and their servers on 2 cores) starve each
     other's emulators far beyond one busy neighbour, which every test is built to bear;
-    and the session's Ray cluster is then started once, not once per worker. A module
-    with a shared (module-scoped) fixture keeps its tests on one worker, so that fixture
-    is set up once: the heavy one if the module has heavy tests."""
-    heavy = {item for item in items if item.get_closest_marker("slow")
-             or set(getattr(item, "fixturenames", ())) & HEAVY_FIXTURES}
+    and the session's Ray cluster is then started once, not once per worker. A slow test
+    marked `no_ray` (it starts no Ray and times no server: the report and notebooks) runs
+    beside them. A module with a shared (module-scoped) fixture keeps its tests on one
+    worker, so that fixture is set up once: the heavy one if the module has heavy tests."""
+    heavy = {item for item in items if _heavy(item)}
     heavy_modules = {item.module for item in heavy if isinstance(item, pytest.Function)}
     for item in items:
         module = getattr(item, "module", None)

@@ -64,6 +64,7 @@ def signature(fig) -> tuple[str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.no_ray
 def test_the_pareto_notebook_shows_every_figure_of_the_study(small_study):
     from treetune.report import figures
     from treetune.report.data import load_study_data
@@ -87,6 +88,7 @@ def test_the_pareto_notebook_shows_every_figure_of_the_study(small_study):
 
 
 @pytest.mark.slow
+@pytest.mark.no_ray
 def test_the_compare_notebook_tabulates_workloads_and_shows_the_two_pool_choice(
         small_study):
     from treetune.report import figures
@@ -118,6 +120,7 @@ def test_the_compare_notebook_tabulates_workloads_and_shows_the_two_pool_choice(
 
 
 @pytest.mark.slow
+@pytest.mark.no_ray
 def test_recommendations_json_the_report_and_the_notebook_agree_exactly(small_study, tmp_path):
     """One stored study, three readers: what `treetune search` wrote, the HTML report's
     table and the compare notebook's table name the same tree for every workload and batch

@@ -24,7 +24,7 @@ from treetune.study.recommend import recommend
 from treetune.study.spec import SPEC_COPY
 from treetune.study.storage import StudyStore
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.no_ray]  # offline studies, no Ray
 WIDE, NARROW = TreeConfig(3, 4, 8), TreeConfig(5, 1, 6)
 
 
