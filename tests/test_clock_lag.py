@@ -221,6 +221,20 @@ def test_a_speculative_cell_twice_without_an_accept_length_is_kept_with_a_warnin
         "measured twice, though 5400 tokens arrived: no accept length")
 
 
+def test_a_cell_measured_again_for_its_accept_length_that_then_lags_says_both():
+    cells = [without_accept(cell(0.0)), cell(0.2)]
+
+    async def measure() -> CellResult:
+        return cells.pop(0)
+
+    result, warning = asyncio.run(measure_watched(measure, 0.05, CLOCK_LAG_HINT, 20.0,
+                                                  speculative=True))
+    assert (result.accept_length, result.lagged) == (3.0, True)
+    assert warning is not None and warning.startswith(
+        "humaneval at batch 8: its first window counted no verify call; measured again, the "
+        "server's clock ran 200 ms behind its schedule on average")
+
+
 def test_a_baseline_cell_has_no_accept_length_and_is_measured_once():
     measure = Measured(0.0)
 

@@ -244,10 +244,14 @@ def _lag_warning(first: CellResult, second: CellResult, max_lag_s: float, hint: 
                  time_scale: float) -> str:
     """Why a cell measured twice is kept marked lagged, and what to do."""
     before, after = _lagging(first), _lagging(second)
-    again = ("measured again" if after[0] == before[0]
-             else f"measured again, {after[0]}")
-    return (f"{second.label}: {before[0]} ran {before[1] * 1e3:.0f} ms, then {again} "
-            f"{after[1] * 1e3:.0f} ms behind its schedule on average (server time, "
+    if not _lags(first, max_lag_s):  # measured again for its missing accept length
+        why = (f"its first window counted no verify call; measured again, {after[0]} ran "
+               f"{after[1] * 1e3:.0f} ms")
+    else:
+        again = ("measured again" if after[0] == before[0]
+                 else f"measured again, {after[0]}")
+        why = f"{before[0]} ran {before[1] * 1e3:.0f} ms, then {again} {after[1] * 1e3:.0f} ms"
+    return (f"{second.label}: {why} behind its schedule on average (server time, "
             f"over measurement.max_clock_lag_s = {max_lag_s * 1e3:g} ms): its latencies "
             f"are off by that much, its throughput too if the lag outgrew a round; kept, "
             f"marked lagged. To fix: {hint}"
