@@ -139,6 +139,17 @@ def watched(measure: Measured, time_scale: float = 20.0) -> tuple[CellResult, st
     return asyncio.run(measure_watched(measure, 0.05, CLOCK_LAG_HINT, time_scale))
 
 
+def watched_in_turn(cells: list[CellResult], speculative: bool = False
+                    ) -> tuple[CellResult, str | None]:
+    """`measure_watched` over a measurement that returns `cells` in turn (taken from the
+    list, so what is left shows how often it measured)."""
+    async def measure() -> CellResult:
+        return cells.pop(0)
+
+    return asyncio.run(measure_watched(measure, 0.05, CLOCK_LAG_HINT, 20.0,
+                                       speculative=speculative))
+
+
 @pytest.mark.parametrize("lag", [None, 0.0, 0.05])
 def test_a_cell_within_the_lag_threshold_or_on_a_real_clock_is_measured_once(lag):
     measure = Measured(lag)
@@ -178,12 +189,7 @@ def test_a_load_generator_that_lagged_twice_is_named_in_the_warning():
 
 
 def test_a_lag_that_moved_from_the_server_to_the_client_names_each():
-    cells = [cell(0.3, 0.001), cell(0.001, 0.09)]
-
-    async def measure() -> CellResult:
-        return cells.pop(0)
-
-    _, warning = asyncio.run(measure_watched(measure, 0.05, CLOCK_LAG_HINT, 20.0))
+    _, warning = watched_in_turn([cell(0.3, 0.001), cell(0.001, 0.09)])
     assert warning is not None and warning.startswith(
         "humaneval at batch 8: the server's clock ran 300 ms, then measured again, the load "
         "generator's own timers 90 ms behind its schedule")
@@ -198,23 +204,13 @@ def test_a_speculative_cell_without_an_accept_length_is_measured_again():
     # A window in which tokens arrived but the server made no round (stalled, or its
     # metrics missed it): the second measurement, with its accept length, is kept.
     cells = [without_accept(cell(0.0)), cell(0.0)]
-
-    async def measure() -> CellResult:
-        return cells.pop(0)
-
-    result, warning = asyncio.run(measure_watched(measure, 0.05, CLOCK_LAG_HINT, 20.0,
-                                                  speculative=True))
+    result, warning = watched_in_turn(cells, speculative=True)
     assert (cells, result.accept_length, warning) == ([], 3.0, None)
 
 
 def test_a_speculative_cell_twice_without_an_accept_length_is_kept_with_a_warning():
     cells = [without_accept(cell(0.0)), without_accept(cell(0.01))]
-
-    async def measure() -> CellResult:
-        return cells.pop(0)
-
-    result, warning = asyncio.run(measure_watched(measure, 0.05, CLOCK_LAG_HINT, 20.0,
-                                                  speculative=True))
+    result, warning = watched_in_turn(cells, speculative=True)
     assert (result.accept_length, result.clock_lag_s, result.lagged) == (None, 0.01, False)
     assert warning is not None and warning.startswith(
         "humaneval at batch 8: the server counted no speculative verify call in the window, "
@@ -223,12 +219,7 @@ def test_a_speculative_cell_twice_without_an_accept_length_is_kept_with_a_warnin
 
 def test_a_cell_measured_again_for_its_accept_length_that_then_lags_says_both():
     cells = [without_accept(cell(0.0)), cell(0.2)]
-
-    async def measure() -> CellResult:
-        return cells.pop(0)
-
-    result, warning = asyncio.run(measure_watched(measure, 0.05, CLOCK_LAG_HINT, 20.0,
-                                                  speculative=True))
+    result, warning = watched_in_turn(cells, speculative=True)
     assert (result.accept_length, result.lagged) == (3.0, True)
     assert warning is not None and warning.startswith(
         "humaneval at batch 8: its first window counted no verify call; measured again, the "
