@@ -17,7 +17,12 @@ from treetune.perfmodel.prior import neutral_prior
 from treetune.results import CellResult, LaunchResult, config_key
 from treetune.space import load_space
 from treetune.strategies import Proposal
-from treetune.strategies.model import ModelFit, model_estimates, predicted_speedups
+from treetune.strategies.model import (
+    ModelFit,
+    accept_misfit,
+    model_estimates,
+    predicted_speedups,
+)
 from treetune.study.evidence import StudyNoise, intervals, merge, merge_all
 from treetune.study.offline import Noise, run_offline, simulate_launch
 from treetune.study.planner import DEFER_GAIN, DEFER_MAX, Planner
@@ -66,6 +71,38 @@ def test_without_noise_the_fit_recovers_the_true_parameters_within_5_percent(nam
             assert abs(fitted) <= 0.005, param.name
         else:
             assert abs(fitted / true - 1) <= 0.05, (param.name, true, fitted, start)
+
+
+@pytest.mark.parametrize("across", [True, False])
+def test_a_fit_stuck_on_the_flat_side_of_the_roofline_is_refitted_from_across_it(
+        across, monkeypatch):
+    """The 30B's truth has a compute efficiency of 0.12; the prior starts at 0.5, where
+    none of these trees' forwards is compute-bound, so the fit's cost does not move with
+    it and a fit from the prior stays there, pushing the acceptance off instead (its accept
+    lengths ten times their noise off, without noise in the data). The accept lengths give
+    it away, and a second start across the roofline finds the truth."""
+    import treetune.strategies.model as model_search
+
+    threshold = model_search.ACCEPT_MISFIT
+    if not across:  # the premise: without the second start, the fit stays stuck
+        monkeypatch.setattr(model_search, "ACCEPT_MISFIT", float("inf"))
+    truth = representable("qwen3-30b-a3b-h100")
+    spec = study("qwen3-30b-a3b-h100")
+    model, rng, exact = PerfModel(truth, truth.tp), np.random.default_rng(0), Noise(0, 0, 0)
+    baseline = simulate_launch(model, BASELINE, spec, rng, exact)
+    trees = [simulate_launch(model, TreeConfig.of(*t), spec, rng, exact)
+             for t in [(3, 1, 4), (3, 4, 12), (4, 6, 40)]]
+    fit = ModelFit(neutral_prior(truth, spec.dataset_names), [1, 32], spec.dataset_names,
+                   truth.tp)
+    assert fit.prior.calibration.compute_eff == 0.5
+    fit.update(trees, baseline)
+    fitted = fit.result.profile.calibration.compute_eff
+    if across:
+        assert fitted == pytest.approx(0.12, rel=0.05)
+        assert accept_misfit(fit.result) < 1
+    else:
+        assert fitted == pytest.approx(0.5, rel=0.05)
+        assert accept_misfit(fit.result) > threshold
 
 
 def test_the_model_estimates_of_measured_trees_sit_on_the_fit_not_off_it():
