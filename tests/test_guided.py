@@ -53,16 +53,23 @@ def representable(name: str):
         truth.calibration, kv_bandwidth_eff=0.5))
 
 
-@pytest.mark.parametrize("name", ["qwen3-8b-h100", "qwen3-30b-a3b-h100"])
-def test_without_noise_the_fit_recovers_the_true_parameters_within_5_percent(name):
+def fitted_without_noise(name: str, design: list[tuple[int, int, int]]):
+    """The profile's representable truth, and a fit from its neutral prior to noise-free
+    launches of the baseline and of `design`'s trees at batch 1 and 32."""
     truth = representable(name)
     spec = study(name)
     model, rng, exact = PerfModel(truth, truth.tp), np.random.default_rng(0), Noise(0, 0, 0)
     baseline = simulate_launch(model, BASELINE, spec, rng, exact)
-    trees = [simulate_launch(model, TreeConfig.of(*t), spec, rng, exact) for t in DESIGN]
+    trees = [simulate_launch(model, TreeConfig.of(*t), spec, rng, exact) for t in design]
     fit = ModelFit(neutral_prior(truth, spec.dataset_names), [1, 32], spec.dataset_names,
                    truth.tp)
     fit.update(trees, baseline)
+    return truth, fit
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b-h100", "qwen3-30b-a3b-h100"])
+def test_without_noise_the_fit_recovers_the_true_parameters_within_5_percent(name):
+    truth, fit = fitted_without_noise(name, DESIGN)
     assert len(fit.params) >= 20
     for param in fit.params:
         true, fitted = get_value(truth, param.name), fit.result.parameters[param.name]
@@ -86,16 +93,8 @@ def test_a_fit_stuck_on_the_flat_side_of_the_roofline_is_refitted_from_across_it
     threshold = model_search.ACCEPT_MISFIT
     if not across:  # the premise: without the second start, the fit stays stuck
         monkeypatch.setattr(model_search, "ACCEPT_MISFIT", float("inf"))
-    truth = representable("qwen3-30b-a3b-h100")
-    spec = study("qwen3-30b-a3b-h100")
-    model, rng, exact = PerfModel(truth, truth.tp), np.random.default_rng(0), Noise(0, 0, 0)
-    baseline = simulate_launch(model, BASELINE, spec, rng, exact)
-    trees = [simulate_launch(model, TreeConfig.of(*t), spec, rng, exact)
-             for t in [(3, 1, 4), (3, 4, 12), (4, 6, 40)]]
-    fit = ModelFit(neutral_prior(truth, spec.dataset_names), [1, 32], spec.dataset_names,
-                   truth.tp)
+    _truth, fit = fitted_without_noise("qwen3-30b-a3b-h100", [(3, 1, 4), (3, 4, 12), (4, 6, 40)])
     assert fit.prior.calibration.compute_eff == 0.5
-    fit.update(trees, baseline)
     fitted = fit.result.profile.calibration.compute_eff
     if across:
         assert fitted == pytest.approx(0.12, rel=0.05)

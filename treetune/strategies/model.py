@@ -130,12 +130,13 @@ class ModelFit:
         start = self.result.profile if self.result else None
         # Warm-started refits move little once many trees are measured: fewer steps.
         steps = 400 if start is None else 100 if len(points) < 80 else 40
-        self.result = calibrate(self.prior, points, self.params, starts=1, start=start,
-                                max_nfev=steps, tolerance=1e-4)
+        def fit_from(start: Profile | None) -> CalibrationResult:
+            return calibrate(self.prior, points, self.params, starts=1, start=start,
+                             max_nfev=steps, tolerance=1e-4)
+
+        self.result = fit_from(start)
         if accept_misfit(self.result) > ACCEPT_MISFIT:
-            other = calibrate(self.prior, points, self.params, starts=1,
-                              start=_across_roofline(self.result.profile), max_nfev=steps,
-                              tolerance=1e-4)
+            other = fit_from(_across_roofline(self.result.profile))
             if other.cost < ACROSS_KEEP * self.result.cost:
                 self.result = other
         self.whole.at(self.result.profile)
