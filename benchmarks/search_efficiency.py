@@ -382,6 +382,16 @@ def publish(text: str, data: dict, args: argparse.Namespace, studies: int,
         print(text)
 
 
+def progress_line(row: dict) -> str:
+    """One study's outcome: when it first reached the target, and from when it held it to
+    the end (a recommendation can fall back out of the target as launches come in)."""
+    first, stable = row["launches_to_target"], row["launches_to_stable_target"]
+    held = (f"kept from {stable}" if stable <= row["launches"]
+            else "not held to the end" if first <= row["launches"] else "never reached")
+    return (f"{row['world']} {row['strategy']} seed {row['seed']}: target at {first} "
+            f"launches ({held})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", nargs="+", default=["all"],
@@ -425,9 +435,7 @@ def main() -> None:
             for w in names for s in args.strategies
             for seed in range(args.first_seed, args.first_seed + args.seeds)]
     started = time.monotonic()
-    rows, failed = run_pool(run_job, jobs, args.processes, lambda row: (
-        f"{row['world']} {row['strategy']} seed {row['seed']}: target at "
-        f"{row['launches_to_target']} launches"))
+    rows, failed = run_pool(run_job, jobs, args.processes, progress_line)
     per_world = {name: summarize([r for r in rows if r["world"] == name]) for name in names}
     overall = summarize(rows)
     publish(markdown(per_world, overall, args, kinds), {"worlds": per_world, "all": overall},

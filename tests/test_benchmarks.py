@@ -16,7 +16,7 @@ from treetune.errors import ConfigFileError
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from search_efficiency import run_pool  # noqa: E402
+from search_efficiency import progress_line, run_pool  # noqa: E402
 
 
 def _invert(x: int) -> dict:
@@ -40,6 +40,18 @@ def test_a_job_that_raises_is_reported_and_the_others_are_kept_in_order(capsys):
     err = capsys.readouterr().err
     assert "FAILED 0: ConfigFileError: study.yaml: key 'datasets[1]': zero has no inverse" in err
     assert "1 of 4 jobs failed" in err
+
+
+def test_a_study_s_progress_line_says_whether_it_held_the_target_to_the_end():
+    def line(first, stable):
+        return progress_line({"world": "cliffs", "strategy": "model", "seed": 3,
+                              "launches_to_target": first,
+                              "launches_to_stable_target": stable, "launches": 30})
+
+    assert line(7, 7) == "cliffs model seed 3: target at 7 launches (kept from 7)"
+    assert line(7, 27).endswith("target at 7 launches (kept from 27)")
+    assert line(8, 31).endswith("target at 8 launches (not held to the end)")
+    assert line(31, 31).endswith("target at 31 launches (never reached)")
 
 
 @pytest.mark.parametrize("world", ["qwen3.5-397b-a17b-h200"])
