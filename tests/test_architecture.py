@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -108,6 +109,18 @@ def test_the_package_has_no_import_cycle_even_through_imports_inside_functions()
 def test_the_cycle_check_finds_a_cycle_hidden_inside_a_function():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_an_emulated_server_and_a_launch_worker_start_without_scipy_stats():
+    """Every launch starts both (a Ray worker per study, an emulator per launch): importing
+    scipy.stats, which the performance model's serving curves use, cost each most of a
+    second. Imported as they are started: a fresh interpreter with nothing else loaded."""
+    code = ("import sys, treetune.emulator.server, treetune.study.worker; "
+            "print(sorted(m for m in sys.modules if m.startswith(('scipy.stats', "
+            "'scipy.optimize'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert out.strip() == "[]"
 
 
 def test_no_backend_kind_is_branched_on_outside_backends():

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-from scipy import stats
 
 from treetune.config import ServerConfig
 
@@ -233,6 +232,8 @@ def open_loop(model: ServingModel, config: ServerConfig, dataset: str, shape: Sh
     busy = min(1.0, 1.0 - math.exp(-others) + rate * costs.prefill(1))
     counts, weights = _poisson(rate * round_s, max_running - 1)
     own = float(np.dot(weights, [costs.prefill(g + 1) for g in counts]))
+    from scipy import stats  # see _binom_pmf
+
     queue = float(stats.poisson.sf(max_running - 1, others)) / (full.request_rate - rate)
     return server.serving(rate, server.rounds * seconds,
                           busy * round_s / 2 + own + queue, batch)
@@ -252,7 +253,7 @@ def _full(server: _Server, slots: int) -> Serving:
     that finished in it are replaced from the queue in one prefill. Requests in any phase
     (independent): each finishes in a round with chance one in its rounds."""
     costs = server.costs
-    finish = stats.binom.pmf(np.arange(slots + 1), slots, 1.0 / server.rounds)
+    finish = _binom_pmf(slots, 1.0 / server.rounds)
     step = costs.round(slots) + sum(finish[g] * costs.prefill(g) for g in range(1, slots + 1))
     ttft = _median([(costs.prefill(g), finish[g] * g) for g in range(1, slots + 1)])
     return server.serving(slots / server.rounds / step, server.rounds * step, ttft,
@@ -269,7 +270,7 @@ def _independent(server: _Server, slots: int) -> Serving:
     request finishes in a round with chance one in its rounds.
     """
     costs, hazard = server.costs, 1.0 / server.rounds
-    finish = stats.binom.pmf(np.arange(slots + 1), slots, hazard)
+    finish = _binom_pmf(slots, hazard)
     full = 1.0 / (2.0 - finish[0])  # stationary share of full rounds
     seconds = full * costs.round(slots)  # per round, prefills included
     running = full * slots  # request-rounds per round
@@ -282,7 +283,7 @@ def _independent(server: _Server, slots: int) -> Serving:
             seconds += short * restart
             ttfts.append((ttft, short * g))
             continue
-        after = stats.binom.pmf(np.arange(slots - g + 1), slots - g, hazard)
+        after = _binom_pmf(slots - g, hazard)
         chained = sum(after[f] * costs.prefill(f) for f in range(1, slots - g + 1))
         pass_s = costs.round(slots - g) + costs.prefill(g) + chained
         seconds += short * pass_s
@@ -296,8 +297,19 @@ def _independent(server: _Server, slots: int) -> Serving:
                           _median(ttfts), running)
 
 
+def _binom_pmf(n: int, p: float) -> np.ndarray:
+    """Binomial(n, p) probabilities of 0..n. scipy.stats is imported where it is used: it
+    takes most of a second, and every emulated server imports this module (with the rest
+    of the performance model) but never calls it, so each launch would pay for it."""
+    from scipy import stats
+
+    return stats.binom.pmf(np.arange(n + 1), n, p)
+
+
 def _poisson(mean: float, most: int) -> tuple[np.ndarray, np.ndarray]:
     """Counts 0..most and their Poisson(mean) probabilities, the tail folded into `most`."""
+    from scipy import stats  # see _binom_pmf
+
     counts = np.arange(most + 1)
     weights = stats.poisson.pmf(counts, mean) if mean > 0 else (counts == 0).astype(float)
     weights[-1] += max(0.0, 1.0 - float(weights.sum()))
