@@ -19,6 +19,7 @@ from treetune.perfmodel.calibrate import (
     get_value,
     identify,
     load_measurements,
+    set_values,
 )
 
 PRIOR = load_profile("qwen3-30b-a3b-h100")
@@ -211,3 +212,14 @@ def test_a_pair_that_only_acts_together_is_not_fitted_twice():
     fitted = {p.name for p in identify(PRIOR, points).fitted}
     assert not {"calibration.kv_bandwidth_eff", "datasets.mt-bench.context_tokens"} <= fitted
     assert "datasets.mt-bench.acceptance.top1" in fitted
+
+
+def test_a_parameter_of_every_dataset_is_set_in_each_and_read_as_one():
+    name = "datasets.*.acceptance.rank_ratio"
+    changed = set_values(PRIOR, {name: 0.2, "datasets.humaneval.acceptance.top1": 0.7})
+    assert {d: data.acceptance.rank_ratio for d, data in changed.datasets.items()} == {
+        d: 0.2 for d in PRIOR.datasets}
+    assert get_value(changed, name) == 0.2
+    assert changed.datasets["humaneval"].acceptance.top1 == 0.7
+    assert changed.datasets["mt-bench"].acceptance.top1 == PRIOR.datasets[
+        "mt-bench"].acceptance.top1

@@ -372,26 +372,33 @@ def free_parameters(
 
 
 def get_value(profile: Profile, name: str) -> float:
+    """A dotted name's value; "datasets.*...." is one value shared by every dataset (the
+    first dataset's is read)."""
     obj: Any = profile
     for part in name.split("."):
-        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+        if isinstance(obj, dict):
+            obj = next(iter(obj.values())) if part == "*" else obj[part]
+        else:
+            obj = getattr(obj, part)
     return float(obj)
 
 
 def set_values(profile: Profile, values: dict[str, float]) -> Profile:
-    """A copy of `profile` with dotted-name parameters replaced."""
+    """A copy of `profile` with dotted-name parameters replaced ("datasets.*...." in every
+    dataset)."""
     calib = {n.split(".", 1)[1]: v for n, v in values.items() if n.startswith("calibration.")}
     datasets = dict(profile.datasets)
     for name, value in values.items():
         if not name.startswith("datasets."):
             continue
-        _, dataset, *path = name.split(".")
-        data = datasets[dataset]
-        if path[0] == "acceptance":
-            acc = dataclasses.replace(data.acceptance, **{path[1]: value})
-            datasets[dataset] = dataclasses.replace(data, acceptance=acc)
-        else:
-            datasets[dataset] = dataclasses.replace(data, **{path[0]: value})
+        _, which, *path = name.split(".")
+        for dataset in datasets if which == "*" else [which]:
+            data = datasets[dataset]
+            if path[0] == "acceptance":
+                acc = dataclasses.replace(data.acceptance, **{path[1]: value})
+                datasets[dataset] = dataclasses.replace(data, acceptance=acc)
+            else:
+                datasets[dataset] = dataclasses.replace(data, **{path[0]: value})
     return profile.replace(
         calibration=dataclasses.replace(profile.calibration, **calib) if calib
         else profile.calibration,
