@@ -646,7 +646,6 @@ def test_a_measured_trees_estimate_takes_its_measured_acceptance_not_the_fits(mo
     assert gap == pytest.approx(true[deep] - true[shallow], abs=0.01)
 
 
-
 @pytest.mark.parametrize("shared", [True, False])
 def test_one_rank_ratio_fitted_for_every_dataset_follows_a_draft_whose_rank_2_takes_all(
         shared, monkeypatch):

@@ -70,9 +70,9 @@ ONLINE_DATASET_FIT = ("acceptance.top1", "acceptance.top1_decay", "acceptance.ra
                       "context_tokens")
 # Fitted once for every dataset, once the measurements show the prior's value does not
 # serve (`ModelFit`): how fast the lower ranks' shares fall (each rank holds rank_ratio of
-# the one above). It is the draft head's, not the text's: how much of the
-# miss the lower ranks catch varies by dataset (rank_mass), how it spreads over them
-# hardly does. Held at the prior's 0.5, a draft whose rank 2 catches nearly all of it
+# the one above). It is the draft head's, not the text's: how much of the miss the lower
+# ranks catch varies by dataset (rank_mass), how it spreads over them hardly does.
+# Held at the prior's 0.5, a draft whose rank 2 catches nearly all of it
 # (rank shares 0.45 and 0.03) was fitted with the other acceptance parameters bent to
 # make up: a noise-free fit to six trees put a two-branch tree's accept lengths 3% low
 # and a deep wide tree's 2-3% high (all within 1% with it fitted), and the search took
@@ -150,7 +150,8 @@ class ModelFit:
                                       _dataset_fit(self.prior))
         shared = [Parameter(f"datasets.*.{name}", *DATASET_BOUNDS[name])
                   for name in ONLINE_SHARED_FIT]
-        params = per_dataset + shared if self.shared_fit else per_dataset
+        freed = per_dataset + shared
+        params = freed if self.shared_fit else per_dataset
         start = self.result.profile if self.result else None
         # Warm-started refits move little once many trees are measured: fewer steps.
         steps = 400 if start is None else 100 if len(points) < 80 else 40
@@ -165,9 +166,9 @@ class ModelFit:
             if other.cost < ACROSS_KEEP * result.cost:
                 result = other
         if shared and not self.shared_fit:
-            other = fit_from(result.profile, per_dataset + shared, 400)
+            other = fit_from(result.profile, freed, 400)
             if other.cost < SHARED_KEEP * result.cost:
-                result, params, self.shared_fit = other, per_dataset + shared, True
+                result, params, self.shared_fit = other, freed, True
         self.result, self.params = result, params
         self.whole.at(self.result.profile)
 
