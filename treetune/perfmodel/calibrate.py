@@ -96,6 +96,10 @@ class Parameter:
     def high_x(self) -> float:
         return _to_x(self, self.high)
 
+    def x_of(self, value: float) -> float:
+        """`value` in fitting space."""
+        return _to_x(self, value)
+
 
 CALIBRATION_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "step_overhead_ms": (0.05, 50.0, True),

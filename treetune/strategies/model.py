@@ -29,6 +29,7 @@ from treetune.perfmodel.calibrate import (
     Parameter,
     calibrate,
     free_parameters,
+    get_value,
     set_values,
     values_of,
 )
@@ -80,9 +81,16 @@ ONLINE_DATASET_FIT = ("acceptance.top1", "acceptance.top1_decay", "acceptance.ra
 # (benchmarks/RESULTS.md, stop 32).
 ONLINE_SHARED_FIT = ("acceptance.rank_ratio",)
 # Until then every fit is tried with them freed too, and they are freed for good when that
-# cuts the fit's cost by a quarter. In own-model worlds (the prior's 0.5 is the truth) the
-# cut was 5-13%; in the acceptance-shape world's, 22-40% from the fifth launch on.
+# cuts the fit's cost by a quarter and moves one of them SHARED_DEPARTURE posterior
+# standard deviations or more from the prior's value (a Wald test, the deviations scaled
+# by the fit's own residuals). In 8 of the 144 benchmark studies, in worlds whose ratio is
+# the prior's 0.5, the cut passed a quarter by chance with two trees measured, most of it
+# the trial's longer fit converging further; the ratio stayed within 2.7 deviations of
+# 0.5, and wrong-prior's seed 4 took 15 launches to its target instead of 6. In the
+# acceptance-shape world's, every cut past a quarter had moved it 6-12 deviations
+# (benchmarks/RESULTS.md, stop 33).
 SHARED_KEEP = 0.75
+SHARED_DEPARTURE = 4.0
 # First launches after the baseline, before the model has anything to go on: a chain
 # (acceptance along depth: top-1 and its decay) and a branching tree of the same depth (the
 # lower ranks' share), which also span draft and verify costs. Both are trees of the size
@@ -122,7 +130,8 @@ class ModelFit:
     warm-started from the previous fit, and once more from across the roofline when its
     accept lengths misfit (`_across_roofline`). Then once more with ONLINE_SHARED_FIT
     freed too, kept (and from then on always fitted) if that cuts the fit's cost by a
-    quarter (SHARED_KEEP): a parameter whose prior value serves in most worlds costs the
+    quarter (SHARED_KEEP) and moves it well away from the prior's value
+    (SHARED_DEPARTURE): a parameter whose prior value serves in most worlds costs the
     search launches there when fitted from the start (the 30B's 12 seeds took 164 launches
     to the target instead of 111: its draws spread every wide tree's prediction)."""
 
@@ -167,7 +176,8 @@ class ModelFit:
                 result = other
         if shared and not self.shared_fit:
             other = fit_from(result.profile, freed, 400)
-            if other.cost < SHARED_KEEP * result.cost:
+            if (other.cost < SHARED_KEEP * result.cost
+                    and departure(other, self.prior, shared) >= SHARED_DEPARTURE):
                 result, params, self.shared_fit = other, freed, True
         self.result, self.params = result, params
         self.whole.at(self.result.profile)
@@ -182,6 +192,17 @@ class ModelFit:
         low = np.array([p.low_x for p in self.params])
         high = np.array([p.high_x for p in self.params])
         return set_values(self.prior, values_of(self.params, np.clip(x, low, high)))
+
+
+def departure(result: CalibrationResult, prior: Profile, last: Sequence[Parameter]) -> float:
+    """How far a fit moved the `last` of its parameters from the prior's values: the
+    largest distance, in the fit's posterior standard deviations (0 without a posterior)."""
+    if result.x is None or result.covariance is None:
+        return 0.0
+    k = len(last)
+    sd = np.sqrt(np.maximum(np.diag(result.covariance)[-k:], 1e-300))
+    start = np.array([p.x_of(get_value(prior, p.name)) for p in last])
+    return float(np.max(np.abs(result.x[-k:] - start) / sd))
 
 
 def accept_misfit(result: CalibrationResult) -> float:
