@@ -684,15 +684,15 @@ def test_one_rank_ratio_fitted_for_every_dataset_follows_a_draft_whose_rank_2_ta
         assert worst >= 0.025
 
 
-
 @pytest.mark.parametrize("wald", [True, False])
 def test_a_cost_cut_by_chance_does_not_free_the_rank_ratio(wald, monkeypatch):
     """Coder-next is its own model, whose draft's ranks fall by half as the prior's do.
     With two trees measured through 3% noise (seed 4), the trial fit with the rank ratio
     freed cuts the fit's cost by more than a quarter by chance (42 data rows for 28
-    parameters), the ratio within a few posterior deviations of 0.5: freed then, it cost
-    that benchmark study 3 more launches (wrong-prior's, the same draws, 9). The Wald
-    test holds it back."""
+    parameters), the ratio within a few posterior deviations of 0.5. Freed then, the
+    benchmark's study of this seed took 9 launches to its target instead of 6, and
+    wrong-prior's (the same world told the wrong GPU) 15 instead of 6. The Wald test
+    holds it back."""
     import treetune.strategies.model as model_search
 
     if not wald:  # the premise: the cost cut alone frees it
