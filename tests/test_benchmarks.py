@@ -146,3 +146,33 @@ def test_the_model_oracle_orders_by_the_truth_without_the_worlds_cost_effects():
     row = run_job(Job("launch-bias", "model-oracle", 0, 4, 4, 0.03, (1, 32)))
     assert row["launches"] == 4 and row["strategy"] == "model-oracle"
     assert "model-oracle" not in strategies.names()
+
+
+def test_scoring_the_model_s_estimates_does_not_steer_the_study():
+    """model_calibration.py asks the search's model for estimates after every launch; the
+    study must launch what it would have launched unasked, or the scores would be of
+    another search."""
+    import model_calibration
+    from search_efficiency import study_spec
+
+    from treetune.study.offline import Noise, run_offline
+    from treetune.worlds import load_world
+
+    job = model_calibration.Job("qwen3-30b-a3b-h100", 0, 7, 30, 0.03)
+    row = model_calibration.run_job(job)
+    assert [s["launch"] for s in row["launches"]] == [4, 5, 6, 7]
+    assert all(s["unmeasured"] and s["accept_misfit"] is not None for s in row["launches"])
+    assert any(s["measured"] for s in row["launches"])
+    world = load_world(job.world)
+    spec = study_spec(job.world, "model", job.seed, job.max_launches, job.noise, job.batches)
+    unasked = run_offline(spec, world.model(world.profile.tp), job.seed, job.max_launches,
+                          Noise(job.noise, job.noise))
+    asked: list = []
+    model_calibration.run_offline = lambda *a, **k: asked.append(run_offline(*a, **k))
+    try:
+        model_calibration.run_job(job)
+    finally:
+        model_calibration.run_offline = run_offline
+    assert [r.config for r in asked[0].launched] == [r.config for r in unasked.launched]
+    summary = model_calibration.summarize([row])
+    assert set(summary) == {"4-6", "7-9"} and summary["4-6"]["z2_measured"] >= 0
