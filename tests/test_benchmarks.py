@@ -148,7 +148,7 @@ def test_the_model_oracle_orders_by_the_truth_without_the_worlds_cost_effects():
     assert "model-oracle" not in strategies.names()
 
 
-def test_scoring_the_model_s_estimates_does_not_steer_the_study():
+def test_scoring_the_model_s_estimates_does_not_steer_the_study(monkeypatch):
     """model_calibration.py asks the search's model for estimates after every launch; the
     study must launch what it would have launched unasked, or the scores would be of
     another search."""
@@ -168,11 +168,9 @@ def test_scoring_the_model_s_estimates_does_not_steer_the_study():
     unasked = run_offline(spec, world.model(world.profile.tp), job.seed, job.max_launches,
                           Noise(job.noise, job.noise))
     asked: list = []
-    model_calibration.run_offline = lambda *a, **k: asked.append(run_offline(*a, **k))
-    try:
-        model_calibration.run_job(job)
-    finally:
-        model_calibration.run_offline = run_offline
+    monkeypatch.setattr(model_calibration, "run_offline",
+                        lambda *a, **k: asked.append(run_offline(*a, **k)))
+    model_calibration.run_job(job)
     assert [r.config for r in asked[0].launched] == [r.config for r in unasked.launched]
     summary = model_calibration.summarize([row])
     assert set(summary) == {"4-6", "7-9"} and summary["4-6"]["z2_measured"] >= 0
