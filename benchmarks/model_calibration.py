@@ -16,7 +16,7 @@ a model twice as sure as it should be about 4. Beside it, the fit's accept-lengt
 (`accept_misfit`: the mean squared log error of its accept lengths in units of their 1%
 noise; about 1 when the fit explains them).
 
-    .venv/bin/python benchmarks/model_calibration.py [--worlds NAME ...] [--seeds 6]
+    .venv/bin/python benchmarks/model_calibration.py [--worlds all | NAME_OR_FILE ...] [--seeds 6]
         [--max-launches 12] [--top 30] [--noise 0.03] [--json] [--output FILE.md]
 """
 
@@ -29,15 +29,14 @@ import time
 from dataclasses import dataclass
 
 from search_efficiency import (
+    load_worlds,
     output_arguments,
     publish,
     run_pool,
     study_spec,
     truth_table,
-    world_names,
 )
 
-from treetune.errors import TreetuneError
 from treetune.strategies.model import ModelStrategy, accept_misfit
 from treetune.study.offline import Noise, run_offline
 from treetune.study.planner import Planner
@@ -142,12 +141,7 @@ def main() -> None:
                         help="launch and measurement noise (coefficient of variation)")
     output_arguments(parser)
     args = parser.parse_args()
-    names = world_names(args.worlds)
-    for name in names:  # a bad world fails here, not in a worker
-        try:
-            load_world(name)
-        except TreetuneError as exc:
-            parser.error(str(exc))
+    names = list(load_worlds(parser, args.worlds))
     jobs = [Job(w, seed, args.max_launches, args.top, args.noise)
             for w in names for seed in range(args.seeds)]
     started = time.monotonic()

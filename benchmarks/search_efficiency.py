@@ -53,6 +53,7 @@ import numpy as np
 from treetune import strategies
 from treetune.config import BASELINE, TreeConfig
 from treetune.datasets import builtin_names
+from treetune.errors import TreetuneError
 from treetune.perfmodel import check_memory, shipped_profiles
 from treetune.space import load_space
 from treetune.strategies import gp
@@ -338,6 +339,18 @@ def world_names(requested: list[str]) -> list[str]:
     return requested
 
 
+def load_worlds(parser: argparse.ArgumentParser, requested: list[str]) -> dict[str, World]:
+    """The requested worlds by name ('all': every shipped profile and world), loaded here,
+    so that a bad one is a usage error naming it, not a traceback from a worker."""
+    worlds = {}
+    for name in world_names(requested):
+        try:
+            worlds[name] = load_world(name)
+        except TreetuneError as exc:
+            parser.error(str(exc))
+    return worlds
+
+
 def output_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every in-process benchmark shares: --json, --output and --processes."""
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -423,12 +436,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.max_launches, args.budget = 1, 16, 12
-    names = world_names(args.worlds)
-    kinds = {}
-    for name in names:  # a bad world fails here, not in a worker
-        world = load_world(name)
-        kinds[name] = "own model" if world.own_model else (
-            "replay" if world.replay_path else "misspecified")
+    worlds = load_worlds(parser, args.worlds)
+    names = list(worlds)
+    kinds = {name: "own model" if world.own_model else
+             "replay" if world.replay_path else "misspecified"
+             for name, world in worlds.items()}
     batches = tuple(sorted(set(args.batch)))
     jobs = [Job(w, s, seed, args.max_launches, args.budget, args.noise, batches,
                 args.prior_noise)

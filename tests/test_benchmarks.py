@@ -54,6 +54,16 @@ def test_a_study_s_progress_line_says_whether_it_held_the_target_to_the_end():
     assert line(31, 31).endswith("target at 31 launches (never reached)")
 
 
+@pytest.mark.parametrize("script", ["search_efficiency.py", "model_calibration.py"])
+def test_an_unknown_world_is_a_usage_error_that_names_it(script):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--worlds",
+                           "qwen3-8b-h100", "no-such-world"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2
+    assert "unknown world 'no-such-world'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize("world", ["qwen3.5-397b-a17b-h200"])
 def test_a_profile_whose_datasets_are_not_built_in_runs_in_process(world):
     """The 397B profile's benchmarks (gsm8k, math500, ...) have no built-in prompts: the
@@ -159,6 +169,9 @@ def test_scoring_the_model_s_estimates_does_not_steer_the_study(monkeypatch):
     from treetune.worlds import load_world
 
     job = model_calibration.Job("qwen3-30b-a3b-h100", 0, 7, 30, 0.03)
+    asked: list = []
+    monkeypatch.setattr(model_calibration, "run_offline",
+                        lambda *a, **k: asked.append(run_offline(*a, **k)))
     row = model_calibration.run_job(job)
     assert [s["launch"] for s in row["launches"]] == [4, 5, 6, 7]
     assert all(s["unmeasured"] and s["accept_misfit"] is not None for s in row["launches"])
@@ -167,10 +180,6 @@ def test_scoring_the_model_s_estimates_does_not_steer_the_study(monkeypatch):
     spec = study_spec(job.world, "model", job.seed, job.max_launches, job.noise, job.batches)
     unasked = run_offline(spec, world.model(world.profile.tp), job.seed, job.max_launches,
                           Noise(job.noise, job.noise))
-    asked: list = []
-    monkeypatch.setattr(model_calibration, "run_offline",
-                        lambda *a, **k: asked.append(run_offline(*a, **k)))
-    model_calibration.run_job(job)
     assert [r.config for r in asked[0].launched] == [r.config for r in unasked.launched]
     summary = model_calibration.summarize([row])
     assert set(summary) == {"4-6", "7-9"} and summary["4-6"]["z2_measured"] >= 0
