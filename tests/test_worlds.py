@@ -160,6 +160,17 @@ def test_treetune_grid_writes_a_table_that_replays_the_world_exactly(tmp_path):
                 truth.throughput(config, batch, "mt-bench"), rel=1e-5)
 
 
+def test_the_shipped_cliff_grid_is_what_its_description_says_wrote_it():
+    # replay-cliff-grid says cliff-grid.csv is the cliffs world's noise-free grid: a change
+    # to the profile under the cliffs world must write it again.
+    replayed, truth = load_world("replay-cliff-grid").model(), load_world("cliffs").model()
+    for config in (BASELINE, TreeConfig(1, 1, 2), TreeConfig(3, 4, 8), TreeConfig(7, 8, 32)):
+        for batch in (1, 8, 32, 64):
+            for dataset in ("mt-bench", "terminal-bench"):
+                assert replayed.throughput(config, batch, dataset) == pytest.approx(
+                    truth.throughput(config, batch, dataset), rel=1e-5), (config, batch)
+
+
 @pytest.mark.parametrize("world", ["replay-published", "moe-dispatch"])
 def test_the_emulator_serves_a_world_at_its_truths_throughput(emulators, world):
     truth = load_world(world).model(4)
