@@ -7,7 +7,8 @@ Counts launches until the mixed-workload recommendation is within 1% of the true
 feasible config's mean speedup at every batch size, as benchmarks/search_efficiency.py
 does (baseline included; a study that never gets there counts as max_launches + 1).
 
-    .venv/bin/python benchmarks/auto_prior.py [--seeds 4] [--max-launches 30] [--json]
+    .venv/bin/python benchmarks/auto_prior.py [--seeds 4] [--first-seed 0] [--max-launches 30]
+        [--json]
 
 The default builds the prior of Qwen3-Coder-Next-FP8 + its EAGLE3 head on 4 x H200 from
 tests/fixtures/hf and searches the shipped qwen3-coder-next-h200 profile.
@@ -29,6 +30,17 @@ profile's 3.87B (what its config counts) and recalibrated, truth facts [6, 11, 8
 most 0.01% in any speedup, and its seed 5 went from 11 to 31: at batch 32 the best tree
 (2,1,3) and the runner-up (1,1,2) are 1.3% apart under 3% noise, and which one a study
 confirms turns on a few draws. Twelve seeds do not tell such tails apart.
+Seeds 12-35 (`--seeds 24 --first-seed 12`, new profile): truth facts 221 (median 8),
+auto prior 255 (median 8). Over the 36 seeds: truth facts 338, median 8.5, every study
+reached; auto prior 402, median 8, 3 of 36 not reached in 30 launches. Ten seeds differ,
+seven of them for the worse. A prior made of the truth's own facts and datasets with only
+the target's and draft's facts replaced by the auto prior's (total 79.67B against 80,
+recurrent state 77.3 MB against 75.5, expert and draft sizes in their 4th digit) gave the
+auto prior's 36 counts exactly, so those small differences alone make it; the same
+differences mirrored (total 80.33B, state 73.7 MB, ...) gave 378, median 9, 1 of 36 not
+reached. A prior whose facts are exactly the truth's is the benchmark's best case, and
+any other costs tail launches here; the auto prior's cost is within the spread of such
+perturbations (a scratch script, not shipped).
 """
 
 from __future__ import annotations
@@ -106,6 +118,8 @@ def main() -> None:
     parser.add_argument("--draft", default=str(FIXTURES / "thoughtworks/Qwen3-Coder-Next-Eagle3"))
     parser.add_argument("--gpu", default="H200")
     parser.add_argument("--seeds", type=int, default=4)
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="seeds are first-seed .. first-seed + seeds - 1")
     parser.add_argument("--max-launches", type=int, default=30)
     parser.add_argument("--noise", type=float, default=0.03)
     parser.add_argument("--processes", type=int, default=2)
@@ -118,7 +132,8 @@ def main() -> None:
         prior_file = str(Path(folder) / "auto-prior.yaml")
         prior.save(prior_file)
         jobs = [Job(args.truth, p, seed, args.max_launches, args.noise)
-                for seed in range(args.seeds) for p in (None, prior_file)]
+                for seed in range(args.first_seed, args.first_seed + args.seeds)
+                for p in (None, prior_file)]
         with ProcessPoolExecutor(max_workers=args.processes) as pool:
             rows = list(pool.map(run_job, jobs, chunksize=1))
     summary = {}
@@ -127,16 +142,20 @@ def main() -> None:
         summary[name] = {"median_launches": statistics.median(r["launches_to_target"]
                                                               for r in mine),
                          "launches": [r["launches_to_target"] for r in mine],
+                         "summed": sum(r["launches_to_target"] for r in mine),
                          "seconds": round(sum(r["seconds"] for r in mine), 1)}
     if args.json:
         print(json.dumps(summary))
         return
     print(f"# model search on {args.truth}: prior from the truth's facts vs the auto prior "
-          f"({args.seeds} seeds, batch {', '.join(map(str, BATCHES))}, noise "
-          f"{args.noise:.0%}, up to {args.max_launches} launches)\n")
-    print("| prior | median launches to within 1% | per seed | CPU s |\n|---|---|---|---|")
+          f"(seeds {args.first_seed}-{args.first_seed + args.seeds - 1}, batch "
+          f"{', '.join(map(str, BATCHES))}, noise {args.noise:.0%}, up to "
+          f"{args.max_launches} launches; {args.max_launches + 1}: not reached)\n")
+    print("| prior | median launches to within 1% | summed | per seed | CPU s |\n"
+          "|---|---|---|---|---|")
     for name, s in summary.items():
-        print(f"| {name} | {s['median_launches']:g} | {s['launches']} | {s['seconds']} |")
+        print(f"| {name} | {s['median_launches']:g} | {s['summed']} | {s['launches']} | "
+              f"{s['seconds']} |")
 
 
 if __name__ == "__main__":
