@@ -55,13 +55,12 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from search_efficiency import TARGET, truth_table
+from search_efficiency import judge_mixed, truth_table, within_target
 
 from treetune.facts import auto_prior, gpu_facts, model_facts
 from treetune.perfmodel import PerfModel, load_profile
 from treetune.study.offline import Noise, run_offline
 from treetune.study.planner import Planner
-from treetune.study.recommend import MIXED, recommend
 from treetune.study.spec import load_study
 from treetune.worlds import load_world
 
@@ -91,17 +90,7 @@ def run_job(job: Job) -> dict:
     within: list[bool] = []
 
     def after(planner: Planner) -> None:
-        if planner.baseline is None:
-            within.append(False)
-            return
-        ratios = []
-        for rec in recommend(spec, list(planner.results.values()), planner.baseline,
-                             planner.estimates()):
-            if rec.workload == MIXED:
-                true = table.get(rec.config)
-                mean = statistics.fmean(true[rec.batch]) if true else 1.0
-                ratios.append(mean / best[rec.batch])
-        within.append(bool(ratios) and min(ratios) >= TARGET)
+        within.append(within_target(judge_mixed(spec, planner, table, best)))
 
     started = time.process_time()
     noise = Noise(launch_cv=job.noise, measurement_cv=job.noise)
