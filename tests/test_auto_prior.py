@@ -11,7 +11,7 @@ import optuna
 import pytest
 import yaml
 from studykit import run_cli, small_study
-from test_facts import cache_with, fixture, stand_in_nvidia_smi
+from test_facts import ROCM_SMI_MI300X, cache_with, fixture, stand_in_nvidia_smi
 
 from treetune.errors import TreetuneError
 from treetune.facts import auto_prior, gpu_facts, model_facts
@@ -70,6 +70,16 @@ def test_treetune_prior_reads_the_gpu_from_nvidia_smi(capsys, tmp_path, monkeypa
                                 "--draft", fixture("thoughtworks/Qwen3-8B-Eagle3"))
     assert code == 0, err
     assert yaml.safe_load(stdout)["hardware"]["gpu"] == "H100-SXM"
+
+
+def test_treetune_prior_reads_an_amd_gpu_from_rocm_smi(capsys, tmp_path, monkeypatch):
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", ROCM_SMI_MI300X, program="rocm-smi")
+    monkeypatch.setenv("PATH", str(bin_dir))  # only the stand-in: no real nvidia-smi first
+    code, stdout, err = run_cli(capsys, "prior", "--model", fixture("Qwen/Qwen3-8B"),
+                                "--draft", fixture("thoughtworks/Qwen3-8B-Eagle3"))
+    assert code == 0, err
+    hardware = yaml.safe_load(stdout)["hardware"]
+    assert hardware["gpu"] == "MI300X" and hardware["bandwidth_tb_s"] == 5.3
 
 
 def test_treetune_prior_on_an_unknown_gpu_is_one_line_naming_the_gpu_option(capsys):

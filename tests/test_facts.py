@@ -4,6 +4,7 @@ the shipped table and from a stand-in nvidia-smi."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -314,10 +315,12 @@ def test_an_ambiguous_gpu_name_lists_the_candidates():
         gpu_facts("H100")
 
 
-def stand_in_nvidia_smi(folder: Path, output: str, exit_code: int = 0) -> Path:
-    """An `nvidia-smi` on PATH that prints `output` and records its arguments."""
+def stand_in_nvidia_smi(folder: Path, output: str, exit_code: int = 0,
+                        program: str = "nvidia-smi") -> Path:
+    """An `nvidia-smi` (or another `program`) on PATH that prints `output` and records its
+    arguments in `args`."""
     folder.mkdir(parents=True, exist_ok=True)
-    script = folder / "nvidia-smi"
+    script = folder / program
     script.write_text("#!/bin/sh\n"
                       f'echo "$@" > "{folder}/args"\n'
                       f"printf '%s' '{output}'\n"
@@ -351,9 +354,78 @@ def test_an_unknown_gpu_from_nvidia_smi_names_the_override(tmp_path):
         detect_gpu({"PATH": str(bin_dir)})
 
 
-def test_without_nvidia_smi_the_error_names_the_override(tmp_path):
-    with pytest.raises(TreetuneError, match=r"nvidia-smi was not found on .*--gpu NAME"):
+def test_without_any_gpu_tool_the_error_names_the_tools_and_the_override(tmp_path):
+    with pytest.raises(TreetuneError, match=r"no GPU management tool \(nvidia-smi, amd-smi, "
+                       r"rocm-smi\) was found on .*--gpu NAME"):
         query_gpus({"PATH": str(tmp_path)})
+
+
+# rocm-smi --showproductname --showmeminfo vram --json on a 2-GPU MI300X node (ROCm 6.x,
+# shortened); the field's case changed between releases ("Card series" / "Card Series").
+ROCM_SMI_MI300X = json.dumps({
+    "card0": {"Card Series": "AMD Instinct MI300X OAM", "Card Model": "0x74a1",
+              "VRAM Total Memory (B)": "206141652992"},
+    "card1": {"Card series": "AMD Instinct MI300X OAM", "Card model": "0x74a1",
+              "VRAM Total Memory (B)": "206141652992"}})
+# amd-smi static --asic --vram --json (ROCm 6.3+ wraps the list in gpu_data), one MI325X and
+# one MI300X, as on a mixed test node.
+AMD_SMI_MIXED = json.dumps({"gpu_data": [
+    {"gpu": 0, "asic": {"market_name": "AMD Instinct MI325X", "device_id": "0x74a5"},
+     "vram": {"type": "HBM3E", "size": {"value": 262128, "unit": "MB"}}},
+    {"gpu": 1, "asic": {"market_name": "AMD Instinct MI300X", "device_id": "0x74a1"},
+     "vram": {"type": "HBM3", "size": {"value": 196592, "unit": "MB"}}}]})
+
+
+def test_on_an_amd_node_the_gpu_is_read_from_rocm_smi(tmp_path):
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", ROCM_SMI_MI300X, program="rocm-smi")
+    env = {"PATH": str(bin_dir)}
+    seen = query_gpus(env)
+    assert [(g.name, round(g.memory_mib or 0), g.tool) for g in seen] == [
+        ("AMD Instinct MI300X OAM", 196592, "rocm-smi")] * 2
+    assert detect_gpu(env).name == "MI300X"
+    assert (bin_dir / "args").read_text().split() == [
+        "--showproductname", "--showmeminfo", "vram", "--json"]
+
+
+def test_amd_smi_comes_before_rocm_smi_and_keeps_the_devices_ray_gave_the_worker(tmp_path):
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", AMD_SMI_MIXED, program="amd-smi")
+    stand_in_nvidia_smi(tmp_path / "bin", "{}", program="rocm-smi")
+    assert detect_gpu({"PATH": str(bin_dir), "HIP_VISIBLE_DEVICES": "1"}).name == "MI300X"
+    assert detect_gpu({"PATH": str(bin_dir), "ROCR_VISIBLE_DEVICES": "0"}).name == "MI325X"
+    assert (bin_dir / "args").read_text().split() == ["static", "--asic", "--vram", "--json"]
+    with pytest.raises(TreetuneError, match=r"GPUs on .* differ \(AMD Instinct MI300X, AMD "
+                       r"Instinct MI325X\).*--gpu NAME"):
+        detect_gpu({"PATH": str(bin_dir)})
+
+
+def test_an_amd_gpu_unknown_to_the_table_says_which_tool_named_it(tmp_path):
+    output = json.dumps([{"gpu": 0, "asic": {"market_name": "AMD Instinct MI999X"},
+                          "vram": {"vram_size_mb": 1000}}])  # the pre-6.3 list form
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", output, program="amd-smi")
+    with pytest.raises(TreetuneError, match=r"GPU 'AMD Instinct MI999X' \(amd-smi on .*, "
+                       r"1000 MiB\) is not in treetune's GPU table.*--gpu NAME"):
+        detect_gpu({"PATH": str(bin_dir)})
+
+
+@pytest.mark.parametrize("output", ["{}", "ERROR: GPU[0]: unable to read the device",
+                                    json.dumps({"system": {"Driver version": "6.8.5"}})])
+def test_a_rocm_smi_that_exits_0_without_a_gpu_lists_no_gpu(tmp_path, output):
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", output, program="rocm-smi")
+    with pytest.raises(TreetuneError, match=r"rocm-smi on .* lists no GPU \(.*\): name the "
+                       r"GPU with --gpu NAME"):
+        detect_gpu({"PATH": str(bin_dir)})
+
+
+def test_visible_devices_that_name_no_listed_amd_gpu_are_a_clear_error(tmp_path):
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", ROCM_SMI_MI300X, program="rocm-smi")
+    with pytest.raises(TreetuneError, match=r"lists no GPU \(no GPU among 5\)"):
+        detect_gpu({"PATH": str(bin_dir), "HIP_VISIBLE_DEVICES": "5"})
+
+
+def test_nvidia_smi_is_asked_first_when_a_node_has_both_tools(tmp_path):
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "NVIDIA H200, 143771 MiB\n")
+    stand_in_nvidia_smi(tmp_path / "bin", ROCM_SMI_MI300X, program="rocm-smi")
+    assert detect_gpu({"PATH": str(bin_dir)}).name == "H200"
 
 
 def test_a_failing_nvidia_smi_says_what_it_said(tmp_path):

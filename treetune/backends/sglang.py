@@ -372,7 +372,7 @@ class SGLangBackend:
 
     python: str = "python"  # the interpreter that has sglang installed
     # The GPU the model search assumes, by its name in treetune's GPU table (`treetune
-    # prior --help`); None: the one nvidia-smi shows a launch worker.
+    # prior --help`); None: the one nvidia-smi (amd-smi, rocm-smi) shows a launch worker.
     gpu: str | None = None
 
     def command(self, launch: LaunchSpec, config: ServerConfig,

@@ -1,6 +1,6 @@
 """Facts read from what is on disk and on the node, before anything is measured: a model's
-size and KV cache from its Hugging Face config.json, the GPU from nvidia-smi and a shipped
-table of datasheet values, and the auto prior built from them."""
+size and KV cache from its Hugging Face config.json, the GPU from nvidia-smi (amd-smi,
+rocm-smi) and a shipped table of datasheet values, and the auto prior built from them."""
 
 from treetune.facts.gpus import GpuFacts, SeenGpu, detect_gpu, gpu_facts, gpu_table, query_gpus
 from treetune.facts.models import (

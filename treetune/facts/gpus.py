@@ -1,15 +1,16 @@
 """GPU facts: a shipped table (gpus.yaml, every value sourced from a vendor datasheet) and
-the GPU a machine actually has, as `nvidia-smi` names it."""
+the GPU a machine actually has, as `nvidia-smi` (or `amd-smi`, `rocm-smi`) names it."""
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
 import socket
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -18,7 +19,9 @@ from treetune.errors import ConfigFileError, TreetuneError
 from treetune.yamlio import load_yaml
 
 NVIDIA_SMI_QUERY = ["--query-gpu=name,memory.total", "--format=csv,noheader"]
-NVIDIA_SMI_TIMEOUT_S = 30.0
+AMD_SMI_QUERY = ["static", "--asic", "--vram", "--json"]
+ROCM_SMI_QUERY = ["--showproductname", "--showmeminfo", "vram", "--json"]
+SMI_TIMEOUT_S = 30.0
 OVERRIDE = "--gpu NAME (backend.gpu in a study file)"
 
 
@@ -42,15 +45,17 @@ class GpuFacts:
 
 @dataclass(frozen=True)
 class SeenGpu:
-    """One GPU as nvidia-smi reports it."""
+    """One GPU as the node's management tool reports it."""
 
     name: str
     memory_mib: float | None
+    tool: str = "nvidia-smi"
 
 
 def _key(name: str) -> str:
-    """A name as matched: no case, no punctuation, no vendor prefix."""
-    text = re.sub(r"^(nvidia|amd)\s+", "", name.strip().lower())
+    """A name as matched: no case, no punctuation, no vendor or product-line prefix (AMD's
+    tools print "AMD Instinct MI300X OAM" where users write "MI300X OAM")."""
+    text = re.sub(r"^(nvidia|amd)\s+(instinct\s+)?", "", name.strip().lower())
     return re.sub(r"[^a-z0-9]", "", text)
 
 
@@ -94,43 +99,153 @@ def gpu_facts(name: str, source: str = "--gpu") -> GpuFacts:
 
 
 def query_gpus(env: Mapping[str, str] | None = None) -> list[SeenGpu]:
-    """The GPUs this process may use, from `nvidia-smi` (no shell). nvidia-smi lists every
-    GPU of the node whatever CUDA_VISIBLE_DEVICES says, so the devices a Ray worker was
-    given are passed to it with --id."""
+    """The GPUs this process may use, from the node's management tool (no shell):
+    `nvidia-smi` on NVIDIA nodes, else `amd-smi` or the older `rocm-smi` on AMD nodes.
+    These tools list every GPU of the node whatever the *_VISIBLE_DEVICES variables say, so
+    only the devices a Ray worker was given are kept."""
     env = dict(os.environ if env is None else env)
-    where = socket.gethostname()
-    program = shutil.which("nvidia-smi", path=env.get("PATH"))
-    if program is None:
-        raise TreetuneError(f"nvidia-smi was not found on {where} (PATH): name the GPU with "
-                            f"{OVERRIDE}")
-    argv = [program, *NVIDIA_SMI_QUERY]
-    visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
-    if visible and visible != "NoDevFiles":
-        argv.append(f"--id={visible}")
+    for tool in SMI_TOOLS:
+        program = shutil.which(tool.program, path=env.get("PATH"))
+        if program is not None:
+            return tool.query(program, env)
+    names = ", ".join(t.program for t in SMI_TOOLS)
+    raise TreetuneError(f"no GPU management tool ({names}) was found on "
+                        f"{socket.gethostname()} (PATH): name the GPU with {OVERRIDE}")
+
+
+def _visible(env: Mapping[str, str], variables: tuple[str, ...]) -> str | None:
+    """The device list the first set variable gives (as a Ray worker sees it), or None."""
+    for variable in variables:
+        value = env.get(variable, "").strip()
+        if value and value != "NoDevFiles":
+            return value
+    return None
+
+
+def _run(program: str, argv: list[str], env: Mapping[str, str]) -> str:
+    """`program`'s standard output; a one-line TreetuneError naming the override when it
+    cannot run, fails or lists nothing."""
+    tool, where = Path(program).name, socket.gethostname()
     try:
-        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              env=env, timeout=NVIDIA_SMI_TIMEOUT_S)
+        done = subprocess.run([program, *argv], stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, env=dict(env),
+                              timeout=SMI_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        raise TreetuneError(f"nvidia-smi on {where} did not answer within "
-                            f"{NVIDIA_SMI_TIMEOUT_S:.0f} s: name the GPU with {OVERRIDE}"
-                            ) from None
+        raise TreetuneError(f"{tool} on {where} did not answer within {SMI_TIMEOUT_S:.0f} s:"
+                            f" name the GPU with {OVERRIDE}") from None
     except OSError as exc:
-        raise TreetuneError(f"cannot run nvidia-smi on {where}: {exc.strerror}: name the GPU "
+        raise TreetuneError(f"cannot run {tool} on {where}: {exc.strerror}: name the GPU "
                             f"with {OVERRIDE}") from None
-    lines = [line.strip() for line in done.stdout.splitlines() if line.strip()]
-    if done.returncode != 0 or not lines:
-        said = [line.strip() for line in (done.stderr or done.stdout).splitlines()
-                if line.strip()]
-        cause = said[-1] if said else f"exit code {done.returncode}, no GPU listed"
-        raise TreetuneError(f"nvidia-smi on {where} lists no GPU ({cause}): name the GPU "
-                            f"with {OVERRIDE}")
-    return [_parse(line) for line in lines]
+    if done.returncode != 0 or not done.stdout.strip():
+        raise _lists_no_gpu(tool, done.stderr or done.stdout,
+                            f"exit code {done.returncode}, no GPU listed")
+    return done.stdout
 
 
-def _parse(line: str) -> SeenGpu:
+def _lists_no_gpu(tool: str, said: str, otherwise: str) -> TreetuneError:
+    lines = [line.strip() for line in said.splitlines() if line.strip()]
+    cause = lines[-1] if lines else otherwise
+    return TreetuneError(f"{tool} on {socket.gethostname()} lists no GPU ({cause}): name the"
+                         f" GPU with {OVERRIDE}")
+
+
+def _nvidia_smi(program: str, env: Mapping[str, str]) -> list[SeenGpu]:
+    argv = list(NVIDIA_SMI_QUERY)
+    visible = _visible(env, ("CUDA_VISIBLE_DEVICES",))
+    if visible:  # nvidia-smi takes the same indices or UUIDs
+        argv.append(f"--id={visible}")
+    output = _run(program, argv, env)
+    return [_parse_nvidia(line.strip()) for line in output.splitlines() if line.strip()]
+
+
+def _parse_nvidia(line: str) -> SeenGpu:
     name, _, memory = line.rpartition(",") if "," in line else (line, "", "")
     number = re.match(r"\s*([\d.]+)", memory)
     return SeenGpu(name.strip(), float(number.group(1)) if number else None)
+
+
+# HIP reads HIP_VISIBLE_DEVICES (what Ray sets on AMD nodes), then CUDA_VISIBLE_DEVICES;
+# ROCR_VISIBLE_DEVICES filters below it. Any of them gives the indices the worker may use.
+AMD_VISIBLE = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+
+
+def _amd_smi(program: str, env: Mapping[str, str]) -> list[SeenGpu]:
+    """`amd-smi static --asic --vram --json`: a list of GPUs (older releases) or
+    {"gpu_data": [...]}, each with asic.market_name and vram's size."""
+    output = _run(program, AMD_SMI_QUERY, env)
+    data = _json(output, "amd-smi")
+    rows = data.get("gpu_data", []) if isinstance(data, dict) else data
+    seen = {}
+    for position, row in enumerate(rows if isinstance(rows, list) else []):
+        asic = row.get("asic", {}) if isinstance(row, dict) else {}
+        name = asic.get("market_name") if isinstance(asic, dict) else None
+        if isinstance(name, str) and name.strip() and name.strip() != "N/A":
+            index = row.get("gpu", position)
+            seen[index if isinstance(index, int) else position] = SeenGpu(
+                name.strip(), _amd_smi_mib(row.get("vram")), "amd-smi")
+    return _keep_visible(seen, env, "amd-smi", output)
+
+
+def _amd_smi_mib(vram: object) -> float | None:
+    if not isinstance(vram, dict):
+        return None
+    size = vram.get("size", vram.get("vram_size"))
+    if isinstance(size, dict) and isinstance(size.get("value"), int | float):
+        scale = {"B": 2.0**-20, "KB": 2.0**-10, "MB": 1.0, "GB": 1024.0}
+        return float(size["value"]) * scale.get(str(size.get("unit", "MB")).upper(), 1.0)
+    mib = vram.get("vram_size_mb")
+    return float(mib) if isinstance(mib, int | float) else None
+
+
+def _rocm_smi(program: str, env: Mapping[str, str]) -> list[SeenGpu]:
+    """`rocm-smi --showproductname --showmeminfo vram --json`: {"card0": {"Card series":
+    ..., "VRAM Total Memory (B)": ...}, ...}, the key's case varying by release. rocm-smi
+    can exit 0 when it finds no GPU, so its output is the only signal."""
+    output = _run(program, ROCM_SMI_QUERY, env)
+    data = _json(output, "rocm-smi")
+    if isinstance(data, dict) and isinstance(data.get("system"), dict) and not any(
+            k.startswith("card") for k in data):
+        data = data["system"]
+    cards = sorted(((int(k[4:]), v) for k, v in (data.items() if isinstance(data, dict)
+                    else ()) if re.fullmatch(r"card\d+", k) and isinstance(v, dict)))
+    seen = {}
+    for position, (_, fields) in enumerate(cards):  # -d and HIP count cards in this order
+        by_key = {str(k).lower(): v for k, v in fields.items()}
+        name = by_key.get("card series") or by_key.get("card model")
+        if isinstance(name, str) and name.strip():
+            memory = by_key.get("vram total memory (b)")
+            mib = float(memory) / 2**20 if re.fullmatch(r"\d+", str(memory)) else None
+            seen[position] = SeenGpu(name.strip(), mib, "rocm-smi")
+    return _keep_visible(seen, env, "rocm-smi", output)
+
+
+def _json(output: str, tool: str) -> object:
+    try:
+        return json.loads(output)
+    except json.JSONDecodeError:
+        raise _lists_no_gpu(tool, output, "no JSON") from None
+
+
+def _keep_visible(seen: dict[int, SeenGpu], env: Mapping[str, str], tool: str,
+                  output: str) -> list[SeenGpu]:
+    visible = _visible(env, AMD_VISIBLE)
+    indices = visible.split(",") if visible else []
+    if indices and all(i.strip().isdigit() for i in indices):
+        seen = {i: seen[i] for i in (int(i) for i in indices) if i in seen}
+    if not seen:
+        raise _lists_no_gpu(tool, "", f"no GPU among {visible}" if visible else
+                            f"no GPU in its output: {output.strip()[:80]}")
+    return list(seen.values())
+
+
+@dataclass(frozen=True)
+class SmiTool:
+    program: str
+    query: Callable[[str, Mapping[str, str]], list[SeenGpu]]
+
+
+SMI_TOOLS = (SmiTool("nvidia-smi", _nvidia_smi), SmiTool("amd-smi", _amd_smi),
+             SmiTool("rocm-smi", _rocm_smi))
 
 
 def detect_gpu(env: Mapping[str, str] | None = None) -> GpuFacts:
@@ -142,4 +257,4 @@ def detect_gpu(env: Mapping[str, str] | None = None) -> GpuFacts:
         raise TreetuneError(f"the GPUs on {socket.gethostname()} differ ({', '.join(names)}):"
                             f" name the one to model with {OVERRIDE}")
     memory = f", {seen[0].memory_mib:.0f} MiB" if seen[0].memory_mib else ""
-    return gpu_facts(names[0], f"nvidia-smi on {socket.gethostname()}{memory}")
+    return gpu_facts(names[0], f"{seen[0].tool} on {socket.gethostname()}{memory}")

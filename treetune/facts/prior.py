@@ -67,8 +67,9 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
                 env: Mapping[str, str] | None = None, kv_cache_bytes: float | None = None,
                 datasets: Sequence[str] = ()) -> Profile:
     """The auto prior of `model` + `draft` on `tp` GPUs: config.json files from local
-    directories or the local Hugging Face cache, the GPU named by `gpu` or else the one
-    nvidia-smi shows this process. Raises TreetuneError saying what is missing."""
+    directories or the local Hugging Face cache, the GPU named by `gpu` or else the one the
+    node's GPU tool (nvidia-smi, amd-smi, rocm-smi) shows this process. Raises
+    TreetuneError saying what is missing."""
     if draft is None:
         raise TreetuneError("the auto prior needs a draft model's config.json, and this "
                             "study has no draft (NEXTN): give --prior NAME_OR_FILE")

@@ -565,7 +565,7 @@ BACKEND_OPTIONS = (
     SpecOption("backend.time_scale", "--time-scale", "Emulator speed-up.", float),
     SpecOption("backend.gpu", "--gpu", "SGLang: the GPU the auto prior assumes (a name in "
                "treetune's GPU table, see `treetune prior --help`); default: what nvidia-smi "
-               "shows a launch worker.", str),
+               "or amd-smi shows a launch worker.", str),
 )
 
 
