@@ -271,17 +271,36 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
     return {strategy: _summary(mine) for strategy, mine in out.items()}  # type: ignore[arg-type]
 
 
-def coverage_ci(mine: list[dict], draws: int = 2000) -> list[float] | None:
-    """A 90% bootstrap interval of the coverage, resampling whole studies: a study's
-    intervals share its baseline's error, so they are not independent and the study, not
-    the interval, is the unit of the sample."""
+def resamples(mine: list[dict], draws: int = 2000) -> np.ndarray | None:
+    """Bootstrap resamples of the studies (indices, one row per draw), seeded so a summary
+    is reproducible; None below two studies. The study is the unit: its launches and its
+    intervals share one baseline's error."""
+    if len(mine) < 2:
+        return None
+    return np.random.default_rng(0).integers(len(mine), size=(draws, len(mine)))
+
+
+def coverage_ci(mine: list[dict]) -> list[float] | None:
+    """A 90% bootstrap interval of the coverage, resampling whole studies."""
     covered = np.array([r["covered"] for r in mine], dtype=float)
     judged = np.array([r["intervals"] for r in mine], dtype=float)
-    if len(mine) < 2 or judged.sum() == 0:
+    picks = resamples(mine)
+    if picks is None or judged.sum() == 0:
         return None
-    picks = np.random.default_rng(0).integers(len(mine), size=(draws, len(mine)))
     shares = covered[picks].sum(axis=1) / np.maximum(judged[picks].sum(axis=1), 1)
     return [round(float(q), 4) for q in np.percentile(shares, [5, 95])]
+
+
+def median_ci(mine: list[dict]) -> list[float] | None:
+    """A 90% bootstrap interval of the median launches to the target: how far another set
+    of seeds could move the median (single seeds move by tens of launches on small
+    changes, so a median a launch off a goal may be the seeds' doing)."""
+    launches = np.array([r["launches_to_target"] for r in mine], dtype=float)
+    picks = resamples(mine)
+    if picks is None:
+        return None
+    medians = np.median(launches[picks], axis=1)
+    return [float(q) for q in np.percentile(medians, [5, 95])]
 
 
 def _summary(mine: list[dict]) -> dict:
@@ -291,6 +310,7 @@ def _summary(mine: list[dict]) -> dict:
     judged = sum(r["intervals"] for r in mine)
     return {
         "median_launches": statistics.median(launches),
+        "median_launches_ci": median_ci(mine),
         "p90_launches": percentile(launches, 90),
         "median_launches_stable": statistics.median(stable),
         "p90_launches_stable": percentile(stable, 90),
@@ -312,16 +332,20 @@ def markdown(worlds: dict[str, dict[str, dict]], overall: dict[str, dict],
     lines = [f"# Search efficiency ({len(worlds)} worlds x {args.seeds} seeds, noise "
              f"{args.noise:.0%}{stated}, budget {args.budget}, up to {args.max_launches} launches, "
              f"batch sizes {batches})", "",
-             "| world | kind | strategy | median launches | p90 launches | median (stable) "
-             "| p90 (stable) | regret at budget | false-feasible | coverage | reached |",
+             "| world | kind | strategy | median launches (90% CI) | p90 launches "
+             "| median (stable) | p90 (stable) | regret at budget | false-feasible | coverage "
+             "| reached |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, summary in [*worlds.items(), ("all", overall)]:
         for strategy, s in summary.items():
             cov = f"{s['coverage']:.1%}" if s["coverage"] is not None else "-"
             if s.get("coverage_ci"):
                 cov += " ({:.0%}-{:.0%})".format(*s["coverage_ci"])
+            median = f"{s['median_launches']:g}"
+            if s.get("median_launches_ci"):
+                median += " ({:g}-{:g})".format(*s["median_launches_ci"])
             lines.append(
-                f"| {name} | {kinds.get(name, '')} | {strategy} | {s['median_launches']:g} | "
+                f"| {name} | {kinds.get(name, '')} | {strategy} | {median} | "
                 f"{s['p90_launches']:g} | {s['median_launches_stable']:g} | "
                 f"{s['p90_launches_stable']:g} | {s['regret_at_budget']:.2%} | "
                 f"{s['false_feasible_rate']:.2%} | {cov} | {s['reached']}/{s['studies']} |")
@@ -450,8 +474,8 @@ def main() -> None:
     rows, failed = run_pool(run_job, jobs, args.processes, progress_line)
     per_world = {name: summarize([r for r in rows if r["world"] == name]) for name in names}
     overall = summarize(rows)
-    publish(markdown(per_world, overall, args, kinds), {"worlds": per_world, "all": overall},
-            args, len(jobs), started)
+    publish(markdown(per_world, overall, args, kinds),
+            {"worlds": per_world, "all": overall, "studies": rows}, args, len(jobs), started)
     if failed:
         sys.exit(1)
 

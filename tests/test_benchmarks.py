@@ -74,8 +74,12 @@ def test_a_profile_whose_datasets_are_not_built_in_runs_in_process(world):
          "--processes", "1", "--json"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
-    row = json.loads(done.stdout)["worlds"][world]["random"]
+    data = json.loads(done.stdout)
+    row = data["worlds"][world]["random"]
     assert row["studies"] == 1 and 0.0 <= row["coverage"] <= 1.0
+    assert row["median_launches_ci"] is None  # one study: no interval
+    (study,) = data["studies"]  # every study's own row, for later pooling
+    assert study["world"] == world and study["seed"] == 0
 
 
 def test_the_scaling_benchmark_s_cell_window_reaches_the_simulated_study():
@@ -104,6 +108,22 @@ def test_the_coverage_interval_resamples_whole_studies():
     low, high = coverage_ci(split)
     assert low < 0.94 < high <= 1.0 and high - low > 0.04
     assert coverage_ci(agree[:1]) is None
+
+
+def test_the_median_s_interval_says_how_far_other_seeds_could_move_it():
+    """Twelve studies split between 7 and 31 launches: the median is within 7-31, and the
+    interval spans both; when every study agrees it is a point."""
+    from search_efficiency import median_ci
+
+    agree = [{"launches_to_target": 8}] * 12
+    assert median_ci(agree) == [8.0, 8.0]
+    split = [{"launches_to_target": n} for n in [7] * 6 + [31] * 6]
+    low, high = median_ci(split)
+    assert low == 7.0 and high == 31.0
+    lean = [{"launches_to_target": n} for n in [6, 7, 7, 8, 8, 8, 9, 9, 10, 12, 19, 31]]
+    low, high = median_ci(lean)
+    assert 7 <= low < 8.5 < high <= 10
+    assert median_ci(agree[:1]) is None
 
 
 def test_the_oracle_takes_the_batch_sizes_in_turn_best_feasible_first():
