@@ -7,11 +7,15 @@ Counts launches until the mixed-workload recommendation is within 1% of the true
 feasible config's mean speedup at every batch size, as benchmarks/search_efficiency.py
 does (baseline included; a study that never gets there counts as max_launches + 1).
 
-    .venv/bin/python benchmarks/auto_prior.py [--seeds 4] [--first-seed 0] [--max-launches 30]
-        [--json]
+    .venv/bin/python benchmarks/auto_prior.py [--truth PROFILE_OR_WORLD ...] [--seeds 4]
+        [--first-seed 0] [--max-launches 30] [--model DIR --draft DIR --gpu NAME] [--json]
 
-The default builds the prior of Qwen3-Coder-Next-FP8 + its EAGLE3 head on 4 x H200 from
-tests/fixtures/hf and searches the shipped qwen3-coder-next-h200 profile.
+The default searches the shipped qwen3-coder-next-h200 profile from the prior of
+Qwen3-Coder-Next-FP8 + its EAGLE3 head on 4 x H200 (tests/fixtures/hf). A world (cliffs,
+acceptance-shape, ...) is searched from the auto prior of the profile it is built on, so
+the real path's prior meets effects the model cannot express; the 30B and 8B profiles and
+the worlds built on them have their fixtures too, others need --model, --draft and --gpu.
+The truth-facts arm is benchmarks/search_efficiency.py's model study, seed for seed.
 
 Measured with `--seeds 4 --max-launches 20` (2 processes, 87 CPU s; 2026-11-25, the
 start-up trees (3,1,4) and (3,4,12)): launches to within 1% at batch 1 and 32, per seed:
@@ -55,22 +59,29 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from search_efficiency import judge_mixed, truth_table, within_target
+from search_efficiency import judge_mixed, study_spec, truth_table, within_target
 
 from treetune.facts import auto_prior, gpu_facts, model_facts
-from treetune.perfmodel import PerfModel, load_profile
 from treetune.study.offline import Noise, run_offline
 from treetune.study.planner import Planner
-from treetune.study.spec import load_study
 from treetune.worlds import load_world
 
 BATCHES = (1, 32)
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
+# The config.json fixtures and GPU a real node would show for each shipped profile: the
+# auto prior of a world is that of the profile it is built on.
+REAL_SETUP = {
+    "qwen3-coder-next-h200": ("Qwen/Qwen3-Coder-Next-FP8", "thoughtworks/Qwen3-Coder-Next-Eagle3",
+                              "H200"),
+    "qwen3-30b-a3b-h100": ("Qwen/Qwen3-30B-A3B-FP8", "sgl-project/qwen3-30B-A3B-eagle3",
+                           "H100-SXM"),
+    "qwen3-8b-h100": ("Qwen/Qwen3-8B", "thoughtworks/Qwen3-8B-Eagle3", "H100-SXM"),
+}
 
 
 @dataclass(frozen=True)
 class Job:
-    truth: str  # the emulated profile
+    truth: str  # the emulated world or profile
     prior: str | None  # a profile file the search starts from; None: the truth's facts
     seed: int
     max_launches: int
@@ -78,15 +89,12 @@ class Job:
 
 
 def run_job(job: Job) -> dict:
-    profile = load_profile(job.truth)
-    table, best = truth_table(load_world(job.truth), BATCHES)
-    spec = load_study(None, {
-        "name": "autoprior", "model": profile.target.name, "draft": profile.draft.name,
-        "tp": profile.tp, "datasets": list(profile.datasets), "batch": list(BATCHES),
-        "space": "default", "budget": {"launches": job.max_launches}, "seed": job.seed,
-        "backend": {"kind": "emulator", "profile": job.truth},
-        "search": {"strategy": "model", "launch_cv": job.noise, "prior": job.prior},
-    })
+    """One seeded study of `job.truth` as benchmarks/search_efficiency.py runs it (the same
+    spec, truth and judge), from `job.prior` when given."""
+    world = load_world(job.truth)
+    table, best = truth_table(world, BATCHES)
+    spec = study_spec(job.truth, "model", job.seed, job.max_launches, job.noise, BATCHES,
+                      prior=job.prior)
     within: list[bool] = []
 
     def after(planner: Planner) -> None:
@@ -94,18 +102,52 @@ def run_job(job: Job) -> dict:
 
     started = time.process_time()
     noise = Noise(launch_cv=job.noise, measurement_cv=job.noise)
-    run_offline(spec, PerfModel(profile, profile.tp), job.seed, job.max_launches, noise, after)
+    run_offline(spec, world.model(world.profile.tp), job.seed, job.max_launches, noise, after)
     first = next((i + 1 for i, ok in enumerate(within) if ok), job.max_launches + 1)
-    return {"prior": "auto" if job.prior else "truth facts", "seed": job.seed,
-            "launches_to_target": first, "seconds": round(time.process_time() - started, 1)}
+    return {"truth": job.truth, "prior": "auto" if job.prior else "truth facts",
+            "seed": job.seed, "launches_to_target": first,
+            "seconds": round(time.process_time() - started, 1)}
+
+
+def real_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, truth: str
+               ) -> tuple[str, str, str]:
+    """The model and draft directories and GPU the auto prior of `truth` is built from:
+    --model, --draft and --gpu where given, else the fixtures of the truth's profile."""
+    base = load_world(truth).profile.name
+    model, draft, gpu = REAL_SETUP.get(base, (None, None, None))
+    model = args.model or (str(FIXTURES / model) if model else None)
+    draft = args.draft or (str(FIXTURES / draft) if draft else None)
+    gpu = args.gpu or gpu
+    if model is None or draft is None or gpu is None:
+        parser.error(f"no config.json fixtures for {truth} (built on {base}): give --model, "
+                     "--draft and --gpu")
+    return model, draft, gpu
+
+
+def summarize(rows: list[dict]) -> dict[str, dict]:
+    summary = {}
+    for name in ("truth facts", "auto"):
+        mine = [r for r in rows if r["prior"] == name]
+        summary[name] = {"median_launches": statistics.median(r["launches_to_target"]
+                                                              for r in mine),
+                         "launches": [r["launches_to_target"] for r in mine],
+                         "summed": sum(r["launches_to_target"] for r in mine),
+                         "reached": sum(r["launches_to_target"] <= r["max_launches"]
+                                        for r in mine),
+                         "seconds": round(sum(r["seconds"] for r in mine), 1)}
+    return summary
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--truth", default="qwen3-coder-next-h200")
-    parser.add_argument("--model", default=str(FIXTURES / "Qwen/Qwen3-Coder-Next-FP8"))
-    parser.add_argument("--draft", default=str(FIXTURES / "thoughtworks/Qwen3-Coder-Next-Eagle3"))
-    parser.add_argument("--gpu", default="H200")
+    parser.add_argument("--truth", nargs="+", default=["qwen3-coder-next-h200"],
+                        help="shipped profiles or worlds searched (each from its own facts "
+                        "and from the auto prior of the profile it is built on)")
+    parser.add_argument("--model", help="the target's config.json directory (default: the "
+                        "truth's fixture in tests/fixtures/hf)")
+    parser.add_argument("--draft", help="the draft's config.json directory (default: the "
+                        "truth's fixture)")
+    parser.add_argument("--gpu", help="the GPU the auto prior assumes (default: the truth's)")
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--first-seed", type=int, default=0,
                         help="seeds are first-seed .. first-seed + seeds - 1")
@@ -114,37 +156,35 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    truth = load_profile(args.truth)
-    prior = auto_prior(model_facts(args.model), model_facts(args.draft), gpu_facts(args.gpu),
-                       truth.tp, list(truth.datasets))
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
     with tempfile.TemporaryDirectory() as folder:
-        prior_file = str(Path(folder) / "auto-prior.yaml")
-        prior.save(prior_file)
-        jobs = [Job(args.truth, p, seed, args.max_launches, args.noise)
-                for seed in range(args.first_seed, args.first_seed + args.seeds)
-                for p in (None, prior_file)]
+        jobs = []
+        for truth in args.truth:
+            model, draft, gpu = real_setup(parser, args, truth)
+            profile = load_world(truth).profile
+            prior = auto_prior(model_facts(model), model_facts(draft), gpu_facts(gpu),
+                               profile.tp, list(profile.datasets))
+            prior_file = str(Path(folder) / f"{truth}-auto-prior.yaml")
+            prior.save(prior_file)
+            jobs += [Job(truth, p, seed, args.max_launches, args.noise)
+                     for seed in seeds for p in (None, prior_file)]
         with ProcessPoolExecutor(max_workers=args.processes) as pool:
-            rows = list(pool.map(run_job, jobs, chunksize=1))
-    summary = {}
-    for name in ("truth facts", "auto"):
-        mine = [r for r in rows if r["prior"] == name]
-        summary[name] = {"median_launches": statistics.median(r["launches_to_target"]
-                                                              for r in mine),
-                         "launches": [r["launches_to_target"] for r in mine],
-                         "summed": sum(r["launches_to_target"] for r in mine),
-                         "seconds": round(sum(r["seconds"] for r in mine), 1)}
+            rows = [{**row, "max_launches": args.max_launches}
+                    for row in pool.map(run_job, jobs, chunksize=1)]
+    summary = {truth: summarize([r for r in rows if r["truth"] == truth])
+               for truth in args.truth}
     if args.json:
         print(json.dumps(summary))
         return
-    print(f"# model search on {args.truth}: prior from the truth's facts vs the auto prior "
-          f"(seeds {args.first_seed}-{args.first_seed + args.seeds - 1}, batch "
-          f"{', '.join(map(str, BATCHES))}, noise {args.noise:.0%}, up to "
-          f"{args.max_launches} launches; {args.max_launches + 1}: not reached)\n")
-    print("| prior | median launches to within 1% | summed | per seed | CPU s |\n"
-          "|---|---|---|---|---|")
-    for name, s in summary.items():
-        print(f"| {name} | {s['median_launches']:g} | {s['summed']} | {s['launches']} | "
-              f"{s['seconds']} |")
+    print(f"# model search from the truth's facts vs the auto prior (seeds {seeds.start}-"
+          f"{seeds.stop - 1}, batch {', '.join(map(str, BATCHES))}, noise {args.noise:.0%}, "
+          f"up to {args.max_launches} launches; {args.max_launches + 1}: not reached)\n")
+    print("| truth | prior | median launches to within 1% | summed | reached | per seed "
+          "| CPU s |\n|---|---|---|---|---|---|---|")
+    for truth, by_prior in summary.items():
+        for name, s in by_prior.items():
+            print(f"| {truth} | {name} | {s['median_launches']:g} | {s['summed']} | "
+                  f"{s['reached']}/{len(s['launches'])} | {s['launches']} | {s['seconds']} |")
 
 
 if __name__ == "__main__":

@@ -133,11 +133,13 @@ def truth_table(world: World, batches: tuple[int, ...]
 
 
 def study_spec(world_name: str, strategy: str, seed: int, max_launches: int, noise: float,
-               batches: tuple[int, ...], duration_s: float | None = None) -> StudySpec:
+               batches: tuple[int, ...], duration_s: float | None = None,
+               prior: str | None = None) -> StudySpec:
     """The benchmark's study of a world: its datasets, the default space, tolerance 0, the
-    world's facts as the emulator's (the search's prior), `noise` as the launch noise it
-    states (`search.launch_cv`, the prior its learned noise starts from); `duration_s`,
-    each cell's measurement window (the study's default when None)."""
+    world's facts as the emulator's (the search's prior, unless a `prior` profile is
+    given), `noise` as the launch noise it states (`search.launch_cv`, the prior its
+    learned noise starts from); `duration_s`, each cell's measurement window (the study's
+    default when None)."""
     world = load_world(world_name)
     source = {"profile": world_name} if world.own_model else {"world": world_name}
     builtins = builtin_names()
@@ -149,7 +151,8 @@ def study_spec(world_name: str, strategy: str, seed: int, max_launches: int, noi
         "batch": list(batches),
         "space": "default", "budget": {"launches": max_launches}, "seed": seed,
         "backend": {"kind": "emulator", **source},
-        "search": {"strategy": strategy, "launch_cv": noise},
+        "search": {"strategy": strategy, "launch_cv": noise,
+                   **({"prior": prior} if prior is not None else {})},
         **({"measurement": {"duration_s": duration_s}} if duration_s is not None else {}),
     })
 

@@ -203,3 +203,27 @@ def test_scoring_the_model_s_estimates_does_not_steer_the_study(monkeypatch):
     assert [r.config for r in asked[0].launched] == [r.config for r in unasked.launched]
     summary = model_calibration.summarize([row])
     assert set(summary) == {"4-6", "7-9"} and summary["4-6"]["z2_measured"] >= 0
+
+
+def test_the_auto_prior_benchmark_searches_a_world_from_its_profile_s_auto_prior():
+    """A world built on the 8B profile is searched from the 8B's own fixtures and GPU, and
+    both arms run and are judged."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "auto_prior.py"), "--truth",
+         "acceptance-shape", "--seeds", "1", "--max-launches", "2", "--processes", "1",
+         "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout)["acceptance-shape"]
+    for arm in ("truth facts", "auto"):
+        (launches,) = summary[arm]["launches"]
+        assert 1 <= launches <= 3 and summary[arm]["reached"] == (launches <= 2)
+
+
+def test_the_auto_prior_benchmark_asks_for_config_files_it_has_no_fixture_for():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "auto_prior.py"), "--truth",
+         "qwen3.5-397b-a17b-h200", "--seeds", "1"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "no config.json fixtures for qwen3.5-397b-a17b-h200" in done.stderr
+    assert "--model, --draft and --gpu" in done.stderr
