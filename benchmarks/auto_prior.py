@@ -45,6 +45,14 @@ differences mirrored (total 80.33B, state 73.7 MB, ...) gave 378, median 9, 1 of
 reached. A prior whose facts are exactly the truth's is the benchmark's best case, and
 any other costs tail launches here; the auto prior's cost is within the spread of such
 perturbations (a scratch script, not shipped).
+Stop 36 (2026-11-27, `--truth T --seeds 12`, one truth at a time, about 2-8 minutes each on
+2 cores), summed launches and median, truth facts -> auto prior: qwen3-8b-h100 102 (7.5)
+-> 102 (7.5), seed for seed the same; qwen3-30b-a3b-h100 115 (9) -> 121 (9);
+acceptance-shape 82 (6) -> 90 (6); cliffs 109 (8) -> 111 (8); moe-dispatch 98 (8) -> 97
+(8); replay-cliff-grid 120 (9) -> 117 (9). Every study reached the target. Before the 8B's
+and the 30B's drafts were counted as their configs count them (350M and 150M in the
+profiles, 399.5M and 145.2M in the configs), the same runs gave 86 (6) -> 98 (6.5) and
+112 (9.5) -> 138 (10).
 """
 
 from __future__ import annotations
