@@ -67,7 +67,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from search_efficiency import judge_mixed, study_spec, truth_table, within_target
+from search_efficiency import judge_mixed, load_worlds, study_spec, truth_table, within_target
 
 from treetune.facts import auto_prior, gpu_facts, model_facts
 from treetune.study.offline import Noise, run_offline
@@ -117,11 +117,11 @@ def run_job(job: Job) -> dict:
             "seconds": round(time.process_time() - started, 1)}
 
 
-def real_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, truth: str
-               ) -> tuple[str, str, str]:
-    """The model and draft directories and GPU the auto prior of `truth` is built from:
-    --model, --draft and --gpu where given, else the fixtures of the truth's profile."""
-    base = load_world(truth).profile.name
+def real_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, truth: str,
+               base: str) -> tuple[str, str, str]:
+    """The model and draft directories and GPU the auto prior of `truth` (built on the
+    profile `base`) is built from: --model, --draft and --gpu where given, else the
+    fixtures of `base`."""
     model, draft, gpu = REAL_SETUP.get(base, (None, None, None))
     model = args.model or (str(FIXTURES / model) if model else None)
     draft = args.draft or (str(FIXTURES / draft) if draft else None)
@@ -167,11 +167,12 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     seeds = range(args.first_seed, args.first_seed + args.seeds)
+    worlds = load_worlds(parser, args.truth)
     with tempfile.TemporaryDirectory() as folder:
         jobs = []
-        for truth in args.truth:
-            model, draft, gpu = real_setup(parser, args, truth)
-            profile = load_world(truth).profile
+        for truth, world in worlds.items():
+            profile = world.profile
+            model, draft, gpu = real_setup(parser, args, truth, profile.name)
             prior = auto_prior(model_facts(model), model_facts(draft), gpu_facts(gpu),
                                profile.tp, list(profile.datasets))
             prior_file = str(Path(folder) / f"{truth}-auto-prior.yaml")
@@ -181,7 +182,7 @@ def main() -> None:
         with ProcessPoolExecutor(max_workers=args.processes) as pool:
             rows = list(pool.map(run_job, jobs, chunksize=1))
     summary = {truth: summarize([r for r in rows if r["truth"] == truth], args.max_launches)
-               for truth in args.truth}
+               for truth in worlds}
     if args.json:
         print(json.dumps(summary))
         return

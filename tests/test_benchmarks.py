@@ -227,3 +227,12 @@ def test_the_auto_prior_benchmark_asks_for_config_files_it_has_no_fixture_for():
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "no config.json fixtures for qwen3.5-397b-a17b-h200" in done.stderr
     assert "--model, --draft and --gpu" in done.stderr
+
+
+def test_the_auto_prior_benchmark_names_an_unknown_truth_without_a_traceback():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "auto_prior.py"), "--truth",
+         "no-such-world", "--seeds", "1"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "unknown world 'no-such-world'" in done.stderr
