@@ -424,6 +424,8 @@ def test_a_rocm_smi_that_exits_0_without_a_gpu_lists_no_gpu(tmp_path, output):
     with pytest.raises(TreetuneError, match=r"rocm-smi on .* lists no GPU \(.*\): name the "
                        r"GPU with --gpu NAME"):
         detect_gpu({"PATH": str(bin_dir)})
+    with pytest.raises(TreetuneError, match=r"lists no GPU \((no GPU in its output|ERROR)"):
+        detect_gpu({"PATH": str(bin_dir), "HIP_VISIBLE_DEVICES": "0"})  # not "among 0"
 
 
 def test_visible_devices_that_name_no_listed_amd_gpu_are_a_clear_error(tmp_path):

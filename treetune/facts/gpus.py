@@ -228,13 +228,14 @@ def _json(output: str, tool: str) -> object:
 
 def _keep_visible(seen: dict[int, SeenGpu], env: Mapping[str, str], tool: str,
                   output: str) -> list[SeenGpu]:
+    if not seen:
+        raise _lists_no_gpu(tool, "", f"no GPU in its output: {output.strip()[:80]}")
     visible = _visible(env, AMD_VISIBLE)
     indices = visible.split(",") if visible else []
     if indices and all(i.strip().isdigit() for i in indices):
         seen = {i: seen[i] for i in (int(i) for i in indices) if i in seen}
-    if not seen:
-        raise _lists_no_gpu(tool, "", f"no GPU among {visible}" if visible else
-                            f"no GPU in its output: {output.strip()[:80]}")
+        if not seen:
+            raise _lists_no_gpu(tool, "", f"no GPU among {visible}")
     return list(seen.values())
 
 
