@@ -219,20 +219,16 @@ def test_the_auto_prior_benchmark_searches_a_world_from_its_profile_s_auto_prior
         assert 1 <= launches <= 3 and summary[arm]["reached"] == (launches <= 2)
 
 
-def test_the_auto_prior_benchmark_asks_for_config_files_it_has_no_fixture_for():
+@pytest.mark.parametrize(("truth", "said"), [
+    ("qwen3.5-397b-a17b-h200", ["no config.json fixtures for qwen3.5-397b-a17b-h200",
+                                "--model, --draft and --gpu"]),
+    ("no-such-world", ["unknown world 'no-such-world'"]),
+])
+def test_the_auto_prior_benchmark_says_what_it_cannot_search_without_a_traceback(truth, said):
+    """A truth without config.json fixtures asks for them; an unknown one is named."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "auto_prior.py"), "--truth",
-         "qwen3.5-397b-a17b-h200", "--seeds", "1"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT)
+        [sys.executable, str(ROOT / "benchmarks" / "auto_prior.py"), "--truth", truth,
+         "--seeds", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "no config.json fixtures for qwen3.5-397b-a17b-h200" in done.stderr
-    assert "--model, --draft and --gpu" in done.stderr
-
-
-def test_the_auto_prior_benchmark_names_an_unknown_truth_without_a_traceback():
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "auto_prior.py"), "--truth",
-         "no-such-world", "--seeds", "1"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "unknown world 'no-such-world'" in done.stderr
+    for words in said:
+        assert words in done.stderr
