@@ -532,15 +532,17 @@ def test_a_tree_ranked_above_the_confirmed_leader_is_confirmed_though_measured_b
                 launch(rival, 122.0, (121.8, 122, 122.2))]
 
     def first_task(speedups):
-        planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
-                          load_space("narrow"), launches)
+        planner = planned()
         planner.strategy = Estimator(speedups)
         task = planner.next()
         assert task is not None
         return task
 
-    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
-                      load_space("narrow"), launches)
+    def planned():
+        return Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                       load_space("narrow"), launches)
+
+    planner = planned()
     verdicts = {r.config: judge(r, planner.baseline, 1, ["humaneval"], spec.tolerance,
                                 planner.noise(), needs_launches=2)
                 for r in planner.results.values() if isinstance(r.config, TreeConfig)}

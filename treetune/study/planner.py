@@ -257,7 +257,7 @@ class Planner:
                     self._unsettled(batch, (dataset,), noise, busy, limit, candidates,
                                     estimates)
         if not candidates:
-            return self._remeasure_leader(busy, noise)
+            return self._remeasure_leader(busy, noise, estimates())
         model = estimates()
 
         def expected_regression(key: str, batch: int, names: tuple[str, ...]) -> bool:
@@ -321,16 +321,16 @@ class Planner:
             key = "baseline"
         return Task(self.results[key].config, remeasure=True)
 
-    def _remeasure_leader(self, busy: set[str], noise: StudyNoise) -> Task | None:
+    def _remeasure_leader(self, busy: set[str], noise: StudyNoise, model: Estimates
+                          ) -> Task | None:
         """The winner's curse: of many trees measured once, the one that looks best is
         likely the luckiest draw. A recommendation on one launch (sure of its feasibility)
         whose lead over the runner-up is within the noise of its measurement is measured
         once more (the baseline first, as for confirmations), so the ranking does not rest
-        on one lucky launch."""
+        on one lucky launch. `model`: the strategy's estimates, blended into the ranks."""
         assert self.baseline is not None
         names = self.spec.dataset_names
         needs = self.spec.search.confirming_launches
-        model = self.estimates()
         for batch in self.spec.batch:
             confirmed = sorted((verdict for result in self.results.values()
                                 if result.ok and isinstance(result.config, TreeConfig)
