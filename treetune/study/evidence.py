@@ -389,6 +389,9 @@ class Verdict:
     launches: int = 1  # successful launches merged into the measurement
     sure: bool = False  # feasible by a wide margin (Z_SURE), even on one launch
     needs_launches: int = 1  # launches a feasible tree needs unless it is sure
+    # The standard error of log(rank) from the tree's own measurement and the model's
+    # estimate (the baseline's error moves every rank alike): how surely it orders trees.
+    rank_sd: float = 0.0
 
     @property
     def mean(self) -> float:
@@ -459,13 +462,13 @@ def judge(result: LaunchResult, baseline: LaunchResult, batch: int, datasets: li
     ivs = {name: s.interval(Z_INTERVAL) for name, s in spreads.items()}
     if criterion.objective is not Objective.THROUGHPUT:
         estimates = None
-    rank = statistics.fmean(_blend(s, estimates, result.config, batch, key)
-                            for key, s in spreads.items())
+    blends = [_blend(s, estimates, result.config, batch, key) for key, s in spreads.items()]
+    rank = statistics.fmean(value for value, _ in blends)
     floor = floor_of(tolerance)
     sure = all(s.interval(Z_SURE).low >= floor for s in spreads.values())
     lower = {name: s.interval(Z_LOWER).low for name, s in spreads.items()}
     return Verdict(result.config, batch, ivs, floor, rank, lower, launches_of(result), sure,
-                   needs_launches)
+                   needs_launches, statistics.fmean(sd for _, sd in blends))
 
 
 def estimated_verdict(config: ServerConfig, batch: int, datasets: list[str], tolerance: float,
@@ -491,16 +494,16 @@ def best(verdicts: Iterable[Verdict]) -> Verdict | None:
 
 
 def _blend(measured: _Spread, estimates: Estimates | None, config: ServerConfig,
-           batch: int, dataset: str) -> float:
+           batch: int, dataset: str) -> tuple[float, float]:
     """The measured speedup, or its inverse-variance blend with the model's estimate (the
-    model pools every launch, so it ranks near-equal trees better than one launch can);
-    feasibility never rests on it. The measurement weighs by its own error, without the
-    baseline's, which moves every tree alike (and the model's fit with them); both as
-    the shown interval widens them (Student-t)."""
+    model pools every launch, so it ranks near-equal trees better than one launch can),
+    with the standard error of its log; feasibility never rests on it. The measurement
+    weighs by its own error, without the baseline's, which moves every tree alike (and
+    the model's fit with them); both as the shown interval widens them (Student-t)."""
     model = estimates.get((config, batch, dataset)) if estimates else None
-    if model is None or measured.mean <= 0 or measured.own_sd <= 0:
-        return measured.mean
     own_sd = measured.own_sd * widening(measured.dof, Z_INTERVAL)
+    if model is None or measured.mean <= 0 or measured.own_sd <= 0:
+        return measured.mean, own_sd
     weight_m, weight_p = 1 / own_sd ** 2, 1 / model[1]
-    return math.exp((weight_m * math.log(measured.mean) + weight_p * model[0])
-                    / (weight_m + weight_p))
+    return (math.exp((weight_m * math.log(measured.mean) + weight_p * model[0])
+                     / (weight_m + weight_p)), math.sqrt(1 / (weight_m + weight_p)))
