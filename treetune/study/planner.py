@@ -327,7 +327,9 @@ class Planner:
         likely the luckiest draw. A recommendation on one launch (sure of its feasibility)
         whose lead over the runner-up is within the noise of its measurement is measured
         once more (the baseline first, as for confirmations), so the ranking does not rest
-        on one lucky launch. `model`: the strategy's estimates, blended into the ranks."""
+        on one lucky launch; and a runner-up on one launch that the model says was unlucky,
+        close behind a leader on more, likewise. `model`: the strategy's estimates, blended
+        into the ranks."""
         assert self.baseline is not None
         names = self.spec.dataset_names
         needs = self.spec.search.confirming_launches
