@@ -39,6 +39,7 @@ from treetune.study.evidence import (
     Estimates,
     Interval,
     StudyNoise,
+    Verdict,
     floor_of,
     intervals,
     judge,
@@ -282,9 +283,7 @@ class Planner:
         above the best confirmed tree, or feasible on its launch and ranked above it with
         the model's `estimates` blended in; returns whether any tree is plausible there."""
         assert self.baseline is not None
-        verdicts = {key: judge(result, self.baseline, batch, list(names), self.spec.tolerance,
-                               noise, needs_launches=self.spec.search.confirming_launches,
-                               criterion=self.spec.criterion)
+        verdicts = {key: self._verdict(result, batch, names, noise)
                     for key, result in self.results.items()
                     if result.ok and isinstance(result.config, TreeConfig)}
         best = max((v.mean for v in verdicts.values() if v.confirmed), default=1.0)
@@ -301,14 +300,20 @@ class Planner:
                   if v.feasible and not v.confirmed and v.mean <= best and key not in busy
                   and launches_of(self.results[key]) < limit]
         if behind and (model := estimates()):
-            ranked = {key: judge(self.results[key], self.baseline, batch, list(names),
-                                 self.spec.tolerance, noise, model,
-                                 self.spec.search.confirming_launches, self.spec.criterion)
+            ranked = {key: self._verdict(self.results[key], batch, names, noise, model)
                       for key, v in verdicts.items() if v.confirmed or key in behind}
             leader = max((v.rank for v in ranked.values() if v.confirmed), default=1.0)
             candidates += [(ranked[key].rank - leader, key, batch, names) for key in behind
                            if ranked[key].rank > leader]
         return any(v.plausible for v in verdicts.values())
+
+    def _verdict(self, result: LaunchResult, batch: int, names: tuple[str, ...],
+                 noise: StudyNoise, model: Estimates | None = None) -> Verdict:
+        """`judge` as the planner asks it: against the study's baseline, tolerance,
+        confirming launches and criterion."""
+        assert self.baseline is not None
+        return judge(result, self.baseline, batch, list(names), self.spec.tolerance, noise,
+                     model, self.spec.search.confirming_launches, self.spec.criterion)
 
     def _baseline_first(self, key: str, busy: set[str]) -> Task:
         """The re-measurement of `key`, or of the baseline before it: the baseline's noise
@@ -331,14 +336,13 @@ class Planner:
         close behind a leader on more, likewise. `model`: the strategy's estimates, blended
         into the ranks."""
         assert self.baseline is not None
-        names = self.spec.dataset_names
+        names = tuple(self.spec.dataset_names)
         needs = self.spec.search.confirming_launches
         for batch in self.spec.batch:
             confirmed = sorted((verdict for result in self.results.values()
                                 if result.ok and isinstance(result.config, TreeConfig)
-                                and (verdict := judge(result, self.baseline, batch, names,
-                                                      self.spec.tolerance, noise, model,
-                                                      needs, self.spec.criterion)).confirmed),
+                                and (verdict := self._verdict(result, batch, names, noise,
+                                                              model)).confirmed),
                                key=lambda v: v.rank, reverse=True)
             if len(confirmed) < 2:
                 continue
@@ -393,16 +397,13 @@ class Planner:
         if any(isinstance(t.config, AdaptiveConfig) for t in (*self.queue, *self.in_flight)):
             return
         limit = self.spec.search.max_launches_per_config
+        names, noise = tuple(self.spec.dataset_names), self.noise()
         unsettled: list[tuple[float, str]] = []  # (mean rank over batch sizes, key)
         for key, result in self.results.items():
             if (not isinstance(result.config, AdaptiveConfig) or not result.ok
                     or launches_of(result) >= limit or key in waiting):
                 continue
-            verdicts = [judge(result, self.baseline, b, self.spec.dataset_names,
-                              self.spec.tolerance, self.noise(),
-                              needs_launches=self.spec.search.confirming_launches,
-                              criterion=self.spec.criterion)
-                        for b in self.spec.batch]
+            verdicts = [self._verdict(result, b, names, noise) for b in self.spec.batch]
             if any(v.unsettled for v in verdicts):
                 unsettled.append((statistics.fmean(v.rank for v in verdicts), key))
         if unsettled:  # the likelier recommendation first
