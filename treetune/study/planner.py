@@ -336,7 +336,9 @@ class Planner:
         whose lead over the runner-up is within the noise of its measurement is measured
         once more (the baseline first, as for confirmations), so the ranking does not rest
         on one lucky launch; and a runner-up on one launch that the model says was unlucky,
-        close behind a leader on more, likewise. `model`: the strategy's estimates, blended
+        close behind a leader on more, likewise. Past that, a close race (the runner-up
+        possibly ahead by more than RACE_MARGIN) gives the one of the two on fewer launches
+        another, up to the limit per config. `model`: the strategy's estimates, blended
         into the ranks."""
         assert self.baseline is not None
         names = tuple(self.spec.dataset_names)
