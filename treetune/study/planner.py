@@ -336,10 +336,10 @@ class Planner:
         whose lead over the runner-up is within the noise of its measurement is measured
         once more (the baseline first, as for confirmations), so the ranking does not rest
         on one lucky launch; and a runner-up on one launch that the model says was unlucky,
-        close behind a leader on more, likewise. Past that, a close race (the runner-up
-        possibly ahead by more than RACE_MARGIN) gives the one of the two on fewer launches
-        another, up to the limit per config. `model`: the strategy's estimates, blended
-        into the ranks."""
+        close behind a leader on more, likewise. Then, with the model, a close race (the
+        runner-up possibly ahead by more than RACE_MARGIN) gives the one of the two on
+        fewer launches another, up to the limit per config. `model`: the strategy's
+        estimates, blended into the ranks."""
         assert self.baseline is not None
         names = tuple(self.spec.dataset_names)
         needs = self.spec.search.confirming_launches
@@ -371,11 +371,14 @@ class Planner:
                     and runner_up.rank > runner_up.mean and gap < errors):
                 return self._baseline_first(key, busy)
             # A close race: while the runner-up may be ahead in truth by more than
-            # RACE_MARGIN (within one standard error of the gap), the one of the two on
-            # fewer launches (the runner-up on a tie) is measured again, up to the limit
-            # (a traced study recommended a tree 5% below the best at batch 32 to the end
-            # so, both on two launches).
-            if gap + RACE_MARGIN < errors:
+            # RACE_MARGIN (within the gap's error, as the intervals widen it), the one of
+            # the two on fewer launches (the runner-up on a tie) is measured again, up to
+            # the limit (a traced study recommended a tree 5% below the best at batch 32 to
+            # the end so, both on two launches). Only with a model's estimates in the
+            # ranks: without them a rank's error is one tree's measurement, the prior
+            # noise's until repeats teach otherwise, and races re-measured a noise-free
+            # engine's trees until its budget was spent (grid, tests/test_method_study.py).
+            if model and gap + RACE_MARGIN < errors:
                 fewer = min((runner_up, leader), key=lambda v: v.launches)
                 key = config_key(fewer.config)
                 if fewer.launches < limit and key not in busy:
