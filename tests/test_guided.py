@@ -619,7 +619,7 @@ def test_a_close_race_between_confirmed_trees_gets_third_launches_up_to_the_limi
     def racing(planner: Planner) -> bool:
         """The premise: both confirmed, and the gap within the race's reach."""
         assert planner.baseline is not None
-        verdicts = {r.config: judge(r, planner.baseline, 1, ["humaneval"], 0.01,
+        verdicts = {r.config: judge(r, planner.baseline, 1, ["humaneval"], planner.spec.tolerance,
                                     planner.noise(), planner.estimates(), needs_launches=2)
                     for r in planner.results.values() if isinstance(r.config, TreeConfig)}
         first, second = sorted(verdicts.values(), key=lambda v: -v.rank)
