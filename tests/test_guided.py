@@ -644,59 +644,6 @@ def test_a_close_race_between_confirmed_trees_gets_third_launches_up_to_the_limi
     assert clear is not None and not clear.remeasure
 
 
-def test_a_curse_at_one_batch_size_goes_before_a_race_at_another():
-    """A race refines an order that rests on two launches or more; a curse (the winner's
-    or the loser's) fixes one that rests on a single launch. So with a close race at batch
-    1 and a runner-up measured low once at batch 32, the batch-32 runner-up is launched
-    first (a traced study raced at batch 1 while its batch-32 pair waited)."""
-    first, second, third = TreeConfig(3, 1, 4), TreeConfig(2, 1, 3), TreeConfig(1, 1, 2)
-    spec = one_dataset_study(batch=[1, 32])
-    speeds = {  # per launch, (batch 1, batch 32) throughputs; the baseline is 100 and 103
-        BASELINE: ((100.0, 100.0), (103.0, 103.0)),
-        first: ((150.0, 193.0), (146.0, 189.0)),  # leads at both batch sizes
-        second: ((147.0, 150.0), (145.0, 150.0)),  # close behind at 1, far behind at 32
-        third: ((110.0, 184.0),)}  # once: far behind at 1, 4% behind at 32
-    launches = [LaunchResult(c, ok=True, cells=[cell("humaneval", b, t, (t - 0.2, t, t + 0.2))
-                                                for b, t in zip((1, 32), run, strict=True)])
-                for c, runs in speeds.items() for run in runs]
-
-    class Estimates(Forecaster):
-        """Agreeing with the measurements, but for the third tree's batch-32 launch."""
-
-        def __init__(self) -> None:
-            super().__init__(None)
-
-        def estimates(self, configs):
-            table = {(first, 1): (1.46, 2e-3), (second, 1): (1.44, 2e-3),
-                     (third, 1): (1.08, 2e-3), (first, 32): (1.88, 1e-3),
-                     (second, 32): (1.47, 1e-3), (third, 32): (1.86, 1e-3)}
-            return {(c, b, "humaneval"): (math.log(s), v) for (c, b), (s, v) in table.items()
-                    if c in configs}
-
-    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
-                      load_space("narrow"), launches)
-    planner.strategy = Estimates()
-    assert planner.baseline is not None
-    verdicts = {b: sorted((judge(r, planner.baseline, b, ["humaneval"], spec.tolerance,
-                                 planner.noise(), planner.estimates(), needs_launches=2)
-                           for r in planner.results.values()
-                           if isinstance(r.config, TreeConfig)), key=lambda v: -v.rank)
-                for b in (1, 32)}
-    # The premise: at batch 1 the second tree races the first (either would be launched
-    # on its own), at batch 32 the third is the runner-up on one launch, within the errors.
-    lead, runner_up = verdicts[1][:2]
-    assert (lead.config, runner_up.config) == (first, second)
-    assert lead.confirmed and runner_up.confirmed
-    assert (math.log(lead.rank / runner_up.rank) + RACE_MARGIN
-            < math.hypot(lead.rank_sd, runner_up.rank_sd))
-    lead, runner_up = verdicts[32][:2]
-    assert (lead.config, runner_up.config, runner_up.launches) == (first, third, 1)
-    assert runner_up.confirmed and runner_up.mean < runner_up.rank
-    assert math.log(lead.rank / runner_up.rank) < math.hypot(lead.rank_sd, runner_up.rank_sd)
-    task = planner.next()
-    assert task is not None and task.remeasure and task.config == third
-
-
 def test_a_leader_clear_of_the_runner_up_is_not_measured_again():
     spec = one_dataset_study()
     base = launch(BASELINE, 100.0, (99.8, 100, 100.2))

@@ -344,22 +344,17 @@ class Planner:
         names = tuple(self.spec.dataset_names)
         needs = self.spec.search.confirming_launches
         limit = self.spec.search.max_launches_per_config
-        pairs: list[tuple[Verdict, Verdict, float, float]] = []  # per batch size
         for batch in self.spec.batch:
             confirmed = sorted((verdict for result in self.results.values()
                                 if result.ok and isinstance(result.config, TreeConfig)
                                 and (verdict := self._verdict(result, batch, names, noise,
                                                               model)).confirmed),
                                key=lambda v: v.rank, reverse=True)
-            if len(confirmed) >= 2:
-                leader, runner_up = confirmed[0], confirmed[1]
-                pairs.append((leader, runner_up, math.log(leader.rank / runner_up.rank),
-                              math.hypot(leader.rank_sd, runner_up.rank_sd)))
-        # The curses at every batch size before any race: a race is a refinement between
-        # trees on two launches or more, a curse a ranking on one (a traced study raced at
-        # batch 1 while its batch-32 pair waited on one launch).
-        for leader, runner_up, gap, errors in pairs:
+            if len(confirmed) < 2:
+                continue
+            leader, runner_up = confirmed[0], confirmed[1]
             key = config_key(leader.config)
+            gap = math.log(leader.rank / runner_up.rank)
             if leader.launches < needs and key not in busy:
                 spread = statistics.fmean(i.log_sd for i in leader.intervals.values())
                 if gap < Z_INTERVAL * spread:
@@ -371,19 +366,19 @@ class Planner:
             # study kept a tree 5% below the best at batch 32 for 25 launches so). One
             # measured above the model's estimate already has its luck in its rank.
             key = config_key(runner_up.config)
+            errors = math.hypot(leader.rank_sd, runner_up.rank_sd)
             if (runner_up.launches < min(needs, leader.launches) and key not in busy
                     and runner_up.rank > runner_up.mean and gap < errors):
                 return self._baseline_first(key, busy)
-        # A close race: while the runner-up may be ahead in truth by more than RACE_MARGIN
-        # (within the gap's error, as the intervals widen it), the one of the two on fewer
-        # launches (the runner-up on a tie) is measured again, up to the limit (a traced
-        # study recommended a tree 5% below the best at batch 32 to the end so, both on
-        # two launches). Only with a model's estimates in the ranks: without them a rank's
-        # error is one tree's measurement, the prior noise's until repeats teach
-        # otherwise, and races re-measured a noise-free engine's trees until its budget
-        # was spent (grid, tests/test_method_study.py).
-        for leader, runner_up, gap, errors in pairs if model else ():
-            if gap + RACE_MARGIN < errors:
+            # A close race: while the runner-up may be ahead in truth by more than
+            # RACE_MARGIN (within the gap's error, as the intervals widen it), the one of
+            # the two on fewer launches (the runner-up on a tie) is measured again, up to
+            # the limit (a traced study recommended a tree 5% below the best at batch 32 to
+            # the end so, both on two launches). Only with a model's estimates in the
+            # ranks: without them a rank's error is one tree's measurement, the prior
+            # noise's until repeats teach otherwise, and races re-measured a noise-free
+            # engine's trees until its budget was spent (grid, tests/test_method_study.py).
+            if model and gap + RACE_MARGIN < errors:
                 fewer = min((runner_up, leader), key=lambda v: v.launches)
                 key = config_key(fewer.config)
                 if fewer.launches < limit and key not in busy:
