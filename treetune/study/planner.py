@@ -283,7 +283,7 @@ class Planner:
                    estimates: Callable[[], Estimates]) -> bool:
         """Add to `candidates` (gain over the best confirmed, key, batch, workload) every
         tree that would lead workload `names` at `batch` if it were confirmed: measured
-        above the best confirmed tree, or feasible on its launch and ranked above it with
+        above the best confirmed tree, or plausible on its launch(es) and ranked above it with
         the model's `estimates` blended in; returns whether any tree is plausible there."""
         assert self.baseline is not None
         verdicts = {key: self._verdict(result, batch, names, noise)
@@ -294,13 +294,14 @@ class Planner:
             if (verdict.unsettled and verdict.mean > best and key not in busy
                     and launches_of(self.results[key]) < limit):
                 candidates.append((verdict.mean - best, key, batch, names))
-        # A tree feasible on its launch, below the best confirmed one as measured but above
-        # it as recommendations rank (the model, pooling every launch, blended in): one
-        # more launch lets it be recommended. Without it a tree measured low once was never
-        # confirmed, however the model ranked it (a traced wrong-prior study kept a tree
-        # 1.3% below the best for 20 launches so; benchmarks/RESULTS.md, stop 37).
+        # A tree plausible but unconfirmed, below the best confirmed one as measured but
+        # above it as recommendations rank (the model, pooling every launch, blended in):
+        # one more launch lets it be recommended. Without it a tree measured low once was
+        # never confirmed, however the model ranked it (a traced wrong-prior study kept a
+        # tree 1.3% below the best for 20 launches so; benchmarks/RESULTS.md, stop 37), nor
+        # one whose one-launch bound still reached below the floor (stop 40).
         behind = [key for key, v in verdicts.items()
-                  if v.feasible and not v.confirmed and v.mean <= best and key not in busy
+                  if v.unsettled and v.mean <= best and key not in busy
                   and launches_of(self.results[key]) < limit]
         if behind and (model := estimates()):
             ranked = {key: self._verdict(self.results[key], batch, names, noise, model)
