@@ -532,8 +532,8 @@ def test_a_tree_ranked_above_the_confirmed_leader_is_confirmed_though_measured_b
     ranked above it once the model (which pools every launch) is blended in, is launched
     again: without it the ranking could never recommend it (a traced wrong-prior study
     kept a tree 1.3% below the best for 20 launches so; a traced 397B study, a tree 0.98
-    of the best on one launch not yet sure, behind the confirmed 0.96). Not when the model
-    agrees with the measurements."""
+    of the best on one launch not yet sure, behind the confirmed 0.96: the case the
+    not-yet-sure rule was written for). Not when the model agrees with the measurements."""
     spec = one_dataset_study()
     leader, rival = TreeConfig(3, 1, 4), TreeConfig(1, 1, 2)
     launches = [launch(BASELINE, 100.0, (99.8, 100, 100.2)),
