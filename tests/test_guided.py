@@ -26,7 +26,7 @@ from treetune.strategies.model import (
     model_estimates,
     predicted_speedups,
 )
-from treetune.study.evidence import StudyNoise, intervals, judge, merge, merge_all
+from treetune.study.evidence import StudyNoise, Verdict, intervals, judge, merge, merge_all
 from treetune.study.offline import Noise, run_offline, simulate_launch
 from treetune.study.planner import DEFER_GAIN, DEFER_MAX, RACE_MARGIN, Planner, Task
 from treetune.study.recommend import recommend
@@ -521,6 +521,18 @@ class Estimator(Forecaster):
                 for c in configs if c in self.speedups}
 
 
+def tree_verdicts(planner: Planner, model: bool = False) -> dict[TreeConfig, Verdict]:
+    """Each tree's verdict at batch 1 as the planner judges it (its study's tolerance and
+    confirming launches; the strategy's estimates blended in when `model`): a test's
+    premise."""
+    assert planner.baseline is not None
+    spec = planner.spec
+    return {r.config: judge(r, planner.baseline, 1, ["humaneval"], spec.tolerance,
+                            planner.noise(), planner.estimates() if model else None,
+                            spec.search.confirming_launches)
+            for r in planner.results.values() if isinstance(r.config, TreeConfig)}
+
+
 @pytest.mark.parametrize("leader_tput, rival_tput, above, below, sure", [
     ((126.0, 120.0), 122.0, (1.20, 1.30), (1.30, 1.20), True),
     ((116.0, 112.0), 108.0, (1.08, 1.12), (1.12, 1.05), False)],
@@ -553,9 +565,7 @@ def test_a_tree_ranked_above_the_confirmed_leader_is_confirmed_though_measured_b
                        load_space("narrow"), launches)
 
     planner = planned()
-    verdicts = {r.config: judge(r, planner.baseline, 1, ["humaneval"], spec.tolerance,
-                                planner.noise(), needs_launches=2)
-                for r in planner.results.values() if isinstance(r.config, TreeConfig)}
+    verdicts = tree_verdicts(planner)
     # The premise.
     assert verdicts[leader].confirmed and verdicts[rival].plausible
     assert verdicts[rival].feasible == sure
@@ -584,9 +594,7 @@ def test_a_runner_up_measured_low_once_is_measured_again_while_within_the_errors
         planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
                           load_space("narrow"), launches)
         planner.strategy = Estimator({leader: 1.88, runner_up: estimated}, variance=1e-3)
-        verdicts = {r.config: judge(r, planner.baseline, 1, ["humaneval"], spec.tolerance,
-                                    planner.noise(), planner.estimates(), needs_launches=2)
-                    for r in planner.results.values() if isinstance(r.config, TreeConfig)}
+        verdicts = tree_verdicts(planner, model=True)
         assert verdicts[leader].confirmed and verdicts[runner_up].confirmed  # the premise:
         assert verdicts[runner_up].launches == 1  # sure on its one launch, behind the leader
         assert verdicts[runner_up].rank < verdicts[leader].rank
@@ -626,11 +634,8 @@ def test_a_close_race_between_confirmed_trees_gets_third_launches_up_to_the_limi
 
     def racing(planner: Planner) -> bool:
         """The premise: both confirmed, and the gap within the race's reach."""
-        assert planner.baseline is not None
-        verdicts = {r.config: judge(r, planner.baseline, 1, ["humaneval"], planner.spec.tolerance,
-                                    planner.noise(), planner.estimates(), needs_launches=2)
-                    for r in planner.results.values() if isinstance(r.config, TreeConfig)}
-        first, second = sorted(verdicts.values(), key=lambda v: -v.rank)
+        first, second = sorted(tree_verdicts(planner, model=True).values(),
+                               key=lambda v: -v.rank)
         assert first.confirmed and second.confirmed
         return (math.log(first.rank / second.rank) + RACE_MARGIN
                 < math.hypot(first.rank_sd, second.rank_sd))

@@ -290,10 +290,11 @@ class Planner:
                     for key, result in self.results.items()
                     if result.ok and isinstance(result.config, TreeConfig)}
         best = max((v.mean for v in verdicts.values() if v.confirmed), default=1.0)
-        for key, verdict in verdicts.items():
-            if (verdict.unsettled and verdict.mean > best and key not in busy
-                    and launches_of(self.results[key]) < limit):
-                candidates.append((verdict.mean - best, key, batch, names))
+        # Another launch could make these a recommendation.
+        open_ = {key: v for key, v in verdicts.items() if v.unsettled and key not in busy
+                 and launches_of(self.results[key]) < limit}
+        candidates += [(v.mean - best, key, batch, names) for key, v in open_.items()
+                       if v.mean > best]
         # A tree plausible but unconfirmed, below the best confirmed one as measured but
         # above it as recommendations rank (the model, pooling every launch, blended in):
         # one more launch lets it be recommended. Without it a tree measured low once was
@@ -301,9 +302,7 @@ class Planner:
         # tree 1.3% below the best for 20 launches so; benchmarks/RESULTS.md, stop 37), nor
         # one whose one-launch bound still reached below the floor (a 397B study's tree 0.98
         # of the best stayed on one launch so, traced at stop 39; stop 40 measured the rule).
-        behind = [key for key, v in verdicts.items()
-                  if v.unsettled and v.mean <= best and key not in busy
-                  and launches_of(self.results[key]) < limit]
+        behind = [key for key, v in open_.items() if v.mean <= best]
         if behind and (model := estimates()):
             ranked = {key: self._verdict(self.results[key], batch, names, noise, model)
                       for key, v in verdicts.items() if v.confirmed or key in behind}
