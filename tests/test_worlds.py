@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 
+import numpy as np
 import pytest
 
 from treetune.client import ServerClient
@@ -15,6 +16,7 @@ from treetune.errors import TreetuneError
 from treetune.loadgen import measure_cell
 from treetune.perfmodel import PerfModel
 from treetune.perfmodel.prior import neutral_prior
+from treetune.study.offline import Noise, simulate_launch
 from treetune.study.planner import study_prior
 from treetune.study.spec import load_study
 from treetune.worlds import load_world, shipped_worlds
@@ -37,7 +39,9 @@ def test_at_least_six_worlds_ship_and_each_differs_from_its_own_model():
                       for c in (WIDE, CHAIN, TreeConfig(4, 8, 32)) for b in (1, 32)
                       for d in world.profile.datasets)
         wrong_facts = world.facts.hardware != world.profile.hardware
-        assert differs or wrong_facts, f"{name} is the search's own model"
+        # Or the same speeds, but launches whose noise is not the log-normal it assumes.
+        odd_noise = world.effects.slow_launches is not None
+        assert differs or wrong_facts or odd_noise, f"{name} is the search's own model"
 
 
 def test_a_profile_is_the_world_of_the_searchs_own_model():
@@ -90,6 +94,43 @@ def test_launch_bias_is_deterministic_per_config_and_within_its_spread():
     assert all(abs(f - 1) <= bias.spread for f in factors.values())
     assert len({round(f, 6) for f in factors.values()}) == 4
     assert factors[WIDE] == bias.factor(TreeConfig(3, 4, 8))  # every launch shares it
+
+
+def slow_world(tmp_path, rate: float, speed: float = 0.5) -> str:
+    path = tmp_path / f"slow-{rate}.yaml"
+    path.write_text(f"name: slow\nprofile: qwen3-8b-h100\neffects:\n"
+                    f"  slow_launches: {{rate: {rate}, speed: {speed}}}\n")
+    return str(path)
+
+
+def test_slow_launches_slow_their_share_of_launches_whole_and_leave_other_worlds_draws_alone(
+        tmp_path):
+    spec = load_study(None, {"name": "w", "model": "m", "draft": "d",
+                             "datasets": ["mt-bench", "humaneval"], "batch": [1, 32],
+                             "backend": {"kind": "emulator", "profile": "qwen3-8b-h100"}})
+    quiet = Noise(0, 0, 0)
+    plain = simulate_launch(load_world("qwen3-8b-h100").model(), WIDE, spec,
+                            np.random.default_rng(3), quiet)
+    always = simulate_launch(load_world(slow_world(tmp_path, 1.0)).model(), WIDE, spec,
+                             np.random.default_rng(3), quiet)
+    for cell in plain.cells:  # every cell of the launch, at the launch's slow speed
+        slow = always.cell(cell.dataset, cell.batch)
+        assert slow.output_tok_s == pytest.approx(0.5 * cell.output_tok_s)
+    # The share of slow launches is the rate's, each launch drawn on its own.
+    some = load_world(slow_world(tmp_path, 0.25)).model()
+    rng = np.random.default_rng(0)
+    speeds = [some.launch_speed(rng) for _ in range(4000)]
+    assert set(speeds) == {0.5, 1.0}
+    assert speeds.count(0.5) / len(speeds) == pytest.approx(0.25, abs=0.03)
+    # A truth without the effect draws nothing: every other world's launches are the same
+    # as before the effect existed.
+    rng = np.random.default_rng(0)
+    state = rng.bit_generator.state
+    assert load_world("cliffs").model().launch_speed(rng) == 1.0
+    assert PerfModel(load_world("qwen3-8b-h100").profile).launch_speed(rng) == 1.0
+    assert rng.bit_generator.state == state
+    with pytest.raises(TreetuneError, match="slow_launches"):
+        load_world(slow_world(tmp_path, 1.5))
 
 
 def test_the_search_sees_a_worlds_facts_never_its_effects(tmp_path):
@@ -197,3 +238,30 @@ def test_the_emulator_serves_a_world_at_its_truths_throughput(emulators, world):
     assert cell.output_tok_s == pytest.approx(expected, rel=0.08)
     assert cell.accept_length == pytest.approx(truth.accept_length(WIDE, "mt-bench"), rel=0.1)
     assert statistics.fmean(cell.repeats) > 0
+
+
+def test_the_emulator_runs_a_slow_launch_slow_for_its_whole_life(emulators, tmp_path):
+    """A world's slow launch reaches the served throughput (rate 1: every launch)."""
+    world = slow_world(tmp_path, 1.0)
+    truth = load_world(world).model()
+    server = emulators.healthy("--world", world, "--model-path", "m",
+                               "--speculative-algorithm", "EAGLE3",
+                               "--speculative-draft-model-path", "d",
+                               "--speculative-num-steps", "2", "--speculative-eagle-topk", "1",
+                               "--speculative-num-draft-tokens", "3",
+                               "--max-running-requests", "4", "--enable-metrics",
+                               "--time-scale", "3", "--load-time", "0.2", "--no-noise",
+                               "--seed", "1")
+    prompts = PromptSet(name="mt-bench", prompts=[Prompt(id=str(i), text=f"say {i}")
+                                                  for i in range(4)],
+                        max_new_tokens=512, api="completion", source="test")
+
+    async def measure():
+        async with ServerClient(server.url, dataset="mt-bench") as client:
+            return await measure_cell(client, prompts, 4, duration_s=8.0, repeats=2,
+                                      ignore_eos=True)
+
+    cell = asyncio.run(measure())
+    # Half the truth's pace (prefill and turnover cost a little more on top).
+    assert cell.output_tok_s == pytest.approx(0.5 * truth.throughput(CHAIN, 4, "mt-bench"),
+                                              rel=0.08)

@@ -114,7 +114,8 @@ class Engine:
         self.time_scale = time_scale
         self.rng = rng
         self.metrics = metrics
-        self.launch_factor = noise.launch_factor(rng)
+        # Of step time: the launch noise, and a world's slow launch (of speed).
+        self.launch_factor = noise.launch_factor(rng) / self.model.launch_speed(rng)
         self.drift = noise.drift(rng)
         self.speculative = isinstance(config, TreeConfig)
         self.waiting: deque[Request] = deque()

@@ -118,6 +118,11 @@ class PerfModel:
         self.cost = CostModel(profile, tp, self.method)
         self._trees: dict[tuple[TreeConfig, str], DraftTree] = {}
 
+    def launch_speed(self, rng: np.random.Generator) -> float:
+        """A launch's own speed factor beyond the launch noise (a world's slow launches):
+        1 here, drawing nothing."""
+        return 1.0
+
     def acceptance(self, dataset: str) -> Acceptance:
         """This method's acceptance on `dataset` (the profile must know the dataset)."""
         self.profile.dataset(dataset)

@@ -76,7 +76,7 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
                         method=truth.method).fits:
         return LaunchResult(config, reason="RuntimeError: Not enough memory (emulated)",
                             exit_code=1)
-    launch = lognormal_factor(noise.launch_cv, rng)
+    launch = lognormal_factor(noise.launch_cv, rng) * truth.launch_speed(rng)
     repeats = spec.measurement.repeats
 
     def accept_of(dataset: str) -> float | None:

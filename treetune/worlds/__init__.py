@@ -6,6 +6,7 @@ from treetune.worlds._world import (
     Effects,
     LaunchBias,
     MoEDispatch,
+    SlowLaunches,
     VerifyCliffs,
     World,
     WorldModel,
@@ -13,5 +14,5 @@ from treetune.worlds._world import (
     shipped_worlds,
 )
 
-__all__ = ["AcceptanceShape", "Effects", "LaunchBias", "MoEDispatch", "VerifyCliffs", "World",
-           "WorldModel", "load_world", "shipped_worlds"]
+__all__ = ["AcceptanceShape", "Effects", "LaunchBias", "MoEDispatch", "SlowLaunches",
+           "VerifyCliffs", "World", "WorldModel", "load_world", "shipped_worlds"]

@@ -3,7 +3,8 @@
 A world is a data file, separate from the model the search fits, so the two can differ on
 purpose: a profile plus effects that the search's performance model cannot express (cost
 cliffs, MoE dispatch that grows faster than the model's form, acceptance of odd shapes,
-per-config launch bias), a prior with wrong facts, or a replayed table of measurements.
+per-config launch bias, launches that now and then run slow), a prior with wrong facts, or
+a replayed table of measurements.
 The search never reads a world: it sees what a server shows (throughput, accept length)
 and, as its prior, only the world's `facts`.
 
@@ -15,6 +16,7 @@ and, as its prior, only the world's `facts`.
       verify_cliffs: {buckets: [8, 16, 32, 64, 128, 256], jump: 0.12}
       moe_dispatch: {per_token_us: 0.05, exponent: 1.5, saturation_ms: 8}
       launch_bias: {spread: 0.03, seed: 7}
+      slow_launches: {rate: 0.1, speed: 0.88}
       acceptance:
         mt-bench: {top1_by_position: [0.8, 0.8, 0.8, 0.3], rank_shares: [0.6, 0.05]}
     replay: {file: grid.csv, fill: nearest}     # instead of effects: measured cells
@@ -30,6 +32,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from treetune.config import ServerConfig, TreeConfig
 from treetune.errors import ConfigFileError, TreetuneError
@@ -97,6 +101,25 @@ class LaunchBias:
 
 
 @dataclass(frozen=True)
+class SlowLaunches:
+    """Now and then a launch runs slow for its whole life: a throttled GPU, a noisy
+    neighbour on the node, a degraded link. With probability `rate`, independently per
+    launch, the launch runs at `speed` of its normal pace (on top of the usual launch
+    noise). The noise is then not log-normal but heavy on the slow side, which the study's
+    learned noise and intervals do not assume."""
+
+    rate: float = 0.1
+    speed: float = 0.88
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rate <= 1 or not 0 < self.speed <= 1:
+            raise ValueError("slow_launches needs rate in [0, 1] and speed in (0, 1]")
+
+    def draw(self, rng: np.random.Generator) -> float:
+        return self.speed if rng.random() < self.rate else 1.0
+
+
+@dataclass(frozen=True)
 class AcceptanceShape:
     """A dataset's acceptance in a shape the model's decay form cannot take."""
 
@@ -109,6 +132,7 @@ class Effects:
     verify_cliffs: VerifyCliffs | None = None
     moe_dispatch: MoEDispatch | None = None
     launch_bias: LaunchBias | None = None
+    slow_launches: SlowLaunches | None = None
     acceptance: dict[str, AcceptanceShape] = field(default_factory=dict)
 
 
@@ -154,6 +178,10 @@ class WorldModel(PerfModel):
         verify = base.verify_s + self._target_extra(tokens, base.verify_s)
         bias = self.effects.launch_bias.factor(config) if self.effects.launch_bias else 1.0
         return RoundTime(base.draft_s / bias, verify / bias, base.overhead_s / bias)
+
+    def launch_speed(self, rng: np.random.Generator) -> float:
+        slow = self.effects.slow_launches
+        return slow.draw(rng) if slow else 1.0
 
 
 @dataclass(frozen=True)
