@@ -4,10 +4,13 @@ and judged by the benchmark; the search sees only their facts."""
 from __future__ import annotations
 
 import asyncio
+import re
 import statistics
 
 import numpy as np
+import optuna
 import pytest
+from studykit import small_study
 
 from treetune.client import ServerClient
 from treetune.config import BASELINE, TreeConfig
@@ -16,9 +19,12 @@ from treetune.errors import TreetuneError
 from treetune.loadgen import measure_cell
 from treetune.perfmodel import PerfModel
 from treetune.perfmodel.prior import neutral_prior
+from treetune.results import config_key
+from treetune.space import load_space
 from treetune.study.offline import Noise, simulate_launch
-from treetune.study.planner import study_prior
+from treetune.study.planner import Planner, study_prior
 from treetune.study.spec import load_study
+from treetune.study.storage import StudyStore
 from treetune.worlds import load_world, shipped_worlds
 
 WIDE, CHAIN = TreeConfig(3, 4, 8), TreeConfig(2, 1, 3)
@@ -96,9 +102,10 @@ def test_launch_bias_is_deterministic_per_config_and_within_its_spread():
     assert factors[WIDE] == bias.factor(TreeConfig(3, 4, 8))  # every launch shares it
 
 
-def slow_world(tmp_path, rate: float, speed: float = 0.5) -> str:
-    path = tmp_path / f"slow-{rate}.yaml"
-    path.write_text(f"name: slow\nprofile: qwen3-8b-h100\neffects:\n"
+def slow_world(tmp_path, rate: float, speed: float = 0.5,
+               profile: str = "qwen3-8b-h100") -> str:
+    path = tmp_path / f"slow-{rate}-{speed}-{profile}.yaml"
+    path.write_text(f"name: slow\nprofile: {profile}\neffects:\n"
                     f"  slow_launches: {{rate: {rate}, speed: {speed}}}\n")
     return str(path)
 
@@ -265,3 +272,78 @@ def test_the_emulator_runs_a_slow_launch_slow_for_its_whole_life(emulators, tmp_
     # Half the truth's pace (prefill and turnover cost a little more on top).
     assert cell.output_tok_s == pytest.approx(0.5 * truth.throughput(CHAIN, 4, "mt-bench"),
                                               rel=0.08)
+
+
+def test_a_launch_unlike_its_configs_others_is_named_once_and_noise_is_not(tmp_path):
+    """A slow GPU or a busy node slows every cell of one launch: the user is told which
+    launch, by how much, and where, once; launches that differ by the study's own noise
+    are not named."""
+    spec = load_study(None, small_study(tmp_path, search={"strategy": "grid",
+                                                          "max_launches_per_config": 4}))
+    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                      load_space(spec.space), [])
+    plain = PerfModel(spec.backend.facts(spec.launch_spec(), {}), spec.tp)
+    slow = load_world(slow_world(tmp_path, 1.0, 0.8, "qwen3-coder-next-h200")).model(spec.tp)
+    quiet, noisy = Noise(0, 0, 0), Noise(0.03, 0.03)
+    rng = np.random.default_rng(5)
+
+    def launch(truth, config, index, noise=quiet, worker="worker-1@gpu-node-7"):
+        result = simulate_launch(truth, config, spec, rng, noise)
+        result.worker = worker
+        result = planner.absorb(result, index)
+        return planner.odd_note(config_key(config))
+
+    tree = TreeConfig(3, 1, 4)
+    assert launch(plain, BASELINE, 0) is None and launch(plain, BASELINE, 1) is None
+    assert launch(plain, tree, 0) is None
+    note = launch(slow, tree, 1, worker="worker-0@gpu-node-3")
+    assert note is not None and note.startswith("(3,1,4): launch 2 of 2 on "
+                                                "worker-0@gpu-node-3 ran 20% slower than "
+                                                "its other launch, ")
+    assert launch(plain, tree, 2) is None  # the same odd launch, not said twice
+    note = launch(slow, BASELINE, 2)
+    assert note is not None and note.startswith("baseline: launch 3 of 3 on "
+                                                "worker-1@gpu-node-7 ran 20% slower than "
+                                                "its other launches, ")
+    # The study's own noise (3% a launch and a window) is not odd: 60 configs, 3 launches
+    # each, none named (at 4 of its deviations, about 1 in 16,000 launches would be).
+    for config in list(load_space(spec.space).configs())[:60]:
+        if config == tree:
+            continue
+        assert [launch(plain, config, i, noisy) for i in range(3)] == [None] * 3, config
+
+
+def test_a_study_names_the_slow_launches_of_the_servers_it_ran(tmp_path, ray_cluster):
+    """End to end on emulated servers: a world where half the launches run at half speed.
+    Every launch the study names ran unlike another launch of its config, none twice, and
+    configs whose launches all ran alike are never named."""
+    from treetune.study.runner import run_study
+
+    world = slow_world(tmp_path, 0.5, 0.5)
+    # (6,2,2) is truly 1.08x the baseline at batch 32: unsure on one launch, so the study
+    # confirms it, the baseline's second launch first. The study's seed (3) draws that
+    # second launch slow; the test asserts it happened.
+    spec = load_study(None, small_study(
+        tmp_path, name="slow", tp=1, datasets=["humaneval"], batch=[32], workers=1,
+        budget={"launches": 5}, compare=["6,2,2"],
+        backend={"kind": "emulator", "world": world, "time_scale": 20.0,
+                 "load_time_s": 10.0, "noise": False},
+        search={"strategy": "grid", "max_launches_per_config": 3}, ray_address=ray_cluster))
+    notes: list[str] = []
+    outcome = run_study(spec, lambda p: notes.extend(n for n in p.notes if n not in notes))
+    # Each config's launches, oldest first, as speeds against its fastest launch (noise is
+    # off: a slow launch runs at half its config's speed; a busy machine moves a few %).
+    speeds = {}
+    for result in outcome.results:
+        cell = result.cell("humaneval", 32)
+        if cell is not None and len(cell.launch_tok_s) >= 2:
+            speeds[str(result.config)] = [v / max(cell.launch_tok_s)
+                                          for v in cell.launch_tok_s]
+    named = [(m[1], int(m[2]) - 1) for m in (re.match(r"(\S+): launch (\d+) of \d+ on "
+                                                     r"worker-\d+@", n) for n in notes) if m]
+    assert named and len(named) == len(set(named)) == len(notes), (notes, speeds)
+    for config, index in named:  # half speed against a launch at full speed, or vice versa
+        assert abs(speeds[config][index] - max(speeds[config])) > 0.3 or \
+            abs(speeds[config][index] - min(speeds[config])) > 0.3, (config, speeds)
+    mixed = {c for c, v in speeds.items() if min(v) < 0.6 and max(v) > 0.9}
+    assert {c for c, _ in named} == mixed, (notes, speeds)

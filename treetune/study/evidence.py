@@ -138,6 +138,11 @@ def merge_all(results: Iterable[LaunchResult]) -> dict[str, LaunchResult]:
 
 
 PRIOR_LAUNCHES = 2  # the prior launch spread counts as this many degrees of freedom
+# A launch this many expected deviations from its config's other launches, and at least
+# this far in speed, is called odd (a slow GPU, a busy node: `odd_launch`). Under the
+# log-normal launch noise the study assumes, 4 deviations happen once in about 16,000.
+ODD_SIGMAS = 4.0
+ODD_SHIFT = 0.05
 
 
 @dataclass(frozen=True)
@@ -260,6 +265,55 @@ def _objective_noise(results: Iterable[LaunchResult], prior_cv: float,
                 dof += len(logs) - 1
     cv = math.sqrt((ss + PRIOR_LAUNCHES * prior_cv ** 2) / (dof + PRIOR_LAUNCHES))
     return StudyNoise(cv, None, dof, 0, objective)
+
+
+@dataclass(frozen=True)
+class OddLaunch:
+    """One launch of a config that ran unlike the config's other launches."""
+
+    index: int  # which of the config's launches, oldest first (0: its first; failed ones count)
+    shift: float  # its speed against the mean of the others', minus 1 (below 0: slower)
+    sigmas: float  # how many of the study's expected deviations that is
+    worker: str  # where it ran (worker@host)
+
+
+def odd_launch(launches: list[LaunchResult], noise: StudyNoise,
+               skip: Iterable[int] = ()) -> OddLaunch | None:
+    """The launch of one config (`launches`: each of its launches, oldest first) whose
+    throughput, averaged over its cells, sits farthest from the mean of the config's other
+    launches, when that is at least ODD_SIGMAS of the deviation `noise` explains and
+    ODD_SHIFT in speed; None otherwise. A slow GPU, a busy node or a degraded link slows
+    every cell of a launch alike, which the study's log-normal launch noise does not
+    expect; `noise` should be learned without this config's own launches, which the odd one
+    would inflate. With two launches either may be the odd one: the slower is named.
+    `skip`: launches (indices) already named, left out of the comparison."""
+    skipped = set(skip)
+    measured = [(i, r) for i, r in enumerate(launches)
+                if r.ok and r.cells and i not in skipped]
+    done = [r for _, r in measured]
+    if len(done) < 2 or noise.objective is not Objective.THROUGHPUT:
+        return None
+    rows = []  # per cell: each launch's log throughput
+    window_var = 0.0
+    for cell in done[0].cells:
+        same = [r.cell(cell.dataset, cell.batch) for r in done]
+        if all(c is not None and c.output_tok_s > 0 for c in same):
+            rows.append([math.log(c.output_tok_s) for c in same if c is not None])
+            window_var += statistics.fmean(relative_variance(c, noise) - noise.launch_cv ** 2
+                                           for c in same if c is not None)
+    if not rows:
+        return None
+    k = len(done)
+    deviations = [statistics.fmean(row[i] - (sum(row) - row[i]) / (k - 1) for row in rows)
+                  for i in range(k)]
+    # A launch factor is common to its cells; sub-window noise averages over them.
+    sd = math.sqrt((noise.launch_cv ** 2 + window_var / len(rows) ** 2) * k / (k - 1))
+    index = min(range(k), key=lambda i: (-abs(deviations[i]) if k > 2 else deviations[i]))
+    shift = math.exp(deviations[index]) - 1
+    if sd <= 0 or abs(deviations[index]) < ODD_SIGMAS * sd or abs(shift) < ODD_SHIFT:
+        return None
+    return OddLaunch(measured[index][0], shift, abs(deviations[index]) / sd,
+                     done[index].worker)
 
 
 def launch_values(cell: CellResult, objective: Objective) -> list[float | None]:

@@ -47,6 +47,7 @@ from treetune.study.evidence import (
     merge,
     merge_all,
     noise_of,
+    odd_launch,
     relative_variance,
     study_noise,
 )
@@ -118,6 +119,7 @@ class Planner:
         self.tuning: Tuning | None = None  # the adaptive config tuned from the chains
         self.pending: list[tuple[LaunchResult, Proposal | None]] = []
         self.absorbed: list[LaunchResult] = []  # other searches' results, for the strategy
+        self.told_odd: set[tuple[str, int]] = set()  # (config key, launch) said odd
         self.floor = floor_of(spec.tolerance)
         self.studies = BatchStudies(store, space)
         prior, why_not = study_prior(spec, facts)
@@ -439,6 +441,37 @@ class Planner:
         self._tell_pending()
         self._plan_adaptive()
         return merged
+
+    def odd_note(self, key: str) -> str | None:
+        """A word for the user when one of `key`'s launches ran unlike its others
+        (`odd_launch`, judged by the noise the study learned from its other configs), once
+        per launch: a slow GPU or a busy node is worth a look. The launch still counts as
+        measured; the learned noise, and every bound with it, widens by it."""
+        by_key: dict[str, list[LaunchResult]] = {}
+        for result in self.launched:
+            by_key.setdefault(config_key(result.config), []).append(result)
+        launches = by_key.pop(key, [])
+        # The other configs' launches but those already said odd: one odd launch would
+        # widen the yardstick until the next went unnoticed.
+        others = [merge(r for i, r in enumerate(rs) if (k, i) not in self.told_odd)
+                  for k, rs in by_key.items()
+                  if any((k, i) not in self.told_odd for i in range(len(rs)))]
+        noise = study_noise(others, self.spec.search.launch_cv,
+                            learned=self.spec.search.learns_noise)
+        odd = odd_launch(launches, noise, {i for k, i in self.told_odd if k == key})
+        if odd is None:
+            return None
+        others_of = sum(1 for i, r in enumerate(launches) if r.ok and r.cells
+                        and i != odd.index and (key, i) not in self.told_odd)
+        self.told_odd.add((key, odd.index))
+        count = len(launches)
+        where = f" on {odd.worker}" if odd.worker else ""
+        return (f"{launches[0].config}: launch {odd.index + 1} of {count}{where} ran "
+                f"{abs(odd.shift):.0%} {'slower' if odd.shift < 0 else 'faster'} than "
+                f"{'its other launch' if others_of == 1 else 'its other launches'}, "
+                f"{odd.sigmas:.0f} standard deviations out, where the study's launch noise "
+                f"is {noise.launch_cv:.1%}: a throttled GPU or a busy node? It counts as "
+                "measured; the study's noise, and every bound, widen with it")
 
     def _record(self, key: str, result: LaunchResult) -> LaunchResult:
         """A finished launch of `key` (this search's or another's) kept; returns the

@@ -522,6 +522,8 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                                     else f"{config} failed: {result.reason}")
                 if result.ok and result.attempts > 1:
                     progress.message += f" (second server: {result.retried_because})"
+                if result.ok and (odd := planner.odd_note(task.key)):
+                    progress.notes.append(odd)
                 for warning in result.warnings:  # in full once, then by reference
                     first = warned.setdefault(warning, str(config))
                     progress.notes.append(f"{config}: {warning}" if first == str(config)
