@@ -340,3 +340,35 @@ def test_a_study_names_the_slow_launches_of_the_servers_it_ran(tmp_path, ray_clu
     # A slow launch beside one at full speed is named, whatever else the machine does.
     mixed = {c for c, v in speeds.items() if min(v) < 0.5 and max(v) > 0.9}
     assert mixed <= {c for c, _ in named}, (notes, speeds)
+
+
+def test_a_node_slower_on_every_launch_is_named_once_and_alike_nodes_are_not(tmp_path):
+    """Two nodes of one type, one 10% slower for every launch it runs (a power cap): the
+    user is told which node, once, when the configs launched on both show it; nodes that
+    differ only by the launch noise are not named."""
+    spec = load_study(None, small_study(tmp_path, search={"strategy": "grid",
+                                                          "max_launches_per_config": 4}))
+    plain = PerfModel(spec.backend.facts(spec.launch_spec(), {}), spec.tp)
+    capped = load_world(slow_world(tmp_path, 1.0, 0.9, "qwen3-coder-next-h200")).model(spec.tp)
+    configs = [BASELINE, *list(load_space(spec.space).configs())[:40]]
+
+    def study(node_b, noise: Noise, seed: int) -> list[str]:
+        """Every config launched on node a, then on node b: the notes said on the way."""
+        planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                          load_space(spec.space), [])
+        rng, notes = np.random.default_rng(seed), []
+        for config in configs:
+            for i, (truth, node) in enumerate(((plain, "gpu-node-a"), (node_b, "gpu-node-b"))):
+                result = simulate_launch(truth, config, spec, rng, noise)
+                result.worker = f"worker-{i}@{node}"
+                planner.absorb(result, i)
+                notes += planner.node_notes()
+        return notes
+
+    # Alike (3% launch and window noise): no node named, in several studies.
+    for seed in range(3):
+        assert study(plain, Noise(0.03, 0.03), seed) == []
+    # Node b capped: named once, as the slower.
+    notes = study(capped, Noise(0.03, 0.03), 0)
+    assert len(notes) == 1 and notes[0].startswith("node gpu-node-b runs "), notes
+    assert "slower than the other nodes on the same configs" in notes[0]

@@ -143,6 +143,13 @@ PRIOR_LAUNCHES = 2  # the prior launch spread counts as this many degrees of fre
 # log-normal launch noise the study assumes, 4 deviations happen once in about 16,000.
 ODD_SIGMAS = 4.0
 ODD_SHIFT = 0.05
+# A node is called slow (or fast) at NODE_SIGMAS standard errors and this far in speed: a
+# few percent on every launch biases every speedup it measures (`node_shifts`). Few configs
+# run on two nodes, and the launch noise learned then holds the node's gap too, so a node
+# 8% slow reaches only 2-4 standard errors in 30 launches (benchmarks/RESULTS.md, stop 42).
+NODE_SIGMAS = 3.0
+NODE_SHIFT = 0.03
+NODE_CONFIGS = 3  # configs launched on the node and elsewhere: one slow launch is no node
 
 
 @dataclass(frozen=True)
@@ -314,6 +321,70 @@ def odd_launch(launches: list[LaunchResult], noise: StudyNoise,
         return None
     return OddLaunch(measured[index][0], shift, abs(deviations[index]) / sd,
                      done[index].worker)
+
+
+@dataclass(frozen=True)
+class NodeShift:
+    """How a node's launches ran against other nodes' launches of the same configs."""
+
+    node: str
+    shift: float  # its speed against the others', minus 1 (below 0: slower)
+    sigmas: float  # how many standard errors of the study's launch noise that is
+    launches: int  # its launches compared
+    configs: int  # configs launched both there and elsewhere
+
+
+def node_of(result: LaunchResult) -> str:
+    """The host a launch ran on, from its worker's name (worker-N@host); '' if unnamed."""
+    return result.worker.partition("@")[2]
+
+
+def node_shifts(launched: Iterable[LaunchResult], noise: StudyNoise) -> list[NodeShift]:
+    """Every node whose launches ran, config for config, at least NODE_SIGMAS standard
+    errors and NODE_SHIFT in speed from the other nodes' launches of the same configs. A
+    power-capped or hot node is slow for every launch it runs: a baseline measured there
+    moves every speedup, which no interval allows for. Per config the gap is the mean log
+    throughput (over its cells) of its launches on the node less that of its launches
+    elsewhere, with the variance `noise` gives launches of the config; configs combine by
+    inverse variance; a node needs NODE_CONFIGS configs launched there and elsewhere (one
+    odd launch is `odd_launch`'s). Of two nodes only the slower is returned (the gap is
+    one)."""
+    if noise.objective is not Objective.THROUGHPUT:
+        return []
+    per_config: dict[str, list[tuple[str, float]]] = {}
+    for result in launched:
+        node = node_of(result)
+        if not (result.ok and result.cells and node):
+            continue
+        cells = [c for c in result.cells if c.output_tok_s > 0]
+        if cells:
+            value = statistics.fmean(math.log(c.output_tok_s) for c in cells)
+            per_config.setdefault(config_key(result.config), []).append((node, value))
+    variance = noise.launch_cv ** 2
+    if variance <= 0:
+        return []
+    nodes = sorted({node for values in per_config.values() for node, _ in values})
+    out = []
+    for node in nodes if len(nodes) > 1 else []:
+        weight = total = 0.0
+        launches = configs = 0
+        for values in per_config.values():
+            here = [v for n, v in values if n == node]
+            there = [v for n, v in values if n != node]
+            if here and there:
+                w = 1 / (variance * (1 / len(here) + 1 / len(there)))
+                weight += w
+                total += w * (statistics.fmean(here) - statistics.fmean(there))
+                launches += len(here)
+                configs += 1
+        if configs < NODE_CONFIGS:
+            continue
+        gap, error = total / weight, math.sqrt(1 / weight)
+        shift = math.exp(gap) - 1
+        if abs(gap) >= NODE_SIGMAS * error and abs(shift) >= NODE_SHIFT:
+            out.append(NodeShift(node, shift, abs(gap) / error, launches, configs))
+    # Two nodes are one gap seen from both sides: the slower names it.
+    return [s for s in out if s.shift < 0] if len(nodes) == 2 else out
 
 
 def launch_values(cell: CellResult, objective: Objective) -> list[float | None]:

@@ -46,6 +46,8 @@ from treetune.study.evidence import (
     launches_of,
     merge,
     merge_all,
+    node_of,
+    node_shifts,
     noise_of,
     odd_launch,
     relative_variance,
@@ -120,6 +122,7 @@ class Planner:
         self.pending: list[tuple[LaunchResult, Proposal | None]] = []
         self.absorbed: list[LaunchResult] = []  # other searches' results, for the strategy
         self.told_odd: set[tuple[str, int]] = set()  # (config key, launch) said odd
+        self.told_nodes: set[str] = set()  # nodes said to run apart from the others
         self.floor = floor_of(spec.tolerance)
         self.studies = BatchStudies(store, space)
         prior, why_not = study_prior(spec, facts)
@@ -472,6 +475,33 @@ class Planner:
                 f"{odd.sigmas:.0f} standard deviations out, where the study's launch noise "
                 f"is {noise.launch_cv:.1%}: a throttled GPU or a busy node? It counts as "
                 "measured; the study's noise, and every bound, widen with it")
+
+    def node_notes(self) -> list[str]:
+        """A word for the user on each node whose launches run, config for config, apart
+        from the other nodes' (`node_shifts`), once per node: the study takes nodes of one
+        type to run at one speed, and a slow node's baseline makes every tree measured
+        elsewhere look faster."""
+        # The yardstick: the launch noise of repeats on one node (a gap between nodes would
+        # widen the study's own noise by itself), the prior's where there are none.
+        same_node: dict[tuple[str, str], list[LaunchResult]] = {}
+        for result in self.launched:
+            same_node.setdefault((config_key(result.config), node_of(result)),
+                                 []).append(result)
+        noise = study_noise([merge(rs) for rs in same_node.values()],
+                            self.spec.search.launch_cv, learned=self.spec.search.learns_noise)
+        notes = []
+        for shift in node_shifts(self.launched, noise):
+            if shift.node in self.told_nodes:
+                continue
+            self.told_nodes.add(shift.node)
+            notes.append(
+                f"node {shift.node} runs {abs(shift.shift):.0%} "
+                f"{'slower' if shift.shift < 0 else 'faster'} than the other nodes on the "
+                f"same configs ({shift.launches} launches of {shift.configs} configs there, "
+                f"{shift.sigmas:.0f} standard errors out): speedups measured against a "
+                "baseline on another node are off by as much. Run the study on nodes "
+                "that run alike")
+        return notes
 
     def _record(self, key: str, result: LaunchResult) -> LaunchResult:
         """A finished launch of `key` (this search's or another's) kept; returns the

@@ -524,6 +524,8 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                     progress.message += f" (second server: {result.retried_because})"
                 if result.ok and (odd := planner.odd_note(task.key)):
                     progress.notes.append(odd)
+                if result.ok:
+                    progress.notes += planner.node_notes()
                 for warning in result.warnings:  # in full once, then by reference
                     first = warned.setdefault(warning, str(config))
                     progress.notes.append(f"{config}: {warning}" if first == str(config)
