@@ -145,8 +145,9 @@ ODD_SIGMAS = 4.0
 ODD_SHIFT = 0.05
 # A node is called slow (or fast) at NODE_SIGMAS standard errors and this far in speed: a
 # few percent on every launch biases every speedup it measures (`node_shifts`). Few configs
-# run on two nodes, and the launch noise learned then holds the node's gap too, so a node
-# 8% slow reaches only 2-4 standard errors in 30 launches (benchmarks/RESULTS.md, stop 42).
+# run on two nodes in a study: in a two-node probe the model search's studies named a node
+# 8% slow in 17 of 24 (at launch 11-29), and a node in none of 24 with the nodes alike
+# (benchmarks/RESULTS.md, stop 42).
 NODE_SIGMAS = 3.0
 NODE_SHIFT = 0.03
 NODE_CONFIGS = 3  # configs launched on the node and elsewhere: one slow launch is no node
@@ -329,7 +330,7 @@ class NodeShift:
 
     node: str
     shift: float  # its speed against the others', minus 1 (below 0: slower)
-    sigmas: float  # how many standard errors of the study's launch noise that is
+    sigmas: float  # how many standard errors (of the launch noise given) that is
     launches: int  # its launches compared
     configs: int  # configs launched both there and elsewhere
 
@@ -345,7 +346,7 @@ def node_shifts(launched: Iterable[LaunchResult], noise: StudyNoise) -> list[Nod
     power-capped or hot node is slow for every launch it runs: a baseline measured there
     moves every speedup, which no interval allows for. Per config the gap is the mean log
     throughput (over its cells) of its launches on the node less that of its launches
-    elsewhere, with the variance `noise` gives launches of the config; configs combine by
+    elsewhere, its variance from `noise`'s launch spread; configs combine by
     inverse variance; a node needs NODE_CONFIGS configs launched there and elsewhere (one
     odd launch is `odd_launch`'s). Of two nodes only the slower is returned (the gap is
     one)."""
