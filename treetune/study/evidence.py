@@ -275,6 +275,24 @@ def _objective_noise(results: Iterable[LaunchResult], prior_cv: float,
     return StudyNoise(cv, None, dof, 0, objective)
 
 
+def common_cells(launches: list[LaunchResult]) -> list[list[CellResult]]:
+    """Per cell that every one of `launches` (of one config) measured with a throughput:
+    each launch's cell, in the launches' order."""
+    rows = []
+    for cell in launches[0].cells if launches else []:
+        same = [r.cell(cell.dataset, cell.batch) for r in launches]
+        if all(c is not None and c.output_tok_s > 0 for c in same):
+            rows.append([c for c in same if c is not None])
+    return rows
+
+
+def launch_levels(rows: list[list[CellResult]]) -> list[float]:
+    """Each launch's mean log throughput over the `common_cells` rows: its speed, as the
+    launch factor common to its cells moves it."""
+    return [statistics.fmean(math.log(row[i].output_tok_s) for row in rows)
+            for i in range(len(rows[0]))]
+
+
 @dataclass(frozen=True)
 class OddLaunch:
     """One launch of a config that ran unlike the config's other launches."""
@@ -301,19 +319,14 @@ def odd_launch(launches: list[LaunchResult], noise: StudyNoise,
     done = [r for _, r in measured]
     if len(done) < 2 or noise.objective is not Objective.THROUGHPUT:
         return None
-    rows = []  # per cell: each launch's log throughput
-    window_var = 0.0
-    for cell in done[0].cells:
-        same = [r.cell(cell.dataset, cell.batch) for r in done]
-        if all(c is not None and c.output_tok_s > 0 for c in same):
-            rows.append([math.log(c.output_tok_s) for c in same if c is not None])
-            window_var += statistics.fmean(relative_variance(c, noise) - noise.launch_cv ** 2
-                                           for c in same if c is not None)
+    rows = common_cells(done)
     if not rows:
         return None
+    levels = launch_levels(rows)
+    window_var = sum(statistics.fmean(relative_variance(c, noise) - noise.launch_cv ** 2
+                                      for c in row) for row in rows)
     k = len(done)
-    deviations = [statistics.fmean(row[i] - (sum(row) - row[i]) / (k - 1) for row in rows)
-                  for i in range(k)]
+    deviations = [levels[i] - (sum(levels) - levels[i]) / (k - 1) for i in range(k)]
     # A launch factor is common to its cells; sub-window noise averages over them.
     sd = math.sqrt((noise.launch_cv ** 2 + window_var / len(rows) ** 2) * k / (k - 1))
     index = min(range(k), key=lambda i: (-abs(deviations[i]) if k > 2 else deviations[i]))
@@ -344,23 +357,22 @@ def node_shifts(launched: Iterable[LaunchResult], noise: StudyNoise) -> list[Nod
     """Every node whose launches ran, config for config, at least NODE_SIGMAS standard
     errors and NODE_SHIFT in speed from the other nodes' launches of the same configs. A
     power-capped or hot node is slow for every launch it runs: a baseline measured there
-    moves every speedup, which no interval allows for. Per config the gap is the mean log
-    throughput (over its cells) of its launches on the node less that of its launches
-    elsewhere, its variance from `noise`'s launch spread; configs combine by
-    inverse variance; a node needs NODE_CONFIGS configs launched there and elsewhere (one
-    odd launch is `odd_launch`'s). Of two nodes only the slower is returned (the gap is
-    one)."""
+    moves every speedup, which no interval allows for. Per config the gap is the mean
+    `launch_levels` of its launches on the node less that of its launches elsewhere, its
+    variance from `noise`'s launch spread; configs combine by inverse variance; a node
+    needs NODE_CONFIGS configs launched there and elsewhere (one odd launch is
+    `odd_launch`'s). Of two nodes only the slower is returned (the gap is one)."""
     if noise.objective is not Objective.THROUGHPUT:
         return []
-    per_config: dict[str, list[tuple[str, float]]] = {}
+    by_config: dict[str, list[LaunchResult]] = {}
     for result in launched:
-        node = node_of(result)
-        if not (result.ok and result.cells and node):
-            continue
-        cells = [c for c in result.cells if c.output_tok_s > 0]
-        if cells:
-            value = statistics.fmean(math.log(c.output_tok_s) for c in cells)
-            per_config.setdefault(config_key(result.config), []).append((node, value))
+        if result.ok and result.cells and node_of(result):
+            by_config.setdefault(config_key(result.config), []).append(result)
+    per_config: dict[str, list[tuple[str, float]]] = {}
+    for key, results in by_config.items():
+        if rows := common_cells(results):
+            per_config[key] = list(zip(map(node_of, results), launch_levels(rows),
+                                       strict=True))
     variance = noise.launch_cv ** 2
     if variance <= 0:
         return []

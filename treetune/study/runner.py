@@ -522,9 +522,9 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                                     else f"{config} failed: {result.reason}")
                 if result.ok and result.attempts > 1:
                     progress.message += f" (second server: {result.retried_because})"
-                if result.ok and (odd := planner.odd_note(task.key)):
-                    progress.notes.append(odd)
-                if result.ok:
+                if result.ok:  # a launch or a node running apart, named once
+                    if odd := planner.odd_note(task.key):
+                        progress.notes.append(odd)
                     progress.notes += planner.node_notes()
                 for warning in result.warnings:  # in full once, then by reference
                     first = warned.setdefault(warning, str(config))
