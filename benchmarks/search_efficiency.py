@@ -25,7 +25,7 @@ Per world and strategy:
 
     .venv/bin/python benchmarks/search_efficiency.py [--worlds all | NAME_OR_FILE ...]
         [--batch 1 32] [--seeds 20] [--first-seed 0] [--noise 0.03] [--prior-noise CV]
-        [--quick] [--json] [--output FILE.md]
+        [--workers 1] [--node-speeds SPEED ...] [--quick] [--json] [--output FILE.md]
         [--strategies model tpe grid random gp oracle model-oracle]  (gp: with treetune[gp]
         installed; oracle: a reference that reads the truth, the floor under every strategy;
         model-oracle: one that reads the truth's profile but not the world's effects)
@@ -60,7 +60,7 @@ from treetune.strategies import gp
 from treetune.strategies._base import register
 from treetune.strategies.grid import GridStrategy
 from treetune.study.evidence import intervals
-from treetune.study.offline import Noise, run_offline
+from treetune.study.offline import Noise, run_parallel
 from treetune.study.planner import Planner
 from treetune.study.recommend import MIXED, recommend
 from treetune.study.spec import StudySpec, load_study
@@ -114,6 +114,8 @@ class Job:
     noise: float
     batches: tuple[int, ...]
     prior_noise: float | None = None  # the study's stated launch_cv (None: the true noise)
+    workers: int = 1  # launches running at once (simulated time, `run_parallel`)
+    nodes: tuple[float, ...] = ()  # each node's speed; worker w runs on node w % len(nodes)
 
 
 def truth_table(world: World, batches: tuple[int, ...]
@@ -231,7 +233,8 @@ def study(job: Job, world: World, table: dict[TreeConfig, dict[int, list[float]]
 
     started = time.monotonic()
     noise = Noise(launch_cv=job.noise, measurement_cv=job.noise)
-    planner = run_offline(spec, truth, job.seed, job.max_launches, noise, after)
+    planner = run_parallel(spec, truth, job.seed, job.max_launches, job.workers, noise,
+                           after_launch=lambda p, _: after(p), nodes=job.nodes)
     first = next((i + 1 for i, ok in enumerate(within) if ok), job.max_launches + 1)
     stable = next((i + 1 for i in range(len(within)) if all(within[i:])), job.max_launches + 1)
     covered, judged = coverage(planner, table, spec.dataset_names, job.batches)
@@ -332,6 +335,10 @@ def markdown(worlds: dict[str, dict[str, dict]], overall: dict[str, dict],
              args: argparse.Namespace, kinds: dict[str, str]) -> str:
     batches = ", ".join(map(str, args.batch))
     stated = "" if args.prior_noise is None else f" (stated: {args.prior_noise:.0%})"
+    if args.workers > 1 or args.node_speeds:
+        stated += f", {args.workers} workers"
+    if args.node_speeds:
+        stated += ", node speeds " + " ".join(f"{s:g}" for s in args.node_speeds)
     lines = [f"# Search efficiency ({len(worlds)} worlds x {args.seeds} seeds, noise "
              f"{args.noise:.0%}{stated}, budget {args.budget}, up to {args.max_launches} launches, "
              f"batch sizes {batches})", "",
@@ -457,12 +464,22 @@ def main() -> None:
                         "its best trees first (the floor noise and proof set); "
                         "model-oracle: the same from the truth's profile without the "
                         "world's effects (what a perfect fit of the model could do)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="launches each study runs at once, in simulated time (default: "
+                        "1, or one per --node-speeds)")
+    parser.add_argument("--node-speeds", nargs="+", type=float, default=[],
+                        help="each node's speed, common to every launch it runs (e.g. 1 0.92:"
+                        " a second node 8%% slow); worker w runs on node w mod the count")
     parser.add_argument("--quick", action="store_true",
                         help="every world, 1 seed, up to 16 launches: a smoke run")
     output_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.max_launches, args.budget = 1, 16, 12
+    if args.workers is None:
+        args.workers = max(1, len(args.node_speeds))
+    if args.workers < 1 or any(s <= 0 for s in args.node_speeds):
+        parser.error("--workers must be >= 1 and every --node-speeds value > 0")
     worlds = load_worlds(parser, args.worlds)
     names = list(worlds)
     kinds = {name: "own model" if world.own_model else
@@ -470,7 +487,7 @@ def main() -> None:
              for name, world in worlds.items()}
     batches = tuple(sorted(set(args.batch)))
     jobs = [Job(w, s, seed, args.max_launches, args.budget, args.noise, batches,
-                args.prior_noise)
+                args.prior_noise, args.workers, tuple(args.node_speeds))
             for w in names for s in args.strategies
             for seed in range(args.first_seed, args.first_seed + args.seeds)]
     started = time.monotonic()

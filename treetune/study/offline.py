@@ -65,9 +65,11 @@ def adaptive_throughput(truth: PerfModel, config: AdaptiveConfig, batch: int, da
 
 
 def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
-                    rng: np.random.Generator, noise: Noise) -> LaunchResult:
+                    rng: np.random.Generator, noise: Noise, speed: float = 1.0
+                    ) -> LaunchResult:
     """What a launch of `config` would measure, drawn from the truth with noise (the
-    truth of its draft method, see `method_truth`)."""
+    truth of its draft method, see `method_truth`); `speed`: the node's, common to every
+    launch it runs (a power-capped GPU: below 1)."""
     truth = method_truth(truth, config)
     # SGLang sizes an adaptive server for its longest candidate chain.
     sized = config.longest if isinstance(config, AdaptiveConfig) else config
@@ -76,7 +78,7 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
                         method=truth.method).fits:
         return LaunchResult(config, reason="RuntimeError: Not enough memory (emulated)",
                             exit_code=1)
-    launch = lognormal_factor(noise.launch_cv, rng) * truth.launch_speed(rng)
+    launch = lognormal_factor(noise.launch_cv, rng) * truth.launch_speed(rng) * speed
     repeats = spec.measurement.repeats
 
     def accept_of(dataset: str) -> float | None:
@@ -177,37 +179,48 @@ def run_offline(spec: StudySpec, truth: PerfModel, seed: int, launches: int,
 def run_parallel(spec: StudySpec, truth: PerfModel, seed: int, launches: int, workers: int,
                  noise: Noise = Noise(), clock: LaunchClock = LaunchClock(),
                  after_launch: Callable[[Planner, float], bool | None] | None = None,
-                 store: StudyStore | None = None) -> Planner:
+                 store: StudyStore | None = None, nodes: tuple[float, ...] = ()) -> Planner:
     """One study of `launches` launches on `workers` simulated workers: every free worker
     takes the planner's next launch (as `treetune search`'s runner does), and the launch
     finishing first in simulated time is handed back first. `after_launch` sees the
     planner and the simulated time (seconds) after every finished launch, and ends the
     study by returning True (launches still running are dropped). One worker
     makes exactly the study `run_offline` makes (durations have their own random
-    stream)."""
+    stream). `nodes`: each node's speed (see `simulate_launch`); worker w runs on node
+    w % len(nodes) and is named worker-w@node-n, as the runner names a Ray worker by its
+    host; without nodes, workers are unnamed."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if any(speed <= 0 for speed in nodes):
+        raise ValueError(f"node speeds must be > 0, got {nodes}")
     store = store or StudyStore(spec, storage=optuna.storages.InMemoryStorage())
     planner = Planner(spec, store, load_space(spec.space), [], tp=truth.cost.tp)
     rng = np.random.default_rng(seed)
     durations = np.random.default_rng([seed, workers])
-    # (finish time, launch number: ties in start order, task, trial, result)
-    running: list[tuple[float, int, Task, optuna.trial.Trial, LaunchResult]] = []
+    # (finish time, launch number: ties in start order, worker, task, trial, result)
+    running: list[tuple[float, int, int, Task, optuna.trial.Trial, LaunchResult]] = []
+    free = list(range(workers))  # idle workers: the lowest takes the next launch
     started = 0
     now = 0.0
     while True:
-        while len(running) < workers and started < launches:
+        while free and started < launches:
             task = planner.next()
             if task is None:
                 break  # nothing to launch until a running launch finishes (or for good)
+            worker = free.pop(0)
             trial = store.begin_launch(task.config, ())
-            result = simulate_launch(truth, task.config, spec, rng, noise)
+            node = worker % len(nodes) if nodes else 0
+            result = simulate_launch(truth, task.config, spec, rng, noise,
+                                     nodes[node] if nodes else 1.0)
+            if nodes:
+                result.worker = f"worker-{worker}@node-{node}"
             heapq.heappush(running, (now + clock.duration(spec, result, durations), started,
-                                     task, trial, result))
+                                     worker, task, trial, result))
             started += 1
         if not running:
             break
-        now, _, task, trial, result = heapq.heappop(running)
+        now, _, worker, task, trial, result = heapq.heappop(running)
+        free = sorted([*free, worker])
         store.finish_launch(trial, result)
         planner.finish(task, result)
         if after_launch and after_launch(planner, now):
