@@ -12,7 +12,7 @@ import optuna
 from treetune.config import BASELINE, AdaptiveConfig, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.results import LaunchResult
-from treetune.study.evidence import judge, merge_all, noise_of
+from treetune.study.evidence import judge, merge_leveled, noise_of
 from treetune.study.recommend import Recommendation, recommend
 from treetune.study.spec import SPEC_COPY, StudySpec, load_study, study_from_mapping
 from treetune.study.storage import SPEC_ATTR, read_only_storage, read_study
@@ -108,7 +108,9 @@ def load_study_data(source: str | Path, study: str | None = None) -> StudyData:
                                 "it (run `treetune search` with --output pointing there)")
         spec = load_study(spec_path)
     stored = read_study(spec)
-    results = list(merge_all(stored.results).values())  # one per config, re-launches merged
+    # One per config, re-launches merged, nodes leveled: what the search judged.
+    results = list(merge_leveled(stored.results, spec.search.launch_cv,
+                                 spec.search.learns_noise).values())
     baseline = next((r for r in results if r.ok and r.config is BASELINE), None)
     recs = stored.recommendations
     if recs is None:  # stored before decisions were kept with the study: judge here

@@ -89,7 +89,19 @@ def merge(results: Iterable[LaunchResult]) -> LaunchResult:
                                      if (c := r.rate_cell(cell.dataset, cell.rate or 0.0))])
                   for cell in first.rate_cells]
     return dataclasses.replace(first, cells=cells, rate_cells=rate_cells,
-                               attempts=sum(r.attempts for r in ok))
+                               attempts=sum(r.attempts for r in ok),
+                               leveled=_merge_leveled(ok))
+
+
+def _merge_leveled(ok: list[LaunchResult]) -> tuple[tuple[str, float, float], ...]:
+    """The node leveling of merged launches: per node, the share of them leveled there."""
+    variance: dict[str, float] = {}
+    share: dict[str, float] = {}
+    for result in ok:
+        for node, part, var in result.leveled:
+            share[node] = share.get(node, 0.0) + part / len(ok)
+            variance[node] = var
+    return tuple((node, share[node], variance[node]) for node in sorted(share))
 
 
 def _merge_cell(cell: CellResult, same: list[CellResult]) -> CellResult:
@@ -135,6 +147,12 @@ def merge_all(results: Iterable[LaunchResult]) -> dict[str, LaunchResult]:
     for result in results:
         grouped.setdefault(config_key(result.config), []).append(result)
     return {key: merge(group) for key, group in grouped.items()}
+
+
+def merge_leveled(launched: list[LaunchResult], prior_launch_cv: float,
+                  learned: bool = True) -> dict[str, LaunchResult]:
+    """`merge_all` of the launches as `level_nodes` levels them: what the study judges."""
+    return merge_all(level_nodes(launched, prior_launch_cv, learned)[0])
 
 
 PRIOR_LAUNCHES = 2  # the prior launch spread counts as this many degrees of freedom
@@ -346,6 +364,8 @@ class NodeShift:
     sigmas: float  # how many standard errors (of the launch noise given) that is
     launches: int  # its launches compared
     configs: int  # configs launched both there and elsewhere
+    gap: float = 0.0  # log(1 + shift)
+    error: float = 0.0  # the standard error of `gap`
 
 
 def node_of(result: LaunchResult) -> str:
@@ -395,9 +415,66 @@ def node_shifts(launched: Iterable[LaunchResult], noise: StudyNoise) -> list[Nod
         gap, error = total / weight, math.sqrt(1 / weight)
         shift = math.exp(gap) - 1
         if abs(gap) >= NODE_SIGMAS * error and abs(shift) >= NODE_SHIFT:
-            out.append(NodeShift(node, shift, abs(gap) / error, launches, configs))
+            out.append(NodeShift(node, shift, abs(gap) / error, launches, configs, gap,
+                                 error))
     # Two nodes are one gap seen from both sides: the slower names it.
     return [s for s in out if s.shift < 0] if len(nodes) == 2 else out
+
+
+def node_yardstick(launched: Iterable[LaunchResult], prior_launch_cv: float,
+                   learned: bool = True) -> StudyNoise:
+    """The launch noise to judge nodes by: learned from configs launched more than once
+    on one node (the study's own noise holds the gap between nodes), the prior's where
+    there are none."""
+    same_node: dict[tuple[str, str], list[LaunchResult]] = {}
+    for result in launched:
+        same_node.setdefault((config_key(result.config), node_of(result)), []).append(result)
+    return study_noise([merge(rs) for rs in same_node.values()], prior_launch_cv,
+                       learned=learned)
+
+
+def level_nodes(launched: list[LaunchResult], prior_launch_cv: float, learned: bool = True
+                ) -> tuple[list[LaunchResult], list[NodeShift]]:
+    """Every launch (oldest first), with the throughputs of those on a node that runs
+    apart from the others (`node_shifts`, judged by `node_yardstick`) divided by the
+    node's speed against the others, and the shifts it found. A slow node's baseline would
+    make every tree measured elsewhere look faster by as much, and its trees look slower:
+    once the gap is sure, the study measures every node at one speed. A leveled launch
+    notes the correction's variance (`LaunchResult.leveled`): the speedup of a tree
+    leveled where its baseline was not carries it (`node_variance`). Latencies and
+    goodput are left as measured. With one node, the launches as they are."""
+    if len({node_of(r) for r in launched if r.ok and r.cells} - {""}) < 2:
+        return launched, []
+    shifts = node_shifts(launched, node_yardstick(launched, prior_launch_cv, learned))
+    by_node = {s.node: s for s in shifts}
+    return [_leveled(r, by_node[node]) if r.ok and (node := node_of(r)) in by_node else r
+            for r in launched], shifts
+
+
+def _leveled(result: LaunchResult, shift: NodeShift) -> LaunchResult:
+    factor = math.exp(-shift.gap)
+
+    def cell(c: CellResult) -> CellResult:
+        return dataclasses.replace(
+            c, output_tok_s=c.output_tok_s * factor,
+            repeats=tuple(v * factor for v in c.repeats),
+            launch_tok_s=tuple(v * factor for v in c.launch_tok_s))
+
+    return dataclasses.replace(result, cells=[cell(c) for c in result.cells],
+                               rate_cells=[cell(c) for c in result.rate_cells],
+                               leveled=((shift.node, 1.0, shift.error ** 2),))
+
+
+def node_variance(result: LaunchResult, baseline: LaunchResult) -> float:
+    """The variance a node leveling adds to the log speedup of `result` against
+    `baseline`: per leveled node, its correction's variance times the square of how much
+    more of one's launches than of the other's ran there (a tree leveled as its baseline
+    was keeps its speedup whatever the correction's error)."""
+    shares = {node: [0.0, 0.0, var] for node, _, var in (*result.leveled, *baseline.leveled)}
+    for i, r in enumerate((result, baseline)):
+        for node, share, _ in r.leveled:
+            shares[node][i] = share
+    return sum((a - b) ** 2 * var for a, b, var in shares.values())
 
 
 def launch_values(cell: CellResult, objective: Objective) -> list[float | None]:
@@ -471,8 +548,11 @@ def _spread(result: LaunchResult, baseline: LaunchResult, key: CellKey,
     mean = objective.ratio(objective.value_of(cell), objective.value_of(base))
     parts = [variance_parts(cell, noise), variance_parts(base, noise)]
     launch, window = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    # A node's leveling error is the tree's own where it was leveled and its baseline not.
+    nodes = node_variance(result, baseline) if objective is Objective.THROUGHPUT else 0.0
+    launch += nodes
     return _Spread(mean, math.sqrt(launch + window), noise.dof_of(launch, window),
-                   math.sqrt(sum(parts[0])))
+                   math.sqrt(sum(parts[0]) + nodes))
 
 
 @lru_cache(maxsize=1024)

@@ -45,9 +45,11 @@ from treetune.study.evidence import (
     judge,
     launches_of,
     merge,
-    merge_all,
+    merge_leveled,
     node_of,
     node_shifts,
+    node_variance,
+    node_yardstick,
     noise_of,
     odd_launch,
     relative_variance,
@@ -112,7 +114,9 @@ class Planner:
         self.spec = spec
         self.store = store
         self.launched = list(launched)  # every finished launch, oldest first
-        self.results: dict[str, LaunchResult] = merge_all(self.launched)
+        # One per config, its launches merged, every node's leveled to the others' speed.
+        self.results: dict[str, LaunchResult] = merge_leveled(
+            self.launched, spec.search.launch_cv, spec.search.learns_noise)
         self.in_flight: list[Task] = []
         self.deferred = 0  # re-measurements put off in a row for forecast gains
         self.queue: list[Task] = [Task(c) for c in (BASELINE, *spec.compare)
@@ -190,7 +194,8 @@ class Planner:
         cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
         if cell is None or base is None:
             return math.inf
-        return relative_variance(cell, noise) + relative_variance(base, noise)
+        return (relative_variance(cell, noise) + relative_variance(base, noise)
+                + node_variance(result, baseline))
 
     def noise(self) -> StudyNoise:
         """The study's measurement noise of its objective, learned from its launches so
@@ -478,17 +483,11 @@ class Planner:
 
     def node_notes(self) -> list[str]:
         """A word for the user on each node whose launches run, config for config, apart
-        from the other nodes' (`node_shifts`), once per node: the study takes nodes of one
-        type to run at one speed, and a slow node's baseline makes every tree measured
-        elsewhere look faster."""
-        # The yardstick: the launch noise of repeats on one node (a gap between nodes would
-        # widen the study's own noise by itself), the prior's where there are none.
-        same_node: dict[tuple[str, str], list[LaunchResult]] = {}
-        for result in self.launched:
-            same_node.setdefault((config_key(result.config), node_of(result)),
-                                 []).append(result)
-        noise = study_noise([merge(rs) for rs in same_node.values()],
-                            self.spec.search.launch_cv, learned=self.spec.search.learns_noise)
+        from the other nodes' (`node_shifts`), once per node: a slow node's baseline makes
+        every tree measured elsewhere look faster, so from then on the study levels the
+        node's launches (`level_nodes`)."""
+        noise = node_yardstick(self.launched, self.spec.search.launch_cv,
+                               self.spec.search.learns_noise)
         notes = []
         for shift in node_shifts(self.launched, noise):
             if shift.node in self.told_nodes:
@@ -499,14 +498,21 @@ class Planner:
                 f"{'slower' if shift.shift < 0 else 'faster'} than the other nodes on the "
                 f"same configs ({shift.launches} launches of {shift.configs} configs there, "
                 f"{shift.sigmas:.0f} standard errors out): speedups measured against a "
-                "baseline on another node are off by as much. Run the study on nodes "
-                "that run alike")
+                "baseline on another node would be off by as much, so the study now "
+                "divides the node's throughputs by its speed (every bound across nodes "
+                "widens by the gap's uncertainty). Nodes that run alike need fewer launches")
         return notes
 
     def _record(self, key: str, result: LaunchResult) -> LaunchResult:
         """A finished launch of `key` (this search's or another's) kept; returns the
         config's merged result."""
         self.launched.append(result)
+        if node_of(result) and any(node_of(r) not in ("", node_of(result))
+                                   for r in self.launched):
+            # A launch on a second node can change every node's leveling.
+            self.results = merge_leveled(self.launched, self.spec.search.launch_cv,
+                                         self.spec.search.learns_noise)
+            return self.results[key]
         merged = self.results[key] = merge(r for r in self.launched
                                            if config_key(r.config) == key)
         return merged

@@ -1,0 +1,155 @@
+"""Nodes that run apart: once the configs launched on two nodes show one node slower on
+every launch, the study levels that node's throughputs to the others' speed, and a
+speedup taken across nodes carries the uncertainty of the correction. Launches are drawn
+in-process (treetune.study.offline); the runner names a launch's worker by its host the
+same way."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import optuna
+import pytest
+from studykit import small_study
+
+from treetune.config import BASELINE, TreeConfig
+from treetune.perfmodel import PerfModel
+from treetune.report.data import load_study_data
+from treetune.results import config_key
+from treetune.space import load_space
+from treetune.study.evidence import (
+    judge,
+    level_nodes,
+    merge_all,
+    node_variance,
+    noise_of,
+    speedup_interval,
+)
+from treetune.study.offline import Noise, run_parallel, simulate_launch
+from treetune.study.planner import Planner
+from treetune.study.spec import SPEC_COPY, load_study
+from treetune.study.storage import StudyStore
+
+SLOW = 0.88  # node b's speed: a power-capped GPU
+
+
+def spec_of(tmp_path, **over):
+    return load_study(None, small_study(tmp_path, **{
+        "search": {"strategy": "grid", "max_launches_per_config": 4}, **over}))
+
+
+def two_node_study(tmp_path, slow: float, noise: Noise, seed: int = 0, shared: int = 8):
+    """A planner fed the baseline and `shared` trees launched on both nodes, then three
+    trees on node b alone; node b runs at `slow` of node a's speed."""
+    spec = spec_of(tmp_path)
+    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                      load_space(spec.space), [])
+    truth = PerfModel(spec.backend.facts(spec.launch_spec(), {}), spec.tp)
+    rng = np.random.default_rng(seed)
+    trees = list(load_space(spec.space).configs())
+    for config in [BASELINE, *trees[:shared]]:
+        for i, (node, speed) in enumerate((("gpu-node-a", 1.0), ("gpu-node-b", slow))):
+            result = simulate_launch(truth, config, spec, rng, noise, speed)
+            result.worker = f"worker-{i}@{node}"
+            planner.absorb(result, i)
+    alone = trees[shared:shared + 3]
+    for config in alone:
+        result = simulate_launch(truth, config, spec, rng, noise, slow)
+        result.worker = "worker-1@gpu-node-b"
+        planner.absorb(result, 0)
+    return spec, planner, truth, alone
+
+
+def true_speedup(truth: PerfModel, config, dataset: str, batch: int) -> float:
+    return truth.throughput(config, batch, dataset) / truth.throughput(BASELINE, batch, dataset)
+
+
+def test_a_slow_nodes_trees_are_judged_at_the_other_nodes_speed(tmp_path):
+    """Node b 12% slow, a tree launched there alone: its speedup against the baseline
+    (measured on both nodes) is the truth's, not 6% low; unleveled, it would be."""
+    spec, planner, truth, alone = two_node_study(tmp_path, SLOW, Noise(0.01, 0.01))
+    noise = planner.noise()
+    raw = merge_all(planner.launched)
+    for config in alone:
+        leveled = planner.results[config_key(config)]
+        assert leveled.leveled and leveled.leveled[0][0] == "gpu-node-b"
+        for dataset in spec.dataset_names:
+            true = true_speedup(truth, config, dataset, 8)
+            got = speedup_interval(leveled, planner.baseline, dataset, 8, noise)
+            before = speedup_interval(raw[config_key(config)], raw["baseline"], dataset, 8,
+                                      noise)
+            assert got.mean == pytest.approx(true, rel=0.03)
+            # Unleveled: the tree at node b's speed over a baseline at both nodes' mean.
+            assert before.mean == pytest.approx(true * SLOW / ((1 + SLOW) / 2), rel=0.03)
+            assert got.low <= true <= got.high
+    # Each node's launches of one config now agree: the learned launch noise is the
+    # launches' own (1%), not the gap between nodes.
+    assert noise.launch_cv < 0.025
+    assert noise_of(spec, merge_all(planner.launched).values()).launch_cv > 0.04
+
+
+def test_a_speedup_across_nodes_carries_the_corrections_uncertainty(tmp_path):
+    _, planner, _, alone = two_node_study(tmp_path, SLOW, Noise(0.01, 0.01))
+    tree = planner.results[config_key(alone[0])]
+    base = planner.baseline
+    # The baseline ran on both nodes (half leveled); the tree on node b alone.
+    (node, share, variance), = base.leveled
+    assert node == "gpu-node-b" and share == pytest.approx(0.5) and variance > 0
+    assert node_variance(tree, base) == pytest.approx(0.25 * variance)
+    assert node_variance(base, base) == 0.0
+    noise = planner.noise()
+    with_gap = speedup_interval(tree, base, "humaneval", 8, noise)
+    without = speedup_interval(dataclasses.replace(tree, leveled=()),
+                               dataclasses.replace(base, leveled=()), "humaneval", 8, noise)
+    assert with_gap.log_sd ** 2 == pytest.approx(without.log_sd ** 2 + 0.25 * variance,
+                                                 rel=0.05)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_nodes_that_run_alike_are_left_as_measured(tmp_path, seed):
+    _, planner, _, _ = two_node_study(tmp_path, 1.0, Noise(0.03, 0.03), seed)
+    assert all(not r.leveled for r in planner.results.values())
+    leveled, shifts = level_nodes(planner.launched, 0.03)
+    assert shifts == [] and leveled == planner.launched
+
+
+def test_one_node_is_never_leveled(tmp_path):
+    spec = spec_of(tmp_path)
+    truth = PerfModel(spec.backend.facts(spec.launch_spec(), {}), spec.tp)
+    rng = np.random.default_rng(0)
+    launched = []
+    for config in [BASELINE, TreeConfig(3, 1, 4), BASELINE]:
+        result = simulate_launch(truth, config, spec, rng, Noise(0.03, 0.03), 0.5)
+        result.worker = "worker-0@gpu-node-a"
+        launched.append(result)
+    assert level_nodes(launched, 0.03) == (launched, [])
+
+
+def test_the_report_judges_a_stored_two_node_study_as_the_search_did(tmp_path):
+    """The notebooks' and the report's reading of a stored study levels its nodes as the
+    search did: the same recommendations from the same launches."""
+    spec = spec_of(tmp_path, search={"strategy": "model"}, budget={"launches": 24})
+    truth = PerfModel(spec.backend.facts(spec.launch_spec(), {}), spec.tp)
+    spec.output_dir.mkdir(parents=True, exist_ok=True)
+    spec.save(spec.output_dir / SPEC_COPY)
+    planner = run_parallel(spec, truth, seed=1, launches=24, workers=2, noise=Noise(0.01, 0.01),
+                           store=StudyStore(spec), nodes=(1.0, 0.8))
+    assert any(r.leveled for r in planner.results.values()), "premise: node b leveled"
+    data = load_study_data(spec.output_dir)
+    searched = {config_key(r.config): r for r in planner.results.values()}
+    for result in data.results:
+        assert result.leveled == searched[config_key(result.config)].leveled
+        assert result.cells == searched[config_key(result.config)].cells
+    assert len(data.results) == len(searched)
+    # The report's table: each tree's speedups and feasibility as the search judged them.
+    rows = data.rows(8)
+    assert rows
+    for row in rows:
+        result = searched[config_key(row.config)]
+        verdict = judge(result, planner.baseline, 8, spec.dataset_names, spec.tolerance,
+                        planner.noise())
+        assert row.feasible == verdict.feasible
+        for dataset, speedup in row.speedups.items():
+            assert speedup == pytest.approx(verdict.intervals[dataset].mean)
+
