@@ -219,18 +219,25 @@ def test_one_simulated_worker_makes_the_study_a_plain_loop_makes():
 
 def test_simulated_nodes_name_their_workers_and_slow_every_launch_they_run():
     """Worker w runs on node w mod the count: its launches carry the node's name (as the
-    runner names a Ray worker by its host) and its speed, the same draws otherwise (the
-    first wave starts before any result, so it launches the same configs)."""
+    runner names a Ray worker by its host) and its speed. Each node runs the baseline
+    first (the planner is told the node), so the two baselines differ by the speed alone
+    (no noise here)."""
     spec = study(search={"strategy": "tpe"})
-    plain = run_parallel(spec, truth(), seed=2, launches=8, workers=2, clock=EXACT)
+    quiet = Noise(0.0, 0.0, 0.0)
+    plain = run_parallel(spec, truth(), seed=2, launches=8, workers=2, clock=EXACT,
+                         noise=quiet)
     slow = run_parallel(spec, truth(), seed=2, launches=8, workers=2, clock=EXACT,
-                        nodes=(1.0, 0.5))
+                        noise=quiet, nodes=(1.0, 0.5))
     assert all(r.worker == "" for r in plain.launched)
     assert {r.worker for r in slow.launched} == {"worker-0@node-0", "worker-1@node-1"}
-    for a, b in zip(plain.launched[:2], slow.launched[:2], strict=True):
-        assert config_key(a.config) == config_key(b.config)
-        ratio = b.cells[0].output_tok_s / a.cells[0].output_tok_s
-        assert ratio == pytest.approx(0.5 if b.worker.endswith("node-1") else 1.0)
+    first, second = slow.launched[:2]
+    assert first.config == second.config == BASELINE
+    assert (first.worker, second.worker) == ("worker-0@node-0", "worker-1@node-1")
+    for cell in first.cells:
+        assert second.cell(cell.dataset, cell.batch).output_tok_s == pytest.approx(
+            0.5 * cell.output_tok_s)
+    # Without nodes the second worker starts a tree: the baseline's second launch waits.
+    assert plain.launched[1].config != BASELINE
     with pytest.raises(ValueError, match="node speeds"):
         run_parallel(spec, truth(), seed=2, launches=2, workers=2, nodes=(1.0, 0.0))
 

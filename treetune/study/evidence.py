@@ -169,6 +169,14 @@ ODD_SHIFT = 0.05
 NODE_SIGMAS = 3.0
 NODE_SHIFT = 0.03
 NODE_CONFIGS = 3  # configs launched on the node and elsewhere: one slow launch is no node
+# A node is leveled only when its gap is this many launch spreads wide. The gap is found
+# from configs launched again because their first launch looked good or borderline, so
+# each carries that launch's luck, up to a spread; and leveling takes the gap out of the
+# very launches the study learns its noise from. At 3% launch noise, leveling a node 8%
+# slow narrowed the learned noise to about 2% and the model search's coverage fell from
+# 93% to 85-87% (moe-dispatch, two nodes, 12 seeds); at 1% noise, it kept its coverage and
+# found the best tree in fewer launches (benchmarks/RESULTS.md, stop 43).
+LEVEL_SPREADS = 3.0
 
 
 @dataclass(frozen=True)
@@ -439,19 +447,27 @@ def level_nodes(launched: list[LaunchResult], prior_launch_cv: float, learned: b
     apart from the others (`node_shifts`, judged by `node_yardstick`) divided by the
     node's speed against the others, and the shifts it found. A slow node's baseline would
     make every tree measured elsewhere look faster by as much, and its trees look slower:
-    once the gap is sure, the study measures every node at one speed. A leveled launch
+    once the gap is sure, and LEVEL_SPREADS launch spreads wide, the study measures every
+    node at one speed (a narrower gap is left in the launches, where the learned noise
+    widens with it: the node check's note names it). A leveled launch
     notes the correction's variance (`LaunchResult.leveled`): the speedup of a tree
     leveled where its baseline was not carries it (`node_variance`). Latencies and
     goodput are left as measured. With one node, the launches as they are."""
     if len({node_of(r) for r in launched if r.ok and r.cells} - {""}) < 2:
         return launched, []
-    shifts = node_shifts(launched, node_yardstick(launched, prior_launch_cv, learned))
+    yardstick = node_yardstick(launched, prior_launch_cv, learned)
+    shifts = [s for s in node_shifts(launched, yardstick)
+              if abs(s.gap) >= LEVEL_SPREADS * yardstick.launch_cv]
     by_node = {s.node: s for s in shifts}
-    return [_leveled(r, by_node[node]) if r.ok and (node := node_of(r)) in by_node else r
-            for r in launched], shifts
+    # The gap's error, and the luck its pairs may hold: a config is launched again because
+    # its first launch looked good (or borderline), so that launch's deviation enters the
+    # comparison, by up to a launch's spread, which no count of configs averages away.
+    variance = {s.node: s.error ** 2 + yardstick.launch_cv ** 2 for s in shifts}
+    return [_leveled(r, by_node[node], variance[node])
+            if r.ok and (node := node_of(r)) in by_node else r for r in launched], shifts
 
 
-def _leveled(result: LaunchResult, shift: NodeShift) -> LaunchResult:
+def _leveled(result: LaunchResult, shift: NodeShift, variance: float) -> LaunchResult:
     factor = math.exp(-shift.gap)
 
     def cell(c: CellResult) -> CellResult:
@@ -462,7 +478,7 @@ def _leveled(result: LaunchResult, shift: NodeShift) -> LaunchResult:
 
     return dataclasses.replace(result, cells=[cell(c) for c in result.cells],
                                rate_cells=[cell(c) for c in result.rate_cells],
-                               leveled=((shift.node, 1.0, shift.error ** 2),))
+                               leveled=((shift.node, 1.0, variance),))
 
 
 def node_variance(result: LaunchResult, baseline: LaunchResult) -> float:

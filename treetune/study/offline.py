@@ -204,12 +204,12 @@ def run_parallel(spec: StudySpec, truth: PerfModel, seed: int, launches: int, wo
     now = 0.0
     while True:
         while free and started < launches:
-            task = planner.next()
+            node = free[0] % len(nodes) if nodes else 0
+            task = planner.next(f"node-{node}" if nodes else "")
             if task is None:
                 break  # nothing to launch until a running launch finishes (or for good)
             worker = free.pop(0)
             trial = store.begin_launch(task.config, ())
-            node = worker % len(nodes) if nodes else 0
             result = simulate_launch(truth, task.config, spec, rng, noise,
                                      nodes[node] if nodes else 1.0)
             if nodes:

@@ -81,6 +81,7 @@ class Task:
     remeasure: bool = False
     index: int = 0  # launches of this config before this one (finished or under way)
     elsewhere: bool = False  # another search of the study runs it (a shared storage)
+    node: str = ""  # the node it was handed to, where the runner said (`Planner.next`)
 
     @property
     def key(self) -> str:
@@ -209,9 +210,13 @@ class Planner:
                          self.noise(), criterion=self.spec.criterion)
 
     # ---- what next --------------------------------------------------------------------
-    def next(self) -> Task | None:
-        """The next launch, or None until a running launch finishes (or for good)."""
-        if self.queue:
+    def next(self, node: str = "") -> Task | None:
+        """The next launch, or None until a running launch finishes (or for good).
+        `node`: the host of the worker that will run it, when the runner knows it: a node
+        that has not run the baseline runs it first (`_baseline_here`)."""
+        if (task := self._baseline_here(node)) is not None:
+            pass
+        elif self.queue:
             task = self.queue.pop(0)
         elif self.baseline is None and not any(t.key == "baseline" for t in self.in_flight):
             return None  # speedups need the baseline before anything can be judged
@@ -232,8 +237,27 @@ class Planner:
             if task.remeasure:
                 self.deferred = 0
         task.index = self._next_index(task.key)
+        task.node = node
         self.in_flight.append(task)
         return task
+
+    def _baseline_here(self, node: str) -> Task | None:
+        """The baseline again, on a node that has not run it while another has: a node
+        that runs apart from the others (a power cap) then shows in the baseline's own
+        launches, which the study launches whatever they measure, so its noise widens
+        with the gap, and the node check (`node_shifts`) has a config to compare there.
+        With one node it never fires; with two the baseline's second launch, which the
+        study makes anyway, goes to the other node."""
+        if not node or (self.baseline is None and not any(
+                t.key == "baseline" for t in self.in_flight)):
+            return None
+        ran = {node_of(r) for r in self.launched
+               if r.ok and config_key(r.config) == "baseline"}
+        ran |= {t.node for t in self.in_flight if t.key == "baseline"}
+        if node in ran or self._next_index("baseline") >= \
+                self.spec.search.max_launches_per_config:
+            return None
+        return Task(BASELINE, remeasure=True)
 
     def _may_defer(self) -> bool:
         """Whether a re-measurement may wait for a proposal the strategy forecasts to gain:

@@ -125,6 +125,11 @@ def _cause(exc: BaseException) -> str:
     return lines[-1].strip() if lines else type(cause).__name__
 
 
+def _host(worker_name: object) -> str:
+    """The host part of a worker's name (worker-N@host)."""
+    return str(worker_name).partition("@")[2]
+
+
 class _Pool:
     """The launch workers, each in a placement group of its own (one bundle: its server's
     GPUs on one node): idle ones, and replacements for dead ones being placed."""
@@ -141,6 +146,7 @@ class _Pool:
         self.actor = ray.remote(LaunchWorker)
         self.groups: dict[Any, Any] = {}  # worker -> its placement group
         self.nodes: dict[Any, str | None] = {}  # worker -> the node its bundle is on
+        self.hosts: dict[Any, str] = {}  # worker -> its host, as its launches name it
         self.idle: list[Any] = []
         self.alive = 0
         self.starting: dict[Any, tuple[Any, float]] = {}  # ready ref -> (worker, deadline)
@@ -162,7 +168,8 @@ class _Pool:
         """`count` workers, placed and ready within RESOURCE_TIMEOUT_S."""
         workers = [self._spawn() for _ in range(count)]
         try:
-            self.ray.get([w.ready.remote() for w in workers], timeout=RESOURCE_TIMEOUT_S)
+            names = self.ray.get([w.ready.remote() for w in workers],
+                                 timeout=RESOURCE_TIMEOUT_S)
         except self.ray.exceptions.GetTimeoutError:
             for worker in workers:
                 self.retire(worker)
@@ -176,6 +183,7 @@ class _Pool:
             raise TreetuneError(f"a launch worker could not start: {_cause(exc)}") from None
         self.idle = workers
         self.alive = len(workers)
+        self.hosts = {w: _host(name) for w, name in zip(workers, names, strict=True)}
 
     def retire(self, worker: Any) -> None:
         """A worker gone (dead, or not placed): killed, its GPUs' reservation freed."""
@@ -183,6 +191,7 @@ class _Pool:
             self.ray.kill(worker)
         group = self.groups.pop(worker, None)
         self.nodes.pop(worker, None)
+        self.hosts.pop(worker, None)
         if group is not None:
             with contextlib.suppress(Exception):
                 self.ray.util.remove_placement_group(group)
@@ -197,6 +206,10 @@ class _Pool:
                 self.nodes[worker] = None
         return self.nodes[worker]
 
+    def host_of(self, worker: Any) -> str:
+        """The host a worker runs on, as its launches name it (`evidence.node_of`)."""
+        return self.hosts.get(worker, "")
+
     def replace(self) -> None:
         """Ask for a new worker in place of a dead one; it joins when Ray places it."""
         worker = self._spawn()
@@ -208,7 +221,7 @@ class _Pool:
         for ref in refs:
             worker, _ = self.starting.pop(ref)
             try:
-                self.ray.get(ref)
+                self.hosts[worker] = _host(self.ray.get(ref))
                 self.idle.append(worker)
                 self.alive += 1
                 notes.append("a replacement worker joined")
@@ -440,7 +453,8 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                 _decide(planner, store, progress)
                 notify(progress)
             while pool.idle and budget_left():
-                task = planner.next()
+                # The planner hears where the launch will run: each node runs the baseline.
+                task = planner.next(pool.host_of(pool.idle[0]))
                 if task is None:
                     break
                 if claims is not None:
