@@ -165,9 +165,9 @@ class LaunchResult:
     # Open-loop cells, one per (dataset, rate), kept apart from `cells` (closed loop, one
     # per (dataset, batch)): what reads throughput at a batch size never meets them.
     rate_cells: list[CellResult] = field(default_factory=list)
-    # Derived, never stored: where the study leveled this result's throughputs to the
-    # other nodes' speed (`evidence.level_nodes`), per node: (node, share of the result's
-    # launches that ran there, variance of the log correction).
+    # Derived, never stored: where the study leveled this result's throughputs to one
+    # speed for every node (`evidence.level_nodes`), per node: (node, share of the
+    # result's launches that ran there, the baseline's launches there).
     leveled: tuple[tuple[str, float, float], ...] = ()
 
     def cell(self, dataset: str, batch: int) -> CellResult | None:

@@ -15,6 +15,9 @@ launch noise shifts every speedup alike, which is why it is re-measured too). A 
 from few launches is itself uncertain: the interval's reach is a Student-t quantile for the
 degrees of freedom behind it (Welch-Satterthwaite over the launch and sub-window parts), so
 the intervals hold what they claim early in a study too, and narrow as the noise is learned.
+
+On several nodes, every node runs the baseline and each tree is compared with the baseline
+of its own node (`level_nodes`): a node slow for every launch it runs biases no speedup.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from scipy import stats
 
-from treetune.config import ServerConfig
+from treetune.config import BASELINE, ServerConfig
 from treetune.objectives import THROUGHPUT, CellKey, Criterion, Objective
 from treetune.results import CellResult, Latency, LaunchResult, config_key
 from treetune.strategies import Estimates
@@ -94,14 +97,15 @@ def merge(results: Iterable[LaunchResult]) -> LaunchResult:
 
 
 def _merge_leveled(ok: list[LaunchResult]) -> tuple[tuple[str, float, float], ...]:
-    """The node leveling of merged launches: per node, the share of them leveled there."""
-    variance: dict[str, float] = {}
+    """The node leveling of merged launches: per node, the share of them leveled there
+    (and the baseline's launches there)."""
+    base: dict[str, float] = {}
     share: dict[str, float] = {}
     for result in ok:
-        for node, part, var in result.leveled:
+        for node, part, launches in result.leveled:
             share[node] = share.get(node, 0.0) + part / len(ok)
-            variance[node] = var
-    return tuple((node, share[node], variance[node]) for node in sorted(share))
+            base[node] = launches
+    return tuple((node, share[node], base[node]) for node in sorted(share))
 
 
 def _merge_cell(cell: CellResult, same: list[CellResult]) -> CellResult:
@@ -149,10 +153,9 @@ def merge_all(results: Iterable[LaunchResult]) -> dict[str, LaunchResult]:
     return {key: merge(group) for key, group in grouped.items()}
 
 
-def merge_leveled(launched: list[LaunchResult], prior_launch_cv: float,
-                  learned: bool = True) -> dict[str, LaunchResult]:
+def merge_leveled(launched: list[LaunchResult]) -> dict[str, LaunchResult]:
     """`merge_all` of the launches as `level_nodes` levels them: what the study judges."""
-    return merge_all(level_nodes(launched, prior_launch_cv, learned)[0])
+    return merge_all(level_nodes(launched)[0])
 
 
 PRIOR_LAUNCHES = 2  # the prior launch spread counts as this many degrees of freedom
@@ -169,14 +172,6 @@ ODD_SHIFT = 0.05
 NODE_SIGMAS = 3.0
 NODE_SHIFT = 0.03
 NODE_CONFIGS = 3  # configs launched on the node and elsewhere: one slow launch is no node
-# A node is leveled only when its gap is this many launch spreads wide. The gap is found
-# from configs launched again because their first launch looked good or borderline, so
-# each carries that launch's luck, up to a spread; and leveling takes the gap out of the
-# very launches the study learns its noise from. At 3% launch noise, leveling a node 8%
-# slow narrowed the learned noise to about 2% and the model search's coverage fell from
-# 93% to 85-87% (moe-dispatch, two nodes, 12 seeds); at 1% noise, it kept its coverage and
-# found the best tree in fewer launches (benchmarks/RESULTS.md, stop 43).
-LEVEL_SPREADS = 3.0
 
 
 @dataclass(frozen=True)
@@ -265,11 +260,15 @@ def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,
             math.log(c.launch_tok_s[i]) - statistics.fmean(math.log(v) for v in c.launch_tok_s[:k])
             for c in cells) for i in range(k)]
         ss = sum(d * d for d in deviations)
+        # The baseline leveled on N nodes was fitted its N node means (`level_nodes`).
+        fitted = len(result.leveled) if result.config == BASELINE and result.leveled else 1
+        if k <= fitted:
+            continue
         if window_var is not None:
             windows = max(len(cells[0].repeats) // len(cells[0].launch_tok_s), 1)
             ss -= (k - 1) * window_var / (windows * len(cells))
         launch_ss += max(ss, 0.0)
-        launch_dof += k - 1
+        launch_dof += k - fitted
     launch_var = ((launch_ss + PRIOR_LAUNCHES * prior_launch_cv ** 2)
                   / (launch_dof + PRIOR_LAUNCHES))
     return StudyNoise(math.sqrt(launch_var),
@@ -384,8 +383,8 @@ def node_of(result: LaunchResult) -> str:
 def node_shifts(launched: Iterable[LaunchResult], noise: StudyNoise) -> list[NodeShift]:
     """Every node whose launches ran, config for config, at least NODE_SIGMAS standard
     errors and NODE_SHIFT in speed from the other nodes' launches of the same configs. A
-    power-capped or hot node is slow for every launch it runs: a baseline measured there
-    moves every speedup, which no interval allows for. Per config the gap is the mean
+    power-capped or hot node is slow for every launch it runs: the study compares its
+    trees with its own baseline (`level_nodes`), and names the node. Per config the gap is the mean
     `launch_levels` of its launches on the node less that of its launches elsewhere, its
     variance from `noise`'s launch spread; configs combine by inverse variance; a node
     needs NODE_CONFIGS configs launched there and elsewhere (one odd launch is
@@ -441,34 +440,34 @@ def node_yardstick(launched: Iterable[LaunchResult], prior_launch_cv: float,
                        learned=learned)
 
 
-def level_nodes(launched: list[LaunchResult], prior_launch_cv: float, learned: bool = True
-                ) -> tuple[list[LaunchResult], list[NodeShift]]:
-    """Every launch (oldest first), with the throughputs of those on a node that runs
-    apart from the others (`node_shifts`, judged by `node_yardstick`) divided by the
-    node's speed against the others, and the shifts it found. A slow node's baseline would
-    make every tree measured elsewhere look faster by as much, and its trees look slower:
-    once the gap is sure, and LEVEL_SPREADS launch spreads wide, the study measures every
-    node at one speed (a narrower gap is left in the launches, where the learned noise
-    widens with it: the node check's note names it). A leveled launch
-    notes the correction's variance (`LaunchResult.leveled`): the speedup of a tree
-    leveled where its baseline was not carries it (`node_variance`). Latencies and
-    goodput are left as measured. With one node, the launches as they are."""
-    if len({node_of(r) for r in launched if r.ok and r.cells} - {""}) < 2:
-        return launched, []
-    yardstick = node_yardstick(launched, prior_launch_cv, learned)
-    shifts = [s for s in node_shifts(launched, yardstick)
-              if abs(s.gap) >= LEVEL_SPREADS * yardstick.launch_cv]
-    by_node = {s.node: s for s in shifts}
-    # The gap's error, and the luck its pairs may hold: a config is launched again because
-    # its first launch looked good (or borderline), so that launch's deviation enters the
-    # comparison, by up to a launch's spread, which no count of configs averages away.
-    variance = {s.node: s.error ** 2 + yardstick.launch_cv ** 2 for s in shifts}
-    return [_leveled(r, by_node[node], variance[node])
-            if r.ok and (node := node_of(r)) in by_node else r for r in launched], shifts
+def level_nodes(launched: list[LaunchResult]) -> tuple[list[LaunchResult], dict[str, float]]:
+    """Every launch (oldest first), each node's measured at one speed, and each node's gap
+    (log). Every node a study uses runs the baseline (`Planner.next`), which is launched
+    whatever it measures: a node's gap is its baseline launches' mean level (mean log
+    throughput over their common cells) less the mean of the nodes' means, and every
+    launch there is divided by it. A tree is so compared with the baseline measured on its
+    own node, which a power-capped or hot node (slow for every launch it runs) cannot
+    bias; with one node, or the baseline on one node so far, the launches as they are.
+    A leveled launch notes its node and the baseline's launches there
+    (`LaunchResult.leveled`): its speedup's interval carries that baseline's error
+    (`node_variance`). Latencies and goodput are left as measured."""
+    base = [r for r in launched if r.ok and r.cells and r.config == BASELINE and node_of(r)]
+    nodes = sorted({node_of(r) for r in base})
+    if len(nodes) < 2 or not (rows := common_cells(base)):
+        return launched, {}
+    levels: dict[str, list[float]] = {}
+    for result, level in zip(base, launch_levels(rows), strict=True):
+        levels.setdefault(node_of(result), []).append(level)
+    means = {node: statistics.fmean(v) for node, v in levels.items()}
+    center = statistics.fmean(means.values())
+    gaps = {node: mean - center for node, mean in means.items()}
+    counts = {node: float(len(v)) for node, v in levels.items()}
+    return [_leveled(r, gaps[node], counts[node])
+            if r.ok and (node := node_of(r)) in gaps else r for r in launched], gaps
 
 
-def _leveled(result: LaunchResult, shift: NodeShift, variance: float) -> LaunchResult:
-    factor = math.exp(-shift.gap)
+def _leveled(result: LaunchResult, gap: float, base_launches: float) -> LaunchResult:
+    factor = math.exp(-gap)
 
     def cell(c: CellResult) -> CellResult:
         return dataclasses.replace(
@@ -478,19 +477,24 @@ def _leveled(result: LaunchResult, shift: NodeShift, variance: float) -> LaunchR
 
     return dataclasses.replace(result, cells=[cell(c) for c in result.cells],
                                rate_cells=[cell(c) for c in result.rate_cells],
-                               leveled=((shift.node, 1.0, variance),))
+                               leveled=((node_of(result), 1.0, base_launches),))
 
 
-def node_variance(result: LaunchResult, baseline: LaunchResult) -> float:
-    """The variance a node leveling adds to the log speedup of `result` against
-    `baseline`: per leveled node, its correction's variance times the square of how much
-    more of one's launches than of the other's ran there (a tree leveled as its baseline
-    was keeps its speedup whatever the correction's error)."""
-    shares = {node: [0.0, 0.0, var] for node, _, var in (*result.leveled, *baseline.leveled)}
-    for i, r in enumerate((result, baseline)):
-        for node, share, _ in r.leveled:
-            shares[node][i] = share
-    return sum((a - b) ** 2 * var for a, b, var in shares.values())
+def node_variance(result: LaunchResult, baseline: LaunchResult, launch_cv: float) -> float:
+    """The launch variance a node leveling adds to the log speedup of `result` against
+    the (leveled) `baseline`, beyond the baseline's own launch noise counted as one pooled
+    mean: a tree leveled on node n is compared with the baseline launched there, so its
+    speedup carries that node's baseline mean's error (launch_cv^2 / its launches), the
+    shares of its launches weighing the nodes (a share on a node without the baseline
+    weighs every node alike, through the mean of their means)."""
+    if result.config == BASELINE or not baseline.leveled:
+        return 0.0
+    counts = {node: k for node, _, k in baseline.leveled}
+    shares = {node: share for node, share, _ in result.leveled if node in counts}
+    rest = (1.0 - sum(shares.values())) / len(counts)
+    pooled = sum(launches for launches in counts.values())
+    matched = sum((shares.get(node, 0.0) + rest) ** 2 / k for node, k in counts.items())
+    return launch_cv ** 2 * max(matched - 1 / pooled, 0.0)
 
 
 def launch_values(cell: CellResult, objective: Objective) -> list[float | None]:
@@ -565,7 +569,8 @@ def _spread(result: LaunchResult, baseline: LaunchResult, key: CellKey,
     parts = [variance_parts(cell, noise), variance_parts(base, noise)]
     launch, window = sum(p[0] for p in parts), sum(p[1] for p in parts)
     # A node's leveling error is the tree's own where it was leveled and its baseline not.
-    nodes = node_variance(result, baseline) if objective is Objective.THROUGHPUT else 0.0
+    nodes = (node_variance(result, baseline, noise.launch_cv)
+             if objective is Objective.THROUGHPUT else 0.0)
     launch += nodes
     return _Spread(mean, math.sqrt(launch + window), noise.dof_of(launch, window),
                    math.sqrt(sum(parts[0]) + nodes))

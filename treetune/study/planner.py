@@ -116,8 +116,7 @@ class Planner:
         self.store = store
         self.launched = list(launched)  # every finished launch, oldest first
         # One per config, its launches merged, every node's leveled to the others' speed.
-        self.results: dict[str, LaunchResult] = merge_leveled(
-            self.launched, spec.search.launch_cv, spec.search.learns_noise)
+        self.results: dict[str, LaunchResult] = merge_leveled(self.launched)
         self.in_flight: list[Task] = []
         self.deferred = 0  # re-measurements put off in a row for forecast gains
         self.queue: list[Task] = [Task(c) for c in (BASELINE, *spec.compare)
@@ -196,7 +195,7 @@ class Planner:
         if cell is None or base is None:
             return math.inf
         return (relative_variance(cell, noise) + relative_variance(base, noise)
-                + node_variance(result, baseline))
+                + node_variance(result, baseline, noise.launch_cv))
 
     def noise(self) -> StudyNoise:
         """The study's measurement noise of its objective, learned from its launches so
@@ -507,9 +506,10 @@ class Planner:
 
     def node_notes(self) -> list[str]:
         """A word for the user on each node whose launches run, config for config, apart
-        from the other nodes' (`node_shifts`), once per node: a slow node's baseline makes
-        every tree measured elsewhere look faster, so from then on the study levels the
-        node's launches (`level_nodes`)."""
+        from the other nodes' (`node_shifts`, on the launches as measured), once per node:
+        a slow node's baseline would make every tree measured elsewhere look faster, which
+        is why the study compares each tree with the baseline run on its own node
+        (`level_nodes`)."""
         noise = node_yardstick(self.launched, self.spec.search.launch_cv,
                                self.spec.search.learns_noise)
         notes = []
@@ -521,10 +521,10 @@ class Planner:
                 f"node {shift.node} runs {abs(shift.shift):.0%} "
                 f"{'slower' if shift.shift < 0 else 'faster'} than the other nodes on the "
                 f"same configs ({shift.launches} launches of {shift.configs} configs there, "
-                f"{shift.sigmas:.0f} standard errors out): speedups measured against a "
-                "baseline on another node would be off by as much, so the study now "
-                "divides the node's throughputs by its speed (every bound across nodes "
-                "widens by the gap's uncertainty). Nodes that run alike need fewer launches")
+                f"{shift.sigmas:.0f} standard errors out): the study compares each tree "
+                "with the baseline run on its own node, as it does on every node, but "
+                "trees measured on unlike nodes are ranked less surely. Nodes that run "
+                "alike need fewer launches")
         return notes
 
     def _record(self, key: str, result: LaunchResult) -> LaunchResult:
@@ -534,8 +534,7 @@ class Planner:
         if node_of(result) and any(node_of(r) not in ("", node_of(result))
                                    for r in self.launched):
             # A launch on a second node can change every node's leveling.
-            self.results = merge_leveled(self.launched, self.spec.search.launch_cv,
-                                         self.spec.search.learns_noise)
+            self.results = merge_leveled(self.launched)
             return self.results[key]
         merged = self.results[key] = merge(r for r in self.launched
                                            if config_key(r.config) == key)
