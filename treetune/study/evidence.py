@@ -371,8 +371,6 @@ class NodeShift:
     sigmas: float  # how many standard errors (of the launch noise given) that is
     launches: int  # its launches compared
     configs: int  # configs launched both there and elsewhere
-    gap: float = 0.0  # log(1 + shift)
-    error: float = 0.0  # the standard error of `gap`
 
 
 def node_of(result: LaunchResult) -> str:
@@ -384,7 +382,7 @@ def node_shifts(launched: Iterable[LaunchResult], noise: StudyNoise) -> list[Nod
     """Every node whose launches ran, config for config, at least NODE_SIGMAS standard
     errors and NODE_SHIFT in speed from the other nodes' launches of the same configs. A
     power-capped or hot node is slow for every launch it runs: the study compares its
-    trees with its own baseline (`level_nodes`), and names the node. Per config the gap is the mean
+    trees with its own baseline (`level_nodes`) and names it. Per config the gap is the mean
     `launch_levels` of its launches on the node less that of its launches elsewhere, its
     variance from `noise`'s launch spread; configs combine by inverse variance; a node
     needs NODE_CONFIGS configs launched there and elsewhere (one odd launch is
@@ -422,8 +420,7 @@ def node_shifts(launched: Iterable[LaunchResult], noise: StudyNoise) -> list[Nod
         gap, error = total / weight, math.sqrt(1 / weight)
         shift = math.exp(gap) - 1
         if abs(gap) >= NODE_SIGMAS * error and abs(shift) >= NODE_SHIFT:
-            out.append(NodeShift(node, shift, abs(gap) / error, launches, configs, gap,
-                                 error))
+            out.append(NodeShift(node, shift, abs(gap) / error, launches, configs))
     # Two nodes are one gap seen from both sides: the slower names it.
     return [s for s in out if s.shift < 0] if len(nodes) == 2 else out
 
@@ -568,7 +565,7 @@ def _spread(result: LaunchResult, baseline: LaunchResult, key: CellKey,
     mean = objective.ratio(objective.value_of(cell), objective.value_of(base))
     parts = [variance_parts(cell, noise), variance_parts(base, noise)]
     launch, window = sum(p[0] for p in parts), sum(p[1] for p in parts)
-    # A node's leveling error is the tree's own where it was leveled and its baseline not.
+    # A tree compared with its own node's baseline carries that baseline's error.
     nodes = (node_variance(result, baseline, noise.launch_cv)
              if objective is Objective.THROUGHPUT else 0.0)
     launch += nodes

@@ -115,7 +115,7 @@ class Planner:
         self.spec = spec
         self.store = store
         self.launched = list(launched)  # every finished launch, oldest first
-        # One per config, its launches merged, every node's leveled to the others' speed.
+        # One per config, its launches merged, each node's leveled by its baseline.
         self.results: dict[str, LaunchResult] = merge_leveled(self.launched)
         self.in_flight: list[Task] = []
         self.deferred = 0  # re-measurements put off in a row for forecast gains
@@ -241,12 +241,11 @@ class Planner:
         return task
 
     def _baseline_here(self, node: str) -> Task | None:
-        """The baseline again, on a node that has not run it while another has: a node
-        that runs apart from the others (a power cap) then shows in the baseline's own
-        launches, which the study launches whatever they measure, so its noise widens
-        with the gap, and the node check (`node_shifts`) has a config to compare there.
-        With one node it never fires; with two the baseline's second launch, which the
-        study makes anyway, goes to the other node."""
+        """The baseline again, on a node that has not run it while another has: each tree
+        is compared with the baseline of its own node (`level_nodes`), so a node that runs
+        apart from the others (a power cap) biases no speedup. With one node it never
+        fires; with two the baseline's second launch, which the study makes anyway, goes
+        to the other node, at the start."""
         if not node or (self.baseline is None and not any(
                 t.key == "baseline" for t in self.in_flight)):
             return None
