@@ -173,7 +173,11 @@ def test_the_report_judges_a_stored_two_node_study_as_the_search_did(tmp_path):
     searched = {config_key(r.config): r for r in planner.results.values()}
     for result in data.results:
         assert result.leveled == searched[config_key(result.config)].leveled
-        assert result.cells == searched[config_key(result.config)].cells
+        # Stored in start order, the search's in finish order: the same launches.
+        for cell, same in zip(result.cells, searched[config_key(result.config)].cells,
+                              strict=True):
+            assert cell.output_tok_s == pytest.approx(same.output_tok_s)
+            assert sorted(cell.launch_tok_s) == pytest.approx(sorted(same.launch_tok_s))
     assert len(data.results) == len(searched)
     # The report's table: each tree's speedups and feasibility as the search judged them.
     rows = data.rows(8)
@@ -188,21 +192,24 @@ def test_the_report_judges_a_stored_two_node_study_as_the_search_did(tmp_path):
 
 
 
-def test_each_node_runs_the_baseline_before_anything_else_there(tmp_path):
-    """Told the node of the worker a launch goes to, the planner gives a node that has not
-    run the baseline (nor runs it) the baseline, within its launches per config; one
-    node, or no node named, never gets an extra one."""
+def test_each_node_runs_the_baseline_twice_before_anything_else_there(tmp_path):
+    """Told the node of the worker a launch goes to, the planner gives a node that has run
+    the baseline (or runs it) fewer than twice, while another node has, the baseline;
+    once with re-measuring off; one node, or no node named, never gets an extra one."""
     def planner_of(limit: int) -> Planner:
         spec = spec_of(tmp_path, search={"strategy": "tpe", "max_launches_per_config": limit})
         return Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
                        load_space(spec.space), [])
 
     planner = planner_of(3)
-    keys = [planner.next(node).key for node in ("a", "a", "b", "b", "c")]
-    assert keys[0] == "baseline" and keys[1] != "baseline"
-    assert keys[2] == "baseline" and keys[3] != "baseline" and keys[4] == "baseline"
-    assert [t.node for t in planner.in_flight] == ["a", "a", "b", "b", "c"]
+    keys = [planner.next(node).key for node in ("a", "a", "b", "b", "b", "a", "a")]
+    assert keys[:2] == ["baseline", keys[1]] and keys[1] != "baseline"  # one node so far
+    assert keys[2:4] == ["baseline", "baseline"] and keys[4] != "baseline"
+    assert keys[5] == "baseline" and keys[6] != "baseline"  # node a's second
+    assert [t.node for t in planner.in_flight] == ["a", "a", "b", "b", "b", "a", "a"]
     unnamed = planner_of(3)
     assert [unnamed.next().key for _ in range(3)].count("baseline") == 1
-    capped = planner_of(1)
-    assert [capped.next(node).key for node in ("a", "b")].count("baseline") == 1
+    alone = planner_of(3)
+    assert [alone.next("a").key for _ in range(3)].count("baseline") == 1
+    once = planner_of(1)
+    assert [once.next(node).key for node in ("a", "b", "b", "a")].count("baseline") == 2
