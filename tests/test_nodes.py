@@ -211,5 +211,9 @@ def test_each_node_runs_the_baseline_twice_before_anything_else_there(tmp_path):
     assert [unnamed.next().key for _ in range(3)].count("baseline") == 1
     alone = planner_of(3)
     assert [alone.next("a").key for _ in range(3)].count("baseline") == 1
+    # Another search's launch, of unknown node, is no second node.
+    shared = planner_of(3)
+    shared.expect(BASELINE, 0)
+    assert [shared.next("a").key for _ in range(3)].count("baseline") == 0
     once = planner_of(1)
     assert [once.next(node).key for node in ("a", "b", "b", "a")].count("baseline") == 2

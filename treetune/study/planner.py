@@ -255,7 +255,9 @@ class Planner:
         ran = [node_of(r) for r in self.launched
                if r.ok and config_key(r.config) == "baseline"]
         ran += [t.node for t in self.in_flight if t.key == "baseline"]
-        if not any(n != node for n in ran) or \
+        # Launches of unknown node (another search's, expected or handed over) count
+        # for no node.
+        if not any(n and n != node for n in ran) or \
                 ran.count(node) >= self.spec.search.confirming_launches:
             return None
         return Task(BASELINE, remeasure=True)
@@ -566,6 +568,7 @@ class Planner:
         """Another search claimed this launch first: it runs there, and counts as running
         here until its result comes in (`absorb`) or it is given up (`given_up`)."""
         task.elsewhere = True
+        task.node = ""  # wherever the other search runs it
         if task.proposal:  # the other search tells the per-batch studies
             self.studies.abandon(task.proposal.trials, "launched by another search")
             task.proposal = None
