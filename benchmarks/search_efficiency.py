@@ -336,7 +336,7 @@ def markdown(worlds: dict[str, dict[str, dict]], overall: dict[str, dict],
     batches = ", ".join(map(str, args.batch))
     stated = "" if args.prior_noise is None else f" (stated: {args.prior_noise:.0%})"
     if args.workers > 1 or args.node_speeds:
-        stated += f", {args.workers} workers"
+        stated += f", {args.workers} workers"  # the heading's settings beside the noise
     if args.node_speeds:
         stated += ", node speeds " + " ".join(f"{s:g}" for s in args.node_speeds)
     lines = [f"# Search efficiency ({len(worlds)} worlds x {args.seeds} seeds, noise "

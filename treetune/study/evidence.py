@@ -373,9 +373,14 @@ class NodeShift:
     configs: int  # configs launched both there and elsewhere
 
 
+def worker_host(worker: str) -> str:
+    """The host part of a worker's name (worker-N@host); '' if unnamed."""
+    return worker.partition("@")[2]
+
+
 def node_of(result: LaunchResult) -> str:
-    """The host a launch ran on, from its worker's name (worker-N@host); '' if unnamed."""
-    return result.worker.partition("@")[2]
+    """The host a launch ran on, from its worker's name; '' if unnamed."""
+    return worker_host(result.worker)
 
 
 def node_shifts(launched: Iterable[LaunchResult], noise: StudyNoise) -> list[NodeShift]:

@@ -213,8 +213,8 @@ class Planner:
         """The next launch, or None until a running launch finishes (or for good).
         `node`: the host of the worker that will run it, when the runner knows it: a node
         that has not run the baseline runs it first (`_baseline_here`)."""
-        if (task := self._baseline_here(node)) is not None:
-            pass
+        if (here := self._baseline_here(node)) is not None:
+            task = here
         elif self.queue:
             task = self.queue.pop(0)
         elif self.baseline is None and not any(t.key == "baseline" for t in self.in_flight):
@@ -535,14 +535,9 @@ class Planner:
         """A finished launch of `key` (this search's or another's) kept; returns the
         config's merged result."""
         self.launched.append(result)
-        if node_of(result) and any(node_of(r) not in ("", node_of(result))
-                                   for r in self.launched):
-            # A launch on a second node can change every node's leveling.
-            self.results = merge_leveled(self.launched)
-            return self.results[key]
-        merged = self.results[key] = merge(r for r in self.launched
-                                           if config_key(r.config) == key)
-        return merged
+        # A baseline launch on another node can change every config's leveling.
+        self.results = merge_leveled(self.launched)
+        return self.results[key]
 
     def _next_index(self, key: str) -> int:
         """Which launch of `key` the next one is: those finished and those running."""

@@ -19,7 +19,7 @@ from treetune.errors import TreetuneError
 from treetune.results import LaunchResult, config_from_key, config_key
 from treetune.space import load_space
 from treetune.study.claims import Claim, Claims
-from treetune.study.evidence import merge_all
+from treetune.study.evidence import merge_all, worker_host
 from treetune.study.placement import (
     CPUS_PER_SERVER,
     RAY_GPU,
@@ -125,11 +125,6 @@ def _cause(exc: BaseException) -> str:
     return lines[-1].strip() if lines else type(cause).__name__
 
 
-def _host(worker_name: object) -> str:
-    """The host part of a worker's name (worker-N@host)."""
-    return str(worker_name).partition("@")[2]
-
-
 class _Pool:
     """The launch workers, each in a placement group of its own (one bundle: its server's
     GPUs on one node): idle ones, and replacements for dead ones being placed."""
@@ -183,7 +178,7 @@ class _Pool:
             raise TreetuneError(f"a launch worker could not start: {_cause(exc)}") from None
         self.idle = workers
         self.alive = len(workers)
-        self.hosts = {w: _host(name) for w, name in zip(workers, names, strict=True)}
+        self.hosts = {w: worker_host(name) for w, name in zip(workers, names, strict=True)}
 
     def retire(self, worker: Any) -> None:
         """A worker gone (dead, or not placed): killed, its GPUs' reservation freed."""
@@ -221,7 +216,7 @@ class _Pool:
         for ref in refs:
             worker, _ = self.starting.pop(ref)
             try:
-                self.hosts[worker] = _host(self.ray.get(ref))
+                self.hosts[worker] = worker_host(self.ray.get(ref))
                 self.idle.append(worker)
                 self.alive += 1
                 notes.append("a replacement worker joined")
