@@ -132,6 +132,29 @@ def test_the_baselines_own_node_means_cost_its_launch_noise_their_degrees_of_fre
     assert again.noise().launch_dof == 1  # a second launch on node a: one to learn from
 
 
+def test_the_leveled_baselines_window_noise_is_taken_out_on_its_own_degrees_of_freedom(
+        tmp_path):
+    """Three baseline launches leveled on two nodes keep one degree of freedom: their
+    deviations hold one launch variance and one sub-window variance of the launch mean,
+    not two (the k - 1 of a baseline on one node)."""
+    _, planner, _, _ = two_node_study(tmp_path, SLOW, Noise(0.03, 0.03), seed=1, shared=0, again=1)
+    base = planner.baseline
+    noise = planner.noise()
+    assert len(base.leveled) == 2 and noise.launch_dof == 1
+    cells = base.cells
+    k = len(cells[0].launch_tok_s)
+    assert k == 3
+    deviations = [statistics.fmean(
+        math.log(c.launch_tok_s[i]) - statistics.fmean(math.log(v) for v in c.launch_tok_s)
+        for c in cells) for i in range(k)]
+    windows = len(cells[0].repeats) // k
+    window_var = noise.window_cv ** 2
+    ss = sum(d * d for d in deviations) - (k - 2) * window_var / (windows * len(cells))
+    assert ss > 0  # this seed's launches spread more than their windows explain
+    expected = math.sqrt((ss + 2 * 0.03 ** 2) / (1 + 2))  # shrunk by PRIOR_LAUNCHES = 2
+    assert noise.launch_cv == pytest.approx(expected, rel=1e-9)
+
+
 def test_the_baseline_on_every_node_runs_at_one_level_after_leveling(tmp_path):
     _, planner, _, _ = two_node_study(tmp_path, SLOW, Noise(0.03, 0.01), again=3)
     leveled, gaps = level_nodes(planner.launched)

@@ -265,8 +265,10 @@ def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,
         if k <= fitted:
             continue
         if window_var is not None:
+            # The sub-windows' share of the deviations: as many of their variances as the
+            # deviations have degrees of freedom.
             windows = max(len(cells[0].repeats) // len(cells[0].launch_tok_s), 1)
-            ss -= (k - 1) * window_var / (windows * len(cells))
+            ss -= (k - fitted) * window_var / (windows * len(cells))
         launch_ss += max(ss, 0.0)
         launch_dof += k - fitted
     launch_var = ((launch_ss + PRIOR_LAUNCHES * prior_launch_cv ** 2)
