@@ -196,7 +196,11 @@ def test_throughput_matches_the_performance_model_within_5_percent(cells, batch)
     expected = PerfModel(load_profile(PROFILE)).throughput(TREE, batch, DATASET)
     assert cell.output_tok_s == pytest.approx(expected, rel=0.05), (
         f"measured {cell.output_tok_s:.1f} tok/s, model {expected:.1f} tok/s")
-    assert cell.duration_s == pytest.approx(DURATION_S, rel=0.05)  # server seconds
+    # In server seconds (1.5 s of wall time at time scale 10). The window closes when the
+    # client's timer fires, which a busy machine delays: beside a CPU hog one closed at
+    # 16.6 server seconds (160 ms of wall time late); the throughput is over the window
+    # as it ran, so it holds whatever the delay.
+    assert 0.95 * DURATION_S <= cell.duration_s < 2 * DURATION_S
     assert cell.output_tokens == pytest.approx(cell.output_tok_s * cell.duration_s)
 
 
