@@ -23,6 +23,7 @@ from treetune.client import ServerClient, ServerRequestError
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.datasets import Prompt, PromptSet
 from treetune.loadgen import MeasurementError, arrival_times, measure_cell, measure_open_cell
+from treetune.loadgen._common import Counters
 from treetune.perfmodel import PerfModel, load_profile
 from treetune.results import CellResult, Slo
 from treetune.server import ServerProcess, start_server
@@ -180,10 +181,11 @@ def cells(servers: dict[str, ServerProcess]) -> Cell:
                 result = await measure_cell(client, STEADY if steady else PROMPTS, batch,
                                             duration_s=DURATION_S, repeats=REPEATS,
                                             ignore_eos=True)
-                after = await client.metrics()
-                first_tokens = after[f"{SERVER_TTFT}_count"] - before[f"{SERVER_TTFT}_count"]
-                seconds = after[f"{SERVER_TTFT}_sum"] - before[f"{SERVER_TTFT}_sum"]
-                return Measured(result, after, seconds / first_tokens if first_tokens else 0.0)
+                counters = Counters(before, await client.metrics())
+                first_tokens = counters.delta(f"{SERVER_TTFT}_count")
+                seconds = counters.delta(f"{SERVER_TTFT}_sum")
+                return Measured(result, counters.after,
+                                seconds / first_tokens if first_tokens else 0.0)
             done[server, batch, steady] = call(servers[server].base_url, measure,
                                                api=EMULATOR_API)
         return done[server, batch, steady]
