@@ -246,9 +246,9 @@ class Planner:
         is compared with the baseline of its own node (`level_nodes`), so a node that runs
         apart from the others (a power cap) biases no speedup, and it rests on two
         baseline launches as a tree's recommendation rests on two of its own (with one
-        per node, the learned noise running low shipped a tree 0.6% slow in 2 of 12 TPE
-        studies of replay-published, benchmarks/RESULTS.md, stop 43). With one node it
-        never fires."""
+        per node, 2 of 12 TPE studies of replay-published with a node 8% slow shipped a
+        tree 0.6% slow: one traced was compared with its node's one baseline launch,
+        which ran low; benchmarks/RESULTS.md, stop 43). With one node it never fires."""
         if not node or (self.baseline is None and not any(
                 t.key == "baseline" for t in self.in_flight)):
             return None
