@@ -7,8 +7,9 @@ borderline configs and merged evidence drive both.
 Order of work: the baseline and compared configs first; then, before any new config, a
 borderline config that could become a recommendation is re-measured (the baseline first
 while it has fewer launches, since its noise shifts every speedup), unless the strategy
-forecasts a proposal above the best measured tree (for up to three launches); then the
-strategy's proposal.
+forecasts a proposal above the best measured tree (for up to three launches); then a
+leader whose rank or feasibility rests on too little (one launch, a close race, a thin
+margin over the floor); then the strategy's proposal.
 
 With `adaptive: true`, chains of ADAPTIVE_CHAIN_STEPS are queued after the compared
 configs; once they are all measured, SGLang's default adaptive config and the one tuned
@@ -40,6 +41,7 @@ from treetune.study.evidence import (
     Interval,
     StudyNoise,
     Verdict,
+    best,
     floor_of,
     intervals,
     judge,
@@ -72,6 +74,11 @@ DEFER_MAX = 3
 # Two confirmed trees whose order is unsure are raced (more launches) only while the
 # runner-up may be ahead by more than this: closer than that, either is as good.
 RACE_MARGIN = 0.01
+# A recommendation whose 99% bound clears the floor by less than this many standard errors
+# of its speedup on some dataset is measured again (the baseline first, one launch past the
+# per-config limit): a low baseline and a lucky tree add up, and a thin margin is where
+# that ships a regression (benchmarks/RESULTS.md, stop 44's trace).
+THIN_SDS = 1.0
 
 
 @dataclass
@@ -298,7 +305,8 @@ class Planner:
                     self._unsettled(batch, (dataset,), noise, busy, limit, candidates,
                                     estimates)
         if not candidates:
-            return self._remeasure_leader(busy, noise, estimates())
+            return (self._remeasure_leader(busy, noise, estimates())
+                    or self._remeasure_thin(busy, noise, estimates()))
         model = estimates()
 
         def expected_regression(key: str, batch: int, names: tuple[str, ...]) -> bool:
@@ -421,6 +429,32 @@ class Planner:
                 key = config_key(fewer.config)
                 if fewer.launches < limit and key not in busy:
                     return self._baseline_first(key, busy)
+        return None
+
+    def _remeasure_thin(self, busy: set[str], noise: StudyNoise, model: Estimates
+                        ) -> Task | None:
+        """A recommendation (the mixed workload's, at some batch size) feasible by a thin
+        margin, its 99% bound within THIN_SDS standard errors of the floor on a dataset and
+        not sure: the baseline again while it has no more launches than the tree (up to one
+        past the per-config limit: every speedup rests on it), else the tree, up to the
+        limit. Its speedup then rests on less luck of either."""
+        assert self.baseline is not None
+        names = tuple(self.spec.dataset_names)
+        limit = self.spec.search.max_launches_per_config
+        base = launches_of(self.baseline)
+        for batch in self.spec.batch:
+            leader = best(self._verdict(result, batch, names, noise, model)
+                          for result in self.results.values()
+                          if result.ok and isinstance(result.config, TreeConfig))
+            if leader is None or leader.sure or not any(
+                    math.log(leader.lower[d] / leader.floor) < THIN_SDS * i.log_sd
+                    for d, i in leader.intervals.items()):
+                continue
+            if "baseline" not in busy and base <= min(leader.launches, limit):
+                return Task(BASELINE, remeasure=True)
+            key = config_key(leader.config)
+            if key not in busy and leader.launches < limit:
+                return Task(leader.config, remeasure=True)
         return None
 
     # ---- adaptive steps ---------------------------------------------------------------
