@@ -125,7 +125,9 @@ class Search:
         "--prior", "Profile (name or YAML) with the hardware and model facts the model search "
         "starts from; its fitted values are refined by the measurements."))
     launch_cv: float = 0.03  # launch-to-launch spread assumed until re-launches measure it
-    max_launches_per_config: int = 3  # a borderline config is re-measured up to this
+    # A borderline config is re-measured up to this; the baseline one more behind a
+    # recommendation feasible by a thin margin (Planner._remeasure_thin).
+    max_launches_per_config: int = 3
 
     @property
     def confirming_launches(self) -> int:
