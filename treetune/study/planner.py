@@ -41,7 +41,6 @@ from treetune.study.evidence import (
     Interval,
     StudyNoise,
     Verdict,
-    best,
     floor_of,
     intervals,
     judge,
@@ -305,8 +304,9 @@ class Planner:
                     self._unsettled(batch, (dataset,), noise, busy, limit, candidates,
                                     estimates)
         if not candidates:
-            return (self._remeasure_leader(busy, noise, estimates())
-                    or self._remeasure_thin(busy, noise, estimates()))
+            ranked = self._confirmed_by_rank(noise, estimates())
+            return (self._remeasure_leader(busy, ranked, bool(estimates()))
+                    or self._remeasure_thin(busy, ranked))
         model = estimates()
 
         def expected_regression(key: str, batch: int, names: tuple[str, ...]) -> bool:
@@ -375,8 +375,21 @@ class Planner:
             key = "baseline"
         return Task(self.results[key].config, remeasure=True)
 
-    def _remeasure_leader(self, busy: set[str], noise: StudyNoise, model: Estimates
-                          ) -> Task | None:
+    def _confirmed_by_rank(self, noise: StudyNoise, model: Estimates
+                           ) -> dict[int, list[Verdict]]:
+        """Per batch size, the confirmed trees' verdicts on the mixed workload, best rank
+        first (the first is the recommendation); `model`: the strategy's estimates, blended
+        into the ranks."""
+        names = tuple(self.spec.dataset_names)
+        return {batch: sorted((verdict for result in self.results.values()
+                               if result.ok and isinstance(result.config, TreeConfig)
+                               and (verdict := self._verdict(result, batch, names, noise,
+                                                             model)).confirmed),
+                              key=lambda v: v.rank, reverse=True)
+                for batch in self.spec.batch}
+
+    def _remeasure_leader(self, busy: set[str], ranked: dict[int, list[Verdict]],
+                          with_model: bool) -> Task | None:
         """The winner's curse: of many trees measured once, the one that looks best is
         likely the luckiest draw. A recommendation on one launch (sure of its feasibility)
         whose lead over the runner-up is within the noise of its measurement is measured
@@ -384,18 +397,12 @@ class Planner:
         on one lucky launch; and a runner-up on one launch that the model says was unlucky,
         close behind a leader on more, likewise. Then, with the model, a close race (the
         runner-up possibly ahead by more than RACE_MARGIN) gives the one of the two on
-        fewer launches another, up to the limit per config. `model`: the strategy's
-        estimates, blended into the ranks."""
-        assert self.baseline is not None
-        names = tuple(self.spec.dataset_names)
+        fewer launches another, up to the limit per config. `ranked`: the confirmed
+        trees per batch size (`_confirmed_by_rank`); `with_model`: whether the strategy's
+        estimates are blended into their ranks."""
         needs = self.spec.search.confirming_launches
         limit = self.spec.search.max_launches_per_config
-        for batch in self.spec.batch:
-            confirmed = sorted((verdict for result in self.results.values()
-                                if result.ok and isinstance(result.config, TreeConfig)
-                                and (verdict := self._verdict(result, batch, names, noise,
-                                                              model)).confirmed),
-                               key=lambda v: v.rank, reverse=True)
+        for confirmed in ranked.values():
             if len(confirmed) < 2:
                 continue
             leader, runner_up = confirmed[0], confirmed[1]
@@ -424,28 +431,26 @@ class Planner:
             # ranks: without them a rank's error is one tree's measurement, the prior
             # noise's until repeats teach otherwise, and races re-measured a noise-free
             # engine's trees until its budget was spent (grid, tests/test_method_study.py).
-            if model and gap + RACE_MARGIN < errors:
+            if with_model and gap + RACE_MARGIN < errors:
                 fewer = min((runner_up, leader), key=lambda v: v.launches)
                 key = config_key(fewer.config)
                 if fewer.launches < limit and key not in busy:
                     return self._baseline_first(key, busy)
         return None
 
-    def _remeasure_thin(self, busy: set[str], noise: StudyNoise, model: Estimates
+    def _remeasure_thin(self, busy: set[str], ranked: dict[int, list[Verdict]]
                         ) -> Task | None:
         """A recommendation (the mixed workload's, at some batch size) feasible by a thin
         margin, its 99% bound within THIN_SDS standard errors of the floor on a dataset and
         not sure: the baseline again while it has no more launches than the tree (up to one
         past the per-config limit: every speedup rests on it), else the tree, up to the
-        limit. Its speedup then rests on less luck of either."""
+        limit. Its speedup then rests on less luck of either. `ranked`: as
+        `_remeasure_leader` reads it."""
         assert self.baseline is not None
-        names = tuple(self.spec.dataset_names)
         limit = self.spec.search.max_launches_per_config
         base = launches_of(self.baseline)
-        for batch in self.spec.batch:
-            leader = best(self._verdict(result, batch, names, noise, model)
-                          for result in self.results.values()
-                          if result.ok and isinstance(result.config, TreeConfig))
+        for confirmed in ranked.values():
+            leader = confirmed[0] if confirmed else None
             if leader is None or leader.sure or not any(
                     math.log(leader.lower[d] / leader.floor) < THIN_SDS * i.log_sd
                     for d, i in leader.intervals.items()):
