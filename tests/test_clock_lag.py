@@ -33,6 +33,7 @@ from treetune.backends.sglang import SGLANG_API
 from treetune.config import TreeConfig
 from treetune.emulator.engine import Engine
 from treetune.emulator.metrics import ServerMetrics
+from treetune.loadgen import MeasurementError
 from treetune.loadgen._common import Counters, Record, client_lag, clock_lag, heartbeat
 from treetune.perfmodel import NoiseModel, load_profile
 from treetune.results import CellResult, LaunchResult
@@ -139,15 +140,15 @@ def watched(measure: Measured, time_scale: float = 20.0) -> tuple[CellResult, st
     return asyncio.run(measure_watched(measure, 0.05, CLOCK_LAG_HINT, time_scale))
 
 
-def watched_in_turn(cells: list[CellResult], speculative: bool = False
-                    ) -> tuple[CellResult, str | None]:
+def watched_in_turn(cells: list[CellResult], speculative: bool = False,
+                    closed_loop: bool = False) -> tuple[CellResult, str | None]:
     """`measure_watched` over a measurement that returns `cells` in turn (taken from the
     list, so what is left shows how often it measured)."""
     async def measure() -> CellResult:
         return cells.pop(0)
 
     return asyncio.run(measure_watched(measure, 0.05, CLOCK_LAG_HINT, 20.0,
-                                       speculative=speculative))
+                                       speculative=speculative, closed_loop=closed_loop))
 
 
 @pytest.mark.parametrize("lag", [None, 0.0, 0.05])
@@ -234,6 +235,40 @@ def test_a_baseline_cell_has_no_accept_length_and_is_measured_once():
 
     result, warning = asyncio.run(measure_watched(baseline, 0.05, CLOCK_LAG_HINT, 20.0))
     assert (measure.calls, result.accept_length, warning) == (1, None, None)
+
+
+def empty(c: CellResult) -> CellResult:
+    """The cell as a window in which no token arrived (a stalled server)."""
+    return dataclasses.replace(c, output_tok_s=0.0, output_tokens=0, requests=0,
+                               accept_length=None)
+
+
+def test_a_closed_loop_window_without_a_token_is_measured_again_and_the_second_kept():
+    # Requests were in flight all along: 0 tok/s is a stall, not the tree's throughput.
+    cells = [empty(cell(1.2)), cell(0.01)]
+    result, warning = watched_in_turn(cells, closed_loop=True)
+    assert (cells, result.output_tokens, result.lagged, warning) == ([], 5400, False, None)
+    # Not only a lagging one: an empty window on a clock that kept time too.
+    cells = [empty(cell(0.0)), cell(0.0)]
+    watched_in_turn(cells, speculative=True, closed_loop=True)
+    assert cells == []
+
+
+def test_a_closed_loop_cell_empty_twice_fails_the_server_instead_of_reading_zero():
+    cells = [empty(cell(1.2)), empty(cell(0.8))]
+    with pytest.raises(MeasurementError) as raised:
+        watched_in_turn(cells, closed_loop=True)
+    assert str(raised.value).startswith(
+        "humaneval at batch 8: no token arrived in two windows of 6 s, with 8 requests in "
+        "flight: the server stalled (the server's clock ran 1200 ms, then 800 ms behind")
+    assert CLOCK_LAG_HINT in str(raised.value)
+
+
+def test_an_open_loop_window_without_a_token_is_a_measurement():
+    # At a low request rate a window may see no token: that is what the rate serves.
+    cells = [empty(cell(0.0))]
+    result, warning = watched_in_turn(cells)
+    assert (cells, result.output_tokens, warning) == ([], 0, None)
 
 
 # ---- the load generator watches its own loop -----------------------------------------------

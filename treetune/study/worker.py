@@ -190,7 +190,8 @@ class LaunchWorker:
                         warmup_s=m.warmup_s, repeats=m.repeats, slo=slo)
                 cell, warning = await measure_watched(
                     measure, m.max_clock_lag_s, spec.backend.api.clock_lag_hint,
-                    await client.time_scale(), speculative=not isinstance(result.config, Baseline))
+                    await client.time_scale(), closed_loop=not is_rate,
+                    speculative=not isinstance(result.config, Baseline))
             if warning:
                 result.warnings.append(warning)
             (result.rate_cells if is_rate else result.cells).append(cell)
@@ -215,19 +216,31 @@ def command_flags(argv: list[str]) -> list[tuple[str, str | None]]:
 
 
 async def measure_watched(measure: Callable[[], Awaitable[CellResult]], max_lag_s: float,
-                          hint: str, time_scale: float = 1.0, *, speculative: bool = False
-                          ) -> tuple[CellResult, str | None]:
+                          hint: str, time_scale: float = 1.0, *, speculative: bool = False,
+                          closed_loop: bool = False) -> tuple[CellResult, str | None]:
     """A cell measured by `measure`, and measured once more if its server's clock, or the
     load generator's own timers, lagged more than `max_lag_s` behind schedule, or if a
     `speculative` server delivered tokens in the window without one verify call counted
-    (it made no round in the window: its accept length is missing); if the second is no
-    better, it is kept (marked `lagged` if it lagged), with a warning for the study that
-    says what to do (`hint`)."""
+    (it made no round in the window: its accept length is missing), or if a `closed_loop`
+    cell's window saw no token at all; if the second is no better, it is kept (marked
+    `lagged` if it lagged), with a warning for the study that says what to do (`hint`).
+    A closed-loop cell empty twice raises MeasurementError: requests were in flight all
+    along, so the server stalled, and 0 tok/s is not its throughput (the worker's retry on
+    a fresh server measures the cell again)."""
     cell = await measure()
-    if not _lags(cell, max_lag_s) and not _no_accept(cell, speculative):
+    empty = closed_loop and cell.output_tokens == 0
+    if not _lags(cell, max_lag_s) and not _no_accept(cell, speculative) and not empty:
         return cell, None
     first = cell
     cell = await measure()
+    if closed_loop and cell.output_tokens == 0:
+        from treetune.loadgen import MeasurementError
+
+        raise MeasurementError(
+            f"{cell.label}: no token arrived in two windows of {cell.duration_s:g} s, with "
+            f"{cell.batch} requests in flight: the server stalled "
+            f"({_lagging(first)[0]} ran {_lagging(first)[1] * 1e3:.0f} ms, then "
+            f"{_lagging(cell)[1] * 1e3:.0f} ms behind its schedule). To fix: {hint}")
     if _lags(cell, max_lag_s):
         return dataclasses.replace(cell, lagged=True), _lag_warning(first, cell, max_lag_s,
                                                                     hint, time_scale)
