@@ -77,7 +77,9 @@ def run_job(job: Job) -> dict:
         for batch in job.batches:
             for config in best[batch]:
                 for i, dataset in enumerate(datasets):
-                    mean, variance = estimates.get((config, batch, dataset), (0.0, 0.0))
+                    estimate = estimates.get((config, batch, dataset))
+                    mean, variance = (estimate.log_mean, estimate.variance) if estimate \
+                        else (0.0, 0.0)
                     if variance > 0:  # no estimate, or one the model claims to know exactly
                         z = (mean - math.log(table[config][batch][i])) / math.sqrt(variance)
                         z2[config in measured].append(z * z)

@@ -18,6 +18,7 @@ from treetune.config import AdaptiveConfig, AdaptiveSlot, TreeConfig, chain
 from treetune.emulator.args import build_parser, parse
 from treetune.errors import InvalidTreeError, TreetuneError
 from treetune.results import config_from_key, config_key
+from treetune.strategies import Estimate
 from treetune.study.evidence import StudyNoise
 from treetune.study.schedule import slot_keys, tune
 
@@ -208,7 +209,7 @@ def test_an_unmeasured_chain_enters_from_the_models_estimates_flagged_as_such():
     import math
 
     measured = {s: rows for s, rows in MEASURED.items() if s != 2}
-    estimates = {(chain(2), b, d): (math.log(speedup), 0.01 ** 2)
+    estimates = {(chain(2), b, d): Estimate(math.log(speedup), 0.01 ** 2, 0.01 ** 2)
                  for b, speedup in ((1, 1.33), (32, 0.9)) for d in DATASETS}
     tuning = tuned(chains(measured), estimates)
     one, many = tuning.slots

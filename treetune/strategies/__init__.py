@@ -5,6 +5,7 @@ from treetune.strategies import gp, grid, model, random, tpe
 from treetune.strategies._base import (
     AUTO,
     STRATEGIES,
+    Estimate,
     Estimates,
     Proposal,
     SearchContext,
@@ -17,6 +18,6 @@ from treetune.strategies._base import (
 from treetune.strategies._trials import BatchStudies
 from treetune.strategies.methods import MethodPart, MethodsStrategy
 
-__all__ = ["AUTO", "STRATEGIES", "BatchStudies", "Estimates", "MethodPart", "MethodsStrategy",
-           "Proposal", "SearchContext", "Strategy", "gp", "grid", "make", "model", "names",
-           "random", "register", "resolve", "tpe"]
+__all__ = ["AUTO", "STRATEGIES", "BatchStudies", "Estimate", "Estimates", "MethodPart",
+           "MethodsStrategy", "Proposal", "SearchContext", "Strategy", "gp", "grid", "make",
+           "model", "names", "random", "register", "resolve", "tpe"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import optuna
 
@@ -25,8 +25,22 @@ if TYPE_CHECKING:
     from treetune.strategies._trials import BatchStudies
 
 AUTO = "auto"
-# A model's estimate of log-speedup and its variance, per (config, batch, dataset).
-Estimates = Mapping[tuple[TreeConfig, int, str], tuple[float, float]]
+
+
+class Estimate(NamedTuple):
+    """A model's estimate of one config's log-speedup in one cell."""
+
+    log_mean: float
+    variance: float  # how far the truth may lie from `log_mean`
+    # The part of `variance` that is this config's own, not shared by every config it was
+    # estimated with: an error of the model's level (every speedup a little high, say)
+    # moves all their estimates alike and leaves their order alone, so a ranking among
+    # them weighs the estimate by this. At most `variance`.
+    rank_variance: float
+
+
+# A model's estimates, per (config, batch, dataset).
+Estimates = Mapping[tuple[TreeConfig, int, str], Estimate]
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 from treetune.config import TreeConfig
 from treetune.results import LaunchResult
-from treetune.strategies._base import Estimates, Proposal, Strategy
+from treetune.strategies._base import Estimate, Estimates, Proposal, Strategy
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,16 @@ class MethodsStrategy:
             self.parts[result.config.method].strategy.observe(result, baseline)
 
     def estimates(self, configs: Sequence[TreeConfig]) -> Estimates | None:
-        out: dict[tuple[TreeConfig, int, str], tuple[float, float]] = {}
+        """Each method's model's estimates of its own configs. Where two models speak,
+        their levels are not shared, so a rank weighs each estimate by its whole
+        variance."""
+        out: dict[tuple[TreeConfig, int, str], Estimate] = {}
+        speaking = 0
         for method, part in self.parts.items():
             own = [c for c in configs if c.method == method]
-            if own:
-                out.update(part.strategy.estimates(own) or {})
+            if own and (theirs := part.strategy.estimates(own)):
+                out.update(theirs)
+                speaking += 1
+        if speaking > 1:
+            out = {k: e._replace(rank_variance=e.variance) for k, e in out.items()}
         return out or None

@@ -41,6 +41,7 @@ from treetune.study.evidence import (
     Interval,
     StudyNoise,
     Verdict,
+    doubted,
     floor_of,
     intervals,
     judge,
@@ -170,12 +171,19 @@ class Planner:
 
     def estimates(self) -> Estimates | None:
         """The strategy's model estimates of every measured tree (None without a model),
-        for the ranking to blend with the measurements."""
+        for the ranking to blend with the measurements: doubted as far as the measured
+        trees sit off them (`doubted`)."""
         if self.baseline is None:
             return None
         trees = [r.config for r in self.results.values()
                  if r.ok and isinstance(r.config, TreeConfig)]
-        return self.strategy.estimates(trees)
+        estimates = self.strategy.estimates(trees)
+        if not estimates:
+            return estimates
+        # Of throughput, whatever the objective: what the estimates are of.
+        return doubted(estimates, self.results.values(), self.baseline,
+                       study_noise(self.results.values(), self.spec.search.launch_cv,
+                                   learned=self.spec.search.learns_noise))
 
     def decide(self) -> list[Recommendation]:
         """What the launches so far recommend (nothing before the baseline)."""
@@ -311,9 +319,9 @@ class Planner:
 
         def expected_regression(key: str, batch: int, names: tuple[str, ...]) -> bool:
             config = self.results[key].config
-            return any((config, batch, d) in model
-                       and model[config, batch, d][0] + 2 * math.sqrt(model[config, batch, d][1])
-                       < math.log(self.floor) for d in names)
+            return any((e := model.get((config, batch, d))) is not None
+                       and e.log_mean + 2 * math.sqrt(e.variance) < math.log(self.floor)
+                       for d in names)
 
         # The model, from every launch so far, may be sure of a regression: not worth a
         # launch. A model that does not fit is not sure of much (its variance says so).
