@@ -745,9 +745,9 @@ def doubted(estimates: Estimates, results: Iterable[LaunchResult], baseline: Lau
     tree 9% below the best so). Estimates of trees not in `results` are left alone."""
     measured = {r.config: r for r in results if r.ok}
     out = dict(estimates)
-    for batch in {b for _, b, _ in estimates}:
+    for batch in sorted({b for _, b, _ in estimates}):
         excess, terms = 0.0, 0
-        for dataset in {d for _, b, d in estimates if b == batch}:
+        for dataset in sorted({d for _, b, d in estimates if b == batch}):  # one sum order
             rows = []
             for (config, b, d), e in estimates.items():
                 if b != batch or d != dataset or config not in measured:
