@@ -53,6 +53,13 @@ def small_study(tmp_path: Path, **over) -> dict:
     return {**base, **over}
 
 
+def unlagged(warnings: list[str]) -> list[str]:
+    """A launch's warnings but those of a server clock or load generator that lagged on a
+    busy machine (a server ran 2 s behind at time scale 20 in a suite beside two benchmark
+    processes): what the launch itself warns of. tests/test_clock_lag.py tests lag."""
+    return [w for w in warnings if "behind its schedule" not in w]
+
+
 def cmdlines() -> dict[int, str]:
     """Every live process's command line, arguments joined by spaces."""
     found = {}
