@@ -178,7 +178,9 @@ def test_losing_a_node_mid_study_reschedules_its_launch_on_the_pinned_types_othe
         thread.join(5)
         assert removed, "the node was never removed"
         keys = [config_key(r.config) for r in outcome.results]
-        assert len(keys) == len(set(keys)) == 4 and all(r.ok for r in outcome.results)
+        assert len(keys) == len(set(keys)) == 4 and all(r.ok for r in outcome.results), [
+            (key, r.reason, r.retried_because) for key, r in zip(keys, outcome.results,
+                                                                 strict=True)]
         rescheduled = [t for t in launch_trials(spec, TrialState.FAIL)
                        if "worker died" in t.user_attrs.get("reason", "")]
         assert rescheduled, "the removed node's launch was not rescheduled"
