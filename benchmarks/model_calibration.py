@@ -77,11 +77,10 @@ def run_job(job: Job) -> dict:
         for batch in job.batches:
             for config in best[batch]:
                 for i, dataset in enumerate(datasets):
-                    estimate = estimates.get((config, batch, dataset))
-                    mean, variance = (estimate.log_mean, estimate.variance) if estimate \
-                        else (0.0, 0.0)
-                    if variance > 0:  # no estimate, or one the model claims to know exactly
-                        z = (mean - math.log(table[config][batch][i])) / math.sqrt(variance)
+                    e = estimates.get((config, batch, dataset))
+                    if e and e.variance > 0:  # none, or one the model claims to know exactly
+                        z = (e.log_mean - math.log(table[config][batch][i])) / math.sqrt(
+                            e.variance)
                         z2[config in measured].append(z * z)
         fit = strategy.fit.result
         launches.append({"launch": planner.launches, "measured": z2[True],

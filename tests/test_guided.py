@@ -26,7 +26,15 @@ from treetune.strategies.model import (
     model_estimates,
     predicted_speedups,
 )
-from treetune.study.evidence import StudyNoise, Verdict, intervals, judge, merge, merge_all
+from treetune.study.evidence import (
+    StudyNoise,
+    Verdict,
+    doubted,
+    intervals,
+    judge,
+    merge,
+    merge_all,
+)
 from treetune.study.offline import Noise, run_offline, simulate_launch
 from treetune.study.planner import DEFER_GAIN, DEFER_MAX, RACE_MARGIN, THIN_SDS, Planner, Task
 from treetune.study.recommend import recommend
@@ -285,8 +293,6 @@ def test_near_twins_are_ordered_by_the_models_own_error_not_its_level():
     but most of that moves both alike (its level); what orders them is the rest. Weighed
     by the whole variance, three lucky launches outvote the model (a traced 30B study
     recommended (3,2,9), truly 1.1% below (3,2,7), for 16 launches so)."""
-    from treetune.study.evidence import judge
-
     twin, lucky = TreeConfig(3, 2, 7), TreeConfig(3, 2, 9)
     base = launch(BASELINE, 100.0, (100, 100, 100))
     noise = StudyNoise.prior(0.026, learned=False)
@@ -311,8 +317,6 @@ def test_a_model_whose_trees_sit_off_it_beyond_the_noise_is_doubted_in_the_ranks
     measured, but 5% higher, shares that with every tree: not doubted. One whose trees
     sit 6% either side of it is: their rank variance grows by about that spread squared,
     and the ranks follow the measurements again. A tree never measured is left alone."""
-    from treetune.study.evidence import doubted
-
     base = merge([launch(BASELINE, 100.0, (100, 100, 100)) for _ in range(2)])
     measured = {TreeConfig(s, 1, s + 1): 100.0 + 4 * s for s in range(1, 7)}
     results = [launch(c, t, (t, t, t)) for c, t in measured.items()]

@@ -744,30 +744,25 @@ def doubted(estimates: Estimates, results: Iterable[LaunchResult], baseline: Lau
     `everything` world, its model 1% apart over trees truly 13% apart, recommended a
     tree 9% below the best so). Estimates of trees not in `results` are left alone."""
     measured = {r.config: r for r in results if r.ok}
-    out = dict(estimates)
-    for batch in sorted({b for _, b, _ in estimates}):
-        excess, terms = 0.0, 0
-        for dataset in sorted({d for _, b, d in estimates if b == batch}):  # one sum order
-            rows = []
-            for (config, b, d), e in estimates.items():
-                if b != batch or d != dataset or config not in measured:
-                    continue
-                spread = _spread(measured[config], baseline, CellKey(dataset, batch), noise)
-                if spread.mean > 0:
-                    rows.append((math.log(spread.mean) - e.log_mean,
-                                 spread.own_sd ** 2 + e.rank_variance))
-            if len(rows) < 2:
-                continue
-            center = statistics.fmean(r for r, _ in rows)
-            n = len(rows)
-            excess += sum((r - center) ** 2 * n / (n - 1) - expected for r, expected in rows)
-            terms += n
-        misfit = max(excess / terms, 0.0) if terms else 0.0
-        if misfit > 0:
-            for key, e in estimates.items():
-                if key[1] == batch and key[0] in measured:
-                    out[key] = e._replace(rank_variance=e.rank_variance + misfit)
-    return out
+    rows: dict[tuple[int, str], list[tuple[float, float]]] = {}  # (residual, its variance)
+    for (config, batch, dataset), e in estimates.items():
+        if config in measured:
+            spread = _spread(measured[config], baseline, CellKey(dataset, batch), noise)
+            if spread.mean > 0:
+                rows.setdefault((batch, dataset), []).append(
+                    (math.log(spread.mean) - e.log_mean, spread.own_sd ** 2 + e.rank_variance))
+    excess: dict[int, tuple[float, int]] = {}  # per batch size: summed excess, and over how many
+    for (batch, _), pairs in sorted(rows.items()):  # one sum order
+        if len(pairs) < 2:
+            continue
+        center, n = statistics.fmean(r for r, _ in pairs), len(pairs)
+        total, terms = excess.get(batch, (0.0, 0))
+        excess[batch] = (total + sum((r - center) ** 2 * n / (n - 1) - expected
+                                     for r, expected in pairs), terms + n)
+    misfit = {batch: max(total / terms, 0.0) for batch, (total, terms) in excess.items()}
+    return {key: e._replace(rank_variance=e.rank_variance + misfit[key[1]])
+            if key[0] in measured and misfit.get(key[1], 0.0) > 0 else e
+            for key, e in estimates.items()}
 
 
 def best(verdicts: Iterable[Verdict]) -> Verdict | None:

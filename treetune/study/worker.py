@@ -228,12 +228,12 @@ async def measure_watched(measure: Callable[[], Awaitable[CellResult]], max_lag_
     along, so the server stalled, and 0 tok/s is not its throughput (the worker's retry on
     a fresh server measures the cell again)."""
     cell = await measure()
-    empty = closed_loop and cell.output_tokens == 0
-    if not _lags(cell, max_lag_s) and not _no_accept(cell, speculative) and not empty:
+    if (not _lags(cell, max_lag_s) and not _no_accept(cell, speculative)
+            and not _empty(cell, closed_loop)):
         return cell, None
     first = cell
     cell = await measure()
-    if closed_loop and cell.output_tokens == 0:
+    if _empty(cell, closed_loop):
         from treetune.loadgen import MeasurementError
 
         raise MeasurementError(
@@ -269,6 +269,11 @@ def _lag_warning(first: CellResult, second: CellResult, max_lag_s: float, hint: 
             f"are off by that much, its throughput too if the lag outgrew a round; kept, "
             f"marked lagged. To fix: {hint}"
             f"{f' (time scale now {time_scale:g})' if time_scale != 1 else ''}.")
+
+
+def _empty(cell: CellResult, closed_loop: bool) -> bool:
+    """A closed-loop cell whose window saw no token."""
+    return closed_loop and cell.output_tokens == 0
 
 
 def _no_accept(cell: CellResult, speculative: bool) -> bool:
