@@ -18,6 +18,7 @@ from treetune.perfmodel.prior import neutral_prior
 from treetune.results import CellResult, LaunchResult, config_key
 from treetune.space import load_space
 from treetune.strategies import Estimate, Proposal
+from treetune.strategies import model as model_strategy
 from treetune.strategies.model import (
     SHARED_DEPARTURE,
     ModelFit,
@@ -202,6 +203,40 @@ def test_the_model_search_finds_near_best_trees_in_a_few_launches():
         assert min(true_speedups(truth, rec.config, rec.batch)) >= 1.0
         assert all(lo <= s <= hi for (lo, hi), s in zip(rec.intervals.values(),
                                                         rec.speedups.values(), strict=True))
+
+
+def test_a_proposal_draws_the_posterior_tempered_near_the_fits_best_yet_varied(monkeypatch):
+    # Six launches of the 30B: the fit's posterior still spreads over the near twins at
+    # the top. Proposals from whole draws wander over them; tempered ones (DRAW_INFLATE)
+    # stay nearer the tree the fit expects best, and still differ from draw to draw.
+    name = "qwen3-30b-a3b-h100"
+    truth = load_profile(name)
+    planner = run_offline(study(name), PerfModel(truth, truth.tp), seed=0, launches=6,
+                          noise=Noise(0.03, 0.03))
+    strategy = planner.strategy
+    monkeypatch.setattr(model_strategy, "EXPLORE", 0.0)
+    monkeypatch.setattr(model_strategy, "EXPLORE_MISFIT", 0.0)
+    untried = [c for c in strategy.candidates if not planner.is_known(config_key(c))]
+    fit = strategy.fit
+    table = predicted_speedups(fit.profile, untried, fit.batches, fit.datasets, fit.tp)
+    best = {b: max(statistics.fmean(v[b]) for v in table.values()) for b in fit.batches}
+
+    def proposals(inflate: float) -> tuple[float, set[TreeConfig]]:
+        """The mean share of the fit's best that 12 proposals reach, and which they are."""
+        monkeypatch.setattr(model_strategy, "DRAW_INFLATE", inflate)
+        reach, picks = [], set()
+        for draw in range(12):
+            strategy.rng = np.random.default_rng(draw)
+            config = strategy.propose().config
+            picks.add(config)
+            reach.append(max(statistics.fmean(table[config][b]) / best[b] for b in best))
+        return statistics.fmean(reach), picks
+
+    shipped = model_strategy.DRAW_INFLATE
+    assert shipped < 1.0
+    whole, tempered = proposals(1.0), proposals(shipped)
+    assert tempered[0] > whole[0], (tempered, whole)
+    assert 2 <= len(tempered[1]) < len(whole[1]), (tempered[1], whole[1])
 
 
 def cell(dataset, batch, tput, repeats=()):

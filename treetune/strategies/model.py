@@ -5,10 +5,11 @@ After each measured launch the free parameters of a prior profile (its hardware 
 facts stay) are refitted with `treetune calibrate`'s fitting code: per-dataset acceptance
 from the measured accept lengths, step-time costs from the measured throughputs. The fit's
 Jacobian gives a Gaussian posterior over the parameters; each proposal draws one parameter
-set from it (Thompson sampling), so configs the data cannot yet tell apart all get their
-chance, and a share of proposals draws from a posterior made wider, so that a model that is
-too sure of itself cannot trap the search. Cells of fixed-length requests are fitted and
-predicted as the whole requests they measure (`_whole.py`).
+set from it, tempered to half its spread (Thompson sampling), so configs the data cannot yet
+tell apart all get their chance, and a share of proposals draws from a posterior made
+wider, so that a model that is too sure of itself cannot trap the search. Cells of
+fixed-length requests are fitted and predicted as the whole requests they measure
+(`_whole.py`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ EXPLORE_MISFIT = 0.25  # the same while the model does not fit the measurements
 # wide trees at large batch), and a launch spent there teaches the search little
 # (benchmarks/RESULTS.md, stop 18).
 EXPLORE_INFLATE = 4.0
+# Any other proposal draws them with this share of the posterior's variance (a tempered
+# Thompson draw: half its spread). Of the 1,600 trees of the default space, the 5-23
+# within 1% of the best at a batch size are near twins the posterior cannot yet tell
+# apart, and a whole draw's best tree wanders over a wider ring of them; a tempered draw
+# proposes nearer what the fit expects best, yet still varies between proposals (and
+# between workers). Against whole draws, 12 seeds each: coder-next 109 -> 96 launches to
+# the target, cliffs 130 -> 96, everything 134 -> 116 (benchmarks/RESULTS.md, stop 47).
+DRAW_INFLATE = 0.25
 REDRAWS = 3  # posterior draws a proposal tries before the fit itself
 NOVELTY = 0.005  # a proposal must be predicted this different (log) from measured trees
 MARGIN = 0.02  # a config must be predicted this far above the floor on every dataset
@@ -461,12 +470,14 @@ class ModelStrategy:
         # skipped, so N free workers get N different trees, each worth it beside the
         # others (batch Thompson sampling: each proposal has its own draw).
         seen = trees + [c for c in self.context.pending() if c not in trees]
-        # Thompson sampling: one draw of the model, and the untried tree that draw says
-        # improves most on the measured trees, at whichever batch size gains most. A draw
+        # Thompson sampling: one draw of the model (tempered, DRAW_INFLATE), and the
+        # untried tree that draw says improves most on the measured trees, at whichever
+        # batch size gains most. A draw
         # in which no untried tree clears the floor has nothing to launch (its best move
         # is no speculation): drawn again, and at last the fit itself.
         for draw in range(REDRAWS + 1):
-            profile = (self.fit.sample(self.rng, inflate=EXPLORE_INFLATE if exploring else 1.0)
+            profile = (self.fit.sample(self.rng, inflate=EXPLORE_INFLATE if exploring
+                                       else DRAW_INFLATE)
                        if draw < REDRAWS else self.fit.profile)
             pick = self._best_under(profile, untried, seen, self.rng if draw < REDRAWS
                                     else None)
