@@ -50,12 +50,13 @@ EXPLORE_MISFIT = 0.25  # the same while the model does not fit the measurements
 # (benchmarks/RESULTS.md, stop 18).
 EXPLORE_INFLATE = 4.0
 # Any other proposal draws them with this share of the posterior's variance (a tempered
-# Thompson draw: half its spread). Of the 1,600 trees of the default space, the 5-23
+# Thompson draw: half its spread). Of the 1,648 trees of the default space, the 1-23
 # within 1% of the best at a batch size are near twins the posterior cannot yet tell
 # apart, and a whole draw's best tree wanders over a wider ring of them; a tempered draw
-# proposes nearer what the fit expects best, yet still varies between proposals (and
-# between workers). Against whole draws, 12 seeds each: coder-next 109 -> 96 launches to
-# the target, cliffs 130 -> 96, everything 134 -> 116 (benchmarks/RESULTS.md, stop 47).
+# proposes nearer what the fit expects best, yet still varies between proposals. Against
+# whole draws, seeds 0-11 of twelve worlds: 1474 -> 1333 launches to the target (the 30B
+# 111 -> 91, cliffs 130 -> 96, everything 134 -> 116), the 8B's p90 15 -> 17 where its fit
+# ranks the best batch-1 tree low (benchmarks/RESULTS.md, stop 47).
 DRAW_INFLATE = 0.25
 REDRAWS = 3  # posterior draws a proposal tries before the fit itself
 NOVELTY = 0.005  # a proposal must be predicted this different (log) from measured trees
@@ -472,9 +473,9 @@ class ModelStrategy:
         seen = trees + [c for c in self.context.pending() if c not in trees]
         # Thompson sampling: one draw of the model (tempered, DRAW_INFLATE), and the
         # untried tree that draw says improves most on the measured trees, at whichever
-        # batch size gains most. A draw
-        # in which no untried tree clears the floor has nothing to launch (its best move
-        # is no speculation): drawn again, and at last the fit itself.
+        # batch size gains most. A draw in which no untried tree clears the floor has
+        # nothing to launch (its best move is no speculation): drawn again, and at last
+        # the fit itself.
         for draw in range(REDRAWS + 1):
             profile = (self.fit.sample(self.rng, inflate=EXPLORE_INFLATE if exploring
                                        else DRAW_INFLATE)
