@@ -476,10 +476,10 @@ class ModelStrategy:
         # batch size gains most. A draw in which no untried tree clears the floor has
         # nothing to launch (its best move is no speculation): drawn again, and at last
         # the fit itself.
+        inflate = EXPLORE_INFLATE if exploring else DRAW_INFLATE
         for draw in range(REDRAWS + 1):
-            profile = (self.fit.sample(self.rng, inflate=EXPLORE_INFLATE if exploring
-                                       else DRAW_INFLATE)
-                       if draw < REDRAWS else self.fit.profile)
+            profile = (self.fit.sample(self.rng, inflate=inflate) if draw < REDRAWS
+                       else self.fit.profile)
             pick = self._best_under(profile, untried, seen, self.rng if draw < REDRAWS
                                     else None)
             if pick is not None:
