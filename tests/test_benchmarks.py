@@ -232,3 +232,40 @@ def test_the_auto_prior_benchmark_says_what_it_cannot_search_without_a_traceback
     assert done.returncode == 2 and "Traceback" not in done.stderr
     for words in said:
         assert words in done.stderr
+
+
+def test_drawn_worlds_are_held_out_worlds_that_load_and_repeat_per_seed(tmp_path):
+    """Each drawn world is an ordinary world file, the same for the same seed and index,
+    with at least one effect or wrong fact; over 24 draws every kind of effect appears,
+    and MoE dispatch only on MoE profiles."""
+    import drawn_worlds
+
+    from treetune.worlds import load_world
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "drawn_worlds.py"),
+                           "--count", "24", "--output", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    files = sorted(tmp_path.glob("*.yaml"))
+    assert [f.name for f in files] == [f"drawn-2026-{i:02d}.yaml" for i in range(24)]
+    assert drawn_worlds.draw(3) == drawn_worlds.draw(3) != drawn_worlds.draw(3, seed=7)
+    kinds: set[str] = set()
+    for path in files:
+        world = load_world(path)
+        drawn = world.effects
+        assert drawn.verify_cliffs or drawn.moe_dispatch or drawn.launch_bias \
+            or drawn.slow_launches or drawn.acceptance or world.facts != world.profile
+        if drawn.moe_dispatch:
+            assert world.profile.target.moe is not None
+        kinds |= {k for k in ("verify_cliffs", "moe_dispatch", "launch_bias", "slow_launches")
+                  if getattr(drawn, k)}
+        kinds |= {"acceptance"} if drawn.acceptance else set()
+        kinds |= {"facts"} if world.facts.hardware != world.profile.hardware else set()
+        assert world.description.startswith(f"Drawn (seed 2026, world {int(path.stem[-2:])}): "
+                                            f"{world.profile.name} with ")
+    assert kinds == {"verify_cliffs", "moe_dispatch", "launch_bias", "slow_launches",
+                     "acceptance", "facts"}
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "drawn_worlds.py"),
+                              "--count", "0", "--output", str(tmp_path)],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert refused.returncode == 2 and "--count must be >= 1" in refused.stderr
