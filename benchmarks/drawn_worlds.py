@@ -29,8 +29,9 @@ from treetune.perfmodel import load_profile
 
 PROFILES = ("qwen3-8b-h100", "qwen3-30b-a3b-h100", "qwen3-coder-next-h200")
 # Token counts per verify pass where kernels change tile or CUDA graphs change bucket:
-# powers of two, SGLang's capture sizes (multiples of 8 to 32, then of 16 and 32), and
-# coarse tiles of 64.
+# powers of two (the shipped cliffs world's), a ladder of graph-capture-like sizes (steps
+# of 8, then 16, then 32 and 64), coarse tiles of 64, and an irregular ladder none of the
+# shipped worlds has.
 BUCKETS = ((8, 16, 32, 64, 128, 256), (16, 24, 32, 48, 64, 96, 128, 192, 256),
            (64, 128, 192, 256, 384, 512), (12, 24, 40, 80, 160, 320))
 POSITIONS = 8  # top-1 acceptance drawn per depth up to here (deeper repeats the last)
