@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from treetune.perfmodel import load_profile
+from treetune.perfmodel import Profile, load_profile
+from treetune.yamlio import dump_yaml
 
 PROFILES = ("qwen3-8b-h100", "qwen3-30b-a3b-h100", "qwen3-coder-next-h200")
 # Token counts per verify pass where kernels change tile or CUDA graphs change bucket:
@@ -91,7 +91,7 @@ def draw(index: int, seed: int = 2026) -> dict[str, Any]:
     return out
 
 
-def _acceptance(profile: Any, rng: np.random.Generator) -> dict[str, dict[str, list[float]]]:
+def _acceptance(profile: Profile, rng: np.random.Generator) -> dict[str, dict[str, list[float]]]:
     """Per dataset (each with probability one half): the profile's top-1 acceptance held on
     a plateau for 1-4 positions, then dropped by 20-50%, and a rank-2 share of the miss of
     15-65% with almost nothing below it (the model's ranks decay geometrically)."""
@@ -123,7 +123,7 @@ def main() -> None:
     for index in range(args.count):
         world = draw(index, args.seed)
         path = args.output / f"{world['name']}.yaml"
-        path.write_text(yaml.safe_dump(world, sort_keys=False, width=92))
+        dump_yaml(world, path)
         print(path)
 
 

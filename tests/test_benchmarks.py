@@ -253,14 +253,13 @@ def test_drawn_worlds_are_held_out_worlds_that_load_and_repeat_per_seed(tmp_path
     for path in files:
         world = load_world(path)
         drawn = world.effects
-        assert drawn.verify_cliffs or drawn.moe_dispatch or drawn.launch_bias \
-            or drawn.slow_launches or drawn.acceptance or world.facts != world.profile
+        here = {k for k in ("verify_cliffs", "moe_dispatch", "launch_bias", "slow_launches",
+                            "acceptance") if getattr(drawn, k)}
+        here |= {"facts"} if world.facts.hardware != world.profile.hardware else set()
+        assert here, path.name
         if drawn.moe_dispatch:
             assert world.profile.target.moe is not None
-        kinds |= {k for k in ("verify_cliffs", "moe_dispatch", "launch_bias", "slow_launches")
-                  if getattr(drawn, k)}
-        kinds |= {"acceptance"} if drawn.acceptance else set()
-        kinds |= {"facts"} if world.facts.hardware != world.profile.hardware else set()
+        kinds |= here
         assert world.description.startswith(f"Drawn (seed 2026, world {int(path.stem[-2:])}): "
                                             f"{world.profile.name} with ")
     assert kinds == {"verify_cliffs", "moe_dispatch", "launch_bias", "slow_launches",
