@@ -14,6 +14,10 @@ Per world and strategy:
   feasible; baseline launch included; a study that never gets there counts as
   max_launches + 1): median and 90th percentile;
 - the same, counted until it stays within 1% to the end (`*_stable`);
+- where the misses are: of the studies that never reach the target, how many never
+  launched a target tree (within 1% of the best, truly feasible) at some batch size
+  (`unreached_unlaunched`: the search did not find it), the others having launched one
+  at every batch size without recommending it (the proof or the ranking missed it);
 - regret at the fixed budget: 1 - (true mean speedup of the recommendation / the best's),
   the worse batch size, averaged over studies;
 - false-feasible rate: recommendations (after every launch, every batch size) whose
@@ -181,6 +185,16 @@ def within_target(judged: list[tuple[list[float] | None, int, float]]) -> bool:
     return bool(judged) and min(ratio for _, _, ratio in judged) >= TARGET
 
 
+def target_trees(table: dict[TreeConfig, dict[int, list[float]]], best: dict[int, float]
+                 ) -> dict[int, set[TreeConfig]]:
+    """Per batch size, the trees a recommendation within the target could be: truly
+    feasible, their mean speedup within 1% of the best's (none where the best is no
+    speculation)."""
+    return {b: {c for c, v in table.items()
+                if truly_feasible(v[b]) and statistics.fmean(v[b]) >= TARGET * best[b]}
+            for b in best}
+
+
 @contextlib.contextmanager
 def oracle_known(order: list[TreeConfig], name: str = ORACLE) -> Iterator[None]:
     """The oracle `name`, proposing `order`, is a strategy the planner knows, within the
@@ -219,9 +233,17 @@ def study(job: Job, world: World, table: dict[TreeConfig, dict[int, list[float]]
     within: list[bool] = []
     regret_at_budget: float | None = None
     recommended = false_feasible = 0
+    targets = target_trees(table, best)
+    # Per batch size, the launch that first ran one of its target trees (0: none needed,
+    # no speculation is the best).
+    found: dict[int, int | None] = {b: None if targets[b] else 0 for b in job.batches}
 
     def after(planner: Planner) -> None:
         nonlocal regret_at_budget, recommended, false_feasible
+        launched = planner.launched[-1].config if planner.launched else None
+        for b, trees in targets.items():
+            if found[b] is None and launched in trees:
+                found[b] = planner.launches
         judged = judge_mixed(spec, planner, table, best)
         for true, batch, _ in judged:
             if true is not None:
@@ -240,6 +262,7 @@ def study(job: Job, world: World, table: dict[TreeConfig, dict[int, list[float]]
     covered, judged = coverage(planner, table, spec.dataset_names, job.batches)
     return {"world": job.world, "strategy": job.strategy, "seed": job.seed,
             "launches_to_target": first, "launches_to_stable_target": stable,
+            "target_launched": {str(b): found[b] for b in job.batches},
             "regret_at_budget": regret_at_budget if regret_at_budget is not None else 1.0,
             "recommended": recommended, "false_feasible": false_feasible,
             "covered": covered, "intervals": judged,
@@ -327,6 +350,8 @@ def _summary(mine: list[dict]) -> dict:
         "coverage_ci": coverage_ci(mine),
         "studies": len(mine),
         "reached": sum(r["launches_to_target"] <= r["launches"] for r in mine),
+        "unreached_unlaunched": sum(r["launches_to_target"] > r["launches"]
+                                    and None in r["target_launched"].values() for r in mine),
         "seconds": round(sum(r["seconds"] for r in mine), 1),
     }
 
@@ -359,6 +384,14 @@ def markdown(worlds: dict[str, dict[str, dict]], overall: dict[str, dict],
                 f"{s['p90_launches']:g} | {s['median_launches_stable']:g} | "
                 f"{s['p90_launches_stable']:g} | {s['regret_at_budget']:.2%} | "
                 f"{s['false_feasible_rate']:.2%} | {cov} | {s['reached']}/{s['studies']} |")
+    missed = [(strategy, s["studies"] - s["reached"], s["unreached_unlaunched"])
+              for strategy, s in overall.items() if s["studies"] > s["reached"]]
+    if missed:
+        lines += ["", "Unreached studies that never launched a target tree at some batch "
+                  "size (the search did not find it; the others launched one at every "
+                  "batch size but did not recommend it): " + ", ".join(
+                      f"{strategy} {never} of {unreached}"
+                      for strategy, unreached, never in missed) + "."]
     if "model" in overall and "tpe" in overall:
         ratio = overall["tpe"]["median_launches"] / overall["model"]["median_launches"]
         lines += ["", f"Over all worlds TPE needs {ratio:.1f}x the launches of the "
@@ -435,8 +468,13 @@ def progress_line(row: dict) -> str:
     first, stable = row["launches_to_target"], row["launches_to_stable_target"]
     held = (f"kept from {stable}" if stable <= row["launches"]
             else "not held to the end" if first <= row["launches"] else "never reached")
-    return (f"{row['world']} {row['strategy']} seed {row['seed']}: target at {first} "
-            f"launches ({held})")
+    line = f"{row['world']} {row['strategy']} seed {row['seed']}: target at {first} launches"
+    found = row.get("target_launched")
+    if first > row["launches"] and found:  # never reached: was a target tree launched?
+        held += "; a target tree first launched: " + ", ".join(
+            f"batch {b} {'never' if at is None else f'at {at}'}"
+            for b, at in found.items() if at != 0)
+    return f"{line} ({held})"
 
 
 def main() -> None:

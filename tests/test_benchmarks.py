@@ -52,6 +52,11 @@ def test_a_study_s_progress_line_says_whether_it_held_the_target_to_the_end():
     assert line(7, 27).endswith("target at 7 launches (kept from 27)")
     assert line(8, 31).endswith("target at 8 launches (not held to the end)")
     assert line(31, 31).endswith("target at 31 launches (never reached)")
+    missed = progress_line({"world": "cliffs", "strategy": "model", "seed": 3,
+                            "launches_to_target": 31, "launches_to_stable_target": 31,
+                            "launches": 30, "target_launched": {"1": 6, "32": None}})
+    assert missed.endswith("(never reached; a target tree first launched: batch 1 at 6, "
+                           "batch 32 never)")
 
 
 @pytest.mark.parametrize("script", ["search_efficiency.py", "model_calibration.py"])
@@ -80,6 +85,24 @@ def test_a_profile_whose_datasets_are_not_built_in_runs_in_process(world):
     assert row["median_launches_ci"] is None  # one study: no interval
     (study,) = data["studies"]  # every study's own row, for later pooling
     assert study["world"] == world and study["seed"] == 0
+    assert set(study["target_launched"]) == {"1", "32"}
+    assert 0 <= row["unreached_unlaunched"] <= row["studies"] - row["reached"]
+
+
+def test_the_target_trees_are_the_truly_feasible_ones_within_one_percent_of_the_best():
+    from search_efficiency import target_trees
+
+    from treetune.config import TreeConfig
+
+    best_tree, near, far, fast_but_slower_somewhere = (
+        TreeConfig(3, 1, 4), TreeConfig(3, 4, 12), TreeConfig(5, 8, 32), TreeConfig(2, 1, 3))
+    table = {best_tree: {1: [1.5, 1.5], 32: [0.9, 0.95]},
+             near: {1: [1.49, 1.48], 32: [0.8, 0.9]},
+             far: {1: [1.4, 1.45], 32: [0.7, 0.8]},
+             fast_but_slower_somewhere: {1: [2.2, 0.99], 32: [0.95, 0.97]}}
+    targets = target_trees(table, {1: 1.5, 32: 1.0})
+    assert targets[1] == {best_tree, near}
+    assert targets[32] == set()  # nothing is feasible: no speculation is the target
 
 
 def test_the_scaling_benchmark_s_cell_window_reaches_the_simulated_study():
