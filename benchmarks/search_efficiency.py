@@ -17,7 +17,8 @@ Per world and strategy:
 - where the misses are: of the studies that never reach the target, how many never
   launched a target tree (within 1% of the best, truly feasible) at some batch size
   (`unreached_unlaunched`: the search did not find it), the others having launched one
-  at every batch size without recommending it (the proof or the ranking missed it);
+  at every batch size but never recommended target trees at all of them at once (the
+  proof or the ranking missed them);
 - regret at the fixed budget: 1 - (true mean speedup of the recommendation / the best's),
   the worse batch size, averaged over studies;
 - false-feasible rate: recommendations (after every launch, every batch size) whose
@@ -389,7 +390,8 @@ def markdown(worlds: dict[str, dict[str, dict]], overall: dict[str, dict],
     if missed:
         lines += ["", "Unreached studies that never launched a target tree at some batch "
                   "size (the search did not find it; the others launched one at every "
-                  "batch size but did not recommend it): " + ", ".join(
+                  "batch size but never recommended target trees at all of them at "
+                  "once): " + ", ".join(
                       f"{strategy} {never} of {unreached}"
                       for strategy, unreached, never in missed) + "."]
     if "model" in overall and "tpe" in overall:
@@ -469,11 +471,11 @@ def progress_line(row: dict) -> str:
     held = (f"kept from {stable}" if stable <= row["launches"]
             else "not held to the end" if first <= row["launches"] else "never reached")
     line = f"{row['world']} {row['strategy']} seed {row['seed']}: target at {first} launches"
-    found = row.get("target_launched")
-    if first > row["launches"] and found:  # never reached: was a target tree launched?
+    # Never reached: was a target tree launched? (0: no speculation is the best there)
+    found = {b: at for b, at in row.get("target_launched", {}).items() if at != 0}
+    if first > row["launches"] and found:
         held += "; a target tree first launched: " + ", ".join(
-            f"batch {b} {'never' if at is None else f'at {at}'}"
-            for b, at in found.items() if at != 0)
+            f"batch {b} {'never' if at is None else f'at {at}'}" for b, at in found.items())
     return f"{line} ({held})"
 
 

@@ -57,6 +57,11 @@ def test_a_study_s_progress_line_says_whether_it_held_the_target_to_the_end():
                             "launches": 30, "target_launched": {"1": 6, "32": None}})
     assert missed.endswith("(never reached; a target tree first launched: batch 1 at 6, "
                            "batch 32 never)")
+    nothing_to_launch = progress_line({"world": "cliffs", "strategy": "model", "seed": 3,
+                                      "launches_to_target": 31,
+                                      "launches_to_stable_target": 31, "launches": 30,
+                                      "target_launched": {"1": 0, "32": 0}})
+    assert nothing_to_launch.endswith("(never reached)")  # no speculation is the best
 
 
 @pytest.mark.parametrize("script", ["search_efficiency.py", "model_calibration.py"])
