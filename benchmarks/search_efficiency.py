@@ -20,7 +20,8 @@ Per world and strategy:
   at every batch size but never recommended target trees at all of them at once (the
   proof or the ranking missed them);
 - regret at the fixed budget: 1 - (true mean speedup of the recommendation / the best's),
-  the worse batch size, averaged over studies;
+  the worse batch size, averaged over studies (a truly infeasible recommendation: 1; a
+  study that ends before the budget: its last recommendation);
 - false-feasible rate: recommendations (after every launch, every batch size) whose
   noise-free speedup is below 1 - tolerance on some dataset, over all recommended trees;
 - coverage: the share of the final speedup intervals (every measured tree, batch size and
@@ -183,7 +184,20 @@ def judge_mixed(spec: StudySpec, planner: Planner, table: dict[TreeConfig, dict[
 
 
 def within_target(judged: list[tuple[list[float] | None, int, float]]) -> bool:
-    return bool(judged) and min(ratio for _, _, ratio in judged) >= TARGET
+    """Every batch size's recommendation truly feasible (no speculation always is) and
+    within 1% of the best feasible mean: a tree that regresses a dataset is false-feasible,
+    never on target, however high its mean."""
+    return bool(judged) and all(
+        (true is None or truly_feasible(true[batch])) and ratio >= TARGET
+        for true, batch, ratio in judged)
+
+
+def regret(judged: list[tuple[list[float] | None, int, float]]) -> float:
+    """1 - the worse batch size's true mean speedup over the best feasible one's; a truly
+    infeasible recommendation (a shipped regression) is the worst there is, 1."""
+    if any(true is not None and not truly_feasible(true[batch]) for true, batch, _ in judged):
+        return 1.0
+    return 1.0 - min(ratio for _, _, ratio in judged)
 
 
 def target_trees(table: dict[TreeConfig, dict[int, list[float]]], best: dict[int, float]
@@ -251,8 +265,8 @@ def study(job: Job, world: World, table: dict[TreeConfig, dict[int, list[float]]
                 recommended += 1
                 false_feasible += not truly_feasible(true[batch], spec.tolerance)
         within.append(within_target(judged))
-        if judged and planner.launches == job.budget:
-            regret_at_budget = 1.0 - min(ratio for _, _, ratio in judged)
+        if judged and planner.launches <= job.budget:  # the last by the budget: a study
+            regret_at_budget = regret(judged)           # may end before it
 
     started = time.monotonic()
     noise = Noise(launch_cv=job.noise, measurement_cv=job.noise)
@@ -470,7 +484,8 @@ def progress_line(row: dict) -> str:
     first, stable = row["launches_to_target"], row["launches_to_stable_target"]
     held = (f"kept from {stable}" if stable <= row["launches"]
             else "not held to the end" if first <= row["launches"] else "never reached")
-    line = f"{row['world']} {row['strategy']} seed {row['seed']}: target at {first} launches"
+    line = (f"{row['world']} {row['strategy']} seed {row['seed']}: "
+            + (f"target at {first} launches" if first <= row["launches"] else "target"))
     # Never reached: was a target tree launched? (0: no speculation is the best there)
     found = {b: at for b, at in row.get("target_launched", {}).items() if at != 0}
     if first > row["launches"] and found:
@@ -516,6 +531,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.max_launches, args.budget = 1, 16, 12
+    if args.budget > args.max_launches:
+        parser.error(f"--budget {args.budget} is beyond --max-launches {args.max_launches}: "
+                     "the regret is read at the budget's launch, which no study reaches")
     if args.workers is None:
         args.workers = max(1, len(args.node_speeds))
     if args.workers < 1 or any(s <= 0 for s in args.node_speeds):

@@ -51,7 +51,7 @@ def test_a_study_s_progress_line_says_whether_it_held_the_target_to_the_end():
     assert line(7, 7) == "cliffs model seed 3: target at 7 launches (kept from 7)"
     assert line(7, 27).endswith("target at 7 launches (kept from 27)")
     assert line(8, 31).endswith("target at 8 launches (not held to the end)")
-    assert line(31, 31).endswith("target at 31 launches (never reached)")
+    assert line(31, 31) == "cliffs model seed 3: target (never reached)"  # no 31st launch
     missed = progress_line({"world": "cliffs", "strategy": "model", "seed": 3,
                             "launches_to_target": 31, "launches_to_stable_target": 31,
                             "launches": 30, "target_launched": {"1": 6, "32": None}})
@@ -108,6 +108,29 @@ def test_the_target_trees_are_the_truly_feasible_ones_within_one_percent_of_the_
     targets = target_trees(table, {1: 1.5, 32: 1.0})
     assert targets[1] == {best_tree, near}
     assert targets[32] == set()  # nothing is feasible: no speculation is the target
+
+
+def test_a_recommendation_that_truly_regresses_a_dataset_is_never_on_target():
+    """However high its mean, a tree truly slower than no speculation on a dataset is a
+    shipped regression: not within the target, and the worst regret."""
+    from search_efficiency import regret, within_target
+
+    # A tree's true speedups per batch size and dataset, as judge_mixed gives them.
+    feasible, regressing = {1: [1.3, 1.2]}, {1: [1.6, 0.98]}
+    on_target = [(feasible, 1, 1.25 / 1.25), (None, 32, 1.0)]  # no speculation at 32
+    assert within_target(on_target) and regret(on_target) == 0.0
+    shipped = [(regressing, 1, 1.29 / 1.25), (None, 32, 1.0)]
+    assert not within_target(shipped) and regret(shipped) == 1.0
+    short = [({1: [1.2, 1.2]}, 1, 0.96), (None, 32, 1.0)]
+    assert not within_target(short) and regret(short) == pytest.approx(0.04)
+
+
+def test_a_budget_beyond_the_launches_a_study_may_use_is_refused():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "search_efficiency.py"),
+                           "--worlds", "launch-bias", "--max-launches", "6", "--budget", "20"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--budget 20 is beyond --max-launches 6" in done.stderr
 
 
 def test_the_scaling_benchmark_s_cell_window_reaches_the_simulated_study():
