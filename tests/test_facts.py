@@ -320,6 +320,14 @@ def test_an_unknown_gpu_names_the_override():
         gpu_facts("NVIDIA RTX 9999")
 
 
+@pytest.mark.parametrize("name", ["NVIDIA L40", "NVIDIA A10", "NVIDIA H20"])
+def test_a_gpu_whose_name_begins_another_s_is_not_taken_for_it(name):
+    # The L40 has about half the L40S's dense TFLOPs, the A10 and H20 are far slower
+    # than the A100 and H200 their names begin: matched by whole words, never by letters.
+    with pytest.raises(TreetuneError, match="is not in treetune's GPU table"):
+        gpu_facts(name, "nvidia-smi on node-1")
+
+
 def test_an_ambiguous_gpu_name_lists_the_candidates():
     with pytest.raises(TreetuneError, match=r"could be H100-SXM, H100-PCIe, H100-NVL.*--gpu"):
         gpu_facts("H100")

@@ -52,11 +52,15 @@ class SeenGpu:
     tool: str = "nvidia-smi"
 
 
-def _key(name: str) -> str:
-    """A name as matched: no case, no punctuation, no vendor or product-line prefix (AMD's
-    tools print "AMD Instinct MI300X OAM" where users write "MI300X OAM")."""
+def _words(name: str) -> tuple[str, ...]:
+    """A name's words as matched: no case, no punctuation, no vendor or product-line prefix
+    (AMD's tools print "AMD Instinct MI300X OAM" where users write "MI300X OAM")."""
     text = re.sub(r"^(nvidia|amd)\s+(instinct\s+)?", "", name.strip().lower())
-    return re.sub(r"[^a-z0-9]", "", text)
+    return tuple(re.findall(r"[a-z0-9]+", text))
+
+
+def _key(name: str) -> str:
+    return "".join(_words(name))
 
 
 def table_path() -> Path:
@@ -77,16 +81,17 @@ def gpu_table() -> dict[str, GpuFacts]:
 
 
 def gpu_facts(name: str, source: str = "--gpu") -> GpuFacts:
-    """The table's entry for `name` (a table key, an nvidia-smi name or a unique prefix of
-    one); `source` says where the name came from, for the error."""
+    """The table's entry for `name` (a table key, an nvidia-smi name, or the first whole
+    words of one: "H100 NVL", not "L40" for the L40S nor "A10" for an A100, which are other
+    GPUs); `source` says where the name came from, for the error."""
     table = gpu_table()
-    wanted = _key(name)
-    spellings = {g.name: {_key(g.name), *map(_key, g.names)} for g in table.values()}
-    exact = [n for n, keys in spellings.items() if wanted in keys]
+    wanted, words = _key(name), _words(name)
+    spellings = {g.name: {_words(g.name), *map(_words, g.names)} for g in table.values()}
+    exact = [n for n, spelled in spellings.items() if wanted in {"".join(w) for w in spelled}]
     if len(exact) == 1:
         return table[exact[0]]
-    prefixed = [n for n, keys in spellings.items() if wanted and any(
-        k.startswith(wanted) for k in keys)]
+    prefixed = [n for n, spelled in spellings.items() if words and any(
+        w[:len(words)] == words for w in spelled)]
     if len(prefixed) == 1:
         return table[prefixed[0]]
     if len(prefixed) > 1:
