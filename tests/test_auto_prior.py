@@ -89,6 +89,15 @@ def test_treetune_prior_on_an_unknown_gpu_is_one_line_naming_the_gpu_option(caps
     assert err.count("\n") == 1 and "--gpu NAME" in err and "'RTX 9999'" in err
 
 
+def test_treetune_prior_refuses_an_eagle3_head_given_as_the_target(capsys):
+    # The same check as the search's own prior: models swapped by mistake would give a
+    # 0.4B "target" drafted by an 8B model, a prior of nothing real.
+    code, stdout, err = run_cli(capsys, "prior", "--model", DRAFT, "--draft", TARGET,
+                                "--gpu", "H200")
+    assert code == 2 and stdout == ""
+    assert "is an EAGLE3 draft head, not a target model: give it as the draft" in err
+
+
 def test_treetune_prior_without_a_config_names_where_it_looked(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     code, _, err = run_cli(capsys, "prior", "--model", "Org/Not-Here", "--draft", DRAFT,

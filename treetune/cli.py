@@ -345,7 +345,7 @@ def prior(
     import yaml
 
     from treetune.backends.sglang import KV_CACHE_BYTES
-    from treetune.facts import auto_prior, detect_gpu, gpu_facts, model_facts
+    from treetune.facts import build_prior
 
     if tp < 1:
         raise TreetuneError(f"--tp must be >= 1, got {tp}")
@@ -355,14 +355,12 @@ def prior(
             raise TreetuneError(f"--kv-cache-dtype '{kv_cache_dtype}' is not one of auto, "
                                 f"{', '.join(KV_CACHE_BYTES)}")
         kv_bytes = KV_CACHE_BYTES[kv_cache_dtype]
-    target_facts = model_facts(model, kv_cache_bytes=kv_bytes)
-    draft_facts = model_facts(draft, kv_cache_bytes=kv_bytes)
-    gpu_entry = gpu_facts(gpu, "--gpu") if gpu else detect_gpu()
-    profile = auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets or (), name)
+    profile = build_prior(model, draft, tp, gpu, kv_cache_bytes=kv_bytes,
+                          datasets=datasets or (), name=name)
     t = profile.target
     err.print(f"{t.name}: {t.total_params_b:.2f}B parameters ({t.active_params_b:.2f}B "
               f"active), {t.kv_bytes_per_token:.0f} KV bytes per token; draft "
-              f"{profile.draft.params_m:.0f}M; {tp} x {gpu_entry.name}", highlight=False)
+              f"{profile.draft.params_m:.0f}M; {tp} x {profile.hardware.gpu}", highlight=False)
     if output is None:
         sys.stdout.write(yaml.safe_dump(profile.to_dict(), sort_keys=False))
         return

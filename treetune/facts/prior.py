@@ -65,7 +65,7 @@ def auto_prior(target: ModelFacts, draft: ModelFacts, gpu: GpuFacts, tp: int,
 
 def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = None,
                 env: Mapping[str, str] | None = None, kv_cache_bytes: float | None = None,
-                datasets: Sequence[str] = ()) -> Profile:
+                datasets: Sequence[str] = (), name: str | None = None) -> Profile:
     """The auto prior of `model` + `draft` on `tp` GPUs: config.json files from local
     directories or the local Hugging Face cache, the GPU named by `gpu` or else the one the
     node's GPU tool (nvidia-smi, amd-smi, rocm-smi) shows this process. Raises
@@ -78,8 +78,8 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
     if target_facts.eagle3:
         raise TreetuneError(f"'{model}' ({target_facts.config_path}) is an EAGLE3 draft head,"
                             " not a target model: give it as the draft")
-    gpu_entry = gpu_facts(gpu) if gpu else detect_gpu(env)
-    return auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets)
+    gpu_entry = gpu_facts(gpu, "--gpu") if gpu else detect_gpu(env)
+    return auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets, name)
 
 
 def _slug(name: str) -> str:
