@@ -253,17 +253,25 @@ def test_refs_main_picks_the_snapshot_among_several(tmp_path):
     assert find_config("Qwen/Qwen3-8B", {"HF_HUB_CACHE": str(tmp_path)}).parent.name == "old"
 
 
-def test_a_model_found_nowhere_names_every_place_it_looked_and_downloads_nothing(tmp_path):
+def test_a_model_found_nowhere_names_where_it_looked_and_downloads_nothing(tmp_path):
     env = {"HF_HUB_CACHE": str(tmp_path / "a"), "HF_HOME": str(tmp_path / "b"),
            "HOME": str(tmp_path / "c")}
     with pytest.raises(TreetuneError) as caught:
         find_config("Org/Missing-Model", env)
     message = str(caught.value)
     assert "\n" not in message and "no config.json for 'Org/Missing-Model'" in message
-    for place in (tmp_path / "a", tmp_path / "b" / "hub",
-                  tmp_path / "c" / ".cache" / "huggingface" / "hub"):
-        assert str(place / "models--Org--Missing-Model" / "snapshots") in message
+    assert str(tmp_path / "a" / "models--Org--Missing-Model" / "snapshots") in message
     assert not any(tmp_path.rglob("*"))  # nothing was created, let alone downloaded
+
+
+def test_only_the_cache_huggingface_hub_reads_is_searched(tmp_path):
+    # A copy under HF_HOME, while HF_HUB_CACHE points elsewhere, is not what the server
+    # would load: huggingface_hub reads HF_HUB_CACHE alone then.
+    cache_with(tmp_path / "hf" / "hub", "Qwen/Qwen3-8B")
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path / "hf")}
+    with pytest.raises(TreetuneError, match=re.escape(str(tmp_path / "hub"))):
+        find_config("Qwen/Qwen3-8B", env)
+    assert find_config("Qwen/Qwen3-8B", {"HF_HOME": str(tmp_path / "hf")}).is_file()
 
 
 def test_a_local_directory_without_config_json_is_named(tmp_path):

@@ -339,7 +339,7 @@ def prior(
     starts from on SGLang, with every fitted value neutral.
 
     Nothing is downloaded: a hub name must already be in the local Hugging Face cache
-    (HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub). Use the file with
+    (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub). Use the file with
     `treetune search --prior FILE`, `treetune predict --profile FILE` or `treetune calibrate`.
     """
     import yaml

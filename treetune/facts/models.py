@@ -68,20 +68,19 @@ class ModelFacts:
 # ---- where config.json is ---------------------------------------------------------------
 
 def hub_caches(env: Mapping[str, str] | None = None) -> list[Path]:
-    """The local Hugging Face hub caches, in the order huggingface_hub itself looks:
-    HF_HUB_CACHE (or the older HUGGINGFACE_HUB_CACHE), HF_HOME/hub, then the default
-    $XDG_CACHE_HOME/huggingface/hub or ~/.cache/huggingface/hub."""
+    """The local Hugging Face hub cache, as huggingface_hub itself (and so the server)
+    resolves it: HF_HUB_CACHE (or the older HUGGINGFACE_HUB_CACHE), else HF_HOME/hub,
+    else $XDG_CACHE_HOME/huggingface/hub or ~/.cache/huggingface/hub. One: a copy in a
+    cache the server does not read is not the model it loads."""
     env = os.environ if env is None else env
-    found: list[Path] = []
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if env.get(var):
-            found.append(Path(env[var]).expanduser())
+            return [Path(env[var]).expanduser()]
     if env.get("HF_HOME"):
-        found.append(Path(env["HF_HOME"]).expanduser() / "hub")
+        return [Path(env["HF_HOME"]).expanduser() / "hub"]
     xdg = Path(env["XDG_CACHE_HOME"]).expanduser() if env.get("XDG_CACHE_HOME") else (
         Path(env.get("HOME") or Path.home()).expanduser() / ".cache")
-    found.append(xdg / "huggingface" / "hub")
-    return list(dict.fromkeys(found))
+    return [xdg / "huggingface" / "hub"]
 
 
 def find_config(model: str, env: Mapping[str, str] | None = None) -> Path:
