@@ -177,6 +177,17 @@ def test_on_an_unknown_gpu_auto_falls_back_to_tpe_naming_the_override(tmp_path):
     assert "'NVIDIA Future GPU'" in planner.note and "--gpu NAME (backend.gpu" in planner.note
 
 
+def test_a_study_of_several_draft_methods_still_says_why_auto_went_without_a_model(
+        tmp_path):
+    spec = sglang_study(tmp_path, backend={"gpu": "RTX 9999"}, methods=["EAGLE3", "NGRAM"])
+    planner = planner_for(spec)
+    assert planner.strategy_name == "tpe"
+    assert planner.note.startswith("draft methods EAGLE3 (tpe), NGRAM (tpe): one search "
+                                   "each, taking turns; no performance-model prior (GPU "
+                                   "'RTX 9999' (--gpu) is not in treetune's GPU table")
+    assert "\n" not in planner.note
+
+
 def test_the_model_strategy_asked_for_without_facts_says_why(tmp_path):
     spec = sglang_study(tmp_path, model=str(tmp_path / "nothing"), backend={"gpu": "H200"},
                         search={"strategy": "model"})

@@ -147,13 +147,15 @@ class Planner:
         self.strategy_name = strategies.resolve(spec.search.strategy, context)
         self.strategy = strategies.make(self.strategy_name, context)
         # Said once when `auto` had to go without the model search, so a user sees why.
-        self.note = (f"strategy {self.strategy_name}: no performance-model prior ({why_not})"
-                     if prior is None and why_not and spec.search.strategy == strategies.AUTO
-                     else "")
+        without = (f"no performance-model prior ({why_not})"
+                   if prior is None and why_not and spec.search.strategy == strategies.AUTO
+                   else "")
+        self.note = f"strategy {self.strategy_name}: {without}" if without else ""
         if spec.methods:  # several draft methods: one search each, taking turns
             search = search_methods(spec, store, space, context)
             self.studies, self.strategy = search.studies, search.strategy  # type: ignore[assignment]
-            self.strategy_name, self.note = search.strategy_name, search.note
+            self.strategy_name = search.strategy_name
+            self.note = "; ".join(n for n in (search.note, without) if n)
         self._plan_adaptive()  # a resumed study may be ready for them
 
     # ---- state ------------------------------------------------------------------------
