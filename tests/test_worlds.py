@@ -102,6 +102,27 @@ def test_launch_bias_is_deterministic_per_config_and_within_its_spread():
     assert factors[WIDE] == bias.factor(TreeConfig(3, 4, 8))  # every launch shares it
 
 
+def test_another_draft_method_s_trees_keep_the_world_s_effects_in_process(tmp_path):
+    """The in-process truth of another method's tree (a study of several methods) is the
+    world's, effects included, as the emulator serves it; a replayed world refuses a
+    method its profile does not describe, as the emulator does."""
+    from treetune.study.offline import method_truth
+
+    path = tmp_path / "biased-397b.yaml"
+    path.write_text("name: biased\nprofile: qwen3.5-397b-a17b-h200\neffects:\n"
+                    "  launch_bias: {spread: 0.03, seed: 11}\n")
+    world = load_world(str(path))
+    mtp = TreeConfig(3, 1, 4, method="NEXTN")
+    truth = method_truth(world.model(8), mtp)
+    plain = PerfModel(world.profile, 8, method="NEXTN")
+    factor = world.effects.launch_bias.factor(mtp)
+    assert factor != 1.0
+    assert truth.throughput(mtp, 1, "mmstar") == pytest.approx(
+        factor * plain.throughput(mtp, 1, "mmstar"), rel=1e-6)
+    with pytest.raises(TreetuneError, match="has no draft method 'NGRAM'"):
+        method_truth(load_world("replay-published").model(), TreeConfig(3, 1, 4, method="NGRAM"))
+
+
 def slow_world(tmp_path, rate: float, speed: float = 0.5,
                profile: str = "qwen3-8b-h100") -> str:
     path = tmp_path / f"slow-{rate}-{speed}-{profile}.yaml"

@@ -118,6 +118,11 @@ class PerfModel:
         self.cost = CostModel(profile, tp, self.method)
         self._trees: dict[tuple[TreeConfig, str], DraftTree] = {}
 
+    def for_method(self, method: str) -> PerfModel:
+        """The same truth for another draft method of the profile (a world keeps its
+        effects)."""
+        return PerfModel(self.profile, self.cost.tp, method)
+
     def launch_speed(self, rng: np.random.Generator) -> float:
         """A launch's own speed factor beyond the launch noise (a world's slow launches):
         1 here, drawing nothing."""

@@ -47,7 +47,7 @@ def method_truth(truth: PerfModel, config: ServerConfig) -> PerfModel:
 
 @functools.lru_cache(maxsize=32)
 def _method_model(truth: PerfModel, method: str) -> PerfModel:
-    return PerfModel(truth.profile, truth.cost.tp, method=profile_method(method))
+    return truth.for_method(profile_method(method))
 
 
 def adaptive_throughput(truth: PerfModel, config: AdaptiveConfig, batch: int, dataset: str,

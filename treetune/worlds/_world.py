@@ -165,6 +165,9 @@ class WorldModel(PerfModel):
         super().__init__(profile, tp, method)
         self.effects = effects
 
+    def for_method(self, method: str) -> WorldModel:
+        return WorldModel(self.profile, self.effects, self.cost.tp, method)
+
     def _target_extra(self, tokens: float, verify_s: float) -> float:
         e = self.effects
         out = verify_s * (e.verify_cliffs.factor(tokens) - 1.0) if e.verify_cliffs else 0.0
