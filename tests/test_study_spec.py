@@ -128,3 +128,29 @@ def test_a_space_file_named_in_a_study_file_is_found_next_to_it(tmp_path, monkey
     monkeypatch.chdir(tmp_path)  # not the study file's folder
     spec = load_study(folder / "s.yaml")
     assert spec.space == str((folder / "mine.yaml").resolve())
+
+
+def test_a_world_on_the_command_line_replaces_the_study_file_s_profile():
+    from treetune.study.spec import option_overrides
+
+    spec = load_study(STUDIES / "demo.yaml", option_overrides({"backend.world": "cliffs"}))
+    assert spec.backend.world == "cliffs" and spec.backend.profile is None
+    assert spec.backend.time_scale == load_study(STUDIES / "demo.yaml").backend.time_scale
+    with pytest.raises(ConfigFileError, match=r"^command line: key 'backend.world': give "
+                       r"backend.profile or backend.world, not both"):
+        load_study(STUDIES / "demo.yaml", option_overrides({
+            "backend.world": "cliffs", "backend.profile": "qwen3-8b-h100"}))
+
+
+@pytest.mark.parametrize(("key", "value", "blamed"), [
+    ("datasets", ["foo"], "key 'datasets[0]': unknown built-in dataset 'foo'"),
+    ("compare", ["3,4"], "key 'compare[0]': tree '3,4' must be three integers"),
+    ("methods", ["EAGLE3", "FOO"], "key 'methods[1]': draft method 'FOO' is not one of"),
+])
+def test_a_bad_command_line_value_is_blamed_on_the_command_line_not_the_file(key, value,
+                                                                             blamed):
+    from treetune.study.spec import option_overrides
+
+    with pytest.raises(ConfigFileError) as caught:
+        load_study(STUDIES / "demo.yaml", option_overrides({key: value}))
+    assert str(caught.value).startswith(f"command line: {blamed}"), str(caught.value)

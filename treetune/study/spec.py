@@ -648,6 +648,9 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
             if key == "backend" and set_here.get("kind", section.get("kind")) != \
                     section.get("kind"):
                 section = {}  # another backend: the file's section was for the old one
+            for one, other in (("world", "profile"), ("profile", "world")):
+                if key == "backend" and one in set_here and other not in set_here:
+                    section = {k: v for k, v in section.items() if k != other}  # either
             merged[key] = {**section, **set_here}
             given |= {f"{key}.{k}" for k in set_here}
         elif value is not None:
@@ -659,7 +662,8 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
         if not isinstance(exc, FieldError):
             return TreetuneError(f"{where}: {exc}")
         key = f"{section}.{exc.key}" if section else exc.key
-        source = "command line" if key in given or key.split(".")[0] in given else where
+        source = ("command line" if key in given or re.split(r"[.\[]", key)[0] in given
+                  else where)
         return ConfigFileError(source, str(exc), key)
 
     for nested, cls in SECTIONS.items():
@@ -674,12 +678,18 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
     if not merged.get("model"):
         raise TreetuneError(f"{where}: no model: give --model or set 'model' in the study file")
     merged["name"] = merged.get("name") or _default_name(merged["model"], path)
-    merged["datasets"] = tuple(_dataset(d, where, i)
+    def origin(key: str) -> Path | str:
+        return "command line" if key in given else where
+
+    merged["datasets"] = tuple(_dataset(d, origin("datasets"), i)
                                for i, d in enumerate(merged.get("datasets", ())))
     merged["batch"] = tuple(merged.get("batch", ()))
     merged["rates"] = tuple(float(r) for r in merged.get("rates", ()))
-    merged["compare"] = tuple(_tree(t, where, i) for i, t in enumerate(merged.get("compare", ())))
-    merged["methods"] = tuple(_method(m, where, i, base if path is not None else None)
+    merged["compare"] = tuple(_tree(t, origin("compare"), i)
+                              for i, t in enumerate(merged.get("compare", ())))
+    merged["methods"] = tuple(_method(m, origin("methods"), i,
+                                      base if path is not None and "methods" not in given
+                                      else None)
                               for i, m in enumerate(merged.get("methods", ())))
     if merged["methods"] and "algorithm" not in merged:
         merged["algorithm"] = merged["methods"][0].name  # the first method is the study's own
