@@ -221,3 +221,32 @@ def test_search_outcome_in_a_log_prints_every_column_name_whole_brackets_include
     assert not pieces(out, DATASETS), out
     assert lines_with(out, "measured speedups [interval]") == 1, "the header shows brackets"
     assert lines_with(out, "[interval]: where the true speedup lies") == 1, out
+
+
+@pytest.mark.parametrize("argv", [
+    ["calibrate", "-p", "qwen3-8b-h100", "--measurements", "{tmp}/pts.csv",
+     "-o", "{tmp}/missing/fit.yaml"],
+    ["grid", "--world", "cliffs", "--space", "narrow", "-o", "{tmp}/missing/grid.csv"],
+    ["prior", "--model", "m", "--draft", "d", "-o", "{tmp}/missing/p.yaml"],
+])
+def test_an_output_in_a_folder_that_does_not_exist_is_refused_before_any_work(
+        capsys, tmp_path, argv):
+    code, _, err = run_cli(capsys, *(a.format(tmp=tmp_path) for a in argv))
+    assert code == 2 and "internal error" not in err
+    assert f"--output {tmp_path}/missing/" in err and "does not exist" in err
+
+
+def test_a_grid_that_cannot_be_filled_writes_nothing_and_refuses_a_batch_below_one(
+        capsys, tmp_path):
+    # A replayed table with mt-bench alone, in a world whose profile has more datasets.
+    (tmp_path / "few.csv").write_text("steps,topk,draft_tokens,batch,dataset,throughput,"
+                                      "accept_length\n,,,1,mt-bench,100,\n"
+                                      "3,4,8,1,mt-bench,150,2.5\n")
+    (tmp_path / "w.yaml").write_text("name: few\nprofile: qwen3-8b-h100\n"
+                                     "replay: {file: few.csv}\n")
+    out = tmp_path / "grid.csv"
+    code, _, err = run_cli(capsys, "grid", "--world", str(tmp_path / "w.yaml"), "--space",
+                           "narrow", "--batch", "1", "-o", str(out))
+    assert code == 2 and "no baseline measured on" in err and not out.exists()
+    code, _, err = run_cli(capsys, "grid", "--world", "cliffs", "--batch", "0", "-o", str(out))
+    assert code == 2 and "--batch 0: batch sizes must be >= 1" in err and not out.exists()

@@ -65,6 +65,19 @@ ProfileOpt = Annotated[
 ]
 
 
+def writable(path: Path, option: str = "--output") -> Path:
+    """`path` if a file can be written there, checked before any work: else a one-line
+    error naming the option."""
+    parent = path.parent
+    if path.is_dir():
+        raise TreetuneError(f"{option} {path} is a folder: give a file name")
+    if not parent.is_dir():
+        raise TreetuneError(f"{option} {path}: the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise TreetuneError(f"{option} {path}: cannot write in {parent}")
+    return path
+
+
 @app.command()
 def predict(
     profile: ProfileOpt,
@@ -272,6 +285,7 @@ def calibrate(
     from treetune.perfmodel.calibrate import calibrate as fit
     from treetune.perfmodel.calibrate import free_parameters, load_measurements
 
+    writable(output)
     base = load_profile(profile)
     points = load_measurements(measurements, entry)
     params = free_parameters(base, points)
@@ -349,6 +363,8 @@ def prior(
 
     if tp < 1:
         raise TreetuneError(f"--tp must be >= 1, got {tp}")
+    if output is not None:
+        writable(output)
     kv_bytes = None
     if kv_cache_dtype is not None and kv_cache_dtype != "auto":
         if kv_cache_dtype not in KV_CACHE_BYTES:
@@ -532,7 +548,12 @@ def report(
     from treetune.report.html import write_report
 
     data = load_study_data(study_folder)
-    result = write_report(data, output or Path(study_folder) / "report")
+    folder = output or Path(study_folder) / "report"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TreetuneError(f"cannot write the report in {folder}: {exc.strerror}") from None
+    result = write_report(data, folder)
     for notice in result.notices:
         err.print(f"[yellow]note:[/yellow] {notice}")
     out.print(f"wrote {result.index} with {len(result.figures)} figures"
@@ -579,22 +600,27 @@ def grid(
     from treetune.space import load_space
     from treetune.worlds import load_world
 
+    bad = [b for b in batch if b < 1]
+    if bad:
+        raise TreetuneError(f"--batch {bad[0]}: batch sizes must be >= 1")
+    writable(output)
     found = load_world(world)
     model = found.model()
     trees = [c for c in load_space(space).configs()
              if check_memory(found.profile, c, max(batch), tp=found.profile.tp).fits]
+    rows = []  # all of them before the file is opened: an error leaves no partial table
+    for b in batch:
+        for dataset in found.profile.datasets:
+            rows.append(["", "", "", b, dataset,
+                         f"{model.throughput(BASELINE, b, dataset):.6g}", ""])
+            rows.extend([c.steps, c.topk, c.draft_tokens, b, dataset,
+                         f"{model.throughput(c, b, dataset):.6g}",
+                         f"{model.accept_length(c, dataset):.6g}"] for c in trees)
     with output.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["steps", "topk", "draft_tokens", "batch", "dataset", "throughput",
                          "accept_length"])
-        for b in batch:
-            for dataset in found.profile.datasets:
-                writer.writerow(["", "", "", b, dataset,
-                                 f"{model.throughput(BASELINE, b, dataset):.6g}", ""])
-                for c in trees:
-                    writer.writerow([c.steps, c.topk, c.draft_tokens, b, dataset,
-                                     f"{model.throughput(c, b, dataset):.6g}",
-                                     f"{model.accept_length(c, dataset):.6g}"])
+        writer.writerows(rows)
     out.print(f"wrote {output}: {len(trees)} trees and the baseline at batch "
               f"{', '.join(map(str, batch))} on {len(found.profile.datasets)} datasets")
 
