@@ -154,3 +154,12 @@ def test_a_bad_command_line_value_is_blamed_on_the_command_line_not_the_file(key
     with pytest.raises(ConfigFileError) as caught:
         load_study(STUDIES / "demo.yaml", option_overrides({key: value}))
     assert str(caught.value).startswith(f"command line: {blamed}"), str(caught.value)
+
+
+@pytest.mark.parametrize("host", ["", " ", "127.0.0.1 "])
+def test_an_empty_or_spaced_host_is_refused(host):
+    from treetune.study.spec import option_overrides
+
+    with pytest.raises(ConfigFileError, match=r"^command line: key 'host': host .* is not an "
+                       r"address to listen on"):
+        load_study(STUDIES / "demo.yaml", option_overrides({"host": host}))

@@ -291,6 +291,9 @@ class StudySpec:
         self._check_objective()
         if self.workers is not None and self.workers < 1:
             raise FieldError("workers", "workers must be >= 1")
+        if not self.host.strip() or any(c.isspace() for c in self.host):
+            raise FieldError("host", f"host {self.host!r} is not an address to listen on "
+                             "(127.0.0.1, the default; 0.0.0.0 for every interface)")
         if self.gpu_type is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*",
                                                           self.gpu_type):
             raise FieldError("gpu_type", f"gpu_type '{self.gpu_type}' is not a GPU type as Ray "
