@@ -228,6 +228,19 @@ def test_a_study_with_an_empty_space_is_refused_before_ray(capsys, tmp_path, cas
 def test_an_unknown_space_name_suggests_the_closest_shipped_one(capsys, tmp_path):
     message = search(capsys, write_study(tmp_path, space="defualt"))
     assert "unknown search space 'defualt' (did you mean 'default'?)" in message
+    assert not (tmp_path / "out").exists()  # refused before the storage was made
+
+
+def test_an_unknown_prior_or_a_strategy_not_installed_is_refused_before_anything_starts(
+        capsys, tmp_path, monkeypatch):
+    from treetune.strategies import gp
+
+    message = search(capsys, write_study(tmp_path), "--prior", "qwen3-8b-h10")
+    assert "qwen3-8b-h10" in message and "did you mean 'qwen3-8b-h100'" in message
+    monkeypatch.setattr(gp, "torch_installed", lambda: False)
+    message = search(capsys, write_study(tmp_path), "--strategy", "gp")
+    assert message.startswith("strategy 'gp' needs PyTorch") and "treetune[gp]" in message
+    assert not (tmp_path / "out").exists()
 
 
 # ---- 5. batch sizes ------------------------------------------------------------------------

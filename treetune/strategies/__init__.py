@@ -11,6 +11,7 @@ from treetune.strategies._base import (
     SearchContext,
     Strategy,
     make,
+    missing_requirement,
     names,
     register,
     resolve,
@@ -20,4 +21,4 @@ from treetune.strategies.methods import MethodPart, MethodsStrategy
 
 __all__ = ["AUTO", "STRATEGIES", "BatchStudies", "Estimate", "Estimates", "MethodPart",
            "MethodsStrategy", "Proposal", "SearchContext", "Strategy", "gp", "grid", "make",
-           "model", "names", "random", "register", "resolve", "tpe"]
+           "missing_requirement", "model", "names", "random", "register", "resolve", "tpe"]

@@ -110,6 +110,8 @@ class StrategyInfo:
     unavailable: Callable[[SearchContext], str | None]
     help: str
     forecasts: bool = False  # its proposals carry a forecast gain (Proposal.gain)
+    # What it needs installed, checked before a study starts (None: nothing missing).
+    requires: Callable[[], str | None] = lambda: None
 
 
 STRATEGIES: dict[str, StrategyInfo] = {}
@@ -119,13 +121,15 @@ _auto_rank: dict[str, int] = {}
 
 def register(name: str, help: str, *, auto: int | None = None,
              unavailable: Callable[[SearchContext], str | None] = lambda context: None,
-             forecasts: bool = False) -> Callable[[Any], Any]:
+             forecasts: bool = False, requires: Callable[[], str | None] = lambda: None
+             ) -> Callable[[Any], Any]:
     """Class decorator: the strategy is available by `name`; with `auto`, `auto` tries it
-    (lower first); `forecasts`: its proposals carry a forecast gain."""
+    (lower first); `forecasts`: its proposals carry a forecast gain; `requires`: what
+    it needs installed, said before a study starts."""
 
     def add(cls: Any) -> Any:
         cls.name = name
-        STRATEGIES[name] = StrategyInfo(name, cls, unavailable, help, forecasts)
+        STRATEGIES[name] = StrategyInfo(name, cls, unavailable, help, forecasts, requires)
         if auto is not None:
             _auto_rank[name] = auto
             AUTO_ORDER[:] = sorted(_auto_rank, key=_auto_rank.__getitem__)
@@ -142,13 +146,22 @@ def resolve(name: str, context: SearchContext) -> str:
     """The strategy a study runs: `auto` is the first strategy of AUTO_ORDER that can run;
     a named strategy that cannot run is refused, saying why."""
     if name == AUTO:
-        return next(n for n in AUTO_ORDER if STRATEGIES[n].unavailable(context) is None)
-    if name not in STRATEGIES:
-        raise TreetuneError(f"unknown strategy '{name}': choose one of {', '.join(names())}")
-    why = STRATEGIES[name].unavailable(context)
+        return next(n for n in AUTO_ORDER if STRATEGIES[n].requires() is None
+                    and STRATEGIES[n].unavailable(context) is None)
+    why = missing_requirement(name) or STRATEGIES[name].unavailable(context)
     if why is not None:
         raise TreetuneError(why)
     return name
+
+
+def missing_requirement(name: str) -> str | None:
+    """Why strategy `name` cannot run on this install (unknown, or a package missing), or
+    None; `auto` always can."""
+    if name == AUTO:
+        return None
+    if name not in STRATEGIES:
+        raise TreetuneError(f"unknown strategy '{name}': choose one of {', '.join(names())}")
+    return STRATEGIES[name].requires()
 
 
 def make(name: str, context: SearchContext) -> Strategy:

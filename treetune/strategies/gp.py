@@ -23,7 +23,7 @@ def torch_installed() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def missing_torch(context: SearchContext) -> str | None:
+def missing_torch() -> str | None:
     if not torch_installed():
         return ("strategy 'gp' needs PyTorch (Optuna's GPSampler runs on it), which the core "
                 "install leaves out: pip install 'treetune[gp]', or choose another strategy")
@@ -31,7 +31,7 @@ def missing_torch(context: SearchContext) -> str | None:
 
 
 @register("gp", "Optuna's GPSampler with the no-regression constraints, per batch size "
-          "(needs treetune[gp])", unavailable=missing_torch)
+          "(needs treetune[gp])", requires=missing_torch)
 class GPStrategy:
     def __init__(self, context: SearchContext) -> None:
         self.context = context

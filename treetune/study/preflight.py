@@ -10,8 +10,11 @@ import socket
 import time
 from pathlib import Path
 
+from treetune import strategies
 from treetune.datasets import load_datasets
 from treetune.errors import TreetuneError
+from treetune.perfmodel import load_profile
+from treetune.space import load_space
 from treetune.study.methods import method_spaces
 from treetune.study.spec import StudySpec
 
@@ -22,10 +25,18 @@ UNCHECKED_ADDRESSES = ("auto", "local")  # Ray resolves these itself
 
 def check_study(spec: StudySpec) -> None:
     """Everything about `spec` that can be refused before Ray starts: its datasets load,
-    each draft method's search space loads and fits the method, the cluster address
-    answers, and the backend's own checks pass."""
+    its search space (each draft method's) loads and fits the method, its strategy is
+    installed, its prior profile loads, the cluster address answers, and the backend's
+    own checks pass."""
     load_datasets(spec.datasets, Path(spec.base_dir))
+    if not spec.methods:
+        load_space(spec.space)
     method_spaces(spec)
+    why = strategies.missing_requirement(spec.search.strategy)
+    if why is not None:
+        raise TreetuneError(why)
+    if spec.search.prior is not None:
+        load_profile(spec.search.prior)
     if spec.ray_address:
         check_ray_address(spec.ray_address, RAY_CONNECT_TIMEOUT_S)
     spec.backend.check(spec.dataset_names, {**os.environ, **spec.env},
