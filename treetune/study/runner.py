@@ -557,7 +557,11 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
             claims.release_all()  # what this search will not finish, another may launch
             if others is not None:
                 claims.stop_beating()
-        if pool is not None:
+        # A local Ray goes down whole with the session (its workers, and their servers by
+        # the parent-death signal): asking its GCS to free each worker first would wait a
+        # minute per call when a SIGTERM to the process group (`timeout`, a job
+        # scheduler) has stopped the GCS already.
+        if pool is not None and not (interrupted and ray_session.started_here):
             pool.shutdown()
         ray_session.shutdown()
     if planner is None:  # interrupted before the search began: nothing new to report
