@@ -163,3 +163,17 @@ def test_an_empty_or_spaced_host_is_refused(host):
     with pytest.raises(ConfigFileError, match=r"^command line: key 'host': host .* is not an "
                        r"address to listen on"):
         load_study(STUDIES / "demo.yaml", option_overrides({"host": host}))
+
+
+@pytest.mark.parametrize(("study", "key", "value", "message"), [
+    ("qwen3-coder-next.yaml", "backend.time_scale", 5.0,
+     "'time_scale' is a setting of the emulator backend, and this study's backend is sglang"),
+    ("demo.yaml", "backend.gpu", "H200",
+     "'gpu' is a setting of the sglang backend, and this study's backend is emulator"),
+])
+def test_another_backend_s_option_names_the_backend_it_belongs_to(study, key, value, message):
+    from treetune.study.spec import option_overrides
+
+    with pytest.raises(ConfigFileError) as caught:
+        load_study(STUDIES / study, option_overrides({key: value}))
+    assert str(caught.value) == f"command line: key '{key}': {message}"

@@ -35,9 +35,10 @@ EMULATOR_INFO_KEY = "emulator"
 # summary under EMULATOR_INFO_KEY in /server_info.
 CLOCK_LAG_METRIC = "treetune_emulator_clock_lag_seconds"
 CLOCK_LAG_INFO_KEY = "clock_lag"
-CLOCK_LAG_HINT = ("lower backend.time_scale (--time-scale) or run fewer workers at once "
-                  "(--workers): the emulator runs time_scale times faster than the GPU, on a "
-                  "CPU that cannot keep up")
+CLOCK_LAG_HINT = ("run fewer workers at once (--workers), or lower backend.time_scale "
+                  "(--time-scale, in a new study: another --output, since a study resumes "
+                  "only as it was made): the emulator runs time_scale times faster than the "
+                  "GPU, on a CPU that cannot keep up")
 # The emulator answers SGLang's API, and says in server_info that it is the emulator.
 EMULATOR_API = dataclasses.replace(SGLANG_API,
                                    info_keys=(*SGLANG_API.info_keys, EMULATOR_INFO_KEY),

@@ -710,8 +710,17 @@ def _backend(section: dict[str, Any], where: Path | str, given: set[str]) -> Bac
     """The backend a section names (`kind`, SGLang by default), built from its other keys,
     which must be that backend's own fields."""
     fields = {k: v for k, v in section.items() if k != "kind"}
-    cls = backend_class(section.get("kind") or "sglang")
+    kind = section.get("kind") or "sglang"
+    cls = backend_class(kind)
     source = "command line" if any(f"backend.{k}" in given for k in fields) else where
+    own = {f.name for f in dataclasses.fields(cls)}
+    for key in fields:
+        other = next((k for k, c in BACKENDS.items() if k != kind
+                      and key in {f.name for f in dataclasses.fields(c)}), None)
+        if key not in own and other is not None:
+            raise ConfigFileError("command line" if f"backend.{key}" in given else where,
+                                  f"'{key}' is a setting of the {other} backend, and this "
+                                  f"study's backend is {kind}", f"backend.{key}")
     return build(cls, fields, source, "backend")
 
 
