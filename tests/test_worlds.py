@@ -15,7 +15,7 @@ from studykit import small_study
 from treetune.client import ServerClient
 from treetune.config import BASELINE, TreeConfig
 from treetune.datasets import Prompt, PromptSet
-from treetune.errors import TreetuneError
+from treetune.errors import ConfigFileError, TreetuneError
 from treetune.loadgen import measure_cell
 from treetune.perfmodel import PerfModel
 from treetune.perfmodel.prior import neutral_prior
@@ -396,3 +396,12 @@ def test_a_node_slower_on_every_launch_is_named_once_and_alike_nodes_are_not(tmp
     notes = study(capped, Noise(0.03, 0.03), 0)
     assert len(notes) == 1 and notes[0].startswith("node gpu-node-b runs "), notes
     assert "slower than the other nodes on the same configs" in notes[0]
+
+
+def test_moe_dispatch_on_a_dense_model_s_world_is_refused(tmp_path):
+    path = tmp_path / "dense.yaml"
+    path.write_text("name: d\nprofile: qwen3-8b-h100\neffects:\n"
+                    "  moe_dispatch: {per_token_us: 0.9, exponent: 1.6, saturation_ms: 6}\n")
+    with pytest.raises(ConfigFileError, match=r"key 'effects.moe_dispatch': moe_dispatch is "
+                       r"an MoE model's cost, and profile 'qwen3-8b-h100' is of a dense"):
+        load_world(path)

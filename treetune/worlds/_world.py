@@ -247,6 +247,9 @@ def load_world(name_or_path: str | Path) -> World:
     if not base_ref.is_absolute() and (path.parent / base_ref).is_file():
         base_ref = path.parent / base_ref
     base = load_profile(base_ref if base_ref.exists() else raw.profile)
+    if raw.effects.moe_dispatch is not None and base.target.moe is None:
+        raise ConfigFileError(path, f"moe_dispatch is an MoE model's cost, and profile "
+                              f"'{base.name}' is of a dense model", "effects.moe_dispatch")
     truth = _with_acceptance(base, raw.effects.acceptance, path)
     facts = _with_facts(base, raw.facts, path)
     replay = None
