@@ -155,8 +155,8 @@ def resolve(name: str, context: SearchContext) -> str:
 
 
 def missing_requirement(name: str) -> str | None:
-    """Why strategy `name` cannot run on this install (unknown, or a package missing), or
-    None; `auto` always can."""
+    """Why strategy `name` cannot run on this install (a package missing), or None; `auto`
+    always can. An unknown name is refused, naming the strategies there are."""
     if name == AUTO:
         return None
     if name not in STRATEGIES:

@@ -681,6 +681,7 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
     if not merged.get("model"):
         raise TreetuneError(f"{where}: no model: give --model or set 'model' in the study file")
     merged["name"] = merged.get("name") or _default_name(merged["model"], path)
+
     def origin(key: str) -> Path | str:
         return "command line" if key in given else where
 

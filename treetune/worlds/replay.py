@@ -122,10 +122,10 @@ class ReplayModel(PerfModel):
         self.batches = {d: sorted(b for b, dd in self.baseline if dd == d)
                         for d in profile.datasets}
 
-
     def for_method(self, method: str) -> ReplayModel:
         """Refused for any other method than the table's, as the emulator refuses it."""
         return ReplayModel(self.profile, self.path, self.cost.tp, method)
+
     def datasets(self) -> list[str]:
         return sorted({d for _, d in self.baseline})
 
