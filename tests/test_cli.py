@@ -250,3 +250,8 @@ def test_a_grid_that_cannot_be_filled_writes_nothing_and_refuses_a_batch_below_o
     assert code == 2 and "no baseline measured on" in err and not out.exists()
     code, _, err = run_cli(capsys, "grid", "--world", "cliffs", "--batch", "0", "-o", str(out))
     assert code == 2 and "--batch 0: batch sizes must be >= 1" in err and not out.exists()
+
+
+def test_the_top_level_help_says_how_to_get_a_traceback(capsys):
+    code, out, _ = run_cli(capsys, "--help")
+    assert code == 0 and "add --debug to any command" in " ".join(out.split())

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 app = typer.Typer(
     help="Find the best EAGLE3 speculative-decoding tree settings for SGLang servers.",
+    epilog="Errors are one paragraph with exit code 2; add --debug to any command (or set "
+    "TREETUNE_DEBUG=1) for the traceback.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
