@@ -183,7 +183,8 @@ def differences(spec: StudySpec, clean: list[LaunchResult], faulty: list[LaunchR
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the studies' seed (both runs share it)")
     parser.add_argument("--quick", action="store_true", help="20 launches, 1 worker kill")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--keep", type=Path, default=None, help="keep the studies here")
