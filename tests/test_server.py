@@ -268,3 +268,22 @@ def test_failure_reason_is_the_last_log_line_naming_an_error():
     assert failure_reason(log, 1) == "RuntimeError: CUDA out of memory. Tried to allocate 2 GiB"
     assert failure_reason("", -9) == "killed by SIGKILL"
     assert failure_reason("", 3) == "exited with code 3 before it was healthy"
+
+
+def test_a_server_on_its_way_out_is_waited_for_its_exit_code(tmp_path):
+    # A crashing server stops answering before its process is gone: the launch's reason
+    # says how it ended only if the exit is waited for (a fault test lost the code so).
+    script = "import sys, time; time.sleep(0.5); sys.exit(70)"
+    server = ServerProcess.start([sys.executable, "-c", script], log_path=tmp_path / "log",
+                                 port=free_port("127.0.0.1"))
+    try:
+        assert server.exit_code is None  # still on its way out
+        assert server.exit_code_within(10.0) == 70
+    finally:
+        server.stop()
+    still = ServerProcess.start([sys.executable, "-c", "import time; time.sleep(30)"],
+                                log_path=tmp_path / "log2", port=free_port("127.0.0.1"))
+    try:
+        assert still.exit_code_within(0.2) is None
+    finally:
+        still.stop(grace_s=0)

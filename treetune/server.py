@@ -124,6 +124,13 @@ class ServerProcess:
     def exit_code(self) -> int | None:
         return self._proc.poll()
 
+    def exit_code_within(self, wait_s: float) -> int | None:
+        """The exit code once the server has exited, waiting up to `wait_s` for it; None
+        if it is still running. A crashing server closes its sockets before its process
+        is gone: a client that found it not answering asks this, not `exit_code`."""
+        self._leader_exited(wait_s=wait_s)
+        return self._proc.poll()
+
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last `lines` lines of the server's log ('' if there is none yet)."""
         if self._pump is not None and self._proc.returncode is not None:

@@ -21,6 +21,10 @@ from treetune.config import AdaptiveConfig, Baseline, ServerConfig
 from treetune.results import CellResult, LaunchResult, config_from_key, config_key
 from treetune.study.spec import StudySpec
 
+# How long a server that stopped answering mid-benchmark gets to finish exiting, so that
+# the launch's reason says how it ended (a crash closes its sockets before its process is
+# gone; on a busy machine the gap was enough to lose the exit code from the reason).
+EXIT_GRACE_S = 5.0
 MAX_ATTEMPTS = 2  # a server that crashes mid-benchmark is retried once on a fresh server
 START_LOG_LINES = 2000  # enough of a server's log to hold its whole start-up
 
@@ -134,7 +138,7 @@ class LaunchWorker:
             result.reason = ""
         except Exception as exc:  # the server died or stopped answering mid-benchmark
             result.reason = f"benchmark failed: {_first_line(exc)}"
-            crashed = server.exit_code
+            crashed = server.exit_code_within(EXIT_GRACE_S)
             result.log_tail = server.log_tail(40)
             if crashed is not None:
                 result.reason += f" (the server exited with code {crashed})"
