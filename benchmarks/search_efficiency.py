@@ -183,21 +183,24 @@ def judge_mixed(spec: StudySpec, planner: Planner, table: dict[TreeConfig, dict[
     return out
 
 
+def ships_a_regression(judged: list[tuple[list[float] | None, int, float]]) -> bool:
+    """Some batch size's recommendation is a tree truly slower than no speculation on a
+    dataset (no speculation itself never is)."""
+    return any(true is not None and not truly_feasible(true[batch]) for true, batch, _ in judged)
+
+
 def within_target(judged: list[tuple[list[float] | None, int, float]]) -> bool:
-    """Every batch size's recommendation truly feasible (no speculation always is) and
-    within 1% of the best feasible mean: a tree that regresses a dataset is false-feasible,
-    never on target, however high its mean."""
-    return bool(judged) and all(
-        (true is None or truly_feasible(true[batch])) and ratio >= TARGET
-        for true, batch, ratio in judged)
+    """Every batch size's recommendation truly feasible and within 1% of the best feasible
+    mean: a tree that regresses a dataset is false-feasible, never on target, however high
+    its mean."""
+    return (bool(judged) and not ships_a_regression(judged)
+            and min(ratio for _, _, ratio in judged) >= TARGET)
 
 
 def regret(judged: list[tuple[list[float] | None, int, float]]) -> float:
     """1 - the worse batch size's true mean speedup over the best feasible one's; a truly
     infeasible recommendation (a shipped regression) is the worst there is, 1."""
-    if any(true is not None and not truly_feasible(true[batch]) for true, batch, _ in judged):
-        return 1.0
-    return 1.0 - min(ratio for _, _, ratio in judged)
+    return 1.0 if ships_a_regression(judged) else 1.0 - min(ratio for _, _, ratio in judged)
 
 
 def target_trees(table: dict[TreeConfig, dict[int, list[float]]], best: dict[int, float]

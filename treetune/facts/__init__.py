@@ -8,11 +8,11 @@ from treetune.facts.models import (
     MoEFacts,
     facts_from_config,
     find_config,
-    hub_caches,
+    hub_cache,
     model_facts,
 )
 from treetune.facts.prior import auto_prior, build_prior
 
 __all__ = ["GpuFacts", "MoEFacts", "ModelFacts", "SeenGpu", "auto_prior", "build_prior",
            "detect_gpu", "facts_from_config", "find_config", "gpu_facts", "gpu_table",
-           "hub_caches", "model_facts", "query_gpus"]
+           "hub_cache", "model_facts", "query_gpus"]

@@ -59,10 +59,6 @@ def _words(name: str) -> tuple[str, ...]:
     return tuple(re.findall(r"[a-z0-9]+", text))
 
 
-def _key(name: str) -> str:
-    return "".join(_words(name))
-
-
 def table_path() -> Path:
     return Path(str(resources.files("treetune") / "facts" / "gpus.yaml"))
 
@@ -85,7 +81,8 @@ def gpu_facts(name: str, source: str = "--gpu") -> GpuFacts:
     words of one: "H100 NVL", not "L40" for the L40S nor "A10" for an A100, which are other
     GPUs); `source` says where the name came from, for the error."""
     table = gpu_table()
-    wanted, words = _key(name), _words(name)
+    words = _words(name)
+    wanted = "".join(words)  # spaces and dashes aside: "H100-SXM" is "H100 SXM"
     spellings = {g.name: {_words(g.name), *map(_words, g.names)} for g in table.values()}
     exact = [n for n, spelled in spellings.items() if wanted in {"".join(w) for w in spelled}]
     if len(exact) == 1:

@@ -67,7 +67,7 @@ class ModelFacts:
 
 # ---- where config.json is ---------------------------------------------------------------
 
-def hub_caches(env: Mapping[str, str] | None = None) -> list[Path]:
+def hub_cache(env: Mapping[str, str] | None = None) -> Path:
     """The local Hugging Face hub cache, as huggingface_hub itself (and so the server)
     resolves it: HF_HUB_CACHE (or the older HUGGINGFACE_HUB_CACHE), else HF_HOME/hub,
     else $XDG_CACHE_HOME/huggingface/hub or ~/.cache/huggingface/hub. One: a copy in a
@@ -75,18 +75,18 @@ def hub_caches(env: Mapping[str, str] | None = None) -> list[Path]:
     env = os.environ if env is None else env
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if env.get(var):
-            return [Path(env[var]).expanduser()]
+            return Path(env[var]).expanduser()
     if env.get("HF_HOME"):
-        return [Path(env["HF_HOME"]).expanduser() / "hub"]
+        return Path(env["HF_HOME"]).expanduser() / "hub"
     xdg = Path(env["XDG_CACHE_HOME"]).expanduser() if env.get("XDG_CACHE_HOME") else (
         Path(env.get("HOME") or Path.home()).expanduser() / ".cache")
-    return [xdg / "huggingface" / "hub"]
+    return xdg / "huggingface" / "hub"
 
 
 def find_config(model: str, env: Mapping[str, str] | None = None) -> Path:
     """The config.json of `model`: a directory holding one, a config.json path, or a hub
-    name ("org/name") already in a local Hugging Face cache. Never downloads; when nothing
-    is found the error lists every place it looked."""
+    name ("org/name") already in the local Hugging Face cache. Never downloads; when nothing
+    is found the error says where it looked."""
     looked: list[str] = []
     path = Path(model).expanduser()
     if path.is_file():
@@ -97,12 +97,11 @@ def find_config(model: str, env: Mapping[str, str] | None = None) -> Path:
         looked.append(str(path / "config.json"))
     parts = model.strip("/").split("/")
     if len(parts) == 2 and not path.is_absolute() and not model.startswith("."):
-        repo = "models--" + "--".join(parts)
-        for cache in hub_caches(env):
-            found = _cached_config(cache / repo)
-            if found is not None:
-                return found
-            looked.append(str(cache / repo / "snapshots" / "*" / "config.json"))
+        folder = hub_cache(env) / ("models--" + "--".join(parts))
+        found = _cached_config(folder)
+        if found is not None:
+            return found
+        looked.append(str(folder / "snapshots" / "*" / "config.json"))
     elif not looked:
         looked.append(str(path / "config.json"))
     hint = (f"; put it in a local cache first (e.g. `hf download {model} config.json`) or "

@@ -648,26 +648,30 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
             # Options left unset on the command line keep the file's values.
             set_here = {k: v for k, v in value.items() if v is not None}
             section = merged.get(key) or {}
-            if key == "backend" and set_here.get("kind", section.get("kind")) != \
-                    section.get("kind"):
-                section = {}  # another backend: the file's section was for the old one
-            for one, other in (("world", "profile"), ("profile", "world")):
-                if key == "backend" and one in set_here and other not in set_here:
-                    section = {k: v for k, v in section.items() if k != other}  # either
+            if key == "backend":
+                if set_here.get("kind", section.get("kind")) != section.get("kind"):
+                    section = {}  # another backend: the file's section was for the old one
+                for one, other in (("world", "profile"), ("profile", "world")):
+                    if one in set_here and other not in set_here:  # one or the other
+                        section = {k: v for k, v in section.items() if k != other}
             merged[key] = {**section, **set_here}
             given |= {f"{key}.{k}" for k in set_here}
         elif value is not None:
             merged[key] = value
             given.add(key)
 
+    def origin(key: str) -> Path | str:
+        """Where the value at `key` ("datasets[0]", "backend.world") came from: the command
+        line when it set the key or the field it is in, else the file."""
+        return ("command line" if key in given or re.split(r"[.\[]", key)[0] in given
+                else where)
+
     def refused(exc: ValueError, section: str = "") -> TreetuneError:
         """The error for a value a check refused, blamed on the file or the command line."""
         if not isinstance(exc, FieldError):
             return TreetuneError(f"{where}: {exc}")
         key = f"{section}.{exc.key}" if section else exc.key
-        source = ("command line" if key in given or re.split(r"[.\[]", key)[0] in given
-                  else where)
-        return ConfigFileError(source, str(exc), key)
+        return ConfigFileError(origin(key), str(exc), key)
 
     for nested, cls in SECTIONS.items():
         if nested not in merged:
@@ -681,10 +685,6 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
     if not merged.get("model"):
         raise TreetuneError(f"{where}: no model: give --model or set 'model' in the study file")
     merged["name"] = merged.get("name") or _default_name(merged["model"], path)
-
-    def origin(key: str) -> Path | str:
-        return "command line" if key in given else where
-
     merged["datasets"] = tuple(_dataset(d, origin("datasets"), i)
                                for i, d in enumerate(merged.get("datasets", ())))
     merged["batch"] = tuple(merged.get("batch", ()))
@@ -714,11 +714,10 @@ def _backend(section: dict[str, Any], where: Path | str, given: set[str]) -> Bac
     kind = section.get("kind") or "sglang"
     cls = backend_class(kind)
     source = "command line" if any(f"backend.{k}" in given for k in fields) else where
-    own = {f.name for f in dataclasses.fields(cls)}
-    for key in fields:
-        other = next((k for k, c in BACKENDS.items() if k != kind
-                      and key in {f.name for f in dataclasses.fields(c)}), None)
-        if key not in own and other is not None:
+    settings = {k: {f.name for f in dataclasses.fields(c)} for k, c in BACKENDS.items()}
+    for key in set(fields) - settings[kind]:
+        other = next((k for k, names in settings.items() if key in names), None)
+        if other is not None:
             raise ConfigFileError("command line" if f"backend.{key}" in given else where,
                                   f"'{key}' is a setting of the {other} backend, and this "
                                   f"study's backend is {kind}", f"backend.{key}")
