@@ -218,34 +218,22 @@ def noise_of(spec: StudySpec, results: Iterable[LaunchResult]) -> StudyNoise:
 
 
 def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,
-                objective: Objective = Objective.THROUGHPUT, learned: bool = True
-                ) -> StudyNoise:
+                objective: Objective = Objective.THROUGHPUT, learned: bool = True,
+                windows: Iterable[LaunchResult] | None = None) -> StudyNoise:
     """The study's noise from its (merged) results: sub-window spread pooled over every
     launch and cell; launch spread pooled over every config launched more than once (the
     baseline first of all), less what the sub-windows explain, shrunk toward the prior by
     PRIOR_LAUNCHES degrees of freedom. For another objective than throughput, see
     `_objective_noise`. `learned`: whether the study re-launches at all (see
-    StudyNoise.learned)."""
+    StudyNoise.learned). `windows`: the launches whose sub-windows the window spread pools
+    (default: `results`)."""
+    results = list(results)
     if objective is not Objective.THROUGHPUT:
         return dataclasses.replace(_objective_noise(results, prior_launch_cv, objective),
                                    learned=learned)
-    window_ss = 0.0
-    window_dof = 0
-    repeated: list[LaunchResult] = []
-    for result in results:
-        if not result.ok:
-            continue
-        for cell in result.cells:
-            launches = len(cell.launch_tok_s) or 1
-            per = len(cell.repeats) // launches
-            for i in range(launches if per >= 2 else 0):
-                logs = [math.log(v) for v in cell.repeats[i * per:(i + 1) * per] if v > 0]
-                if len(logs) >= 2:
-                    mean = statistics.fmean(logs)
-                    window_ss += sum((v - mean) ** 2 for v in logs)
-                    window_dof += len(logs) - 1
-        if result.cells and len(result.cells[0].launch_tok_s) >= 2:
-            repeated.append(result)
+    window_ss, window_dof = _window_spread(results if windows is None else windows)
+    repeated = [r for r in results
+                if r.ok and r.cells and len(r.cells[0].launch_tok_s) >= 2]
     window_var = window_ss / window_dof if window_dof else None
     launch_ss = 0.0
     launch_dof = 0
@@ -267,8 +255,8 @@ def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,
         if window_var is not None:
             # The sub-windows' share of the deviations: as many of their variances as the
             # deviations have degrees of freedom.
-            windows = max(len(cells[0].repeats) // len(cells[0].launch_tok_s), 1)
-            ss -= (k - fitted) * window_var / (windows * len(cells))
+            per_launch = max(len(cells[0].repeats) // len(cells[0].launch_tok_s), 1)
+            ss -= (k - fitted) * window_var / (per_launch * len(cells))
         launch_ss += max(ss, 0.0)
         launch_dof += k - fitted
     launch_var = ((launch_ss + PRIOR_LAUNCHES * prior_launch_cv ** 2)
@@ -276,6 +264,25 @@ def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,
     return StudyNoise(math.sqrt(launch_var),
                       math.sqrt(window_var) if window_var is not None else None,
                       launch_dof, window_dof, learned=learned)
+
+
+def _window_spread(results: Iterable[LaunchResult]) -> tuple[float, int]:
+    """The sum of squared log deviations of every launch's sub-windows from their launch's
+    mean, over every cell of `results`, and its degrees of freedom."""
+    ss, dof = 0.0, 0
+    for result in results:
+        if not result.ok:
+            continue
+        for cell in result.cells:
+            launches = len(cell.launch_tok_s) or 1
+            per = len(cell.repeats) // launches
+            for i in range(launches if per >= 2 else 0):
+                logs = [math.log(v) for v in cell.repeats[i * per:(i + 1) * per] if v > 0]
+                if len(logs) >= 2:
+                    mean = statistics.fmean(logs)
+                    ss += sum((v - mean) ** 2 for v in logs)
+                    dof += len(logs) - 1
+    return ss, dof
 
 
 def _objective_noise(results: Iterable[LaunchResult], prior_cv: float,

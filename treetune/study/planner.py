@@ -528,9 +528,10 @@ class Planner:
 
     def odd_note(self, key: str) -> str | None:
         """A word for the user when one of `key`'s launches ran unlike its others
-        (`odd_launch`, judged by the noise the study learned from its other configs), once
-        per launch: a slow GPU or a busy node is worth a look. The launch still counts as
-        measured; the learned noise, and every bound with it, widens by it."""
+        (`odd_launch`, judged by the launch noise the study learned from its other configs
+        and the sub-window spread of every launch), once per launch: a slow GPU or a busy
+        node is worth a look. The launch still counts as measured; the learned noise, and
+        every bound with it, widens by it."""
         by_key: dict[str, list[LaunchResult]] = {}
         for result in self.launched:
             by_key.setdefault(config_key(result.config), []).append(result)
@@ -540,8 +541,12 @@ class Planner:
         others = [merge(r for i, r in enumerate(rs) if (k, i) not in self.told_odd)
                   for k, rs in by_key.items()
                   if any((k, i) not in self.told_odd for i in range(len(rs)))]
+        # The sub-windows of every launch, this config's too: a launch-wide factor moves
+        # none of a launch's sub-windows against another, and one other config's few
+        # windows made the yardstick (a lagged launch's two windows, one 1.6 times the other,
+        # beside two CPU hogs, hid a launch at a quarter of its config's speed).
         noise = study_noise(others, self.spec.search.launch_cv,
-                            learned=self.spec.search.learns_noise)
+                            learned=self.spec.search.learns_noise, windows=self.launched)
         odd = odd_launch(launches, noise, {i for k, i in self.told_odd if k == key})
         if odd is None:
             return None
