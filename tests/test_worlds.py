@@ -379,7 +379,7 @@ def test_a_study_names_the_slow_launches_of_the_servers_it_ran(tmp_path, ray_clu
         tmp_path, name="slow", tp=1, datasets=["humaneval"], batch=[32], workers=1,
         budget={"launches": 5}, compare=["1,4,2"],
         backend={"kind": "emulator", "world": world, "time_scale": 5.0,
-                 "load_time_s": 10.0, "noise": False},
+                 "load_time_s": 4.0, "noise": False},
         search={"strategy": "grid", "max_launches_per_config": 3, "launch_cv": 0.1},
         ray_address=ray_cluster))
     notes: list[str] = []
