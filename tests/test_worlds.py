@@ -353,6 +353,34 @@ def test_a_slow_launch_is_named_though_the_other_configs_windows_spread_widely(t
     assert launch(tree, 2, (4223.0, 4693.0)) is None  # named once
 
 
+def test_a_slow_launch_judged_early_is_named_once_later_launches_narrow_the_yardstick(
+        tmp_path):
+    """Early in a study the sub-window spread rests on a launch or two, and one lagged
+    launch makes it wide: a launch at 55% of its config's speed is within the noise then.
+    Each later launch judges it again, against the narrower yardstick, and names it once."""
+    spec = load_study(None, small_study(
+        tmp_path, datasets=["humaneval"], batch=[32],
+        search={"strategy": "grid", "max_launches_per_config": 3}))
+    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                      load_space(spec.space), [])
+
+    def launch(config, index: int, windows: tuple[float, float]) -> list[str]:
+        cell = CellResult("humaneval", 32, statistics.fmean(windows), None, 100, 10_000, 6.0,
+                          None, None, repeats=windows)
+        planner.absorb(LaunchResult(config, ok=True, cells=[cell], worker="worker-0@vm"),
+                       index)
+        return planner.odd_notes(config_key(config))
+
+    tree = TreeConfig(1, 4, 2)
+    assert launch(BASELINE, 0, (3000.0, 2000.0)) == []  # lagged: windows 1.5 times apart
+    assert launch(tree, 0, (4600.0, 4600.0)) == []
+    assert launch(tree, 1, (2530.0, 2530.0)) == []  # 55% of its first: 3.5 deviations
+    notes = [n for config in list(load_space(spec.space).configs())[:8] if config != tree
+             for n in launch(config, 0, (4000.0, 4000.0))]
+    assert len(notes) == 1 and notes[0].startswith(
+        "(1,4,2): launch 2 of 2 on worker-0@vm ran 45% slower than its other launch, "), notes
+
+
 def test_a_study_names_the_slow_launches_of_the_servers_it_ran(tmp_path, ray_cluster):
     """End to end on emulated servers: a world where half the launches run slow.
     Every launch the study names ran unlike another launch of its config, none is named

@@ -219,19 +219,19 @@ def noise_of(spec: StudySpec, results: Iterable[LaunchResult]) -> StudyNoise:
 
 def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,
                 objective: Objective = Objective.THROUGHPUT, learned: bool = True,
-                windows: Iterable[LaunchResult] | None = None) -> StudyNoise:
+                windows: tuple[float, int] | None = None) -> StudyNoise:
     """The study's noise from its (merged) results: sub-window spread pooled over every
     launch and cell; launch spread pooled over every config launched more than once (the
     baseline first of all), less what the sub-windows explain, shrunk toward the prior by
     PRIOR_LAUNCHES degrees of freedom. For another objective than throughput, see
     `_objective_noise`. `learned`: whether the study re-launches at all (see
-    StudyNoise.learned). `windows`: the launches whose sub-windows the window spread pools
-    (default: `results`)."""
+    StudyNoise.learned). `windows`: the sub-window spread to use (`window_spread` of other
+    launches than `results`; default: `results`'s)."""
     results = list(results)
     if objective is not Objective.THROUGHPUT:
         return dataclasses.replace(_objective_noise(results, prior_launch_cv, objective),
                                    learned=learned)
-    window_ss, window_dof = _window_spread(results if windows is None else windows)
+    window_ss, window_dof = window_spread(results) if windows is None else windows
     repeated = [r for r in results
                 if r.ok and r.cells and len(r.cells[0].launch_tok_s) >= 2]
     window_var = window_ss / window_dof if window_dof else None
@@ -244,9 +244,10 @@ def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,
             continue
         k = min(len(c.launch_tok_s) for c in cells)
         # The launch factor is common to the cells of a launch: average it over them.
-        deviations = [statistics.fmean(
-            math.log(c.launch_tok_s[i]) - statistics.fmean(math.log(v) for v in c.launch_tok_s[:k])
-            for c in cells) for i in range(k)]
+        logs = [[math.log(v) for v in c.launch_tok_s[:k]] for c in cells]
+        means = [statistics.fmean(row) for row in logs]
+        deviations = [statistics.fmean(row[i] - mean for row, mean in zip(logs, means, strict=True))
+                      for i in range(k)]
         ss = sum(d * d for d in deviations)
         # The baseline leveled on N nodes was fitted its N node means (`level_nodes`).
         fitted = len(result.leveled) if result.config == BASELINE and result.leveled else 1
@@ -266,7 +267,7 @@ def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,
                       launch_dof, window_dof, learned=learned)
 
 
-def _window_spread(results: Iterable[LaunchResult]) -> tuple[float, int]:
+def window_spread(results: Iterable[LaunchResult]) -> tuple[float, int]:
     """The sum of squared log deviations of every launch's sub-windows from their launch's
     mean, over every cell of `results`, and its degrees of freedom."""
     ss, dof = 0.0, 0

@@ -56,6 +56,7 @@ from treetune.study.evidence import (
     odd_launch,
     relative_variance,
     study_noise,
+    window_spread,
 )
 from treetune.study.methods import search_methods
 from treetune.study.recommend import Recommendation, recommend
@@ -526,27 +527,59 @@ class Planner:
         self._plan_adaptive()
         return merged
 
+    def odd_notes(self, key: str) -> list[str]:
+        """The `odd_note`s due once a launch of `key` finished: its own, then any other
+        config's launched more than once, whose odd launch the noise learned since may
+        show: a yardstick learned from a study's first few launches is wide, and a slow
+        launch judged then alone would never be named."""
+        by_key = self._launches_by_key()
+        repeated = {k: self._untold(k, rs) for k, rs in by_key.items()}
+        windows = window_spread(self.launched)
+        notes = []
+        for k in [key, *(k for k, rs in by_key.items() if k != key and len(rs) >= 2)]:
+            if note := self._odd_note(k, by_key, repeated, windows):
+                notes.append(note)
+                repeated[k] = self._untold(k, by_key[k])  # one fewer launch to learn from
+        return notes
+
+    def _launches_by_key(self) -> dict[str, list[LaunchResult]]:
+        by_key: dict[str, list[LaunchResult]] = {}
+        for result in self.launched:
+            by_key.setdefault(config_key(result.config), []).append(result)
+        return by_key
+
+    def _untold(self, key: str, launches: list[LaunchResult]) -> LaunchResult | None:
+        """`key`'s launches but those already said odd, merged: what its launch-to-launch
+        spread is learned from (None when fewer than two are left: nothing to learn)."""
+        kept = [r for i, r in enumerate(launches) if (key, i) not in self.told_odd]
+        return merge(kept) if len(kept) >= 2 else None
+
     def odd_note(self, key: str) -> str | None:
         """A word for the user when one of `key`'s launches ran unlike its others
         (`odd_launch`, judged by the launch noise the study learned from its other configs
         and the sub-window spread of every launch), once per launch: a slow GPU or a busy
         node is worth a look. The launch still counts as measured; the learned noise, and
         every bound with it, widens by it."""
-        by_key: dict[str, list[LaunchResult]] = {}
-        for result in self.launched:
-            by_key.setdefault(config_key(result.config), []).append(result)
-        launches = by_key.pop(key, [])
-        # The other configs' launches but those already said odd: one odd launch would
-        # widen the yardstick until the next went unnoticed.
-        others = [merge(r for i, r in enumerate(rs) if (k, i) not in self.told_odd)
-                  for k, rs in by_key.items()
-                  if any((k, i) not in self.told_odd for i in range(len(rs)))]
+        by_key = self._launches_by_key()
+        return self._odd_note(key, by_key, {k: self._untold(k, rs) for k, rs in by_key.items()},
+                              window_spread(self.launched))
+
+    def _odd_note(self, key: str, by_key: dict[str, list[LaunchResult]],
+                  repeated: dict[str, LaunchResult | None], windows: tuple[float, int]
+                  ) -> str | None:
+        """`odd_note` given the launches per config, `_untold` of each and the
+        `window_spread` of every launch."""
+        launches = by_key.get(key, [])
+        # The launch noise from the other configs' launches but those already said odd
+        # (one odd launch would widen the yardstick until the next went unnoticed); only
+        # a config with two launches or more has a spread to learn it from.
+        others = [m for k, m in repeated.items() if k != key and m is not None]
         # The sub-windows of every launch, this config's too: a launch-wide factor moves
         # none of a launch's sub-windows against another, and one other config's few
         # windows made the yardstick (a lagged launch's two windows, one 1.6 times the other,
         # beside two CPU hogs, hid a launch at a quarter of its config's speed).
         noise = study_noise(others, self.spec.search.launch_cv,
-                            learned=self.spec.search.learns_noise, windows=self.launched)
+                            learned=self.spec.search.learns_noise, windows=windows)
         odd = odd_launch(launches, noise, {i for k, i in self.told_odd if k == key})
         if odd is None:
             return None

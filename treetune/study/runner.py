@@ -532,8 +532,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                 if result.ok and result.attempts > 1:
                     progress.message += f" (second server: {result.retried_because})"
                 if result.ok:  # a launch or a node running apart, named once
-                    if odd := planner.odd_note(task.key):
-                        progress.notes.append(odd)
+                    progress.notes += planner.odd_notes(task.key)
                     progress.notes += planner.node_notes()
                 for warning in result.warnings:  # in full once, then by reference
                     first = warned.setdefault(warning, str(config))
