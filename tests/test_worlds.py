@@ -323,23 +323,32 @@ def test_a_launch_unlike_its_configs_others_is_named_once_and_noise_is_not(tmp_p
         assert [launch(plain, config, i, noisy) for i in range(3)] == [None] * 3, config
 
 
+def windows_planner(tmp_path, **search) -> Planner:
+    """The planner of a grid study of humaneval at batch 32, for `absorb_windows`."""
+    spec = load_study(None, small_study(
+        tmp_path, datasets=["humaneval"], batch=[32],
+        search={"strategy": "grid", "max_launches_per_config": 3, **search}))
+    return Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                   load_space(spec.space), [])
+
+
+def absorb_windows(planner: Planner, config, index: int, windows: tuple[float, float]) -> None:
+    """The `index`-th launch of `config`, its two sub-windows at these tok/s."""
+    cell = CellResult("humaneval", 32, statistics.fmean(windows), None, 100, 10_000, 6.0,
+                      None, None, repeats=windows)
+    planner.absorb(LaunchResult(config, ok=True, cells=[cell], worker="worker-0@vm"), index)
+
+
 def test_a_slow_launch_is_named_though_the_other_configs_windows_spread_widely(tmp_path):
     """The yardstick's sub-window spread pools every launch's windows, the named config's
     too: a baseline measured once, its two windows far apart on a busy machine, does not
     hide a tree's launch at a quarter of the tree's speed beside two at full speed. (The
     launches of an end-to-end study beside two CPU hogs; the baseline's second launch,
     slow too, is left out: told odd, it is out of the yardstick.)"""
-    spec = load_study(None, small_study(
-        tmp_path, datasets=["humaneval"], batch=[32],
-        search={"strategy": "grid", "max_launches_per_config": 3, "launch_cv": 0.1}))
-    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
-                      load_space(spec.space), [])
+    planner = windows_planner(tmp_path, launch_cv=0.1)
 
     def launch(config, index: int, windows: tuple[float, float]) -> str | None:
-        cell = CellResult("humaneval", 32, statistics.fmean(windows), None, 100, 10_000, 6.0,
-                          None, None, repeats=windows)
-        planner.absorb(LaunchResult(config, ok=True, cells=[cell], worker="worker-0@vm"),
-                       index)
+        absorb_windows(planner, config, index, windows)
         return planner.odd_note(config_key(config))
 
     tree = TreeConfig(1, 4, 2)
@@ -358,25 +367,18 @@ def test_a_slow_launch_judged_early_is_named_once_later_launches_narrow_the_yard
     """Early in a study the sub-window spread rests on a launch or two, and one lagged
     launch makes it wide: a launch at 55% of its config's speed is within the noise then.
     Each later launch judges it again, against the narrower yardstick, and names it once."""
-    spec = load_study(None, small_study(
-        tmp_path, datasets=["humaneval"], batch=[32],
-        search={"strategy": "grid", "max_launches_per_config": 3}))
-    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
-                      load_space(spec.space), [])
+    planner = windows_planner(tmp_path)
 
     def launch(config, index: int, windows: tuple[float, float]) -> list[str]:
-        cell = CellResult("humaneval", 32, statistics.fmean(windows), None, 100, 10_000, 6.0,
-                          None, None, repeats=windows)
-        planner.absorb(LaunchResult(config, ok=True, cells=[cell], worker="worker-0@vm"),
-                       index)
+        absorb_windows(planner, config, index, windows)
         return planner.odd_notes(config_key(config))
 
     tree = TreeConfig(1, 4, 2)
     assert launch(BASELINE, 0, (3000.0, 2000.0)) == []  # lagged: windows 1.5 times apart
     assert launch(tree, 0, (4600.0, 4600.0)) == []
     assert launch(tree, 1, (2530.0, 2530.0)) == []  # 55% of its first: 3.5 deviations
-    notes = [n for config in list(load_space(spec.space).configs())[:8] if config != tree
-             for n in launch(config, 0, (4000.0, 4000.0))]
+    notes = [n for config in list(load_space("bench-speculative").configs())[:8]
+             if config != tree for n in launch(config, 0, (4000.0, 4000.0))]
     assert len(notes) == 1 and notes[0].startswith(
         "(1,4,2): launch 2 of 2 on worker-0@vm ran 45% slower than its other launch, "), notes
 
