@@ -135,6 +135,10 @@ class Planner:
         self.absorbed: list[LaunchResult] = []  # other searches' results, for the strategy
         self.told_odd: set[tuple[str, int]] = set()  # (config key, launch) said odd
         self.told_nodes: set[str] = set()  # nodes said to run apart from the others
+        # A resumed study's launches were judged in the session that ran them (what was
+        # said is not stored): judged again now, in silence, so that none is named twice.
+        self.odd_notes(config_key(BASELINE))
+        self.node_notes()
         self.floor = floor_of(spec.tolerance)
         self.studies = BatchStudies(store, space)
         prior, why_not = study_prior(spec, facts)
@@ -530,16 +534,22 @@ class Planner:
     def odd_notes(self, key: str) -> list[str]:
         """The `odd_note`s due once a launch of `key` finished: its own, then any other
         config's launched more than once, whose odd launch the noise learned since may
-        show: a yardstick learned from a study's first few launches is wide, and a slow
-        launch judged then alone would never be named."""
+        show (a yardstick learned from a study's first few launches is wide, and a slow
+        launch judged then alone would never be named); judged again while one is newly
+        named, as a launch named leaves the others' yardstick."""
         by_key = self._launches_by_key()
         repeated = {k: self._untold(k, rs) for k, rs in by_key.items()}
         windows = window_spread(self.launched)
-        notes = []
-        for k in [key, *(k for k, rs in by_key.items() if k != key and len(rs) >= 2)]:
-            if note := self._odd_note(k, by_key, repeated, windows):
-                notes.append(note)
-                repeated[k] = self._untold(k, by_key[k])  # one fewer launch to learn from
+        keys = [key, *(k for k, rs in by_key.items() if k != key and len(rs) >= 2)]
+        notes: list[str] = []
+        named = True
+        while named:  # each pass that names one adds to told_odd: at most one per launch
+            named = False
+            for k in keys:
+                if note := self._odd_note(k, by_key, repeated, windows):
+                    notes.append(note)
+                    repeated[k] = self._untold(k, by_key[k])  # one fewer to learn from
+                    named = True
         return notes
 
     def _launches_by_key(self) -> dict[str, list[LaunchResult]]:
@@ -550,7 +560,8 @@ class Planner:
 
     def _untold(self, key: str, launches: list[LaunchResult]) -> LaunchResult | None:
         """`key`'s launches but those already said odd, merged: what its launch-to-launch
-        spread is learned from (None when fewer than two are left: nothing to learn)."""
+        spread is learned from (None when fewer than two are left, failed ones counted:
+        nothing to learn; a merge of one measured launch gives nothing either)."""
         kept = [r for i, r in enumerate(launches) if (key, i) not in self.told_odd]
         return merge(kept) if len(kept) >= 2 else None
 
