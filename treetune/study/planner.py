@@ -137,8 +137,9 @@ class Planner:
         self.told_nodes: set[str] = set()  # nodes said to run apart from the others
         # A resumed study's launches were judged in the session that ran them (what was
         # said is not stored): judged again now, in silence, so that none is named twice.
-        self.odd_notes(config_key(BASELINE))
-        self.node_notes()
+        if self.launched:
+            self.odd_notes(config_key(BASELINE))
+            self.node_notes()
         self.floor = floor_of(spec.tolerance)
         self.studies = BatchStudies(store, space)
         prior, why_not = study_prior(spec, facts)
@@ -532,12 +533,14 @@ class Planner:
         return merged
 
     def odd_notes(self, key: str) -> list[str]:
-        """The `odd_note`s due once a launch of `key` finished: its own, then any other
-        config's launched more than once, whose odd launch the noise learned since may
-        show (a yardstick learned from a study's first few launches is wide, and a slow
-        launch judged then alone would never be named); judged again while one is newly
-        named, as a launch named leaves the others' yardstick."""
-        by_key = self._launches_by_key()
+        """The notes (`_odd_note`) due once a launch of `key` finished: its own, then
+        any other config's launched more than once, whose odd launch the noise learned
+        since may show (a yardstick learned from a study's first few launches is wide, and
+        a slow launch judged then alone would never be named); judged again while one is
+        newly named, as a launch named leaves the others' yardstick."""
+        by_key: dict[str, list[LaunchResult]] = {}
+        for result in self.launched:
+            by_key.setdefault(config_key(result.config), []).append(result)
         repeated = {k: self._untold(k, rs) for k, rs in by_key.items()}
         windows = window_spread(self.launched)
         keys = [key, *(k for k, rs in by_key.items() if k != key and len(rs) >= 2)]
@@ -552,12 +555,6 @@ class Planner:
                     named = True
         return notes
 
-    def _launches_by_key(self) -> dict[str, list[LaunchResult]]:
-        by_key: dict[str, list[LaunchResult]] = {}
-        for result in self.launched:
-            by_key.setdefault(config_key(result.config), []).append(result)
-        return by_key
-
     def _untold(self, key: str, launches: list[LaunchResult]) -> LaunchResult | None:
         """`key`'s launches but those already said odd, merged: what its launch-to-launch
         spread is learned from (None when fewer than two are left, failed ones counted:
@@ -565,21 +562,15 @@ class Planner:
         kept = [r for i, r in enumerate(launches) if (key, i) not in self.told_odd]
         return merge(kept) if len(kept) >= 2 else None
 
-    def odd_note(self, key: str) -> str | None:
+    def _odd_note(self, key: str, by_key: dict[str, list[LaunchResult]],
+                  repeated: dict[str, LaunchResult | None], windows: tuple[float, int]
+                  ) -> str | None:
         """A word for the user when one of `key`'s launches ran unlike its others
         (`odd_launch`, judged by the launch noise the study learned from its other configs
         and the sub-window spread of every launch), once per launch: a slow GPU or a busy
         node is worth a look. The launch still counts as measured; the learned noise, and
-        every bound with it, widens by it."""
-        by_key = self._launches_by_key()
-        return self._odd_note(key, by_key, {k: self._untold(k, rs) for k, rs in by_key.items()},
-                              window_spread(self.launched))
-
-    def _odd_note(self, key: str, by_key: dict[str, list[LaunchResult]],
-                  repeated: dict[str, LaunchResult | None], windows: tuple[float, int]
-                  ) -> str | None:
-        """`odd_note` given the launches per config, `_untold` of each and the
-        `window_spread` of every launch."""
+        every bound with it, widens by it. `by_key`, `repeated`, `windows`: the launches
+        per config, `_untold` of each and the `window_spread` of every launch."""
         launches = by_key.get(key, [])
         # The launch noise from the other configs' launches but those already said odd
         # (one odd launch would widen the yardstick until the next went unnoticed); only
