@@ -119,6 +119,25 @@ def test_api_key_env_must_be_a_variable_name(tmp_path):
         load_study(path)
 
 
+@pytest.mark.parametrize(("flag", "field"), [
+    ("--speculative-num-steps", "search space"), ("--port", "free port"), ("--tp", "tp"),
+    ("--max-running-requests", "largest batch"), ("--cuda-graph-max-bs", "largest batch"),
+    ("--api-key", "api_key_env"), ("--model-path", "model"),
+])
+def test_a_flag_treetune_sets_itself_is_refused_in_server_flags(tmp_path, flag, field):
+    """A production command pasted into server_flags would override the tree (every
+    launch the same server), the port (a server no one polls) or the GPUs Ray reserved:
+    SGLang's parser keeps the last value."""
+    path = tmp_path / "s.yaml"
+    path.write_text("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1, 32]\n"
+                    f"server_flags: {{{flag}: '8'}}\n")
+    with pytest.raises(TreetuneError) as info:
+        load_study(path)
+    message = str(info.value)
+    assert f"'{flag}' is set by treetune" in message and field in message
+    assert str(path) in message and "server_flags" in message
+
+
 def test_a_space_file_named_in_a_study_file_is_found_next_to_it(tmp_path, monkeypatch):
     folder = tmp_path / "studies"
     folder.mkdir()
@@ -177,3 +196,28 @@ def test_another_backend_s_option_names_the_backend_it_belongs_to(study, key, va
     with pytest.raises(ConfigFileError) as caught:
         load_study(STUDIES / study, option_overrides({key: value}))
     assert str(caught.value) == f"command line: key '{key}': {message}"
+
+
+def test_a_server_flag_of_several_values_is_given_as_separate_words(tmp_path):
+    """SGLang's list flags (`--cuda-graph-bs 1 2 4 8`) take one word per value: a YAML
+    list is spread on the command line and kept a list in the config file; a study saved
+    and loaded again is the same study."""
+    from treetune.backends.sglang import sglang_deployment
+
+    path = tmp_path / "s.yaml"
+    path.write_text("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1, 8]\n"
+                    "server_flags: {--cuda-graph-bs: [1, 2, 4, 8], --trust-remote-code: null}\n")
+    spec = load_study(path)
+    launch = spec.launch_spec(port=1234)
+    command = spec.backend.command(launch, TreeConfig(3, 4, 8), None)
+    at = command.index("--cuda-graph-bs")
+    assert command[at:at + 6] == ["--cuda-graph-bs", "1", "2", "4", "8", "--trust-remote-code"]
+    config = sglang_deployment(launch, TreeConfig(3, 4, 8)).config_file
+    assert config["cuda-graph-bs"] == [1, 2, 4, 8] and config["trust-remote-code"] is True
+    spec.save(tmp_path / "copy" / "study.yaml")
+    again = load_study(tmp_path / "copy" / "study.yaml")
+    assert again.server_flags == spec.server_flags and again.fingerprint() == spec.fingerprint()
+    path.write_text("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\n"
+                    "server_flags: {--cuda-graph-bs: []}\n")
+    with pytest.raises(TreetuneError, match="takes at least one value"):
+        load_study(path)

@@ -80,7 +80,9 @@ class LaunchSpec:
     attention_backend: str | None = None
     mem_fraction_static: float | None = None
     enable_metrics: bool = True
-    extra_flags: tuple[tuple[str, str | None], ...] = field(default_factory=tuple)
+    # (flag, value): None for a bare flag, a tuple for a flag of several values.
+    extra_flags: tuple[tuple[str, str | tuple[str, ...] | None], ...] = field(
+        default_factory=tuple)
     # An adaptive server's JSON config file, as the server's command names it (the launch
     # worker writes it next to the server's log; an export, next to the launch script).
     adaptive_config_path: str | None = None

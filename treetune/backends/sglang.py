@@ -257,7 +257,8 @@ def server_args(
     if spec.enable_metrics:
         args.append("--enable-metrics")
     for name, value in (*spec.extra_flags, *flags):
-        args += [name] if value is None else [name, value]
+        args += ([name] if value is None else [name, *value] if isinstance(value, tuple)
+                 else [name, value])
     return args
 
 
@@ -280,12 +281,13 @@ def config_mapping(server_args: Sequence[str]) -> dict[str, Any]:
         if not flag.startswith("--"):
             raise TreetuneError(f"cannot write '{flag}' to an SGLang config file: expected a "
                                 "--flag")
-        if i + 1 < len(server_args) and not server_args[i + 1].startswith("--"):
-            out[flag[2:]] = _typed(server_args[i + 1])
-            i += 2
-        else:
-            out[flag[2:]] = True
+        values = []
+        i += 1
+        while i < len(server_args) and not server_args[i].startswith("--"):
+            values.append(_typed(server_args[i]))
             i += 1
+        # A flag of several values is a list in the file (SGLang spreads it back).
+        out[flag[2:]] = True if not values else values[0] if len(values) == 1 else values
     return out
 
 

@@ -40,6 +40,28 @@ from treetune.results import Slo, config_key
 from treetune.yamlio import build, closest, dump_yaml, load_yaml
 
 SPEC_COPY = "study.yaml"  # the resolved spec, saved in the output folder for readers
+# Launch flags treetune sets itself, each with where to say what it should be. Given again
+# in server_flags (a production command pasted whole), SGLang's parser would keep the later
+# value: every "tree" the same server, a port no one polls, GPUs Ray never reserved.
+_KNOBS = "the trees of the search space: they are what the study searches"
+_ONE_VALUE_FLAGS = ("--attention-backend", "--mem-fraction-static")  # read by the study
+MANAGED_FLAGS = {
+    "--model-path": "the study's model", "--model": "the study's model",
+    "--speculative-draft-model-path": "the study's draft",
+    "--speculative-draft-model": "the study's draft",
+    "--speculative-algorithm": "the study's algorithm or methods",
+    "--speculative-num-steps": _KNOBS, "--speculative-eagle-topk": _KNOBS,
+    "--speculative-num-draft-tokens": _KNOBS, "--speculative-ngram-max-bfs-breadth": _KNOBS,
+    "--tp-size": "the study's tp", "--tp": "the study's tp",
+    "--tensor-parallel-size": "the study's tp",
+    "--host": "the study's host", "--port": "a free port per server",
+    "--max-running-requests": "the largest batch size, so every batch can form",
+    "--cuda-graph-max-bs": "the largest batch size, under the flag the SGLang version knows",
+    "--cuda-graph-max-bs-decode": "the largest batch size, under the flag the SGLang version "
+                                  "knows",
+    "--api-key": "from the environment variable named by api_key_env: a secret does "
+                 "not belong in a study file",
+}
 
 
 def meta(option: str | None = None, help: str = "", *, short: str | None = None,
@@ -228,9 +250,9 @@ class StudySpec:
         "--sglang-version", f"SGLang version the launch flags target (default "
         f"{DEFAULT_SGLANG_VERSION})."))
     tp: int = field(default=1, metadata=meta("--tp", "Tensor-parallel size (GPUs per server)."))
-    # Values may be numbers in a file; null marks a bare flag.
-    server_flags: dict[str, str | None] = field(default_factory=dict,
-                                                metadata=meta(file_type=dict[str, Any]))
+    # Values may be numbers in a file; null marks a bare flag, a list a flag of several.
+    server_flags: dict[str, str | list[str] | None] = field(
+        default_factory=dict, metadata=meta(file_type=dict[str, Any]))
     env: dict[str, str] = field(default_factory=dict, metadata=meta(file_type=dict[str, Any]))
     space: str = field(default="default", metadata=meta(
         "--space", "Search space name or YAML path."))
@@ -309,6 +331,15 @@ class StudySpec:
         for flag in self.server_flags:
             if not flag.startswith("--"):
                 raise FieldError("server_flags", f"server_flags: '{flag}' must start with '--'")
+            value = self.server_flags[flag]
+            if isinstance(value, list) and (not value or flag in _ONE_VALUE_FLAGS):
+                raise FieldError("server_flags", f"server_flags: '{flag}' takes "
+                                 f"{'one value' if value else 'at least one value'}, got "
+                                 f"{value} (null marks a bare flag)")
+            if flag in MANAGED_FLAGS:
+                raise FieldError("server_flags", f"server_flags: '{flag}' is set by treetune "
+                                 f"for every launch ({MANAGED_FLAGS[flag]}); given here too, "
+                                 "it would override that (the last value wins)")
 
     def _check_objective(self) -> None:
         if not isinstance(self.objective, Objective):
@@ -441,7 +472,8 @@ class StudySpec:
             cuda_graph_max_bs=self.max_batch,
             attention_backend=attention,
             mem_fraction_static=float(mem_fraction) if mem_fraction else None,
-            extra_flags=tuple(flags.items()),
+            extra_flags=tuple((k, tuple(v) if isinstance(v, list) else v)
+                              for k, v in flags.items()),
         )
 
     def fingerprint(self) -> str:
@@ -697,7 +729,7 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
                               for i, m in enumerate(merged.get("methods", ())))
     if merged["methods"] and "algorithm" not in merged:
         merged["algorithm"] = merged["methods"][0].name  # the first method is the study's own
-    merged["server_flags"] = {str(k): None if v is None else str(v)
+    merged["server_flags"] = {str(k): _flag_value(v)
                               for k, v in merged.get("server_flags", {}).items()}
     merged["env"] = {str(k): str(v) for k, v in merged.get("env", {}).items()}
     merged["base_dir"] = str(base)
@@ -705,6 +737,16 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
         return StudySpec(**merged)
     except ValueError as exc:
         raise refused(exc) from None
+
+
+def _flag_value(value: Any) -> str | list[str] | None:
+    """A server flag's value as the command line takes it: None for a bare flag, a list
+    for a flag of several values (SGLang's `--cuda-graph-bs 1 2 4 8`), else one word."""
+    if value is None:
+        return None
+    if isinstance(value, list | tuple):
+        return [str(v) for v in value]
+    return str(value)
 
 
 def _backend(section: dict[str, Any], where: Path | str, given: set[str]) -> Backend:
