@@ -151,6 +151,35 @@ def test_exports_reference_the_api_key_variable_and_never_its_value(tmp_path, mo
     args = json.loads((out / "launch" / "mixed-batch1.args.json").read_text())
     assert args[-2:] == ["--api-key", "$(SERVER_KEY)"]  # Kubernetes expands $(VAR) in args
     config = (out / "launch" / "mixed-batch1.config.yaml").read_text()
-    assert "api-key" not in yaml.safe_load(config) and '--api-key "${SERVER_KEY}"' in config
+    key = '--api-key "${SERVER_KEY:?is not set: the server would run without an API key}"'
+    assert "api-key" not in yaml.safe_load(config) and key in config
     pools = (out / "POOLS.md").read_text()
-    assert pools.count('--api-key "${SERVER_KEY}"') >= 4  # two servers, two routers
+    assert pools.count(key) >= 4  # two servers, two routers
+
+
+def test_a_launch_script_stops_when_its_api_key_variable_is_unset(tmp_path, monkeypatch):
+    """SGLang takes an empty --api-key as none: a script run without the variable would
+    serve with no authentication. It stops before the server starts; with the variable
+    set, the server gets its value. The script runs the study's interpreter."""
+    import os
+    import subprocess
+
+    out = written(tmp_path, api_key_env="SERVER_KEY",
+                  backend={"kind": "sglang", "python": "sglang-python"})
+    stub = tmp_path / "bin" / "sglang-python"
+    stub.parent.mkdir()
+    stub.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    stub.chmod(0o755)
+    script = out / "launch" / "mixed-batch1.sh"
+    env = {"PATH": f"{stub.parent}:{os.environ['PATH']}", "ARGS_OUT": str(tmp_path / "args")}
+    for value in (None, ""):
+        run_env = env if value is None else {**env, "SERVER_KEY": value}
+        done = subprocess.run(["sh", str(script)], env=run_env, capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode != 0 and "SERVER_KEY: is not set" in done.stderr
+        assert not (tmp_path / "args").exists()
+    done = subprocess.run(["sh", str(script)], env={**env, "SERVER_KEY": SECRET},
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args[:2] == ["-m", "sglang.launch_server"] and args[-2:] == ["--api-key", SECRET]

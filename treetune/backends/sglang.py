@@ -303,14 +303,16 @@ def _typed(value: str) -> int | float | str:
     return value
 
 
-def sglang_deployment(launch: LaunchSpec, config: ServerConfig) -> Deployment:
+def sglang_deployment(launch: LaunchSpec, config: ServerConfig,
+                      python: str = "python") -> Deployment:
     """What production runs: `python -m sglang.launch_server ...`, and the same flags as a
-    config file where the SGLang version reads one."""
-    argv = sglang_command(config, launch, python="python")
+    config file where the SGLang version reads one. `python`: the interpreter that has
+    SGLang (a study's backend.python: the one it ran its servers with)."""
+    argv = sglang_command(config, launch, python=python)
     if not supports_config_file(version_of(launch)):
         return Deployment(argv)
     return Deployment(argv, config_mapping(argv[3:]),
-                      ["python", "-m", "sglang.launch_server", "--config"],
+                      [python, "-m", "sglang.launch_server", "--config"],
                       "SGLang >= 0.5.3")
 
 
@@ -382,7 +384,7 @@ class SGLangBackend:
         return sglang_command(config, launch, python=self.python)
 
     def deployment(self, launch: LaunchSpec, config: ServerConfig) -> Deployment:
-        return sglang_deployment(launch, config)
+        return sglang_deployment(launch, config, self.python)
 
     def check(self, datasets: list[str], env: Mapping[str, str], local: bool) -> None:
         if local:  # on a cluster, the nodes' interpreters are theirs

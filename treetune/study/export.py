@@ -98,6 +98,16 @@ def launch_argv(spec: StudySpec, rec: Recommendation, port: int | None = None,
     return deployment(spec, rec, port, adaptive_path).argv
 
 
+_KEY_PLACEHOLDER = "<the API key>"
+
+
+def key_word(variable: str) -> str:
+    """The API key as a shell word that names its variable, never its value, and stops the
+    script when the variable is unset or empty: SGLang takes an empty --api-key as none
+    and would serve without authentication."""
+    return f'"${{{variable}:?is not set: the server would run without an API key}}"'
+
+
 def launch_script(spec: StudySpec, rec: Recommendation,
                   group: list[Recommendation] | None = None) -> str:
     """A POSIX sh script: the study's environment and the full, quoted command for the
@@ -106,7 +116,7 @@ def launch_script(spec: StudySpec, rec: Recommendation,
     group = sorted(group or [rec], key=lambda r: r.batch)
     argv = launch_argv(spec, rec, adaptive_path=_NEXT_TO_SCRIPT)
     if spec.api_key_env:
-        argv += ["--api-key", f"${{{spec.api_key_env}}}"]
+        argv += ["--api-key", _KEY_PLACEHOLDER]
     if isinstance(rec.config, AdaptiveConfig):
         batches = ", ".join(str(r.batch) for r in group)
         lines = ["#!/bin/sh",
@@ -127,8 +137,7 @@ def launch_script(spec: StudySpec, rec: Recommendation,
     command = shell_line(argv)
     if spec.api_key_env:
         # The key stays in the environment: the script names the variable, never its value.
-        command = command.replace(shell_line([f"${{{spec.api_key_env}}}"]),
-                                  f'"${{{spec.api_key_env}}}"')
+        command = command.replace(shell_line([_KEY_PLACEHOLDER]), key_word(spec.api_key_env))
     if isinstance(rec.config, AdaptiveConfig):
         command = command.replace(shell_line([_NEXT_TO_SCRIPT]),
                                   f'"$(dirname "$0")/{Path(adaptive_name(rec.workload)).name}"')
@@ -155,8 +164,8 @@ def config_file(spec: StudySpec, rec: Recommendation) -> str | None:
         lines.append("# environment: " + " ".join(f"{k}={shell_line([v])}"
                                                   for k, v in sorted(spec.env.items())))
     if spec.api_key_env:
-        lines.append(f'# the API key is not in this file: add --api-key "${{{spec.api_key_env}}}" '
-                     "to the command")
+        lines.append(f"# the API key is not in this file: add --api-key "
+                     f"{key_word(spec.api_key_env)} to the command")
     body = yaml.safe_dump(found.config_file, sort_keys=False, allow_unicode=True)
     return "\n".join(lines) + "\n" + body
 
@@ -208,7 +217,7 @@ def pools_readme(spec: StudySpec, recs: list[Recommendation]) -> str | None:
     if advice is None:
         return None
     found = pools(recs)
-    key = f'"${{{spec.api_key_env}}}"' if spec.api_key_env else None
+    key = key_word(spec.api_key_env) if spec.api_key_env else None
     worker_host = _reachable(spec.host)
     out = [f"# Server pools for study '{spec.name}'", "",
            f"treetune advice: {advice}.", "",
