@@ -167,6 +167,21 @@ def test_mla_caches_one_latent_vector_per_layer_not_k_and_v_per_head():
     assert f.weight_bytes == 1.0
 
 
+@pytest.mark.parametrize(("name", "total", "moe_layers"), [
+    ("meta-llama/Llama-4-Scout-17B-16E-Instruct", 109, 48),
+    ("meta-llama/Llama-4-Maverick-17B-128E-Instruct", 400, 24),
+])
+def test_llama4_counts_its_interleaved_moe_layers_and_its_shared_expert(name, total, moe_layers):
+    """Every second Maverick layer is dense, with its own wider MLP, and each MoE layer
+    runs one shared expert beside its one routed expert: counted as all MoE with no shared
+    expert, Maverick came out at 778B total and 11B active. The cards count the vision
+    tower too (about 1B), which decoding never runs."""
+    f = model_facts(fixture(name))
+    assert f.moe is not None and (f.moe.layers, f.moe.shared_experts) == (moe_layers, 1)
+    assert within(f.total_params / 1e9, total, 0.02) and within(f.active_params / 1e9, 17, 0.02)
+    assert f.kv_bytes_per_token == 48 * 2 * 8 * 128 * 2
+
+
 def test_an_eagle3_head_counts_its_layer_fc_and_draft_vocabulary_head_not_the_embedding():
     f = model_facts(fixture("thoughtworks/Qwen3-Coder-Next-Eagle3"))
     h = 2048

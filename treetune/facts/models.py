@@ -216,7 +216,8 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
     moe = _moe(c, h, layers)
     attention = _attention_params(c, h, h)
     linear = _linear_attention_params(c, h) if "linear" in kinds else 0
-    dense_mlp = 3 * h * c.int("intermediate_size", default=0)  # gated (SwiGLU) MLPs
+    # Gated (SwiGLU) MLPs; Llama 4's dense layers have their own, wider size.
+    dense_mlp = 3 * h * c.int("intermediate_size_mlp", "intermediate_size", default=0)
     total = active = 0
     for i, mixer_type in enumerate(kinds):
         mixer = attention if mixer_type == "attention" else linear
@@ -371,12 +372,20 @@ def _moe(c: _Config, h: int, layers: int) -> _MoE | None:
         first, freq = c.int("first_k_dense_replace", default=0), c.int("moe_layer_freq",
                                                                          default=1)
         moe_layers = {i for i in range(layers) if i >= first and i % max(freq, 1) == 0}
+    elif isinstance(c.get("moe_layers"), list):  # Llama 4: the MoE layers listed
+        moe_layers = {int(i) for i in c.get("moe_layers") if 0 <= int(i) < layers}
+    elif c.get("interleave_moe_layer_step") is not None:  # Llama 4, without the list
+        step = c.int("interleave_moe_layer_step")
+        moe_layers = set(range(step - 1, layers, step)) if step > 0 else set()
     else:  # Qwen MoE: decoder_sparse_step, minus mlp_only_layers
         step = c.int("decoder_sparse_step", default=1)
         dense = set(c.get("mlp_only_layers", []) or [])
         moe_layers = {i for i in range(layers)
                       if i not in dense and step > 0 and (i + 1) % step == 0}
-    shared_count = c.int("n_shared_experts", "num_shared_experts", default=0)
+    # Llama 4's MoE layers each run one shared expert of the routed experts' size, which
+    # its config does not count.
+    llama4 = c.get("model_type") == "llama4_text"
+    shared_count = c.int("n_shared_experts", "num_shared_experts", default=1 if llama4 else 0)
     shared_dim = c.int("shared_expert_intermediate_size", default=0)
     if shared_dim:  # Qwen2-MoE / Qwen3-Next: one shared expert of its own size, gated
         shared_count = shared_count or 1
