@@ -35,12 +35,13 @@ def finished(tmp_path_factory):
         for name, value in ray_env(ray_dir).items():
             env.setenv(name, value)
         spec = load_study(None, small_study(tmp))
-        outcome = run_study(spec)
-    return spec, outcome
+        notes: list[str] = []
+        outcome = run_study(spec, lambda p: notes.extend(n for n in p.notes if n not in notes))
+    return spec, outcome, notes
 
 
 def test_a_study_measures_every_cell_of_every_launch_against_one_baseline(finished):
-    spec, outcome = finished
+    spec, outcome, _ = finished
     assert len(outcome.results) == 5 and all(r.ok for r in outcome.results)
     keys = [config_key(r.config) for r in outcome.results]
     assert keys.count("baseline") == 1 and "3,4,8" in keys
@@ -54,8 +55,22 @@ def test_a_study_measures_every_cell_of_every_launch_against_one_baseline(finish
     assert {r.worker.split("@")[0] for r in outcome.results} == {"worker-0", "worker-1"}
 
 
+def test_a_tree_served_by_another_attention_backend_than_the_baseline_is_named(finished):
+    """The study pins no attention backend: the emulator, as SGLang on Hopper, serves the
+    baseline and chains with fa3 and trees of topk > 1 with flashinfer, so the study
+    compares kernels too. Said once, with the flag that pins one."""
+    _, outcome, notes = finished
+    kernels = {getattr(r.config, "topk", 0): r.server_info["attention_backend"]
+               for r in outcome.results}
+    assert kernels[0] == "fa3" and kernels[4] == "flashinfer"  # (3,4,8) is compared
+    named = [n for n in notes if "ran attention backend" in n]
+    assert len(named) == 1, notes
+    assert "ran attention backend flashinfer, the baseline fa3" in named[0]
+    assert "{--attention-backend: fa3}" in named[0]
+
+
 def test_the_storage_holds_launches_and_a_constrained_study_per_batch(finished):
-    spec, outcome = finished
+    spec, outcome, _ = finished
     names = {s.study_name for s in optuna.get_all_study_summaries(spec.storage_url)}
     assert names == {"small:launches", "small:batch-1", "small:batch-8"}
     study = optuna.load_study(study_name="small:batch-8", storage=spec.storage_url)
@@ -72,7 +87,7 @@ def test_the_storage_holds_launches_and_a_constrained_study_per_batch(finished):
 
 
 def test_recommendations_and_launch_scripts_are_written(finished):
-    spec, outcome = finished
+    spec, outcome, _ = finished
     write_outputs(spec, recommend(spec, outcome.results, outcome.baseline), spec.output_dir)
     records = json.loads((spec.output_dir / "recommendations.json").read_text())
     assert {(r["workload"], r["batch"]) for r in records} == {
@@ -87,7 +102,7 @@ def test_recommendations_and_launch_scripts_are_written(finished):
 
 
 def test_rerunning_resumes_without_relaunching_completed_configs(finished, ray_cluster):
-    spec, outcome = finished
+    spec, outcome, _ = finished
     # Resumed on another Ray (an address is not part of what a study is).
     more = spec.replace(budget=spec.budget.__class__(launches=7), ray_address=ray_cluster)
     again = run_study(more)
@@ -102,7 +117,7 @@ def test_rerunning_resumes_without_relaunching_completed_configs(finished, ray_c
 
 
 def test_a_changed_spec_is_refused_before_any_launch(finished):
-    spec, _ = finished
+    spec, _, _ = finished
     changed = spec.replace(batch=(1, 16))
     with pytest.raises(Exception, match="different spec"):
         StudyStore(changed)

@@ -135,11 +135,13 @@ class Planner:
         self.absorbed: list[LaunchResult] = []  # other searches' results, for the strategy
         self.told_odd: set[tuple[str, int]] = set()  # (config key, launch) said odd
         self.told_nodes: set[str] = set()  # nodes said to run apart from the others
+        self.told_kernels: set[str] = set()  # attention backends said to differ
         # A resumed study's launches were judged in the session that ran them (what was
         # said is not stored): judged again now, in silence, so that none is named twice.
         if self.launched:
             self.odd_notes(config_key(BASELINE))
             self.node_notes()
+            self.kernel_notes()
         self.floor = floor_of(spec.tolerance)
         self.studies = BatchStudies(store, space)
         prior, why_not = study_prior(spec, facts)
@@ -618,6 +620,33 @@ class Planner:
                 "with the baseline run on its own node, as it does on every node, but "
                 "trees measured on unlike nodes are ranked less surely. Nodes that run "
                 "alike need fewer launches")
+        return notes
+
+    def kernel_notes(self) -> list[str]:
+        """A word for the user, once per attention backend, when a tree's server resolved
+        another attention backend than the baseline's (its `server_info`): left to
+        choose, SGLang on Hopper takes fa3 for chains and no speculation but flashinfer or
+        triton for trees of topk > 1, so the study would compare kernels as well as
+        trees. Pinning one in `server_flags` is the remedy."""
+        def backend(result: LaunchResult) -> str | None:
+            value = result.server_info.get("attention_backend")
+            return str(value) if result.ok and value else None
+
+        base = {b for r in self.launched if r.config == BASELINE and (b := backend(r))}
+        if not base:
+            return []
+        notes = []
+        for result in self.launched:
+            kernel = backend(result)
+            if result.config == BASELINE or kernel is None or kernel in base | self.told_kernels:
+                continue
+            self.told_kernels.add(kernel)
+            notes.append(
+                f"{result.config} ran attention backend {kernel}, the baseline "
+                f"{' and '.join(sorted(base))}: the study compares kernels as well as trees "
+                "(SGLang picks the backend by topk unless told). Pin one in the study's "
+                "server_flags, e.g. {--attention-backend: "
+                f"{sorted(base)[0]}}}, and start a new study")
         return notes
 
     def _record(self, key: str, result: LaunchResult) -> LaunchResult:

@@ -534,6 +534,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                 if result.ok:  # a launch or a node running apart, named once
                     progress.notes += planner.odd_notes(task.key)
                     progress.notes += planner.node_notes()
+                    progress.notes += planner.kernel_notes()
                 for warning in result.warnings:  # in full once, then by reference
                     first = warned.setdefault(warning, str(config))
                     progress.notes.append(f"{config}: {warning}" if first == str(config)
