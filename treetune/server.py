@@ -35,6 +35,7 @@ REASON_PATTERNS = (
     re.compile(r"error|exception|killed|abort", re.IGNORECASE),
 )
 MAX_REASON_CHARS = 300
+GROUP_EXIT_S = 30.0  # how long a stopped server's processes may take to exit
 
 
 class ServerStartError(TreetuneError):
@@ -62,6 +63,30 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Processes of process group `pgid` that have not exited (zombies left out: a
+    container's init may never reap the orphans). Where there is no /proc, whether any
+    process of the group answers a signal."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    members = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
 
 
 class ServerProcess:
@@ -187,6 +212,11 @@ class ServerProcess:
             self._kill_group(signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=10)
+            # A tensor-parallel worker frees its GPU memory only as it exits: the next
+            # server on these GPUs must not start before the whole group is gone.
+            deadline = time.monotonic() + GROUP_EXIT_S
+            while group_members(self.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
         return self._proc.returncode
 
     def __enter__(self) -> ServerProcess:
