@@ -368,3 +368,38 @@ def test_an_overloaded_server_shows_in_unfinished_requests_and_a_rate_below_the_
     # this very call, not a fixed margin.
     assert 3.0 * 0.9 <= cell.duration_s <= max(3.0 * 1.1, took)
     assert metrics_after["sglang:num_running_reqs"] == 0  # the unfinished were aborted
+
+
+class _StaleMetrics:
+    """A server's /metrics as SGLang's may read after a cell: the running gauge frozen at
+    the last batch's size, or moving until it reads 0."""
+
+    api = EMULATOR_API
+    base_url = "http://127.0.0.1:1"
+
+    def __init__(self, frames: list[dict[str, float]]) -> None:
+        self.frames, self.reads = frames, 0
+
+    async def metrics(self) -> dict[str, float]:
+        frame = self.frames[min(self.reads, len(self.frames) - 1)]
+        self.reads += 1
+        return frame
+
+
+def test_drain_stops_waiting_once_a_frozen_gauge_and_its_counters_stand_still():
+    """SGLang can hold num_running_reqs at the last batch's size for 30 s after going idle:
+    nothing moving for the quiet time counts as drained. While the counters move, the
+    drain waits for the gauge to read 0."""
+    from treetune.loadgen._common import DRAIN_TIMEOUT_S, drain
+
+    api = EMULATOR_API
+    frozen = {api.running: 24.0, api.queued: 0.0, api.generated_tokens: 5000.0,
+              api.verify_calls: 2000.0}
+    client = _StaleMetrics([frozen])
+    started = time.monotonic()
+    asyncio.run(drain(client, quiet_s=0.3))  # type: ignore[arg-type]
+    assert time.monotonic() - started < DRAIN_TIMEOUT_S / 2 and client.reads >= 3
+    busy = [{**frozen, api.generated_tokens: 5000.0 + 10 * i} for i in range(12)]
+    client = _StaleMetrics([*busy, {**frozen, api.running: 0.0}])
+    asyncio.run(drain(client, quiet_s=0.3))  # type: ignore[arg-type]
+    assert client.reads == len(busy) + 1  # waited through the moving counters for the 0

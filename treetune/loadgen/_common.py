@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 MIN_FAILURES = 5  # failed requests in a row that end a cell, at least
 DRAIN_TIMEOUT_S = 30.0  # wall seconds to wait for the server to finish aborted requests
+DRAIN_QUIET_S = 3.0  # wall seconds of unmoving gauges and counters that count as drained
 HEARTBEAT_S = 0.01  # wall seconds between the load generator's checks of its own timers
 
 
@@ -146,20 +148,33 @@ async def stop(tasks: list[asyncio.Task[None]]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def drain(client: ServerClient) -> None:
-    """Wait (bounded) until the server has no running or queued requests."""
+async def drain(client: ServerClient, quiet_s: float = DRAIN_QUIET_S) -> None:
+    """Wait (bounded) until the server has no running or queued requests, or until its
+    gauges and counters have not moved for `quiet_s`: SGLang may hold the running gauge at
+    the last batch's size for up to 30 s after its scheduler went idle (its idle-time
+    report is rate-limited), and waiting that out after every cell wasted minutes a
+    launch."""
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     values: dict[str, float] = {}
-    running, queued = client.api.running, client.api.queued
+    api = client.api
+    watched = (api.running, api.queued, api.generated_tokens, api.verify_calls)
+    seen: tuple[float, ...] | None = None
+    still_since = time.monotonic()
     while time.monotonic() < deadline:
         with contextlib.suppress(ServerRequestError):
             values = await client.metrics()
-            if values.get(running, 0.0) == 0 and values.get(queued, 0.0) == 0:
+            if values.get(api.running, 0.0) == 0 and values.get(api.queued, 0.0) == 0:
+                return
+            now = tuple(values.get(name, math.nan) for name in watched)
+            if seen is None or any(a != b and not (math.isnan(a) and math.isnan(b))
+                                   for a, b in zip(now, seen, strict=True)):
+                seen, still_since = now, time.monotonic()
+            elif time.monotonic() - still_since >= quiet_s:
                 return
         await asyncio.sleep(0.05)
     log.warning("%s still reports %g running and %g queued requests %g s after the cell",
-                client.base_url, values.get(running, float("nan")),
-                values.get(queued, float("nan")), DRAIN_TIMEOUT_S)
+                client.base_url, values.get(api.running, float("nan")),
+                values.get(api.queued, float("nan")), DRAIN_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
