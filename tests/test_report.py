@@ -17,6 +17,7 @@ import synthetic
 
 from treetune.cli import main
 from treetune.config import BASELINE, TreeConfig
+from treetune.errors import TreetuneError
 from treetune.report import figures
 from treetune.report.data import StudyData, load_study_data
 from treetune.report.html import write_report
@@ -320,3 +321,16 @@ def test_a_study_loads_from_its_storage_url_as_from_its_folder(small_study):
     assert len(by_url.results) == len(by_folder.results)
     assert [r.record() for r in by_url.recommendations] == [
         r.record() for r in by_folder.recommendations]
+
+
+def test_a_copied_study_folder_is_read_from_its_own_storage(small_study, tmp_path):
+    """study.yaml names the folder the search wrote; a copy (or a moved folder) is read
+    from the study.db beside it, not from the original's, which may hold other data."""
+    copy = tmp_path / "copy"
+    shutil.copytree(small_study, copy)
+    data = load_study_data(copy)
+    assert data.storage_url == f"sqlite:///{(copy / 'study.db').resolve()}"
+    assert len(data.results) == len(load_study_data(small_study).results)
+    (copy / "study.db").unlink()
+    with pytest.raises(TreetuneError, match=str(copy)):
+        load_study_data(copy)

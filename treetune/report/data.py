@@ -107,6 +107,10 @@ def load_study_data(source: str | Path, study: str | None = None) -> StudyData:
             raise TreetuneError(f"{folder} is not a treetune study folder: no {SPEC_COPY} in "
                                 "it (run `treetune search` with --output pointing there)")
         spec = load_study(spec_path)
+        if spec.storage is None and spec.output_dir.resolve() != folder.resolve():
+            # A folder moved or copied since the search: its own study.db, not the one
+            # where the search left it (which may be gone, or another study's by now).
+            spec = spec.replace(output=str(folder))
     stored = read_study(spec)
     # One per config, re-launches merged, nodes leveled: what the search judged.
     results = list(merge_leveled(stored.results).values())
