@@ -255,3 +255,22 @@ def test_a_grid_that_cannot_be_filled_writes_nothing_and_refuses_a_batch_below_o
 def test_the_top_level_help_says_how_to_get_a_traceback(capsys):
     code, out, _ = run_cli(capsys, "--help")
     assert code == 0 and "add --debug to any command" in " ".join(out.split())
+
+
+def test_a_search_says_why_it_stopped(tmp_path):
+    """A search that ends before its launch budget says which budget or that nothing was
+    left to launch; one that spent it says how to go on."""
+    import time
+
+    from synthetic import spec
+
+    from treetune.study.runner import _why_ended
+
+    study = spec(tmp_path, budget={"launches": 10, "wall_time_s": 12})
+    assert _why_ended(study, 10, None, False).startswith(
+        "the launch budget is spent (10 of 10 launches); raise --budget-launches")
+    assert _why_ended(study, 4, time.monotonic() - 1, False).startswith(
+        "the wall-time budget of 12 s is spent (4 of 10 launches)")
+    assert _why_ended(study, 5, time.monotonic() + 60, False).startswith(
+        "nothing left worth launching (5 of 10 launches)")
+    assert "taken by its searches together" in _why_ended(study, 3, None, True)

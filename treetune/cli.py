@@ -421,6 +421,8 @@ def search(study: Path | None = None, **options: Any) -> None:
         _print_outcome(spec, outcome, recs, advice(recs))
         if note:
             out.print(f"[bold]objective:[/bold] {escape(note)}")
+    if outcome.ended:
+        out.print(f"[bold]stopped:[/bold] {escape(outcome.ended)}")
     if outcome.interrupted:
         err.print("interrupted: servers stopped, results so far are stored; rerun the same "
                   "command to resume")

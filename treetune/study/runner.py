@@ -74,6 +74,7 @@ class StudyOutcome:
     launches: int = 0  # server launches stored, re-measurements included
     strategy: str = ""
     recommendations: list[Recommendation] = field(default_factory=list)  # as stored
+    ended: str = ""  # why the search stopped, when it was not interrupted
 
 
 class _Ray:
@@ -568,9 +569,27 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         raise KeyboardInterrupt
     if others is not None:
         stale += others.stale
+    ended = "" if interrupted else _why_ended(spec, planner.launches, deadline, spent)
     return StudyOutcome(spec, list(planner.results.values()), planner.baseline, interrupted,
                         stale, planner.launches, planner.strategy_name,
-                        _decide(planner, store, progress))
+                        _decide(planner, store, progress), ended)
+
+
+def _why_ended(spec: StudySpec, launches: int, deadline: float | None, spent: bool) -> str:
+    """Why a search that was not interrupted stopped, for the user: a budget, or nothing
+    left that the strategy or the proof of a recommendation would launch."""
+    of = f" of {spec.budget.launches}" if spec.budget.launches is not None else ""
+    if spent:
+        return (f"the study's launch budget is taken by its searches together ({launches}"
+                f"{of} launches here and elsewhere)")
+    if spec.budget.launches is not None and launches >= spec.budget.launches:
+        return (f"the launch budget is spent ({launches}{of} launches); raise "
+                "--budget-launches and rerun to search on")
+    if deadline is not None and time.monotonic() >= deadline:
+        return (f"the wall-time budget of {spec.budget.wall_time_s:g} s is spent "
+                f"({launches}{of} launches); rerun to go on")
+    return (f"nothing left worth launching ({launches}{of} launches): the strategy proposes "
+            "no tree not yet measured and no recommendation needs another launch")
 
 
 def _decide(planner: Planner, store: StudyStore, progress: Progress) -> list[Recommendation]:
