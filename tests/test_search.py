@@ -120,7 +120,8 @@ def test_rerunning_resumes_without_relaunching_completed_configs(finished, ray_c
 def test_a_changed_spec_is_refused_before_any_launch(finished):
     spec, _, _ = finished
     changed = spec.replace(batch=(1, 16))
-    with pytest.raises(Exception, match="different spec"):
+    changed_batch = r"different spec \(batch: stored \[1, 8\], now \[1, 16\]\)"
+    with pytest.raises(Exception, match=changed_batch):
         StudyStore(changed)
 
 

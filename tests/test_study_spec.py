@@ -221,3 +221,22 @@ def test_a_server_flag_of_several_values_is_given_as_separate_words(tmp_path):
                     "server_flags: {--cuda-graph-bs: []}\n")
     with pytest.raises(TreetuneError, match="takes at least one value"):
         load_study(path)
+
+
+def test_a_changed_study_is_refused_naming_what_changed(tmp_path):
+    """Resuming a study under another spec names each field that differs, with both values,
+    so the user sees which option moved (the stored study.yaml is the other side)."""
+    from treetune.study.storage import StudyStore
+
+    base = {"name": "s", "model": "m", "draft": "d", "datasets": ["humaneval"],
+            "batch": [1, 4], "output": str(tmp_path / "out"),
+            "server_flags": {"--attention-backend": "fa3"}}
+    StudyStore(load_study(None, base))
+    changed = load_study(None, {**base, "batch": [1, 8],
+                                "server_flags": {"--attention-backend": "triton"}})
+    with pytest.raises(TreetuneError) as info:
+        StudyStore(changed)
+    message = str(info.value)
+    assert "batch: stored [1, 4], now [1, 8]" in message
+    assert ("server_flags.--attention-backend: stored 'fa3', now 'triton'" in message), message
+    StudyStore(load_study(None, base))  # the same spec resumes

@@ -478,7 +478,12 @@ class StudySpec:
 
     def fingerprint(self) -> str:
         """What a stored study must match to be resumed: everything that changes results."""
-        relevant = {
+        return hashlib.sha256(json.dumps(self.fingerprinted(), sort_keys=True)
+                              .encode()).hexdigest()[:16]
+
+    def fingerprinted(self) -> dict[str, Any]:
+        """The fields `fingerprint` hashes, by name (what a changed study names)."""
+        relevant: dict[str, Any] = {
             "model": self.model, "draft": self.draft, "algorithm": self.algorithm,
             "sglang_version": self.sglang_version, "tp": self.tp,
             "server_flags": self.server_flags, "env": self.env,
@@ -499,7 +504,7 @@ class StudySpec:
             relevant["objective"] = self.objective.value
         if self.method_names != (self.algorithm,):  # a study of one method: as before
             relevant["methods"] = {n: self.method_draft(n) for n in self.method_names}
-        return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+        return relevant
 
     def backend_dict(self) -> dict[str, Any]:
         """The backend section as a study file holds it: its kind and its own fields."""

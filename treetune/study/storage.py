@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 import optuna
@@ -31,7 +31,7 @@ from treetune.results import LaunchResult, config_key
 from treetune.study.claims import CREATE_TRIES, created_racing
 from treetune.study.evidence import StudyNoise, judge
 from treetune.study.recommend import Recommendation
-from treetune.study.spec import StudySpec
+from treetune.study.spec import StudySpec, load_study
 
 RESULT_ATTR = "launch_result"
 RECOMMENDATIONS_ATTR = "recommendations"  # what the search decided, as recommendations.json
@@ -116,6 +116,28 @@ class StoredLaunch(NamedTuple):
     index: int | None  # launches of its config before it (None: stored by an older treetune)
 
 
+def _changes(stored: Any, spec: StudySpec) -> str:
+    """What differs between a stored study's spec and `spec`, field by field, as "batch:
+    stored [1, 4], now [1, 8]" ("" when the stored spec cannot be read back)."""
+    try:
+        before = load_study(None, dict(stored)).fingerprinted()
+    except Exception:  # an older or hand-edited spec: fall back to the general words
+        return ""
+    now = spec.fingerprinted()
+    parts = []
+    for key in sorted(set(before) | set(now)):
+        old, new = before.get(key), now.get(key)
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            for sub in sorted(set(old) | set(new)):
+                if old.get(sub) != new.get(sub):
+                    parts.append(f"{key}.{sub}: stored {old.get(sub)!r}, now {new.get(sub)!r}")
+        else:
+            parts.append(f"{key}: stored {old!r}, now {new!r}")
+    return "; ".join(parts)
+
+
 class StudyStore:
     def __init__(self, spec: StudySpec,
                  sampler_factory: Callable[[int], optuna.samplers.BaseSampler] | None = None,
@@ -140,11 +162,12 @@ class StudyStore:
             self.launches.set_user_attr("datasets", spec.dataset_names)
             self.launches.set_user_attr("batch", list(spec.batch))
         elif stored != spec.fingerprint():
+            changed = _changes(self.launches.user_attrs.get(SPEC_ATTR), spec)
             raise TreetuneError(
-                f"study '{spec.name}' in {url} was created with a different spec (model, "
-                "datasets, batch sizes, backend or measurement changed); refusing to mix "
-                "results. Start a new study with another --name or --output, or delete "
-                "the old storage."
+                f"study '{spec.name}' in {url} was created with a different spec "
+                f"({changed or 'model, datasets, batch sizes, backend or measurement changed'}"
+                "); refusing to mix results. Start a new study with another --name or "
+                "--output, or delete the old storage."
             )
         self.batch_studies = {
             b: optuna.create_study(
