@@ -165,6 +165,8 @@ def test_a_world_on_the_command_line_replaces_the_study_file_s_profile():
     ("datasets", ["foo"], "key 'datasets[0]': unknown built-in dataset 'foo'"),
     ("compare", ["3,4"], "key 'compare[0]': tree '3,4' must be three integers"),
     ("methods", ["EAGLE3", "FOO"], "key 'methods[1]': draft method 'FOO' is not one of"),
+    ("search.strategy", "tpee", "key 'search.strategy': search.strategy must be one of"),
+    ("search.launch_cv", 1.5, "key 'search.launch_cv': search.launch_cv must be in [0, 1)"),
 ])
 def test_a_bad_command_line_value_is_blamed_on_the_command_line_not_the_file(key, value,
                                                                              blamed):

@@ -170,12 +170,14 @@ class Search:
         from treetune import strategies
 
         if self.strategy not in strategies.names():
-            raise ValueError(f"search.strategy must be one of {', '.join(strategies.names())}, "
-                             f"got '{self.strategy}'")
+            raise FieldError("strategy", f"search.strategy must be one of "
+                             f"{', '.join(strategies.names())}, got '{self.strategy}'"
+                             f"{closest(self.strategy, strategies.names())}")
         if not 0 <= self.launch_cv < 1:
-            raise ValueError("search.launch_cv must be in [0, 1)")
+            raise FieldError("launch_cv", "search.launch_cv must be in [0, 1)")
         if self.max_launches_per_config < 1:
-            raise ValueError("search.max_launches_per_config must be >= 1")
+            raise FieldError("max_launches_per_config",
+                             "search.max_launches_per_config must be >= 1")
 
 
 @dataclass(frozen=True)
