@@ -242,3 +242,22 @@ def test_a_changed_study_is_refused_naming_what_changed(tmp_path):
     assert "batch: stored [1, 4], now [1, 8]" in message
     assert ("server_flags.--attention-backend: stored 'fa3', now 'triton'" in message), message
     StudyStore(load_study(None, base))  # the same spec resumes
+
+
+def test_a_dataset_file_named_where_a_name_goes_is_read_as_that_file(tmp_path):
+    """`--datasets data/chat.jsonl` (or `datasets: [chat.jsonl]`): the file, named after
+    it, its format read from its records; a name that is neither a built-in nor a file's
+    path is refused saying how to give a file."""
+    from treetune.datasets import load_datasets
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "chat.jsonl").write_text(
+        '{"prompt": "hello there"}\n{"prompt": "write a poem"}\n')
+    path = tmp_path / "s.yaml"
+    path.write_text("model: m\ndraft: d\ndatasets: [data/chat.jsonl, mt-bench]\nbatch: [1]\n")
+    spec = load_study(path)
+    assert spec.dataset_names == ["chat", "mt-bench"]
+    loaded = load_datasets(spec.datasets, Path(spec.base_dir))
+    assert len(loaded["chat"].prompts) == 2
+    with pytest.raises(TreetuneError, match=r"give a file's path \(ending .json or .jsonl"):
+        load_study(None, {"model": "m", "draft": "d", "datasets": ["chat"], "batch": [1]})

@@ -134,7 +134,8 @@ class DatasetSpec:
             names = builtin_names()
             raise DatasetSpecError(
                 f"unknown built-in dataset '{self.name}'{closest(self.name, names)}; give a "
-                f"path to a file, or one of the built-ins: {', '.join(names)}"
+                f"file's path (ending .json or .jsonl, or with a '/'), or one of the "
+                f"built-ins: {', '.join(names)}"
             )
 
 

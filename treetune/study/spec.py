@@ -32,7 +32,7 @@ from treetune.backends.sglang import (
     needs_draft_model,
 )
 from treetune.config import BASELINE, ServerConfig, TreeConfig
-from treetune.datasets import DatasetSpec
+from treetune.datasets import DatasetSpec, builtin_names
 from treetune.errors import ConfigFileError, FieldError, InvalidTreeError, TreetuneError
 from treetune.objectives import OBJECTIVES, Criterion, Objective
 from treetune.perfmodel.serving import Shape
@@ -779,11 +779,18 @@ def _default_name(model: str, path: str | Path | None) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", model.rsplit("/", 1)[-1]).strip("-") or "study"
 
 
+DATASET_SUFFIXES = (".json", ".jsonl")  # a dataset entry ending so is a file's path
+
+
 def _dataset(value: Any, where: Path | str, index: int) -> DatasetSpec:
     if isinstance(value, DatasetSpec):
         return value
     if isinstance(value, str):
         try:
+            if value not in builtin_names() and ("/" in value or value.endswith(DATASET_SUFFIXES)):
+                # A file named where a name goes (`--datasets data/chat.jsonl`): named
+                # after the file, its format read from its first record.
+                return DatasetSpec(name=Path(value).stem, path=value)
             return DatasetSpec(name=value)
         except ValueError as exc:
             raise ConfigFileError(where, str(exc), f"datasets[{index}]") from None
