@@ -25,6 +25,17 @@ def test_multi_value_options_accept_several_values_after_one_flag():
         "predict", "--batch", "1", "--batch", "32", "--json"]
     assert expand_multi_values(["--tree", "3,4,8", "5,1,6", "-p", "x"]) == [
         "--tree", "3,4,8", "--tree", "5,1,6", "-p", "x"]
+    assert expand_multi_values(["--tree=3,4,8", "5,1,6", "--batch=1", "32"]) == [
+        "--tree=3,4,8", "--tree", "5,1,6", "--batch=1", "--batch", "32"]
+
+
+def test_an_option_given_with_equals_takes_several_values_too(capsys):
+    code, out, err = run(capsys, "predict", "-p", "qwen3-8b-h100", "--tree=3,4,8", "5,1,6",
+                         "--batch=1", "32", "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert {(r["steps"], r["topk"], r["draft_tokens"]) for r in rows} == {(3, 4, 8), (5, 1, 6)}
+    assert {r["batch"] for r in rows} == {1, 32}
 
 
 def test_predict_ranks_a_space_per_batch_size(capsys):

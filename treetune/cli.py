@@ -639,12 +639,14 @@ def multi_value_options() -> frozenset[str]:
 
 
 def expand_multi_values(argv: list[str]) -> list[str]:
-    """Turn `--batch 1 32` into `--batch 1 --batch 32` (click options take one value)."""
+    """Turn `--batch 1 32` (or `--batch=1 32`) into `--batch 1 --batch 32` (click options
+    take one value)."""
     result: list[str] = []
     current: str | None = None
     for arg in argv:
         if arg.startswith("-") and not _is_number(arg):
-            current = arg if arg in multi_value_options() else None
+            name = arg.split("=", 1)[0]
+            current = name if name in multi_value_options() else None
             result.append(arg)
         elif current is not None and result and result[-1] != current:
             result += [current, arg]
