@@ -285,3 +285,12 @@ def test_a_search_says_why_it_stopped(tmp_path):
     assert _why_ended(study, 5, time.monotonic() + 60, False).startswith(
         "nothing left worth launching (5 of 10 launches)")
     assert "taken by its searches together" in _why_ended(study, 3, None, True)
+
+
+def test_treetune_alone_shows_its_help_and_an_unknown_command_points_to_the_list(capsys):
+    code, out, err = run(capsys)
+    assert code == 0 and "search" in out and "error" not in err
+    code, _, err = run(capsys, "serch")
+    assert code == 2 and "No such command 'serch'" in err and "(see treetune --help)" in err
+    code, _, err = run(capsys, "predict", "--bogus")
+    assert code == 2 and "(see treetune predict --help)" in err

@@ -683,8 +683,12 @@ def main(argv: list[str] | None = None) -> None:
         # Typer >= 0.20 ships its own copy of click: its usage errors are not click's.
         if isinstance(exc, click.ClickException | typer.TyperException) and hasattr(
                 exc, "format_message"):
+            if not exc.format_message():  # `treetune` alone: the help was the answer
+                sys.exit(0)
+            commands = getattr(typer.main.get_command(app), "commands", {})
+            where = f"treetune {args[0]}" if args and args[0] in commands else "treetune"
             err.print(f"[bold red]error:[/bold red] {escape(exc.format_message())} (see "
-                      f"treetune {args[0] if args else ''} --help)", highlight=False)
+                      f"{where} --help)", highlight=False)
             sys.exit(getattr(exc, "exit_code", 2))
         if debug:
             raise
