@@ -294,3 +294,14 @@ def test_treetune_alone_shows_its_help_and_an_unknown_command_points_to_the_list
     assert code == 2 and "No such command 'serch'" in err and "(see treetune --help)" in err
     code, _, err = run(capsys, "predict", "--bogus")
     assert code == 2 and "(see treetune predict --help)" in err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--tree", "3,4,8", "--batch", "64", "--max-running-requests", "8"],
+     "--max-running-requests 8 is below batch 64"),
+    (["--space", "narrow", "--top", "-1"], "--top must be >= 0"),
+])
+def test_predict_refuses_a_batch_its_server_cannot_form_and_a_negative_top(capsys, args,
+                                                                          message):
+    code, _, err = run(capsys, "predict", "-p", "qwen3-8b-h100", *args)
+    assert code == 2 and message in err

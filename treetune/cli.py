@@ -101,7 +101,8 @@ def predict(
                                  "--rate, the server's cap (default: the largest batch, or "
                                  f"{SPEC_DEFAULT_MAX_RUNNING} as SGLang's with speculation).")
     ] = None,
-    top: Annotated[int, typer.Option(help="Rows per batch size when ranking a space.")] = 10,
+    top: Annotated[int, typer.Option(help="Rows per batch size when ranking a space (0: "
+                                        "all).")] = 10,
     method: Annotated[
         str | None, typer.Option(help="Draft method of the profile (default: its own draft "
                                  "head; `treetune profiles` lists each profile's methods).")
@@ -147,6 +148,12 @@ def predict(
                         ("--max-running-requests", max_running_requests)):
         if value is not None and value < 1:
             raise TreetuneError(f"{flag} must be >= 1, got {value}")
+    if max_running_requests is not None and any(b > max_running_requests for b in batches):
+        raise TreetuneError(f"--max-running-requests {max_running_requests} is below batch "
+                            f"{max(batches)}: a server that runs {max_running_requests} "
+                            "requests at once never forms that batch")
+    if top < 0:
+        raise TreetuneError(f"--top must be >= 0 (0: every config), got {top}")
     configs: list[ServerConfig] = [TreeConfig.parse(t) for t in tree or []]
     if space is not None:
         configs += [c for c in load_space(space).configs() if c not in configs]
