@@ -223,3 +223,26 @@ def test_a_parameter_of_every_dataset_is_set_in_each_and_read_as_one():
     assert changed.datasets["humaneval"].acceptance.top1 == 0.7
     assert changed.datasets["mt-bench"].acceptance.top1 == PRIOR.datasets[
         "mt-bench"].acceptance.top1
+
+
+def test_a_point_of_a_dataset_the_profile_lacks_and_an_entry_the_file_has_not_are_refused(
+        tmp_path, capsys):
+    """A dataset the profile cannot fit is named on the point's line before any fitting;
+    --entry on a file of one set of points, and --starts below 1, are refused, not
+    ignored."""
+    points = speedup_points()
+    points[1]["dataset"] = "mtbench"
+    data = write(tmp_path, "points.yaml", {"points": points})
+    with pytest.raises(ConfigFileError) as exc:
+        load_measurements(data, datasets=["mt-bench", "humaneval"])
+    message = str(exc.value)
+    assert "key 'points[1].dataset'" in message and f"line {line_of(data, 'mtbench')}" in message
+    assert "(did you mean 'mt-bench'?)" in message
+    csv = write(tmp_path, "points.csv", "steps,topk,draft_tokens,batch,dataset,speedup\n"
+                "3,4,8,1,mt-bench,1.2\n")
+    with pytest.raises(ConfigFileError, match="--entry mine: a CSV file holds one set"):
+        load_measurements(csv, "mine")
+    out = str(tmp_path / "fit.yaml")
+    code, _, err = run_cli(capsys, "calibrate", "-p", "qwen3-8b-h100", "--measurements",
+                           str(csv), "--starts", "0", "-o", out)
+    assert code == 2 and "--starts must be >= 1" in err

@@ -295,8 +295,10 @@ def calibrate(
     from treetune.perfmodel.calibrate import free_parameters, load_measurements
 
     writable(output)
+    if starts < 1:
+        raise TreetuneError(f"--starts must be >= 1, got {starts}")
     base = load_profile(profile)
-    points = load_measurements(measurements, entry)
+    points = load_measurements(measurements, entry, list(base.datasets))
     params = free_parameters(base, points)
     ratio_only = sum(m.baseline_tok_s is None for m in points)
     if ratio_only == len(points):

@@ -168,17 +168,25 @@ class CalibrationResult:
         return max(errors) if errors else None
 
 
-def load_measurements(path: str | Path, entry: str | None = None) -> list[Measurement]:
+def load_measurements(path: str | Path, entry: str | None = None,
+                      datasets: Sequence[str] | None = None) -> list[Measurement]:
     """Measured points from CSV, a YAML list of records, a `points:` list, or the
     published-results layout (`runs: [{batch, tree: [S,K,N], results: {dataset: [baseline,
     spec, speedup]}}]`). A point gives both throughputs, or a speedup (null or absent
-    throughputs), or all three. Errors name the entry as the file writes it, with its line.
+    throughputs), or all three; `datasets`: the names a point's dataset must be one of (a
+    profile's). Errors name the entry as the file writes it, with its line.
     """
     path = Path(path)
     if path.suffix.lower() == ".csv":
-        return _measurements(path, _csv_rows(path))
+        if entry is not None:
+            raise ConfigFileError(path, f"--entry {entry}: a CSV file holds one set of points, "
+                                  "not entries")
+        return _measurements(path, _csv_rows(path), datasets)
     data = load_yaml(path)
     prefix = ""
+    if entry is not None and not isinstance(data, dict):
+        raise ConfigFileError(path, f"--entry {entry}: this file is one list of points, not "
+                              "entries")
     if isinstance(data, dict) and entry is not None:
         if entry not in data:
             raise ConfigFileError(path, f"no entry '{entry}'{closest(entry, map(str, data))}; "
@@ -202,9 +210,11 @@ def load_measurements(path: str | Path, entry: str | None = None) -> list[Measur
             "expected a list of points (steps, topk, draft_tokens, batch, dataset, "
             "baseline_tok_s, spec_tok_s, speedup, accept_length), a 'points' list, or 'runs'"
             + ("; this file has several entries: pick one with --entry" if entry is None
-               and isinstance(data, dict) else ""),
+               and isinstance(data, dict) and any(isinstance(v, dict) and ("runs" in v or
+                                                                           "points" in v)
+                                                  for v in data.values()) else ""),
         )
-    return _measurements(path, rows)
+    return _measurements(path, rows, datasets)
 
 
 @dataclass(frozen=True)
@@ -236,8 +246,16 @@ class _Where:
                                   line_of=key.replace(self.key, self.line_of, 1)) from None
 
 
-def _measurements(path: Path, rows: list[tuple[_Where, Any]]) -> list[Measurement]:
-    points = [_measurement(where, where.build(raw)) for where, raw in rows]
+def _measurements(path: Path, rows: list[tuple[_Where, Any]],
+                  datasets: Sequence[str] | None = None) -> list[Measurement]:
+    points = []
+    for where, raw in rows:
+        row = where.build(raw)
+        if datasets is not None and row.dataset not in datasets:
+            raise where.error(f"'{row.dataset}' is not a dataset of the profile"
+                              f"{closest(row.dataset, datasets)}; it knows: "
+                              f"{', '.join(datasets)}", "dataset")
+        points.append(_measurement(where, row))
     if not points:
         raise ConfigFileError(path, "no measured points")
     return points
