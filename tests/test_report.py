@@ -223,7 +223,7 @@ def test_report_without_an_image_exporter_skips_pngs_with_a_one_line_notice(
     result = write_report(data, tmp_path)
     assert result.figures and not result.pngs and not list(tmp_path.glob("*.png"))
     notice = next(n for n in result.notices if n.startswith("PNGs skipped"))
-    assert "\n" not in notice and "kaleido" in notice
+    assert "\n" not in notice and "pip install 'treetune[report]'" in notice
 
 
 def test_a_failing_image_exporter_still_leaves_the_html_report(data, tmp_path, monkeypatch):

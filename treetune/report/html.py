@@ -53,8 +53,8 @@ def _pngs(figures: dict, out_dir: Path) -> tuple[list[Path], str | None]:
     try:
         import kaleido  # noqa: F401
     except ImportError:
-        return [], ("PNGs skipped: no static-image exporter (pip install kaleido, with a "
-                    "system Chromium)")
+        return [], ("PNGs skipped: no static-image exporter (pip install "
+                    "'treetune[report]', with a system Chromium)")
     import plotly.io as pio
 
     paths = [out_dir / f"{name}.png" for name in figures]
