@@ -305,3 +305,15 @@ def test_predict_refuses_a_batch_its_server_cannot_form_and_a_negative_top(capsy
                                                                           message):
     code, _, err = run(capsys, "predict", "-p", "qwen3-8b-h100", *args)
     assert code == 2 and message in err
+
+
+def test_every_command_summary_is_one_line_in_the_command_list():
+    """The command list shows each docstring's first paragraph as written: a hard line
+    break there splits the summary mid-sentence."""
+    import typer
+
+    from treetune.cli import app
+
+    for name, command in typer.main.get_command(app).commands.items():
+        summary = (command.help or "").strip().split("\n\n")[0]
+        assert summary and "\n" not in summary, (name, summary)

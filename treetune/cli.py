@@ -360,8 +360,9 @@ def prior(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the profile "
                                                 "here (default: print it).")] = None,
 ) -> None:
-    """Build a profile from the models' config.json and the GPU: the prior the model search
-    starts from on SGLang, with every fitted value neutral.
+    """Build the model search's prior from the models' config.json and the GPU.
+
+    The profile the model search starts from on SGLang, with every fitted value neutral.
 
     Nothing is downloaded: a hub name must already be in the local Hugging Face cache
     (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub). Use the file with
@@ -585,8 +586,10 @@ def profiles() -> None:
 
 @app.command()
 def worlds() -> None:
-    """List the shipped worlds: truths the emulator can serve (--world) and the
-    search-efficiency benchmark judges by, which the search's own model cannot express."""
+    """List the shipped worlds: truths the search's own model cannot express.
+
+    The emulator serves them (--world), and the search-efficiency benchmark judges by them.
+    """
     from treetune.worlds import load_world, shipped_worlds
 
     for name in shipped_worlds():
@@ -604,8 +607,11 @@ def grid(
     batch: Annotated[list[int], typer.Option(help="Batch sizes, e.g. --batch 1 32.")]
     = [1, 8, 32, 64],  # noqa: B006
 ) -> None:
-    """Write a world's noise-free cells as a replay table (CSV): every tree of the space and
-    the baseline at every batch size and dataset, in the format replay worlds read."""
+    """Write a world's noise-free cells as a replay table (CSV).
+
+    Every tree of the space and the baseline at every batch size and dataset, in the format
+    replay worlds read.
+    """
     import csv
 
     from treetune.config import BASELINE
