@@ -204,3 +204,10 @@ def test_sigkill_of_the_search_leaves_no_server_and_a_rerun_redoes_the_stale_lau
     assert resumed.stale_redone == len(running)
     assert_each_config_measured_once(spec, resumed, 6)
     assert stale <= {config_key(r.config) for r in resumed.results}
+    # Each redone launch's server logged afresh; the killed one's log is kept beside it.
+    from treetune.study.worker import log_name
+
+    for key in stale:
+        log = spec.output_dir / "logs" / log_name(key)
+        assert log.is_file() and log.with_name(log.name.replace(".log", ".earlier.log")
+                                                ).is_file(), sorted(log.parent.iterdir())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import re
@@ -56,6 +57,21 @@ def log_name(key: str, launch_index: int = 0, attempt: int = 0) -> str:
     return f"{name}{'-' + str(attempt) if attempt else ''}.log"
 
 
+def keep_earlier(log_path: Path) -> Path | None:
+    """Move aside a log already at `log_path` (a launch interrupted, or lost with its
+    worker, and now done again under its name) to `NAME.earlier.log` (`.earlier2.log`, ...):
+    one log per server started, none overwritten. Returns where it went."""
+    if not log_path.exists():
+        return None
+    stem = log_path.name.removesuffix(".log")
+    for n in itertools.count(1):
+        aside = log_path.with_name(f"{stem}.earlier{n if n > 1 else ''}.log")
+        if not aside.exists():
+            log_path.rename(aside)
+            return aside
+    return None  # unreachable: count() never ends
+
+
 class LaunchWorker:
     def __init__(self, spec: StudySpec, index: int) -> None:
         from treetune.datasets import load_dataset
@@ -102,6 +118,7 @@ class LaunchWorker:
 
         config, key = result.config, config_key(result.config)
         log_path = self.logs / log_name(key, launch_index, attempt)
+        keep_earlier(log_path)  # a launch interrupted or lost before, now redone
         env = {**os.environ, **self.spec.env}
         api_key = self.api_key()
         adaptive = None
