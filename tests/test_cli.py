@@ -317,3 +317,13 @@ def test_every_command_summary_is_one_line_in_the_command_list():
     for name, command in typer.main.get_command(app).commands.items():
         summary = (command.help or "").strip().split("\n\n")[0]
         assert summary and "\n" not in summary, (name, summary)
+
+
+def test_a_search_that_pins_no_attention_backend_is_warned_before_it_starts(tmp_path):
+    from synthetic import spec
+
+    from treetune.cli import unpinned_attention
+
+    assert unpinned_attention(spec(tmp_path)) is None  # it pins triton
+    bare = spec(tmp_path, server_flags={})
+    assert "{--attention-backend: fa3}" in unpinned_attention(bare)
