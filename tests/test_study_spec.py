@@ -123,6 +123,7 @@ def test_api_key_env_must_be_a_variable_name(tmp_path):
     ("--speculative-num-steps", "search space"), ("--port", "free port"), ("--tp", "tp"),
     ("--max-running-requests", "largest batch"), ("--cuda-graph-max-bs", "largest batch"),
     ("--api-key", "api_key_env"), ("--model-path", "model"),
+    ("--speculative-num-step", "short for '--speculative-num-steps'"),
 ])
 def test_a_flag_treetune_sets_itself_is_refused_in_server_flags(tmp_path, flag, field):
     """A production command pasted into server_flags would override the tree (every
@@ -134,8 +135,19 @@ def test_a_flag_treetune_sets_itself_is_refused_in_server_flags(tmp_path, flag, 
     with pytest.raises(TreetuneError) as info:
         load_study(path)
     message = str(info.value)
-    assert f"'{flag}' is set by treetune" in message and field in message
+    assert f"server_flags: '{flag}'" in message and "is set by treetune" in message
+    assert field in message
     assert str(path) in message and "server_flags" in message
+
+
+def test_a_server_flag_written_with_its_value_in_the_key_is_refused(tmp_path):
+    """`--tp-size=4` as a key would slip past every check of the flag's name."""
+    path = tmp_path / "s.yaml"
+    path.write_text("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\n"
+                    "server_flags: {--attention-backend=fa3: null}\n")
+    with pytest.raises(TreetuneError, match=r"give the value as the flag's, "
+                       r"\{--attention-backend: fa3\}"):
+        load_study(path)
 
 
 def test_a_space_file_named_in_a_study_file_is_found_next_to_it(tmp_path, monkeypatch):

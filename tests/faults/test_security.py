@@ -81,7 +81,7 @@ def test_the_api_key_is_in_no_log_storage_report_script_or_output(keyed_study):
     for run in runs:
         assert key not in run.stdout and key not in run.stderr
     for script in (tmp / "out" / "launch").glob("*.sh"):
-        assert '--api-key "${TT_TEST_API_KEY}"' in script.read_text()
+        assert '--api-key "${TT_TEST_API_KEY:?' in script.read_text()
 
 
 def test_a_non_loopback_host_is_warned_about(keyed_study):

@@ -129,6 +129,43 @@ SGLANG_API = ServerApi(
 )
 
 
+# Launch flags treetune sets itself, each with where to say what it should be. Given again
+# in server_flags (a production command pasted whole), SGLang's parser would keep the later
+# value: every "tree" the same server, a port no one polls, GPUs Ray never reserved.
+_KNOBS = "the trees of the search space: they are what the study searches"
+MANAGED_FLAGS = {
+    "--model-path": "the study's model", "--model": "the study's model",
+    "--speculative-draft-model-path": "the study's draft",
+    "--speculative-draft-model": "the study's draft",
+    "--speculative-algorithm": "the study's algorithm or methods",
+    "--speculative-num-steps": _KNOBS, "--speculative-eagle-topk": _KNOBS,
+    "--speculative-num-draft-tokens": _KNOBS, "--speculative-ngram-max-bfs-breadth": _KNOBS,
+    "--tp-size": "the study's tp", "--tp": "the study's tp",
+    "--tensor-parallel-size": "the study's tp",
+    "--host": "the study's host", "--port": "a free port per server",
+    "--max-running-requests": "the largest batch size, so every batch can form",
+    "--cuda-graph-max-bs": "the largest batch size, under the flag the SGLang version knows",
+    "--cuda-graph-max-bs-decode": "the largest batch size, under the flag the SGLang version "
+                                  "knows",
+    "--api-key": "from the environment variable named by api_key_env: a secret does "
+                 "not belong in a study file",
+}
+# Flags whose one value a study reads (a list there is refused).
+ONE_VALUE_FLAGS = ("--attention-backend", "--mem-fraction-static", "--kv-cache-dtype")
+
+
+def managed_flag(flag: str) -> tuple[str, str] | None:
+    """The flag treetune sets itself that `flag` would set too (the flag, or one it
+    abbreviates: SGLang's parser takes an unambiguous prefix), with where a study says
+    its value; None for a flag of the user's own."""
+    if flag in MANAGED_FLAGS:
+        return flag, MANAGED_FLAGS[flag]
+    for name, where in MANAGED_FLAGS.items():
+        if len(flag) >= 4 and name.startswith(flag):
+            return name, where
+    return None
+
+
 def version_of(launch: LaunchSpec) -> str:
     return launch.engine_version or DEFAULT_SGLANG_VERSION
 

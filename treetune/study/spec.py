@@ -27,7 +27,9 @@ from treetune.backends.sglang import (
     DEFAULT_SGLANG_VERSION,
     KNOWN_ALGORITHMS,
     NGRAM,
+    ONE_VALUE_FLAGS,
     SGLangBackend,
+    managed_flag,
     method_tree_problem,
     needs_draft_model,
 )
@@ -40,28 +42,6 @@ from treetune.results import Slo, config_key
 from treetune.yamlio import build, closest, dump_yaml, load_yaml
 
 SPEC_COPY = "study.yaml"  # the resolved spec, saved in the output folder for readers
-# Launch flags treetune sets itself, each with where to say what it should be. Given again
-# in server_flags (a production command pasted whole), SGLang's parser would keep the later
-# value: every "tree" the same server, a port no one polls, GPUs Ray never reserved.
-_KNOBS = "the trees of the search space: they are what the study searches"
-_ONE_VALUE_FLAGS = ("--attention-backend", "--mem-fraction-static")  # read by the study
-MANAGED_FLAGS = {
-    "--model-path": "the study's model", "--model": "the study's model",
-    "--speculative-draft-model-path": "the study's draft",
-    "--speculative-draft-model": "the study's draft",
-    "--speculative-algorithm": "the study's algorithm or methods",
-    "--speculative-num-steps": _KNOBS, "--speculative-eagle-topk": _KNOBS,
-    "--speculative-num-draft-tokens": _KNOBS, "--speculative-ngram-max-bfs-breadth": _KNOBS,
-    "--tp-size": "the study's tp", "--tp": "the study's tp",
-    "--tensor-parallel-size": "the study's tp",
-    "--host": "the study's host", "--port": "a free port per server",
-    "--max-running-requests": "the largest batch size, so every batch can form",
-    "--cuda-graph-max-bs": "the largest batch size, under the flag the SGLang version knows",
-    "--cuda-graph-max-bs-decode": "the largest batch size, under the flag the SGLang version "
-                                  "knows",
-    "--api-key": "from the environment variable named by api_key_env: a secret does "
-                 "not belong in a study file",
-}
 
 
 def meta(option: str | None = None, help: str = "", *, short: str | None = None,
@@ -333,15 +313,21 @@ class StudySpec:
         for flag in self.server_flags:
             if not flag.startswith("--"):
                 raise FieldError("server_flags", f"server_flags: '{flag}' must start with '--'")
+            if "=" in flag:
+                name, _, value = flag.partition("=")
+                raise FieldError("server_flags", f"server_flags: '{flag}': give the value as "
+                                 f"the flag's, {{{name}: {value}}}")
             value = self.server_flags[flag]
-            if isinstance(value, list) and (not value or flag in _ONE_VALUE_FLAGS):
+            if isinstance(value, list) and (not value or flag in ONE_VALUE_FLAGS):
                 raise FieldError("server_flags", f"server_flags: '{flag}' takes "
                                  f"{'one value' if value else 'at least one value'}, got "
                                  f"{value} (null marks a bare flag)")
-            if flag in MANAGED_FLAGS:
-                raise FieldError("server_flags", f"server_flags: '{flag}' is set by treetune "
-                                 f"for every launch ({MANAGED_FLAGS[flag]}); given here too, "
-                                 "it would override that (the last value wins)")
+            if (managed := managed_flag(flag)) is not None:
+                name, where = managed
+                what = f"'{flag}'" if flag == name else f"'{flag}' (short for '{name}')"
+                raise FieldError("server_flags", f"server_flags: {what} is set by treetune "
+                                 f"for every launch ({where}); given here too, it would "
+                                 "override that (the last value wins)")
 
     def _check_objective(self) -> None:
         if not isinstance(self.objective, Objective):
