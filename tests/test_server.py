@@ -126,6 +126,27 @@ def test_stop_kills_the_whole_process_group_even_children_that_ignore_sigterm(
     assert server.stop() == code  # idempotent
 
 
+def test_a_server_that_exits_on_its_own_takes_what_it_spawned_with_it(tmp_path, servers):
+    """A crash (the leader gone, a tensor-parallel worker left holding the GPUs) is ended
+    whole when the exit is noticed: the next launch on those GPUs must not start beside
+    the straggler. The leader is reaped only after its group is gone."""
+    spawner = textwrap.dedent("""
+        import subprocess, sys, time
+        child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
+                "print('child up', flush=True); time.sleep(600)"
+        subprocess.Popen([sys.executable, "-c", child])
+        time.sleep(1.0)
+        sys.exit(3)
+    """)
+    server = ServerProcess.start([sys.executable, "-c", spawner], log_path=tmp_path / "log",
+                                 port=free_port())
+    servers.append(server)
+    assert wait_until(lambda: "child up" in server.log_tail(), 10)
+    assert server.exit_code_within(30) == 3
+    assert not group_members(server.pid)  # no wait: the straggler went before the return
+    assert server.stop() == 3
+
+
 def test_context_manager_stops_the_server(tmp_path):
     port = free_port()
     with ServerProcess.start(command()(port), log_path=tmp_path / "log", port=port) as server:

@@ -67,15 +67,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def group_members(pgid: int) -> list[int]:
     """Processes of process group `pgid` that have not exited (zombies left out: a
-    container's init may never reap the orphans). Where there is no /proc, whether any
-    process of the group answers a signal."""
+    container's init may never reap the orphans, and a leader not yet reaped is one).
+    Without /proc (macOS) none can be told apart from a zombie: none are listed."""
     proc = Path("/proc")
     if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return []
-        return [pgid]
+        return []
     members = []
     for entry in proc.iterdir():
         if not entry.name.isdigit():
@@ -147,14 +143,17 @@ class ServerProcess:
 
     @property
     def exit_code(self) -> int | None:
-        return self._proc.poll()
+        """The exit code once the server has exited (what it spawned ended with it), else
+        None."""
+        return self.exit_code_within(0.0)
 
     def exit_code_within(self, wait_s: float) -> int | None:
         """The exit code once the server has exited, waiting up to `wait_s` for it; None
         if it is still running. A crashing server closes its sockets before its process
         is gone: a client that found it not answering asks this, not `exit_code`."""
-        self._leader_exited(wait_s=wait_s)
-        return self._proc.poll()
+        if self._proc.returncode is None and self._leader_exited(wait_s=wait_s):
+            return self._end_group()
+        return self._proc.returncode
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last `lines` lines of the server's log ('' if there is none yet)."""
@@ -183,8 +182,7 @@ class ServerProcess:
         url = self.base_url + health
         while True:
             if self._leader_exited():
-                self._kill_group(signal.SIGKILL)  # whatever it spawned goes with it
-                code = self._proc.wait()
+                code = self._end_group()  # whatever it spawned goes with it
                 tail = self.log_tail()
                 raise ServerStartError(failure_reason(tail, code), exit_code=code,
                                        log_tail=tail, log_path=self.log_path)
@@ -207,16 +205,22 @@ class ServerProcess:
             if not self._leader_exited():
                 self._kill_group(signal.SIGTERM)
                 self._leader_exited(wait_s=grace_s)
-            # The leader is a zombie until reaped, so its pid (the group id) cannot have been
-            # reused: killing the group now reaches only the server's own stragglers.
-            self._kill_group(signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=10)
-            # A tensor-parallel worker frees its GPU memory only as it exits: the next
-            # server on these GPUs must not start before the whole group is gone.
-            deadline = time.monotonic() + GROUP_EXIT_S
-            while group_members(self.pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            self._end_group()
+        return self._proc.returncode
+
+    def _end_group(self) -> int | None:
+        """Kill what is left of the server's process group, wait until it is gone, then
+        reap the leader; returns its exit code. Until reaped the leader is a zombie, so its
+        pid (the group id) cannot have been reused: the signal and the wait reach only the
+        server's own processes. A tensor-parallel worker frees its GPU memory only as it
+        exits: the next server on these GPUs must not start before the whole group is
+        gone (up to GROUP_EXIT_S)."""
+        self._kill_group(signal.SIGKILL)
+        deadline = time.monotonic() + GROUP_EXIT_S
+        while group_members(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=10)
         return self._proc.returncode
 
     def __enter__(self) -> ServerProcess:
