@@ -403,3 +403,7 @@ def test_drain_stops_waiting_once_a_frozen_gauge_and_its_counters_stand_still():
     client = _StaleMetrics([*busy, {**frozen, api.running: 0.0}])
     asyncio.run(drain(client, quiet_s=0.3))  # type: ignore[arg-type]
     assert client.reads == len(busy) + 1  # waited through the moving counters for the 0
+    queued = [{**frozen, api.queued: 3.0}] * 12  # a queue standing still: never "drained"
+    client = _StaleMetrics([*queued, {**frozen, api.running: 0.0}])
+    asyncio.run(drain(client, quiet_s=0.1))  # type: ignore[arg-type]
+    assert client.reads == len(queued) + 1

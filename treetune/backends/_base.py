@@ -57,6 +57,7 @@ class ServerApi:
     # is the cell's mean clock lag. With what to do when it (or the load generator) lags,
     # for the study's warning.
     clock_lag: str | None = None
+    prompt_tokens: str | None = None  # counter: prompt tokens prefilled (another sign of work)
     clock_lag_hint: str = ("give the load generator a CPU to itself: run fewer workers at "
                            "once (--workers) or the study on a less busy machine")
 

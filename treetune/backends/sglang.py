@@ -121,6 +121,7 @@ SGLANG_API = ServerApi(
     verify_calls="sglang:spec_verify_calls_total",
     running="sglang:num_running_reqs",
     queued="sglang:num_queue_reqs",
+    prompt_tokens="sglang:prompt_tokens_total",
     info_keys=("version", "attention_backend", "max_running_requests", "speculative_algorithm",
                "speculative_num_steps", "speculative_eagle_topk",
                "speculative_num_draft_tokens", "tp_size", ADAPTIVE_INFO_KEY),

@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 
 MIN_FAILURES = 5  # failed requests in a row that end a cell, at least
 DRAIN_TIMEOUT_S = 30.0  # wall seconds to wait for the server to finish aborted requests
-DRAIN_QUIET_S = 3.0  # wall seconds of unmoving gauges and counters that count as drained
+# Wall seconds of unmoving gauges and counters that count as drained: longer than SGLang
+# takes between two reports of its running gauge while it decodes (every 40 decode steps).
+DRAIN_QUIET_S = 5.0
 HEARTBEAT_S = 0.01  # wall seconds between the load generator's checks of its own timers
 
 
@@ -157,7 +159,8 @@ async def drain(client: ServerClient, quiet_s: float = DRAIN_QUIET_S) -> None:
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     values: dict[str, float] = {}
     api = client.api
-    watched = (api.running, api.queued, api.generated_tokens, api.verify_calls)
+    watched = (api.running, api.queued, api.generated_tokens, api.verify_calls,
+               *([api.prompt_tokens] if api.prompt_tokens else []))
     seen: tuple[float, ...] | None = None
     still_since = time.monotonic()
     while time.monotonic() < deadline:
@@ -169,8 +172,8 @@ async def drain(client: ServerClient, quiet_s: float = DRAIN_QUIET_S) -> None:
             if seen is None or any(a != b and not (math.isnan(a) and math.isnan(b))
                                    for a, b in zip(now, seen, strict=True)):
                 seen, still_since = now, time.monotonic()
-            elif time.monotonic() - still_since >= quiet_s:
-                return
+            elif values.get(api.queued, 0.0) == 0 and time.monotonic() - still_since >= quiet_s:
+                return  # a queue still standing is never taken for a frozen gauge
         await asyncio.sleep(0.05)
     log.warning("%s still reports %g running and %g queued requests %g s after the cell",
                 client.base_url, values.get(api.running, float("nan")),
