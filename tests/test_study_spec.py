@@ -273,3 +273,20 @@ def test_a_dataset_file_named_where_a_name_goes_is_read_as_that_file(tmp_path):
     assert len(loaded["chat"].prompts) == 2
     with pytest.raises(TreetuneError, match=r"give a file's path \(ending .json or .jsonl"):
         load_study(None, {"model": "m", "draft": "d", "datasets": ["chat"], "batch": [1]})
+
+
+def test_a_dataset_file_given_on_the_command_line_is_the_working_directory_s(
+        tmp_path, monkeypatch):
+    """With a study file elsewhere, `--datasets data/chat.jsonl` names the file where the
+    user stands, not beside the study file; a file that would take a built-in's name is
+    refused, naming the way to give it its own."""
+    from treetune.study.spec import option_overrides
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "chat.JSONL").write_text('{"prompt": "hello there"}\n')
+    monkeypatch.chdir(tmp_path)
+    spec = load_study(STUDIES / "demo.yaml", option_overrides({"datasets": ["data/chat.JSONL"]}))
+    assert spec.datasets[0].path == str(tmp_path / "data" / "chat.JSONL")
+    with pytest.raises(TreetuneError, match=r"a built-in dataset's name: give it its own, "
+                       r"\{name: my-mt-bench, path: mt-bench.jsonl\}"):
+        load_study(STUDIES / "demo.yaml", option_overrides({"datasets": ["mt-bench.jsonl"]}))

@@ -42,6 +42,7 @@ from treetune.results import Slo, config_key
 from treetune.yamlio import build, closest, dump_yaml, load_yaml
 
 SPEC_COPY = "study.yaml"  # the resolved spec, saved in the output folder for readers
+COMMAND_LINE = "command line"  # where a value given as an option comes from
 
 
 def meta(option: str | None = None, help: str = "", *, short: str | None = None,
@@ -647,7 +648,7 @@ def option_overrides(values: Mapping[str, Any]) -> dict[str, Any]:
 def load_study(path: str | Path | None, overrides: dict[str, Any] | None = None) -> StudySpec:
     """A study from a YAML file (or none), with command-line overrides applied on top."""
     if path is None:
-        return study_from_mapping({}, "command line", Path("."), overrides)
+        return study_from_mapping({}, COMMAND_LINE, Path("."), overrides)
     loaded = load_yaml(path)
     if not isinstance(loaded, dict):
         raise ConfigFileError(path, "a study file must be a mapping of fields")
@@ -688,7 +689,7 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
     def origin(key: str) -> Path | str:
         """Where the value at `key` ("datasets[0]", "backend.world") came from: the command
         line when it set the key or the field it is in, else the file."""
-        return ("command line" if key in given or re.split(r"[.\[]", key)[0] in given
+        return (COMMAND_LINE if key in given or re.split(r"[.\[]", key)[0] in given
                 else where)
 
     def refused(exc: ValueError, section: str = "") -> TreetuneError:
@@ -748,12 +749,12 @@ def _backend(section: dict[str, Any], where: Path | str, given: set[str]) -> Bac
     fields = {k: v for k, v in section.items() if k != "kind"}
     kind = section.get("kind") or "sglang"
     cls = backend_class(kind)
-    source = "command line" if any(f"backend.{k}" in given for k in fields) else where
+    source = COMMAND_LINE if any(f"backend.{k}" in given for k in fields) else where
     settings = {k: {f.name for f in dataclasses.fields(c)} for k, c in BACKENDS.items()}
     for key in set(fields) - settings[kind]:
         other = next((k for k, names in settings.items() if key in names), None)
         if other is not None:
-            raise ConfigFileError("command line" if f"backend.{key}" in given else where,
+            raise ConfigFileError(COMMAND_LINE if f"backend.{key}" in given else where,
                                   f"'{key}' is a setting of the {other} backend, and this "
                                   f"study's backend is {kind}", f"backend.{key}")
     return build(cls, fields, source, "backend")
@@ -773,14 +774,25 @@ def _dataset(value: Any, where: Path | str, index: int) -> DatasetSpec:
         return value
     if isinstance(value, str):
         try:
-            if value not in builtin_names() and ("/" in value or value.endswith(DATASET_SUFFIXES)):
-                # A file named where a name goes (`--datasets data/chat.jsonl`): named
-                # after the file, its format read from its first record.
-                return DatasetSpec(name=Path(value).stem, path=value)
+            if value not in builtin_names() and (
+                    "/" in value or value.lower().endswith(DATASET_SUFFIXES)):
+                return _dataset_file(value, where)
             return DatasetSpec(name=value)
         except ValueError as exc:
             raise ConfigFileError(where, str(exc), f"datasets[{index}]") from None
     return build(DatasetSpec, value, where, f"datasets[{index}]")
+
+
+def _dataset_file(value: str, where: Path | str) -> DatasetSpec:
+    """A file named where a dataset's name goes (`--datasets data/chat.jsonl`): named after
+    the file, its format read from its first record; given on the command line, its path
+    is the working directory's (a study file's paths are the file's folder's)."""
+    name = Path(value).stem
+    if name in builtin_names():
+        raise ValueError(f"the file '{value}' would be named '{name}', a built-in dataset's "
+                         f"name: give it its own, {{name: my-{name}, path: {value}}}")
+    path = str(Path(value).resolve()) if where == COMMAND_LINE else value
+    return DatasetSpec(name=name, path=path)
 
 
 def _method(value: Any, where: Path | str, index: int, base: Path | None) -> DraftMethod:
