@@ -151,7 +151,8 @@ def test_exports_reference_the_api_key_variable_and_never_its_value(tmp_path, mo
     args = json.loads((out / "launch" / "mixed-batch1.args.json").read_text())
     assert args[-2:] == ["--api-key", "$(SERVER_KEY)"]  # Kubernetes expands $(VAR) in args
     config = (out / "launch" / "mixed-batch1.config.yaml").read_text()
-    key = '--api-key "${SERVER_KEY:?is not set: the server would run without an API key}"'
+    key = ('--api-key "${SERVER_KEY:?is unset or empty: the server would run without an API '
+           'key}"')
     assert "api-key" not in yaml.safe_load(config) and key in config
     pools = (out / "POOLS.md").read_text()
     assert pools.count(key) >= 4  # two servers, two routers
@@ -176,7 +177,7 @@ def test_a_launch_script_stops_when_its_api_key_variable_is_unset(tmp_path, monk
         run_env = env if value is None else {**env, "SERVER_KEY": value}
         done = subprocess.run(["sh", str(script)], env=run_env, capture_output=True,
                               text=True, timeout=30)
-        assert done.returncode != 0 and "SERVER_KEY: is not set" in done.stderr
+        assert done.returncode != 0 and "SERVER_KEY: is unset or empty" in done.stderr
         assert not (tmp_path / "args").exists()
     done = subprocess.run(["sh", str(script)], env={**env, "SERVER_KEY": SECRET},
                           capture_output=True, text=True, timeout=30)

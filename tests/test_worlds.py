@@ -500,3 +500,33 @@ def test_moe_dispatch_on_a_dense_model_s_world_is_refused(tmp_path):
     with pytest.raises(ConfigFileError, match=r"key 'effects.moe_dispatch': moe_dispatch is "
                        r"an MoE model's cost, and profile 'qwen3-8b-h100' is of a dense"):
         load_world(path)
+
+
+def test_a_tree_on_another_attention_backend_than_its_own_node_s_baseline_is_named_once(
+        tmp_path):
+    """Each tree against the baseline of the node it ran on: an H100 node resolving fa3
+    for the baseline and an A100 node flashinfer, a flashinfer tree on the H100 node is
+    comparing kernels (named, once), one on the A100 node is not. A resumed planner says
+    nothing again."""
+    planner = windows_planner(tmp_path)
+
+    def absorb(config, node: str, kernel: str, index: int = 0) -> None:
+        cell = CellResult("humaneval", 32, 1000.0, None, 100, 10_000, 6.0, None, None,
+                          repeats=(1000.0, 1000.0))
+        planner.absorb(LaunchResult(config, ok=True, cells=[cell], worker=f"worker-0@{node}",
+                                    server_info={"attention_backend": kernel}), index)
+
+    absorb(BASELINE, "h100", "fa3")
+    absorb(BASELINE, "a100", "flashinfer", 1)
+    absorb(TreeConfig(3, 4, 8), "a100", "flashinfer")
+    assert planner.kernel_notes() == []
+    absorb(TreeConfig(3, 2, 6), "h100", "flashinfer")
+    absorb(TreeConfig(2, 4, 7), "h100", "flashinfer")
+    notes = planner.kernel_notes()
+    assert len(notes) == 1 and notes[0].startswith(
+        "(3,2,6) ran attention backend flashinfer, the baseline fa3: "), notes
+    assert "{--attention-backend: fa3}, in a new study" in notes[0]
+    assert planner.kernel_notes() == []
+    again = Planner(planner.spec, planner.store, load_space(planner.spec.space),
+                    planner.launched)
+    assert again.kernel_notes() == []

@@ -450,7 +450,9 @@ def unpinned_attention(spec: StudySpec) -> str | None:
         return None
     return ("no attention backend pinned: SGLang picks one by topk (on Hopper fa3 for "
             "chains, flashinfer or triton for wider trees), so trees may be compared across "
-            "kernels; pin one in the study's server_flags, e.g. {--attention-backend: fa3}")
+            "kernels; pin one the GPU runs for every tree in the study's server_flags (e.g. "
+            "{--attention-backend: fa3} on Hopper) before its first launch: pinned later, it "
+            "is a new study")
 
 
 def _search_signature() -> inspect.Signature:
@@ -710,8 +712,8 @@ def main(argv: list[str] | None = None) -> None:
         # Typer >= 0.20 ships its own copy of click: its usage errors are not click's.
         if isinstance(exc, click.ClickException | typer.TyperException) and hasattr(
                 exc, "format_message"):
-            if not exc.format_message():  # `treetune` alone: the help was the answer
-                sys.exit(0)
+            if type(exc).__name__ == "NoArgsIsHelpError":  # `treetune` alone: the help
+                sys.exit(getattr(exc, "exit_code", 2))      # was printed, no error to add
             commands = getattr(typer.main.get_command(app), "commands", {})
             where = f"treetune {args[0]}" if args and args[0] in commands else "treetune"
             err.print(f"[bold red]error:[/bold red] {escape(exc.format_message())} (see "

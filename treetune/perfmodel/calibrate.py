@@ -210,9 +210,9 @@ def load_measurements(path: str | Path, entry: str | None = None,
             "expected a list of points (steps, topk, draft_tokens, batch, dataset, "
             "baseline_tok_s, spec_tok_s, speedup, accept_length), a 'points' list, or 'runs'"
             + ("; this file has several entries: pick one with --entry" if entry is None
-               and isinstance(data, dict) and any(isinstance(v, dict) and ("runs" in v or
-                                                                           "points" in v)
-                                                  for v in data.values()) else ""),
+               and isinstance(data, dict) and any(isinstance(v, list) or (
+                   isinstance(v, dict) and ("runs" in v or "points" in v))
+                   for v in data.values()) else ""),
         )
     return _measurements(path, rows, datasets)
 

@@ -105,7 +105,7 @@ def key_word(variable: str) -> str:
     """The API key as a shell word that names its variable, never its value, and stops the
     script when the variable is unset or empty: SGLang takes an empty --api-key as none
     and would serve without authentication."""
-    return f'"${{{variable}:?is not set: the server would run without an API key}}"'
+    return f'"${{{variable}:?is unset or empty: the server would run without an API key}}"'
 
 
 def launch_script(spec: StudySpec, rec: Recommendation,

@@ -632,21 +632,25 @@ class Planner:
             value = result.server_info.get("attention_backend")
             return str(value) if result.ok and value else None
 
-        base = {b for r in self.launched if r.config == BASELINE and (b := backend(r))}
-        if not base:
-            return []
+        # Each node's baselines: a tree is compared with its own node's (`level_nodes`),
+        # and unlike GPUs may resolve unlike defaults.
+        base: dict[str, set[str]] = {}
+        for result in self.launched:
+            if result.config == BASELINE and (kernel := backend(result)):
+                base.setdefault(node_of(result), set()).add(kernel)
         notes = []
         for result in self.launched:
-            kernel = backend(result)
-            if result.config == BASELINE or kernel is None or kernel in base | self.told_kernels:
+            kernel, own = backend(result), base.get(node_of(result), set())
+            if (result.config == BASELINE or kernel is None or not own or kernel in own
+                    or kernel in self.told_kernels):
                 continue
             self.told_kernels.add(kernel)
             notes.append(
                 f"{result.config} ran attention backend {kernel}, the baseline "
-                f"{' and '.join(sorted(base))}: the study compares kernels as well as trees "
+                f"{' and '.join(sorted(own))}: the study compares kernels as well as trees "
                 "(SGLang picks the backend by topk unless told). Pin one in the study's "
                 "server_flags, e.g. {--attention-backend: "
-                f"{sorted(base)[0]}}}, and start a new study")
+                f"{sorted(own)[0]}}}, in a new study")
         return notes
 
     def _record(self, key: str, result: LaunchResult) -> LaunchResult:

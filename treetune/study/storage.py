@@ -162,10 +162,11 @@ class StudyStore:
             self.launches.set_user_attr("datasets", spec.dataset_names)
             self.launches.set_user_attr("batch", list(spec.batch))
         elif stored != spec.fingerprint():
-            changed = _changes(self.launches.user_attrs.get(SPEC_ATTR), spec)
+            changed = _changes(self.launches.user_attrs.get(SPEC_ATTR), spec) or (
+                "no field reads back as changed: it was stored by another treetune version, "
+                "or its stored spec no longer loads")
             raise TreetuneError(
-                f"study '{spec.name}' in {url} was created with a different spec "
-                f"({changed or 'model, datasets, batch sizes, backend or measurement changed'}"
+                f"study '{spec.name}' in {url} was created with a different spec ({changed}"
                 "); refusing to mix results. Start a new study with another --name or "
                 "--output, or delete the old storage."
             )

@@ -66,9 +66,14 @@ def keep_earlier(log_path: Path) -> Path | None:
     stem = log_path.name.removesuffix(".log")
     for n in itertools.count(1):
         aside = log_path.with_name(f"{stem}.earlier{n if n > 1 else ''}.log")
-        if not aside.exists():
-            log_path.rename(aside)
-            return aside
+        try:  # a link fails where a name is taken (a rename would replace it)
+            os.link(log_path, aside)
+        except FileExistsError:
+            continue
+        except FileNotFoundError:  # another worker moved it first
+            return None
+        log_path.unlink(missing_ok=True)
+        return aside
     return None  # unreachable: count() never ends
 
 
