@@ -319,10 +319,10 @@ def test_every_command_summary_is_one_line_in_the_command_list():
         assert summary and "\n" not in summary, (name, summary)
 
 
-def test_a_search_that_pins_no_attention_backend_is_warned_before_it_starts(tmp_path):
+def test_a_search_that_pins_no_attention_backend_is_told_when_it_starts(tmp_path):
     from synthetic import spec
 
-    from treetune.cli import unpinned_attention
+    from treetune.study.runner import unpinned_attention
 
     assert unpinned_attention(spec(tmp_path)) is None  # it pins triton
     bare = spec(tmp_path, server_flags={})

@@ -381,13 +381,15 @@ def test_a_model_whose_trees_sit_off_it_beyond_the_noise_is_doubted_in_the_ranks
 
 
 def test_the_model_s_rank_variance_leaves_out_what_moves_every_tree_alike():
-    """The 30B's own profile, eight launches at 3% noise: the estimates of the measured
+    """The 30B's own profile, ten launches at 3% noise: the estimates of the measured
     trees share most of their posterior spread (the draws move every speedup together),
     so each tree's rank variance is well below its variance; alone, a tree has nothing
-    to share it with."""
+    to share it with. (Ten, not eight: with today's NumPy and SciPy the eighth launch of
+    seed 6 re-measures, leaving four trees; ten give six, their mean rank variance 0.30
+    of the variance, seeds 0-2 0.09-0.18.)"""
     spec = study("qwen3-30b-a3b-h100")
     truth = PerfModel(representable("qwen3-30b-a3b-h100"), spec.tp)
-    planner = run_offline(spec, truth, seed=6, launches=8, noise=Noise(0.03, 0.03))
+    planner = run_offline(spec, truth, seed=6, launches=10, noise=Noise(0.03, 0.03))
     trees = [r.config for r in planner.results.values()
              if r.ok and isinstance(r.config, TreeConfig)]
     estimates = model_estimates(planner.strategy.fit, trees, np.random.default_rng(0))

@@ -68,6 +68,7 @@ def test_a_tree_served_by_another_attention_backend_than_the_baseline_is_named(f
     assert len(named) == 1, notes
     assert "ran attention backend flashinfer, the baseline fa3" in named[0]
     assert "{--attention-backend: fa3}" in named[0]
+    assert sum("no attention backend pinned" in n for n in notes) == 1  # said at the start
 
 
 def test_the_storage_holds_launches_and_a_constrained_study_per_batch(finished):

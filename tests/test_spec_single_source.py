@@ -110,7 +110,7 @@ def test_every_option_sets_its_field(capsys, monkeypatch, tmp_path):
 
     def capture(spec, run_study):
         seen.append(spec)
-        return SimpleNamespace(baseline=None, interrupted=False)
+        return SimpleNamespace(baseline=None, interrupted=False, ended="")
 
     monkeypatch.setattr(treetune.cli, "_run_with_progress", capture)
     argv = [a for flag, values in SAMPLES.items() for a in (flag, *values)]
@@ -145,7 +145,7 @@ def spec_from_command_line(capsys, monkeypatch, *options: str):
 
     def capture(spec, run_study):
         seen.append(spec)
-        return SimpleNamespace(baseline=None, interrupted=False)
+        return SimpleNamespace(baseline=None, interrupted=False, ended="")
 
     monkeypatch.setattr(treetune.cli, "_run_with_progress", capture)
     code, _, err = run_cli(capsys, "search", "--model", "m", "--draft", "d", "--datasets",

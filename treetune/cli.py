@@ -420,8 +420,6 @@ def search(study: Path | None = None, **options: Any) -> None:
         err.print(f"[bold yellow]warning:[/bold yellow] servers will listen on {spec.host}, "
                   "reachable from other machines: anyone who can reach this host can use "
                   "them (set api_key_env to require a key)", highlight=False)
-    if (unpinned := unpinned_attention(spec)) is not None:
-        err.print(f"[bold yellow]warning:[/bold yellow] {escape(unpinned)}", highlight=False)
     outcome = _run_with_progress(spec, run_study)  # SIGTERM stops it as Ctrl-C does
     if outcome.baseline is not None:
         recs = outcome.recommendations
@@ -441,18 +439,6 @@ def search(study: Path | None = None, **options: Any) -> None:
         sys.exit(130)
     if outcome.baseline is None:
         raise TreetuneError("no baseline was measured, so there is nothing to recommend")
-
-
-def unpinned_attention(spec: StudySpec) -> str | None:
-    """The warning for a study that leaves SGLang to pick its attention backend (None when
-    it pins one): the pick follows topk, so trees would be compared across kernels."""
-    if "--attention-backend" in spec.server_flags:
-        return None
-    return ("no attention backend pinned: SGLang picks one by topk (on Hopper fa3 for "
-            "chains, flashinfer or triton for wider trees), so trees may be compared across "
-            "kernels; pin one the GPU runs for every tree in the study's server_flags (e.g. "
-            "{--attention-backend: fa3} on Hopper) before its first launch: pinned later, it "
-            "is a new study")
 
 
 def _search_signature() -> inspect.Signature:

@@ -441,6 +441,8 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         progress.message = progress.message or f"strategy {planner.strategy_name}"
         if planner.note:
             progress.notes.append(planner.note)
+        if (unpinned := unpinned_attention(spec)) is not None:
+            progress.notes.append(unpinned)
         notify(progress)
         while True:
             if others is not None and others.follow(planner, progress):
@@ -573,6 +575,19 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     return StudyOutcome(spec, list(planner.results.values()), planner.baseline, interrupted,
                         stale, planner.launches, planner.strategy_name,
                         _decide(planner, store, progress), ended)
+
+
+def unpinned_attention(spec: StudySpec) -> str | None:
+    """The word for a study that leaves SGLang to pick its attention backend (None when
+    it pins one), said above the progress line once the search starts: the pick follows
+    topk, so trees would be compared across kernels."""
+    if "--attention-backend" in spec.server_flags:
+        return None
+    return ("no attention backend pinned: SGLang picks one by topk (on Hopper fa3 for "
+            "chains, flashinfer or triton for wider trees), so trees may be compared across "
+            "kernels; pin one the GPU runs for every tree in the study's server_flags (e.g. "
+            "{--attention-backend: fa3} on Hopper) before its first launch: pinned later, it "
+            "is a new study")
 
 
 def _why_ended(spec: StudySpec, launches: int, deadline: float | None, spent: bool) -> str:
