@@ -624,7 +624,7 @@ class Planner:
 
     def kernel_notes(self) -> list[str]:
         """A word for the user, once per attention backend, when a tree's server resolved
-        another attention backend than the baseline's (its `server_info`): left to
+        another attention backend than its own node's baseline (`server_info`): left to
         choose, SGLang on Hopper takes fa3 for chains and no speculation but flashinfer or
         triton for trees of topk > 1, so the study would compare kernels as well as
         trees. Pinning one in `server_flags` is the remedy."""
