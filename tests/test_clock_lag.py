@@ -215,7 +215,7 @@ def test_a_speculative_cell_twice_without_an_accept_length_is_kept_with_a_warnin
     result, warning = watched_in_turn(cells, speculative=True)
     assert (result.accept_length, result.clock_lag_s, result.lagged) == (None, 0.01, False)
     assert warning is not None and warning.startswith(
-        "humaneval at batch 8: the server counted no speculative verify call in the window, "
+        "humaneval at batch 8: the server counted no speculative verify call for the cell, "
         "measured twice, though 5400 tokens arrived: no accept length")
 
 

@@ -173,13 +173,23 @@ class Engine:
         return req
 
     def cancel(self, req: Request) -> None:
-        """A client went away: drop its request wherever it is."""
+        """A client went away: drop its request wherever it is (it ends as aborted, and is
+        counted as it stands)."""
         if req in self.waiting:
             self.waiting.remove(req)
             self.metrics.queue(len(self.waiting))
+            self._count(req)
         if req in self.running:
             self.running.remove(req)
             self.metrics.running(len(self.running))
+            self._count(req)
+
+    def _count(self, req: Request) -> None:
+        """A request's tokens and verify calls, added to the Prometheus counters as it
+        ends: SGLang counts them per finished request (`observe_one_finished_request`),
+        not per round, so a window's counters hold only the requests that ended in it."""
+        self.metrics.finished(req.prompt_tokens, req.generated,
+                              req.verify_ct if self.speculative else 0)
 
     @property
     def idle(self) -> bool:
@@ -240,7 +250,6 @@ class Engine:
                 self._emit(req, 1)
             req.first_token_at = self.clock
             self.metrics.ttft(self.clock - req.arrival)
-        self.metrics.prompt_tokens(sum(r.prompt_tokens for r in batch))
         self._retire()
 
     def round_config(self, size: int) -> ServerConfig:
@@ -288,7 +297,6 @@ class Engine:
             gen_throughput=self.last_gen_throughput,
             accept_length=produced / verified if self.speculative and verified else None,
             steps=config.steps if isinstance(config, TreeConfig) else None,
-            verify_calls=verified if self.speculative else 0,
             token_usage=self._token_usage(),
         )
         if self.schedule is not None:
@@ -306,7 +314,6 @@ class Engine:
     def _emit(self, req: Request, tokens: int) -> None:
         req.generated += tokens
         self.completion_tokens += tokens
-        self.metrics.generation_tokens(tokens)
         req.updates.put_nowait(req.generated)
 
     def _retire(self) -> None:
@@ -314,6 +321,7 @@ class Engine:
             self.running.remove(req)
             req.finished_at = self.clock
             self.metrics.e2e(self.clock - req.arrival)
+            self._count(req)
             req.updates.put_nowait(-1)  # end of stream
         self.metrics.running(len(self.running))
 

@@ -62,11 +62,12 @@ class ServerMetrics:
     def running(self, n: int) -> None:
         self._running.set(n)
 
-    def generation_tokens(self, n: int) -> None:
-        self._generation.inc(n)
-
-    def prompt_tokens(self, n: int) -> None:
-        self._prompt.inc(n)
+    def finished(self, prompt_tokens: int, generated: int, verify_calls: int) -> None:
+        """One request ended (finished or aborted): its counts, as SGLang adds them."""
+        self._prompt.inc(prompt_tokens)
+        self._generation.inc(generated)
+        if verify_calls:
+            self._verify.inc(verify_calls)
 
     def ttft(self, seconds: float) -> None:
         self._ttft.observe(seconds)
@@ -87,7 +88,6 @@ class ServerMetrics:
         gen_throughput: float,
         accept_length: float | None,
         steps: int | None,
-        verify_calls: int,
         token_usage: float,
     ) -> None:
         self._running.set(running)
@@ -96,5 +96,4 @@ class ServerMetrics:
         if accept_length is not None and steps:
             self._accept_length.set(accept_length)
             self._accept_rate.set((accept_length - 1.0) / steps)
-        if verify_calls:
-            self._verify.inc(verify_calls)
+

@@ -180,6 +180,16 @@ async def drain(client: ServerClient, quiet_s: float = DRAIN_QUIET_S) -> None:
                 values.get(api.queued, float("nan")), DRAIN_TIMEOUT_S)
 
 
+async def metrics_or_none(client: ServerClient) -> dict[str, float] | None:
+    """The server's metrics, None if it does not answer: the whole cell's counters are
+    read before its first request and after it drained, and a server that died then
+    leaves the window's to stand in (or the cell's own failure to say what went wrong)."""
+    try:
+        return await client.metrics()
+    except ServerRequestError:
+        return None
+
+
 @dataclass(frozen=True)
 class Counters:
     """The server's metrics when the window opened and when it closed."""
@@ -194,9 +204,14 @@ class Counters:
 def cell_result(dataset: str, record: Record, window: tuple[float, float], scale: float,
                 repeats: int, api: ServerApi, counters: Counters, *, batch: int = 0,
                 rate: float | None = None, arrival: str = "", slo: Slo | None = None,
-                unfinished: int = 0) -> CellResult:
+                unfinished: int = 0, whole: Counters | None = None) -> CellResult:
     """The cell's throughput (whole window and `repeats` sub-windows), latencies and
-    goodput of the requests completed inside the window, accept length and clock lag."""
+    goodput of the requests completed inside the window, and clock lag (`counters`: the
+    window's); its accept length from `whole` (from before its first request until it
+    drained), else the window's. SGLang counts a request's tokens and verify calls when
+    it ends: a window's counters hold only the requests that ended in it, none at all
+    in a window shorter than one answer, while the whole cell's hold every request it
+    sent that ended."""
     start, end = window
     bounds = np.linspace(start, end, repeats + 1)
     per_repeat = np.zeros(repeats)
@@ -217,7 +232,7 @@ def cell_result(dataset: str, record: Record, window: tuple[float, float], scale
         dataset=dataset,
         batch=batch,
         output_tok_s=output_tokens / length,
-        accept_length=accept_length(api, counters),
+        accept_length=accept_length(api, whole or counters),
         requests=len(completed),
         output_tokens=output_tokens,
         duration_s=length,

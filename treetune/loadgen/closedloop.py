@@ -15,6 +15,7 @@ from treetune.loadgen._common import (
     cell_result,
     drain,
     heartbeat,
+    metrics_or_none,
     send,
     stop,
     until,
@@ -52,6 +53,7 @@ async def measure_cell(
     if not prompts.prompts:
         raise MeasurementError(f"dataset '{prompts.name}' has no prompts")
     scale = await client.time_scale()
+    opened = await metrics_or_none(client)  # the accept length's span: the whole cell
     record = Record(workers=batch)
     offsets = [i * len(prompts.prompts) // batch for i in range(batch)]
     tasks = [
@@ -74,8 +76,10 @@ async def measure_cell(
     finally:
         await stop(tasks)
     await drain(client)
+    closed = await metrics_or_none(client)
     return cell_result(prompts.name, record, (start, end), scale, repeats, client.api,
-                       Counters(before, after), batch=batch, slo=slo)
+                       Counters(before, after), batch=batch, slo=slo,
+                       whole=Counters(opened, closed) if opened and closed else None)
 
 
 async def _worker(client: ServerClient, prompts: PromptSetLike, index: int, offset: int,

@@ -17,6 +17,7 @@ from treetune.loadgen._common import (
     cell_result,
     drain,
     heartbeat,
+    metrics_or_none,
     send,
     stop,
     until,
@@ -84,6 +85,8 @@ async def measure_open_cell(
     finally:
         await stop([*tasks, watch])  # type: ignore[list-item]
     await drain(client)
+    closed = await metrics_or_none(client)
     return cell_result(prompts.name, record, (start, end), scale, repeats, client.api,
                        Counters(before, after), rate=rate, arrival=arrival, slo=slo,
-                       unfinished=unfinished)
+                       unfinished=unfinished,
+                       whole=Counters(before, closed) if closed is not None else None)

@@ -247,7 +247,7 @@ async def measure_watched(measure: Callable[[], Awaitable[CellResult]], max_lag_
     """A cell measured by `measure`, and measured once more if its server's clock, or the
     load generator's own timers, lagged more than `max_lag_s` behind schedule, or if a
     `speculative` server delivered tokens in the window without one verify call counted
-    (it made no round in the window: its accept length is missing), or if a `closed_loop`
+    for the cell (no request of it ended: its accept length is missing), or if a `closed_loop`
     cell's window saw no token at all; if the second is no better, it is kept (marked
     `lagged` if it lagged), with a warning for the study that says what to do (`hint`).
     A closed-loop cell empty twice raises MeasurementError: requests were in flight all
@@ -271,11 +271,12 @@ async def measure_watched(measure: Callable[[], Awaitable[CellResult]], max_lag_
         return dataclasses.replace(cell, lagged=True), _lag_warning(first, cell, max_lag_s,
                                                                     hint, time_scale)
     if _no_accept(cell, speculative):
-        return cell, (f"{cell.label}: the server counted no speculative verify call in the "
-                      f"window, measured twice, though {cell.output_tokens} tokens arrived: "
-                      "no accept length (the search fits its throughput alone). Check that "
-                      "the server counts verify calls in its metrics, and that it was not "
-                      "stalled; a longer measurement.duration_s spans more rounds.")
+        return cell, (f"{cell.label}: the server counted no speculative verify call for "
+                      f"the cell, measured twice, though {cell.output_tokens} tokens arrived: "
+                      "no accept length (the search fits its throughput alone). SGLang "
+                      "counts a request's verify calls when it ends: a longer "
+                      "measurement.duration_s lets requests end in the cell; check too that "
+                      "the server counts verify calls in its metrics and was not stalled.")
     return cell, None
 
 
