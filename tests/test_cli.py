@@ -322,8 +322,13 @@ def test_every_command_summary_is_one_line_in_the_command_list():
 def test_a_search_that_pins_no_attention_backend_is_told_when_it_starts(tmp_path):
     from synthetic import spec
 
+    from treetune.space import load_space
     from treetune.study.runner import unpinned_attention
 
-    assert unpinned_attention(spec(tmp_path)) is None  # it pins triton
-    bare = spec(tmp_path, server_flags={})
-    assert "{--attention-backend: fa3}" in unpinned_attention(bare)
+    trees, chains = [load_space("default")], [load_space("narrow")]
+    assert unpinned_attention(spec(tmp_path), trees) is None  # it pins triton
+    bare = spec(tmp_path, server_flags={}, compare=[])
+    assert "{--attention-backend: fa3}" in unpinned_attention(bare, trees)
+    assert unpinned_attention(bare, chains) is None  # chains only: SGLang serves them alike
+    compared = spec(tmp_path, server_flags={}, compare=["3,4,8"])
+    assert unpinned_attention(compared, chains) is not None

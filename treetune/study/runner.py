@@ -9,17 +9,18 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from treetune.backends import BackendFacts
-from treetune.config import BASELINE
+from treetune.config import BASELINE, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.results import LaunchResult, config_from_key, config_key
-from treetune.space import load_space
+from treetune.space import SearchSpace, load_space
 from treetune.study.claims import Claim, Claims
 from treetune.study.evidence import merge_all, worker_host
+from treetune.study.methods import method_spaces
 from treetune.study.placement import (
     CPUS_PER_SERVER,
     RAY_GPU,
@@ -441,7 +442,8 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         progress.message = progress.message or f"strategy {planner.strategy_name}"
         if planner.note:
             progress.notes.append(planner.note)
-        if (unpinned := unpinned_attention(spec)) is not None:
+        spaces = [space, *(method_spaces(spec, space).values() if spec.methods else ())]
+        if (unpinned := unpinned_attention(spec, spaces)) is not None:
             progress.notes.append(unpinned)
         notify(progress)
         while True:
@@ -577,11 +579,15 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                         _decide(planner, store, progress), ended)
 
 
-def unpinned_attention(spec: StudySpec) -> str | None:
-    """The word for a study that leaves SGLang to pick its attention backend (None when
-    it pins one), said above the progress line once the search starts: the pick follows
-    topk, so trees would be compared across kernels."""
+def unpinned_attention(spec: StudySpec, spaces: Iterable[SearchSpace]) -> str | None:
+    """The word for a study that leaves SGLang to pick its attention backend, said above
+    the progress line once the search starts: the pick follows topk, so trees would be
+    compared across kernels. None when it pins one, or when every tree it can launch (its
+    `spaces`' and its compared ones) is a chain, all served alike."""
     if "--attention-backend" in spec.server_flags:
+        return None
+    trees = [*spec.compare, *(c for space in spaces for c in space.configs())]
+    if not any(isinstance(c, TreeConfig) and c.topk > 1 for c in trees):
         return None
     return ("no attention backend pinned: SGLang picks one by topk (on Hopper fa3 for "
             "chains, flashinfer or triton for wider trees), so trees may be compared across "
