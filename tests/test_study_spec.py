@@ -290,3 +290,16 @@ def test_a_dataset_file_given_on_the_command_line_is_the_working_directory_s(
     with pytest.raises(TreetuneError, match=r"a built-in dataset's name: give it its own, "
                        r"\{name: my-mt-bench, path: mt-bench.jsonl\}"):
         load_study(STUDIES / "demo.yaml", option_overrides({"datasets": ["mt-bench.jsonl"]}))
+
+
+def test_an_adaptive_study_refuses_the_adaptive_flags_in_server_flags(tmp_path):
+    """With `adaptive: true` the study sets --speculative-adaptive and its config on its
+    adaptive launches, each with the config it measures: the same flags for every server
+    would make every launch adaptive with one config. Without it, they are the user's."""
+    base = {"model": "m", "draft": "d", "datasets": ["humaneval"], "batch": [1, 8]}
+    for flag, value in (("--speculative-adaptive-config", "mine.json"),
+                        ("--speculative-adaptive", None)):
+        with pytest.raises(TreetuneError, match=f"'{flag}' is set by treetune on this "
+                           "study's adaptive launches"):
+            load_study(None, {**base, "adaptive": True, "server_flags": {flag: value}})
+        assert load_study(None, {**base, "server_flags": {flag: value}}).server_flags

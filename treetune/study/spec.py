@@ -23,6 +23,8 @@ from typing import Any
 from treetune.backends import BACKENDS, Backend, LaunchSpec, backend_class
 from treetune.backends._base import parse_version
 from treetune.backends.sglang import (
+    ADAPTIVE_CONFIG_FLAG,
+    ADAPTIVE_FLAG,
     ALGORITHMS,
     DEFAULT_SGLANG_VERSION,
     KNOWN_ALGORITHMS,
@@ -323,6 +325,11 @@ class StudySpec:
                 raise FieldError("server_flags", f"server_flags: '{flag}' takes "
                                  f"{'one value' if value else 'at least one value'}, got "
                                  f"{value} (null marks a bare flag)")
+            if self.adaptive and flag in (ADAPTIVE_FLAG, ADAPTIVE_CONFIG_FLAG):
+                raise FieldError("server_flags", f"server_flags: '{flag}' is set by treetune "
+                                 "on this study's adaptive launches (adaptive: true), each "
+                                 "with the config it measures; a flag here would launch every "
+                                 "server of the study adaptive, with one config")
             if (managed := managed_flag(flag)) is not None:
                 name, where = managed
                 what = f"'{flag}'" if flag == name else f"'{flag}' (short for '{name}')"
