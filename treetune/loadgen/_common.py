@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -161,16 +160,15 @@ async def drain(client: ServerClient, quiet_s: float = DRAIN_QUIET_S) -> None:
     api = client.api
     watched = (api.running, api.queued, api.generated_tokens, api.verify_calls,
                *([api.prompt_tokens] if api.prompt_tokens else []))
-    seen: tuple[float, ...] | None = None
+    seen: tuple[float | None, ...] | None = None
     still_since = time.monotonic()
     while time.monotonic() < deadline:
         with contextlib.suppress(ServerRequestError):
             values = await client.metrics()
             if values.get(api.running, 0.0) == 0 and values.get(api.queued, 0.0) == 0:
                 return
-            now = tuple(values.get(name, math.nan) for name in watched)
-            if seen is None or any(a != b and not (math.isnan(a) and math.isnan(b))
-                                   for a, b in zip(now, seen, strict=True)):
+            now = tuple(values.get(name) for name in watched)  # None: not reported
+            if now != seen:
                 seen, still_since = now, time.monotonic()
             elif values.get(api.queued, 0.0) == 0 and time.monotonic() - still_since >= quiet_s:
                 return  # a queue still standing is never taken for a frozen gauge

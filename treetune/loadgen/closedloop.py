@@ -79,7 +79,8 @@ async def measure_cell(
     closed = await metrics_or_none(client)
     return cell_result(prompts.name, record, (start, end), scale, repeats, client.api,
                        Counters(before, after), batch=batch, slo=slo,
-                       whole=Counters(opened, closed) if opened and closed else None)
+                       whole=Counters(opened, closed)
+                       if opened is not None and closed is not None else None)
 
 
 async def _worker(client: ServerClient, prompts: PromptSetLike, index: int, offset: int,
