@@ -96,4 +96,3 @@ class ServerMetrics:
         if accept_length is not None and steps:
             self._accept_length.set(accept_length)
             self._accept_rate.set((accept_length - 1.0) / steps)
-

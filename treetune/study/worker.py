@@ -60,9 +60,8 @@ def log_name(key: str, launch_index: int = 0, attempt: int = 0) -> str:
 def keep_earlier(log_path: Path) -> Path | None:
     """Move aside a log already at `log_path` (a launch interrupted, or lost with its
     worker, and now done again under its name) to `NAME.earlier.log` (`.earlier2.log`, ...):
-    one log per server started, none overwritten. Returns where it went."""
-    if not log_path.exists():
-        return None
+    one log per server started, none overwritten. Returns where it went (None when there
+    was none, or another worker moved it first)."""
     stem = log_path.name.removesuffix(".log")
     for n in itertools.count(1):
         aside = log_path.with_name(f"{stem}.earlier{n if n > 1 else ''}.log")
@@ -70,7 +69,7 @@ def keep_earlier(log_path: Path) -> Path | None:
             os.link(log_path, aside)
         except FileExistsError:
             continue
-        except FileNotFoundError:  # another worker moved it first
+        except FileNotFoundError:
             return None
         log_path.unlink(missing_ok=True)
         return aside
