@@ -73,3 +73,40 @@ def test_a_draw_of_the_correction_moves_near_trees_together_with_the_predicted_s
     assert gap.max() < 0.2 * np.sqrt(var[0])
     assert draws.mean(axis=0) == pytest.approx(mean, abs=0.25 * np.sqrt(var.max()))
     assert draws.std(axis=0) == pytest.approx(np.sqrt(var), rel=0.2)
+
+
+def test_a_measured_tree_is_held_out_of_its_own_correction():
+    """What the correction says of a measured tree, for ranking it against its own
+    measurement, is learned from the other trees only: the same as a GP of the same
+    kernel fitted without any of that tree's cells. Learned with them, the correction
+    echoes the tree's own residual (here each tree's own offset, which no other tree
+    shows), and a ranking that blends the two counts one measurement twice."""
+    from sklearn.gaussian_process import GaussianProcessRegressor
+
+    from treetune.strategies._misfit import features
+
+    rng = np.random.default_rng(3)
+    offsets = {c: float(rng.normal(0, 0.03)) for c in TREES}
+    fit = Correction(DATASETS)
+    fit.surprise(list(9 * rng.chisquare(1, 40)))
+    fit.update(residuals(lambda c, b: offsets[c] - 0.1 * (c.steps >= 3), variance=0.005 ** 2))
+    assert fit.misfit
+    tree = TREES[6]
+    rows = [(c, b, d) for c in TREES for b in (1, 32) for d in DATASETS]
+    others = [r for r in rows if r[0] != tree]
+    refit = GaussianProcessRegressor(kernel=fit._gp.kernel_, optimizer=None,
+                                     alpha=np.full(len(others), 0.005 ** 2))
+    refit.fit(np.array([features(c, b, d, DATASETS) for c, b, d in others]),
+              np.array([offsets[c] - 0.1 * (c.steps >= 3) for c, _, _ in others]))
+    for batch in (1, 32):
+        for dataset in DATASETS:
+            mean, variance = fit.held_out(tree, batch, dataset)
+            want, sd = refit.predict(np.array([features(tree, batch, dataset, DATASETS)]),
+                                     return_std=True)
+            assert mean == pytest.approx(want[0], abs=1e-6)
+            assert variance == pytest.approx(max(sd[0] ** 2, 1e-8), rel=1e-3, abs=1e-9)
+    # Learned with its own cells, the correction sits nearer the tree's own residual.
+    own = offsets[tree] - 0.1 * (tree.steps >= 3)
+    with_it, _ = fit.predict([tree], 1, DATASETS[0])
+    assert abs(with_it[0] - own) < abs(fit.held_out(tree, 1, DATASETS[0])[0] - own)
+    assert fit.held_out(TreeConfig.of(4, 2, 8), 1, DATASETS[0]) is None  # not measured

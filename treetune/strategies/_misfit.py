@@ -56,6 +56,9 @@ class Correction:
         self.points = 0
         self.surprises: list[float] = []  # squared z-scores of predictions, oldest first
         self._gp = None
+        self._rows: list[tuple[TreeConfig, float, str]] = []  # the GP's training cells
+        self._noise = np.zeros(0)  # their measurement variances
+        self._held_out: dict[tuple[TreeConfig, float, str], tuple[float, float]] | None = None
 
     def surprise(self, z2: Sequence[float]) -> None:
         """Squared z-scores of a new tree's cells against the model's prediction for it."""
@@ -75,6 +78,9 @@ class Correction:
         dof = max(len(recent) // max(len(self.datasets), 1), 1)
         self.misfit = self.ratio > stats.chi2.ppf(1 - MISFIT_P, dof) / dof
         self._gp = self._fit(residuals) if self.misfit and len(residuals) >= 4 else None
+        self._rows = [(r.config, r.batch, r.dataset) for r in residuals]
+        self._noise = np.array([r.variance for r in residuals])
+        self._held_out = None
 
     def _fit(self, residuals: Sequence[Residual]):
         from sklearn.exceptions import ConvergenceWarning
@@ -104,6 +110,43 @@ class Correction:
         x = np.array([features(c, batch, dataset, self.datasets) for c in configs])
         mean, sd = self._gp.predict(x, return_std=True)
         return mean, sd ** 2
+
+    def held_out(self, config: TreeConfig, batch: float,
+                 dataset: str) -> tuple[float, float] | None:
+        """The correction's mean and variance at a measured cell as learned without any of
+        its tree's cells (None for a cell it was not learned from, or while the model
+        fits): what the other trees say of this one. Learned with them, the correction
+        echoes the tree's own measurement, and a ranking that weighs the two as separate
+        evidence counts that measurement twice."""
+        if self._gp is None:
+            return None
+        if self._held_out is None:
+            self._held_out = self._leave_trees_out()
+        return self._held_out.get((config, batch, dataset))
+
+    def _leave_trees_out(self) -> dict[tuple[TreeConfig, float, str], tuple[float, float]]:
+        """Every training cell's held-out mean and variance, by the GP's closed form for
+        leaving a group out: with K the training cells' covariance (noise included) and
+        P its inverse, the cells I of one tree have mean y_I - P_II^-1 (P y)_I and
+        covariance P_II^-1 given the others' (Rasmussen and Williams, 5.4.2, for a group);
+        less their measurement noise, the correction's own."""
+        from scipy.linalg import cho_solve
+
+        gp = self._gp
+        precision = cho_solve((gp.L_, True), np.eye(len(self._rows)))
+        weights = gp.alpha_.ravel()
+        y = gp.y_train_.ravel()
+        groups: dict[TreeConfig, list[int]] = {}
+        for i, (config, _, _) in enumerate(self._rows):
+            groups.setdefault(config, []).append(i)
+        out = {}
+        for rows in groups.values():
+            block = np.linalg.inv(precision[np.ix_(rows, rows)])
+            means = y[rows] - block @ weights[rows]
+            variances = np.clip(np.diag(block) - self._noise[rows], 1e-8, None)
+            for i, mean, variance in zip(rows, means, variances, strict=True):
+                out[self._rows[i]] = (float(mean), float(variance))
+        return out
 
     def sample(self, configs: Sequence[TreeConfig], batch: float,
                rng: np.random.Generator) -> np.ndarray:

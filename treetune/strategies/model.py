@@ -429,24 +429,28 @@ class ModelStrategy:
             return None
         self.refresh()
         out = model_estimates(self.fit, list(configs), np.random.default_rng(self.context.seed))
+        # Measured trees at their measured acceptance (`acceptance_shifts`).
+        for (config, batch, dataset), estimate in out.items():
+            out[config, batch, dataset] = estimate._replace(
+                log_mean=estimate.log_mean + self.accepted.get((config, dataset), 0.0))
         if not self.correction.misfit or not out:
-            # Measured trees at their measured acceptance (a misfit model's correction,
-            # learned from every measured cell, moves them toward their measurements).
-            for (config, batch, dataset), estimate in out.items():
-                out[config, batch, dataset] = estimate._replace(
-                    log_mean=estimate.log_mean + self.accepted.get((config, dataset), 0.0))
             return out
         # A model that does not fit: corrected, and trusted less against the measurements
         # (the correction's variance counted whole in the ranks too: it is learned per tree).
+        # A measured tree takes the correction learned without its own cells: the ranks
+        # weigh this estimate against the tree's measurement as separate evidence, and a
+        # correction learned from that measurement would echo it.
         ratio = self.correction.ratio
         for batch in self.fit.batches:
             for dataset in self.fit.datasets:
                 mean, var = self.correction.predict(list(configs), batch, dataset)
                 for config, m, v in zip(configs, mean, var, strict=True):
+                    held = self.correction.held_out(config, batch, dataset)
+                    shift, spread = held if held is not None else (float(m), float(v))
                     e = out[config, batch, dataset]
                     out[config, batch, dataset] = Estimate(
-                        e.log_mean + float(m), e.variance * ratio + float(v),
-                        e.rank_variance * ratio + float(v))
+                        e.log_mean + shift, e.variance * ratio + spread,
+                        e.rank_variance * ratio + spread)
         return out
 
     def propose(self) -> Proposal | None:
