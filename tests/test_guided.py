@@ -1049,3 +1049,41 @@ def test_a_draft_whose_ranks_do_not_fall_by_half_frees_the_rank_ratio_through_no
     assert freed[-1] and not freed[0]
     assert fit.result.parameters["datasets.*.acceptance.rank_ratio"] < 0.2
     assert departure(fit.result, fit.prior, fit.params[-1:]) > SHARED_DEPARTURE
+
+
+def test_a_misfit_models_estimate_of_a_measured_tree_is_corrected_as_the_other_trees_teach():
+    """Once the model is judged misfit, the ranking's estimate of a measured tree takes the
+    learned correction without the tree's own cells (`Correction.held_out`), and an
+    unmeasured tree the correction as learned from every measured one: the ranking weighs
+    the estimate against the tree's measurement, which must not be in it twice."""
+    world = load_world("acceptance-shape")
+    truth = world.model(world.profile.tp)
+    spec = study("qwen3-8b-h100", backend={"kind": "emulator", "world": "acceptance-shape"})
+    planner = run_offline(spec, truth, seed=1, launches=8, noise=Noise(0.03, 0.03, 0.01))
+    strategy = planner.strategy
+    results, baseline = planner.evidence()
+    trees = [r for r in results if r.ok and isinstance(r.config, TreeConfig)]
+    strategy.refresh()
+    strategy.correction.surprise([25.0] * 48)  # predictions five sigmas off: misfit
+    strategy.correction.update(strategy._residuals(trees, baseline))
+    assert strategy.correction.misfit
+    unmeasured = TreeConfig.of(4, 2, 8)
+    assert all(r.config != unmeasured for r in trees)
+    configs = [r.config for r in trees] + [unmeasured]
+    plain = model_estimates(strategy.fit, configs, np.random.default_rng(spec.seed))
+    corrected = strategy.estimates(configs)
+    moved = []
+    for config in configs:
+        for batch in strategy.fit.batches:
+            for dataset in strategy.fit.datasets:
+                shift = (corrected[config, batch, dataset].log_mean
+                         - plain[config, batch, dataset].log_mean
+                         - strategy.accepted.get((config, dataset), 0.0))
+                held = strategy.correction.held_out(config, batch, dataset)
+                learned, _ = strategy.correction.predict([config], batch, dataset)
+                if config == unmeasured:
+                    assert held is None and shift == pytest.approx(learned[0], abs=1e-9)
+                else:
+                    assert shift == pytest.approx(held[0], abs=1e-9)
+                    moved.append(abs(learned[0] - held[0]))
+    assert max(moved) > 1e-3  # learned with its own cells, the correction sits elsewhere
