@@ -57,7 +57,6 @@ class Correction:
         self.surprises: list[float] = []  # squared z-scores of predictions, oldest first
         self._gp = None
         self._rows: list[tuple[TreeConfig, float, str]] = []  # the GP's training cells
-        self._noise = np.zeros(0)  # their measurement variances
         self._held_out: dict[tuple[TreeConfig, float, str], tuple[float, float]] | None = None
 
     def surprise(self, z2: Sequence[float]) -> None:
@@ -79,7 +78,6 @@ class Correction:
         self.misfit = self.ratio > stats.chi2.ppf(1 - MISFIT_P, dof) / dof
         self._gp = self._fit(residuals) if self.misfit and len(residuals) >= 4 else None
         self._rows = [(r.config, r.batch, r.dataset) for r in residuals]
-        self._noise = np.array([r.variance for r in residuals])
         self._held_out = None
 
     def _fit(self, residuals: Sequence[Residual]):
@@ -136,6 +134,7 @@ class Correction:
         precision = cho_solve((gp.L_, True), np.eye(len(self._rows)))
         weights = gp.alpha_.ravel()
         y = gp.y_train_.ravel()
+        noise = np.asarray(gp.alpha)  # each cell's measurement variance, as it was fitted
         groups: dict[TreeConfig, list[int]] = {}
         for i, (config, _, _) in enumerate(self._rows):
             groups.setdefault(config, []).append(i)
@@ -143,7 +142,7 @@ class Correction:
         for rows in groups.values():
             block = np.linalg.inv(precision[np.ix_(rows, rows)])
             means = y[rows] - block @ weights[rows]
-            variances = np.clip(np.diag(block) - self._noise[rows], 1e-8, None)
+            variances = np.clip(np.diag(block) - noise[rows], 1e-8, None)
             for i, mean, variance in zip(rows, means, variances, strict=True):
                 out[self._rows[i]] = (float(mean), float(variance))
         return out
