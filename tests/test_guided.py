@@ -833,6 +833,40 @@ def test_a_close_race_between_confirmed_trees_gets_third_launches_up_to_the_limi
     assert clear is not None and not clear.remeasure
 
 
+def test_where_no_tree_is_confirmed_a_plausible_one_goes_past_the_launch_limit():
+    """A batch size with no confirmed tree runs without speculation, so a tree plausible
+    there (measured at or above the floor) but not yet surely feasible is launched past
+    `search.max_launches_per_config`, up to UNRECOMMENDED_LAUNCHES times it (a 397B study
+    recommended no speculation at batch 32, 0.52 of the best, for its last 17 launches,
+    its (3,1,4) 12% clear of the floor in truth but measured low on its three launches)."""
+    from treetune.study.planner import UNRECOMMENDED_LAUNCHES
+
+    tree = TreeConfig(3, 1, 4)
+    limit = 3
+
+    def planned(*throughputs: float) -> Planner:
+        spec = one_dataset_study(search={"strategy": "tpe", "max_launches_per_config": limit})
+        launches = [launch(BASELINE, t, (t - 0.2, t, t + 0.2))
+                    for t in (100.0, 103.0, 98.0, 101.0)]
+        launches += [launch(tree, t, (t - 0.2, t, t + 0.2)) for t in throughputs]
+        return Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                       load_space("narrow"), launches)
+
+    def unsettled(planner: Planner) -> bool:
+        """The premise: plausible, not confirmed, and no other tree measured."""
+        (verdict,) = tree_verdicts(planner).values()
+        return verdict.plausible and not verdict.confirmed
+
+    at_limit = planned(104.0, 100.0, 106.0)
+    assert unsettled(at_limit)
+    remeasures(at_limit, (tree, launch(tree, 99.0, (98.8, 99, 99.2))))
+    past = planned(104.0, 100.0, 106.0, 99.0, 105.0, 100.0)
+    assert len(past.results["3,1,4"].cells[0].launch_tok_s) == limit * UNRECOMMENDED_LAUNCHES
+    assert unsettled(past)
+    after = past.next()
+    assert after is not None and not after.remeasure
+
+
 def test_a_leader_clear_of_the_runner_up_is_not_measured_again():
     spec = one_dataset_study()
     base = launch(BASELINE, 100.0, (99.8, 100, 100.2))

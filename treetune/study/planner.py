@@ -75,6 +75,9 @@ DEFER_MAX = 3
 # Two confirmed trees whose order is unsure are raced (more launches) only while the
 # runner-up may be ahead by more than this: closer than that, either is as good.
 RACE_MARGIN = 0.01
+# Where a workload has no confirmed tree, a plausible tree may take this many times
+# `search.max_launches_per_config` (see `_unsettled`).
+UNRECOMMENDED_LAUNCHES = 2
 # A recommendation whose 99% bound clears the floor by less than this many standard errors
 # of its speedup on some dataset is measured again (the baseline first, one launch past the
 # per-config limit): a low baseline and a lucky tree add up, and a thin margin is where
@@ -353,6 +356,13 @@ class Planner:
                     for key, result in self.results.items()
                     if result.ok and isinstance(result.config, TreeConfig)}
         best = max((v.mean for v in verdicts.values() if v.confirmed), default=1.0)
+        # Where no tree is confirmed the workload runs without speculation, so a plausible
+        # tree may take UNRECOMMENDED_LAUNCHES times the limit: a 397B study's (3,1,4),
+        # 12% clear of the floor in truth, was measured 4% low on its three launches, its
+        # bound stayed a hair under the floor, and batch 32 recommended no speculation
+        # (0.52 of the best) from launch 14 to the end (benchmarks/RESULTS.md, stop 54).
+        if not any(v.confirmed for v in verdicts.values()):
+            limit *= UNRECOMMENDED_LAUNCHES
         # Another launch could make these a recommendation.
         open_ = {key: v for key, v in verdicts.items() if v.unsettled and key not in busy
                  and launches_of(self.results[key]) < limit}

@@ -131,7 +131,8 @@ class Search:
         "starts from; its fitted values are refined by the measurements."))
     launch_cv: float = 0.03  # launch-to-launch spread assumed until re-launches measure it
     # A borderline config is re-measured up to this; the baseline one more behind a
-    # recommendation feasible by a thin margin (Planner._remeasure_thin).
+    # recommendation feasible by a thin margin (Planner._remeasure_thin), and a tree twice
+    # this where no tree is confirmed (planner.UNRECOMMENDED_LAUNCHES).
     max_launches_per_config: int = 3
 
     @property
