@@ -37,7 +37,15 @@ from treetune.study.evidence import (
     merge_all,
 )
 from treetune.study.offline import Noise, run_offline, simulate_launch
-from treetune.study.planner import DEFER_GAIN, DEFER_MAX, RACE_MARGIN, THIN_SDS, Planner, Task
+from treetune.study.planner import (
+    DEFER_GAIN,
+    DEFER_MAX,
+    RACE_MARGIN,
+    THIN_SDS,
+    UNRECOMMENDED_LAUNCHES,
+    Planner,
+    Task,
+)
 from treetune.study.recommend import recommend
 from treetune.study.spec import load_study
 from treetune.study.storage import StudyStore
@@ -838,9 +846,8 @@ def test_where_no_tree_is_confirmed_a_plausible_one_goes_past_the_launch_limit()
     there (measured at or above the floor) but not yet surely feasible is launched past
     `search.max_launches_per_config`, up to UNRECOMMENDED_LAUNCHES times it (a 397B study
     recommended no speculation at batch 32, 0.52 of the best, for its last 17 launches,
-    its (3,1,4) 12% clear of the floor in truth but measured low on its three launches)."""
-    from treetune.study.planner import UNRECOMMENDED_LAUNCHES
-
+    its (3,1,4) 12% clear of the floor in truth but measured low on its three launches
+    against a baseline whose later launches ran high)."""
     tree = TreeConfig(3, 1, 4)
     limit = 3
 
