@@ -846,7 +846,7 @@ def test_where_no_tree_is_confirmed_a_plausible_one_goes_past_the_launch_limit()
     there (measured at or above the floor) but not yet surely feasible is launched past
     `search.max_launches_per_config`, up to UNRECOMMENDED_LAUNCHES times it (a 397B study
     recommended no speculation at batch 32, 0.52 of the best, for its last 17 launches,
-    its (3,1,4) 12% clear of the floor in truth but measured low on its three launches
+    its (3,1,4) 1.12x on its slowest dataset in truth but measured low on its three launches
     against a baseline whose later launches ran high)."""
     tree = TreeConfig(3, 1, 4)
     limit = 3

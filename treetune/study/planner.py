@@ -355,15 +355,15 @@ class Planner:
         verdicts = {key: self._verdict(result, batch, names, noise)
                     for key, result in self.results.items()
                     if result.ok and isinstance(result.config, TreeConfig)}
-        best = max((v.mean for v in verdicts.values() if v.confirmed), default=1.0)
+        confirmed = [v.mean for v in verdicts.values() if v.confirmed]
+        best = max(confirmed, default=1.0)
         # Where no tree is confirmed the workload runs without speculation, so a plausible
         # tree may take UNRECOMMENDED_LAUNCHES times the limit: a 397B study's (3,1,4),
-        # 12% clear of the floor in truth, measured 4% low on three launches once the
+        # 1.12x on its slowest dataset in truth, measured 4% low on three launches once the
         # baseline's third and fourth ran high, its bound a hair under the floor, and batch
         # 32 recommended no speculation (0.52 of the best) from launch 14 to the end
         # (benchmarks/RESULTS.md, stop 54).
-        cap = limit if any(v.confirmed for v in verdicts.values()) \
-            else limit * UNRECOMMENDED_LAUNCHES
+        cap = limit if confirmed else limit * UNRECOMMENDED_LAUNCHES
         # Another launch could make these a recommendation.
         open_ = {key: v for key, v in verdicts.items() if v.unsettled and key not in busy
                  and launches_of(self.results[key]) < cap}
