@@ -26,6 +26,7 @@ from treetune.strategies.model import (
     departure,
     model_estimates,
     predicted_speedups,
+    speedup_misfit,
 )
 from treetune.study.evidence import (
     StudyNoise,
@@ -88,7 +89,12 @@ def fitted_without_noise(name: str, design: list[tuple[int, int, int]]):
 
 
 @pytest.mark.parametrize("name", ["qwen3-8b-h100", "qwen3-30b-a3b-h100"])
-def test_without_noise_the_fit_recovers_the_true_parameters_within_5_percent(name):
+def test_without_noise_the_fit_recovers_the_acceptance_and_every_trees_speedup(name):
+    """Eight trees measured without noise: the fit finds the acceptance within 1% and
+    predicts every tree of the space within 1%. The fit assumes the noise a study has
+    (SPEEDUP_CV, ACCEPT_CV), so calibrate's pull toward the prior holds the cost
+    parameters these speedups hardly see a little toward the prior (the 30B's context
+    lengths up to 18% off, the 8B's step overhead 6%), within 20% of the truth."""
     truth, fit = fitted_without_noise(name, DESIGN)
     assert len(fit.params) >= 20
     assert not fit.shared_fit, "the accept lengths fit: the prior's rank ratio serves"
@@ -98,7 +104,14 @@ def test_without_noise_the_fit_recovers_the_true_parameters_within_5_percent(nam
         if true == 0:
             assert abs(fitted) <= 0.005, param.name
         else:
-            assert abs(fitted / true - 1) <= 0.05, (param.name, true, fitted, start)
+            within = 0.01 if ".acceptance." in param.name else 0.2
+            assert abs(fitted / true - 1) <= within, (param.name, true, fitted, start)
+    configs = load_space("default").configs()
+    true_speedups = predicted_speedups(truth, configs, [1, 32], fit.datasets, truth.tp)
+    fitted_speedups = predicted_speedups(fit.result.profile, configs, [1, 32], fit.datasets,
+                                         truth.tp)
+    assert max(abs(math.log(f / t)) for c in configs for b in (1, 32)
+               for f, t in zip(fitted_speedups[c][b], true_speedups[c][b], strict=True)) < 0.01
 
 
 @pytest.mark.parametrize("across", [True, False])
@@ -106,23 +119,61 @@ def test_a_fit_stuck_on_the_flat_side_of_the_roofline_is_refitted_from_across_it
         across, monkeypatch):
     """The 30B's truth has a compute efficiency of 0.12; the prior starts at 0.5, where
     none of these trees' forwards is compute-bound, so the fit's cost does not move with
-    it and a fit from the prior stays there, pushing the acceptance off instead (its accept
-    lengths ten times their noise off, without noise in the data). The accept lengths give
-    it away, and a second start across the roofline finds the truth."""
+    it and a fit from the prior stays there, its speedups off by more than their noise
+    (launch by launch; without noise in the data). That gives it away, and a second start
+    across the roofline finds the truth (calibrate's pull toward the prior holds it
+    within 10%: see the test above)."""
     import treetune.strategies.model as model_search
 
-    threshold = model_search.ACCEPT_MISFIT
+    threshold = model_search.SPEEDUP_MISFIT
     if not across:  # the premise: without the second start, the fit stays stuck
         monkeypatch.setattr(model_search, "ACCEPT_MISFIT", float("inf"))
+        monkeypatch.setattr(model_search, "SPEEDUP_MISFIT", float("inf"))
     _truth, fit = fitted_without_noise("qwen3-30b-a3b-h100", [(3, 1, 4), (3, 4, 12), (4, 6, 40)])
     assert fit.prior.calibration.compute_eff == 0.5
     fitted = fit.result.profile.calibration.compute_eff
     if across:
-        assert fitted == pytest.approx(0.12, rel=0.05)
+        assert fitted == pytest.approx(0.12, rel=0.1)
         assert accept_misfit(fit.result) < 1
+        assert speedup_misfit(fit.result) < 0.1
     else:
         assert fitted == pytest.approx(0.5, rel=0.05)
-        assert accept_misfit(fit.result) > threshold
+        assert speedup_misfit(fit.result) > threshold
+
+
+@pytest.mark.parametrize("weighed", [True, False])
+def test_the_fit_weighs_accept_lengths_by_their_noise_against_the_speedups(weighed,
+                                                                          monkeypatch):
+    """A cell's accept length is measured to 1%, its speedup to about 3% a launch: weighed
+    by their noise, the fit explains the accept lengths to their noise and finds the
+    acceptance's decay with depth. Weighed as calibrate's default weighs them (a speedup's
+    log error 3 times an accept length's relative error), the speedups' noise is fitted with
+    the acceptance (the 30B, three trees measured, eight noisy studies)."""
+    if not weighed:
+        monkeypatch.setattr(model_strategy, "SPEEDUP_WEIGHT", 3.0)
+    truth = representable("qwen3-30b-a3b-h100")
+    spec = study("qwen3-30b-a3b-h100")
+    model = PerfModel(truth, truth.tp)
+    misfits, decay_errors = [], []
+    for seed in range(8):
+        rng = np.random.default_rng(seed)
+        baseline = simulate_launch(model, BASELINE, spec, rng, Noise())
+        trees = [simulate_launch(model, TreeConfig.of(*t), spec, rng, Noise())
+                 for t in [(3, 1, 4), (3, 4, 12), (5, 6, 47)]]
+        fit = ModelFit(neutral_prior(truth, spec.dataset_names), [1, 32], spec.dataset_names,
+                       truth.tp)
+        fit.update(trees, baseline)
+        misfits.append(accept_misfit(fit.result))
+        name = "datasets.{}.acceptance.top1_decay"
+        decay_errors.append(max(abs(get_value(fit.result.profile, name.format(d))
+                                    - get_value(truth, name.format(d)))
+                                for d in spec.dataset_names))
+    if weighed:
+        assert statistics.fmean(misfits) < 1
+        assert statistics.fmean(decay_errors) < 0.15
+    else:
+        assert statistics.fmean(misfits) > 2
+        assert statistics.fmean(decay_errors) > 0.2
 
 
 def test_the_model_estimates_of_measured_trees_sit_on_the_fit_not_off_it():
@@ -214,12 +265,12 @@ def test_the_model_search_finds_near_best_trees_in_a_few_launches():
 
 
 def test_a_proposal_draws_the_posterior_tempered_near_the_fits_best_yet_varied(monkeypatch):
-    # Six launches of the 30B: the fit's posterior still spreads over the near twins at
+    # Four launches of the 30B: the fit's posterior still spreads over the near twins at
     # the top. Proposals from whole draws wander over them; tempered ones (DRAW_INFLATE)
     # stay nearer the tree the fit expects best, and still differ from draw to draw.
     name = "qwen3-30b-a3b-h100"
     truth = load_profile(name)
-    planner = run_offline(study(name), PerfModel(truth, truth.tp), seed=0, launches=6,
+    planner = run_offline(study(name), PerfModel(truth, truth.tp), seed=0, launches=4,
                           noise=Noise(0.03, 0.03))
     strategy = planner.strategy
     monkeypatch.setattr(model_strategy, "EXPLORE", 0.0)
@@ -1056,14 +1107,17 @@ def test_one_rank_ratio_fitted_for_every_dataset_follows_a_draft_whose_rank_2_ta
 @pytest.mark.parametrize("wald", [True, False])
 def test_a_cost_cut_by_chance_does_not_free_the_rank_ratio(wald, monkeypatch):
     """Coder-next is its own model, whose draft's ranks fall by half as the prior's do.
-    With two trees measured through 3% noise (seed 4), the trial fit with the rank ratio
+    With two trees measured through 3% noise (seed 4) and the accept lengths weighed as
+    calibrate's default weighs them (as until stop 55), the trial fit with the rank ratio
     freed cuts the fit's cost by more than a quarter by chance (42 data rows for 28
     parameters), the ratio within a few posterior deviations of 0.5. Freed then, the
     benchmark's study of this seed took 9 launches to its target instead of 6, and
     wrong-prior's (the same world told the wrong GPU) 15 instead of 6. The Wald test
-    holds it back."""
+    holds it back. (Weighed by their noise, no such cut was found in 96 studies of the
+    three smaller profiles, seeds 0-7 at 3-8 launches.)"""
     import treetune.strategies.model as model_search
 
+    monkeypatch.setattr(model_search, "SPEEDUP_WEIGHT", 3.0)
     if not wald:  # the premise: the cost cut alone frees it
         monkeypatch.setattr(model_search, "SHARED_DEPARTURE", 0.0)
     profile = load_profile("qwen3-coder-next-h200")
@@ -1127,4 +1181,6 @@ def test_a_misfit_models_estimate_of_a_measured_tree_is_corrected_as_the_other_t
                 else:
                     assert shift == pytest.approx(held[0], abs=1e-9)
                     moved.append(abs(learned[0] - held[0]))
-    assert max(moved) > 1e-3  # learned with its own cells, the correction sits elsewhere
+    # Learned with its own cells, the correction sits elsewhere (here by 0.05%; 0.01%
+    # is a hundred thousand times the tolerance the equalities above are held to).
+    assert max(moved) > 1e-4

@@ -71,11 +71,28 @@ SERVED = 12
 # A cell's accept-length noise (coefficient of variation) where no tree was measured at two
 # batch sizes to show it.
 ACCEPT_CV = 0.01
-# A fit whose accept lengths sit further from the measured ones than this many times their
-# noise (mean squared, in ACCEPT_CV units) may be stuck on the flat side of the roofline:
-# it is refitted once from across it (`_across_roofline`) and the other fit is kept if
-# its cost is at most ACROSS_KEEP times the first's.
+# How far a cell's speedup strays from a right fit, launch by launch (about each launch's
+# own level, which the fit profiles out): 2-3% at the benchmark's 3% noise (2.0% at the
+# truth's own parameters in a 30B study: benchmarks/RESULTS.md, stop 34).
+SPEEDUP_CV = 0.03
+# The fit weighs a speedup's log error this many times an accept length's relative error
+# (calibrate's default: 3): as their noise stands, so both are in units of ACCEPT_CV, and
+# calibrate's pull toward the prior is then a Gaussian prior half as wide as each
+# parameter's bounds. At 3 (27 times what the noise warrants, in squares) a 30B study
+# fitted its speedups' noise with the acceptance: three trees measured, a top-1 decay of
+# 1.0 on one dataset against a truth of 0.08, its accept lengths 5% off (5 times their
+# noise), and launches 6-14 spent on depth-2 trees where the best are depth 3. Over 6
+# seeds of 10 worlds, 460 launches to the target at 3, 407 at a third; at 1, more than at
+# a third in the 30B and acceptance-shape (47 and 44 against 40 and 35). Weighed as their
+# noise with the pull kept against calibrate's weights (a prior 4.5 times the bounds wide),
+# more in 5 of 7 worlds (everything 65 against 41) (benchmarks/RESULTS.md, stop 55).
+SPEEDUP_WEIGHT = ACCEPT_CV / SPEEDUP_CV
+# A fit whose accept lengths or speedups sit further from the measured ones than these
+# many times their noise (mean squared, in ACCEPT_CV and SPEEDUP_CV units) may be stuck on
+# the flat side of the roofline: it is refitted once from across it (`_across_roofline`)
+# and the other fit is kept if its cost is at most ACROSS_KEEP times the first's.
 ACCEPT_MISFIT = 4.0
+SPEEDUP_MISFIT = 1.0
 ACROSS_KEEP = 0.5
 ONLINE_DATASET_FIT = ("acceptance.top1", "acceptance.top1_decay", "acceptance.rank_mass",
                       "context_tokens")
@@ -177,10 +194,10 @@ class ModelFit:
         def fit_from(start: Profile | None, params: list[Parameter],
                      steps: int = steps) -> CalibrationResult:
             return calibrate(self.prior, points, params, starts=1, start=start,
-                             max_nfev=steps, tolerance=1e-4)
+                             max_nfev=steps, tolerance=1e-4, speedup_weight=SPEEDUP_WEIGHT)
 
         result = fit_from(start, params)
-        if accept_misfit(result) > ACCEPT_MISFIT:
+        if accept_misfit(result) > ACCEPT_MISFIT or speedup_misfit(result) > SPEEDUP_MISFIT:
             other = fit_from(_across_roofline(result.profile), params)
             if other.cost < ACROSS_KEEP * result.cost:
                 result = other
@@ -221,6 +238,17 @@ def accept_misfit(result: CalibrationResult) -> float:
     errors = [np.log(p.predicted_accept / p.measurement.accept_length) for p in result.points
               if p.measurement.accept_length]
     return float(np.mean(np.square(errors))) / ACCEPT_CV ** 2 if errors else 0.0
+
+
+def speedup_misfit(result: CalibrationResult) -> float:
+    """The mean squared log error of a fit's speedups about each launch's mean error (the
+    launch's level, which the fit profiles out), in units of SPEEDUP_CV squared."""
+    by_launch: dict[str | None, list[float]] = {}
+    for p in result.points:
+        by_launch.setdefault(p.measurement.launch, []).append(
+            float(np.log(p.predicted_speedup / p.measurement.speedup)))
+    errors = [e - statistics.fmean(group) for group in by_launch.values() for e in group]
+    return float(np.mean(np.square(errors))) / SPEEDUP_CV ** 2 if errors else 0.0
 
 
 def _across_roofline(fitted: Profile) -> Profile:
