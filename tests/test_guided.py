@@ -74,14 +74,16 @@ def representable(name: str):
         truth.calibration, kv_bandwidth_eff=0.5))
 
 
-def fitted_without_noise(name: str, design: list[tuple[int, int, int]]):
-    """The profile's representable truth, and a fit from its neutral prior to noise-free
-    launches of the baseline and of `design`'s trees at batch 1 and 32."""
+def fit_to_launches(name: str, design: list[tuple[int, int, int]], noise: Noise | None = None,
+                    seed: int = 0):
+    """The profile's representable truth, and a fit from its neutral prior to launches of
+    the baseline and of `design`'s trees at batch 1 and 32 (noise-free unless `noise`)."""
     truth = representable(name)
     spec = study(name)
-    model, rng, exact = PerfModel(truth, truth.tp), np.random.default_rng(0), Noise(0, 0, 0)
-    baseline = simulate_launch(model, BASELINE, spec, rng, exact)
-    trees = [simulate_launch(model, TreeConfig.of(*t), spec, rng, exact) for t in design]
+    model, rng = PerfModel(truth, truth.tp), np.random.default_rng(seed)
+    noise = noise or Noise(0, 0, 0)
+    baseline = simulate_launch(model, BASELINE, spec, rng, noise)
+    trees = [simulate_launch(model, TreeConfig.of(*t), spec, rng, noise) for t in design]
     fit = ModelFit(neutral_prior(truth, spec.dataset_names), [1, 32], spec.dataset_names,
                    truth.tp)
     fit.update(trees, baseline)
@@ -95,7 +97,7 @@ def test_without_noise_the_fit_recovers_the_acceptance_and_every_trees_speedup(n
     (SPEEDUP_CV, ACCEPT_CV), so calibrate's pull toward the prior holds the cost
     parameters these speedups hardly see a little toward the prior (the 30B's context
     lengths up to 18% off, the 8B's step overhead 6%), within 20% of the truth."""
-    truth, fit = fitted_without_noise(name, DESIGN)
+    truth, fit = fit_to_launches(name, DESIGN)
     assert len(fit.params) >= 20
     assert not fit.shared_fit, "the accept lengths fit: the prior's rank ratio serves"
     for param in fit.params:
@@ -129,7 +131,7 @@ def test_a_fit_stuck_on_the_flat_side_of_the_roofline_is_refitted_from_across_it
     if not across:  # the premise: without the second start, the fit stays stuck
         monkeypatch.setattr(model_search, "ACCEPT_MISFIT", float("inf"))
         monkeypatch.setattr(model_search, "SPEEDUP_MISFIT", float("inf"))
-    _truth, fit = fitted_without_noise("qwen3-30b-a3b-h100", [(3, 1, 4), (3, 4, 12), (4, 6, 40)])
+    _truth, fit = fit_to_launches("qwen3-30b-a3b-h100", [(3, 1, 4), (3, 4, 12), (4, 6, 40)])
     assert fit.prior.calibration.compute_eff == 0.5
     fitted = fit.result.profile.calibration.compute_eff
     if across:
@@ -151,23 +153,15 @@ def test_the_fit_weighs_accept_lengths_by_their_noise_against_the_speedups(weigh
     the acceptance (the 30B, three trees measured, eight noisy studies)."""
     if not weighed:
         monkeypatch.setattr(model_strategy, "SPEEDUP_WEIGHT", 3.0)
-    truth = representable("qwen3-30b-a3b-h100")
-    spec = study("qwen3-30b-a3b-h100")
-    model = PerfModel(truth, truth.tp)
     misfits, decay_errors = [], []
     for seed in range(8):
-        rng = np.random.default_rng(seed)
-        baseline = simulate_launch(model, BASELINE, spec, rng, Noise())
-        trees = [simulate_launch(model, TreeConfig.of(*t), spec, rng, Noise())
-                 for t in [(3, 1, 4), (3, 4, 12), (5, 6, 47)]]
-        fit = ModelFit(neutral_prior(truth, spec.dataset_names), [1, 32], spec.dataset_names,
-                       truth.tp)
-        fit.update(trees, baseline)
+        truth, fit = fit_to_launches("qwen3-30b-a3b-h100", [(3, 1, 4), (3, 4, 12), (5, 6, 47)],
+                                     Noise(), seed)
         misfits.append(accept_misfit(fit.result))
         name = "datasets.{}.acceptance.top1_decay"
         decay_errors.append(max(abs(get_value(fit.result.profile, name.format(d))
                                     - get_value(truth, name.format(d)))
-                                for d in spec.dataset_names))
+                                for d in fit.datasets))
     if weighed:
         assert statistics.fmean(misfits) < 1
         assert statistics.fmean(decay_errors) < 0.15
