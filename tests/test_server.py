@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import treetune.server as server_module
 from treetune.backends import LaunchSpec
 from treetune.backends.emulator import emulator_command
 from treetune.config import BASELINE, ServerConfig, TreeConfig
@@ -103,8 +105,15 @@ def test_server_is_ready_after_loading_and_its_log_file_receives_the_server_log(
     assert "fired up and ready to roll" in server.log_tail(5)
 
 
+@pytest.mark.parametrize("lister", ["proc", "ps"])
 def test_stop_kills_the_whole_process_group_even_children_that_ignore_sigterm(
-        tmp_path, servers):
+        tmp_path, servers, monkeypatch, lister):
+    """Waited for until the whole group is gone, whether the processes are listed from
+    /proc (Linux) or, where there is none (macOS), from `ps`."""
+    if lister == "ps":
+        if shutil.which("ps") is None:
+            pytest.skip("no ps on this machine")
+        monkeypatch.setattr(server_module, "PROC", tmp_path / "no-proc")
     spawner = textwrap.dedent("""
         import subprocess, sys, time
         child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\

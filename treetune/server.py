@@ -36,6 +36,7 @@ REASON_PATTERNS = (
 )
 MAX_REASON_CHARS = 300
 GROUP_EXIT_S = 30.0  # how long a stopped server's processes may take to exit
+PROC = Path("/proc")  # where Linux lists processes (`group_members`)
 
 
 class ServerStartError(TreetuneError):
@@ -68,12 +69,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 def group_members(pgid: int) -> list[int]:
     """Processes of process group `pgid` that have not exited (zombies left out: a
     container's init may never reap the orphans, and a leader not yet reaped is one).
-    Without /proc (macOS) none can be told apart from a zombie: none are listed."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return []
+    Read from /proc, else (macOS, the BSDs) from `ps`; none when neither answers."""
+    if not PROC.is_dir():
+        return _ps_group_members(pgid)
     members = []
-    for entry in proc.iterdir():
+    for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
         try:
@@ -82,6 +82,23 @@ def group_members(pgid: int) -> list[int]:
             continue
         if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
             members.append(int(entry.name))
+    return members
+
+
+def _ps_group_members(pgid: int) -> list[int]:
+    """`group_members` from `ps` (its pid, pgid and state columns), where there is no
+    /proc. `os.getpgid` would not do: macOS refuses it for another session's process,
+    and every server runs in a session of its own."""
+    try:
+        listing = subprocess.run(["ps", "-A", "-o", "pid=,pgid=,stat="], capture_output=True,
+                                 text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    members = []
+    for line in listing.splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and fields[1] == str(pgid) and not fields[2].startswith("Z"):
+            members.append(int(fields[0]))
     return members
 
 
