@@ -87,8 +87,7 @@ def group_members(pgid: int) -> list[int]:
 
 def _ps_group_members(pgid: int) -> list[int]:
     """`group_members` from `ps` (its pid, pgid and state columns), where there is no
-    /proc. `os.getpgid` would not do: macOS refuses it for another session's process,
-    and every server runs in a session of its own."""
+    /proc: without it the standard library cannot list processes."""
     try:
         listing = subprocess.run(["ps", "-A", "-o", "pid=,pgid=,stat="], capture_output=True,
                                  text=True, timeout=10, check=True).stdout
