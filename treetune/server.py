@@ -37,6 +37,7 @@ REASON_PATTERNS = (
 MAX_REASON_CHARS = 300
 GROUP_EXIT_S = 30.0  # how long a stopped server's processes may take to exit
 PROC = Path("/proc")  # where Linux lists processes (`group_members`)
+EXITED_STATES = ("Z", "X")  # a process's state letter once it has exited: zombie, dead
 
 
 class ServerStartError(TreetuneError):
@@ -80,7 +81,7 @@ def group_members(pgid: int) -> list[int]:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
-        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+        if fields[0] not in EXITED_STATES and int(fields[2]) == pgid:
             members.append(int(entry.name))
     return members
 
@@ -96,7 +97,8 @@ def _ps_group_members(pgid: int) -> list[int]:
     members = []
     for line in listing.splitlines():
         fields = line.split()
-        if len(fields) >= 3 and fields[1] == str(pgid) and not fields[2].startswith("Z"):
+        if (len(fields) >= 3 and fields[1] == str(pgid)
+                and not fields[2].startswith(EXITED_STATES)):
             members.append(int(fields[0]))
     return members
 
