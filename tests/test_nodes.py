@@ -22,6 +22,7 @@ from treetune.results import config_key
 from treetune.space import load_space
 from treetune.study.evidence import (
     judge,
+    learned_cv,
     level_nodes,
     merge_all,
     node_variance,
@@ -151,8 +152,8 @@ def test_the_leveled_baselines_window_noise_is_taken_out_on_its_own_degrees_of_f
     window_var = noise.window_cv ** 2
     ss = sum(d * d for d in deviations) - (k - 2) * window_var / (windows * len(cells))
     assert ss > 0  # this seed's launches spread more than their windows explain
-    expected = math.sqrt((ss + 2 * 0.03 ** 2) / (1 + 2))  # shrunk by PRIOR_LAUNCHES = 2
-    assert noise.launch_cv == pytest.approx(expected, rel=1e-9)
+    # One degree of freedom, shrunk toward the prior (`learned_cv`).
+    assert noise.launch_cv == pytest.approx(learned_cv(ss, 1, 0.03), rel=1e-9)
 
 
 def test_the_baseline_on_every_node_runs_at_one_level_after_leveling(tmp_path):

@@ -159,6 +159,9 @@ def merge_leveled(launched: list[LaunchResult]) -> dict[str, LaunchResult]:
 
 
 PRIOR_LAUNCHES = 2  # the prior launch spread counts as this many degrees of freedom
+# The prior launch spread: the stated one with this weight, else this share of it
+# (`learned_cv`).
+QUIET_MIX = (0.95, 1 / 3)
 # A launch this many expected deviations from its config's other launches, and at least
 # this far in speed, is called odd (a slow GPU, a busy node: `odd_launch`). Under the
 # log-normal launch noise the study assumes, 4 deviations happen once in about 16,000.
@@ -222,8 +225,8 @@ def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,
                 windows: tuple[float, int] | None = None) -> StudyNoise:
     """The study's noise from its (merged) results: sub-window spread pooled over every
     launch and cell; launch spread pooled over every config launched more than once (the
-    baseline first of all), less what the sub-windows explain, shrunk toward the prior by
-    PRIOR_LAUNCHES degrees of freedom. For another objective than throughput, see
+    baseline first of all), less what the sub-windows explain, shrunk toward the prior of
+    PRIOR_LAUNCHES degrees of freedom (`learned_cv`). For another objective than throughput, see
     `_objective_noise`. `learned`: whether the study re-launches at all (see
     StudyNoise.learned). `windows`: the sub-window spread to use (`window_spread` of other
     launches than `results`; default: `results`'s)."""
@@ -260,11 +263,45 @@ def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,
             ss -= (k - fitted) * window_var / (per_launch * len(cells))
         launch_ss += max(ss, 0.0)
         launch_dof += k - fitted
-    launch_var = ((launch_ss + PRIOR_LAUNCHES * prior_launch_cv ** 2)
-                  / (launch_dof + PRIOR_LAUNCHES))
+    launch_var = learned_cv(launch_ss, launch_dof, prior_launch_cv) ** 2
     return StudyNoise(math.sqrt(launch_var),
                       math.sqrt(window_var) if window_var is not None else None,
                       launch_dof, window_dof, learned=learned)
+
+
+def learned_cv(ss: float, dof: int, prior_cv: float) -> float:
+    """The launch spread learned from `dof` degrees of freedom of squared log deviations
+    `ss`, from a prior that is a mix of scales: the stated `prior_cv` (weight
+    QUIET_MIX[0]) and QUIET_MIX[1] times it (a quiet engine: SGLang's own spread is well
+    under the 3% default). Each scale is the conjugate prior of PRIOR_LAUNCHES degrees of
+    freedom; the learned variance is the posterior mean over both, each weighed by how
+    well it explains the repeats (the F(dof, PRIOR_LAUNCHES) density of ss / dof over its
+    variance). With nothing learned it is the stated spread: a study that never repeats a
+    launch assumes what it was told.
+
+    The quiet scale's weight is small because a few repeats cannot tell the two engines
+    apart: with more weight it narrowed a 3% engine's early bounds, where the search makes
+    its first recommendations (benchmarks/RESULTS.md, stop 57: weight 0.2 cost 7% more
+    launches to a stable pick at 3%). And the spread is never learned below the quiet
+    scale: repeats that agree more than that are more likely luck than an engine that
+    quiet (without the floor a 1% engine learned 0.59% from 9 degrees of freedom and
+    shipped a tree 0.6% slower than no speculation)."""
+    if prior_cv <= 0:  # a prior of no noise: the repeats alone, shrunk as a prior's would
+        return math.sqrt(ss / (dof + PRIOR_LAUNCHES))
+    if dof <= 0:
+        return prior_cv
+    stated_weight, quiet = QUIET_MIX
+    observed = max(ss / dof, 1e-12 * prior_cv ** 2)
+    logs, means = [], []
+    for weight, scale in ((stated_weight, prior_cv), (1.0 - stated_weight, quiet * prior_cv)):
+        var = scale ** 2
+        logs.append(math.log(weight) + stats.f.logpdf(observed / var, dof, PRIOR_LAUNCHES)
+                    - math.log(var))
+        means.append((ss + PRIOR_LAUNCHES * var) / (dof + PRIOR_LAUNCHES))
+    top = max(logs)
+    weights = [math.exp(v - top) for v in logs]
+    mixed = math.sqrt(sum(w * m for w, m in zip(weights, means, strict=True)) / sum(weights))
+    return max(mixed, quiet * prior_cv)
 
 
 def window_spread(results: Iterable[LaunchResult]) -> tuple[float, int]:
@@ -306,8 +343,7 @@ def _objective_noise(results: Iterable[LaunchResult], prior_cv: float,
                 mean = statistics.fmean(logs)
                 ss += sum((v - mean) ** 2 for v in logs)
                 dof += len(logs) - 1
-    cv = math.sqrt((ss + PRIOR_LAUNCHES * prior_cv ** 2) / (dof + PRIOR_LAUNCHES))
-    return StudyNoise(cv, None, dof, 0, objective)
+    return StudyNoise(learned_cv(ss, dof, prior_cv), None, dof, 0, objective)
 
 
 def common_cells(launches: list[LaunchResult]) -> list[list[CellResult]]:
