@@ -695,8 +695,8 @@ def _one_scale(ss: float, dof: int) -> float:
 
 
 @pytest.mark.parametrize("true_cv", [0.03, 0.05])
-def test_the_learned_launch_noise_is_as_sure_as_before_where_the_engine_is_as_stated(true_cv):
-    """Under the default stated 3%, on an engine as noisy as stated or noisier, the spread
+def test_the_learned_launch_noise_is_as_sure_as_before_on_an_engine_as_noisy_as_stated(true_cv):
+    """Under the default stated 3%, on an engine as noisy as stated (or noisier), the spread
     learned from 2-8 repeated launches gives intervals that hold as often as the prior of
     one scale gave (two launches of the stated variance): the quiet scale's small weight
     does not narrow them while a few repeats cannot tell the engines apart."""
