@@ -226,8 +226,8 @@ def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,
     """The study's noise from its (merged) results: sub-window spread pooled over every
     launch and cell; launch spread pooled over every config launched more than once (the
     baseline first of all), less what the sub-windows explain, shrunk toward the prior of
-    PRIOR_LAUNCHES degrees of freedom (`learned_cv`). For another objective than throughput, see
-    `_objective_noise`. `learned`: whether the study re-launches at all (see
+    PRIOR_LAUNCHES degrees of freedom (`learned_cv`). For another objective than
+    throughput, see `_objective_noise`. `learned`: whether the study re-launches at all (see
     StudyNoise.learned). `windows`: the sub-window spread to use (`window_spread` of other
     launches than `results`; default: `results`'s)."""
     results = list(results)
@@ -263,8 +263,7 @@ def study_noise(results: Iterable[LaunchResult], prior_launch_cv: float,
             ss -= (k - fitted) * window_var / (per_launch * len(cells))
         launch_ss += max(ss, 0.0)
         launch_dof += k - fitted
-    launch_var = learned_cv(launch_ss, launch_dof, prior_launch_cv) ** 2
-    return StudyNoise(math.sqrt(launch_var),
+    return StudyNoise(learned_cv(launch_ss, launch_dof, prior_launch_cv),
                       math.sqrt(window_var) if window_var is not None else None,
                       launch_dof, window_dof, learned=learned)
 
