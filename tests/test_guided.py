@@ -982,6 +982,23 @@ def test_where_no_tree_is_confirmed_a_plausible_one_goes_past_the_launch_limit()
     assert after is not None and not after.remeasure
 
 
+def test_a_tree_past_the_launch_limit_takes_the_baseline_with_it():
+    """Past the per-config limit (no tree confirmed), the baseline is launched again while
+    it has fewer launches than the tree: every speedup's bound rests on the baseline's
+    error as much as on the tree's, and with the baseline held at the limit a tree 4-5%
+    above the floor was never confirmed however often it ran (binding-floor, stop 59)."""
+    tree, limit = TreeConfig(3, 1, 4), 3
+    spec = one_dataset_study(search={"strategy": "tpe", "max_launches_per_config": limit})
+    launches = [launch(BASELINE, t, (t - 0.2, t, t + 0.2)) for t in (100.0, 103.0, 98.0)]
+    launches += [launch(tree, t, (t - 0.2, t, t + 0.2)) for t in (104.0, 100.0, 106.0, 99.0)]
+    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                      load_space("narrow"), launches)
+    (verdict,) = tree_verdicts(planner).values()
+    assert verdict.plausible and not verdict.confirmed  # the premise
+    remeasures(planner, (BASELINE, launch(BASELINE, 101.0, (100.8, 101, 101.2))),
+               (tree, launch(tree, 103.0, (102.8, 103, 103.2))))
+
+
 def test_a_leader_clear_of_the_runner_up_is_not_measured_again():
     spec = one_dataset_study()
     base = launch(BASELINE, 100.0, (99.8, 100, 100.2))
@@ -1241,3 +1258,34 @@ def test_a_misfit_models_estimate_of_a_measured_tree_is_corrected_as_the_other_t
     # Learned with its own cells, the correction sits elsewhere (here by 0.05%; 0.01%
     # is a hundred thousand times the tolerance the equalities above are held to).
     assert max(moved) > 1e-4
+
+
+def test_where_no_tree_is_confirmed_the_one_its_launches_can_prove_is_measured_again():
+    """With no tree confirmed at a batch size the workload runs without speculation, and
+    the tree measured again is the one likeliest to be confirmed for the gain, not the one
+    measured fastest on average: a tree at the floor on one dataset cannot be proven by
+    any launches the cap allows (a binding-floor study spent 25 launches on such trees
+    and recommended no speculation, 0.50 of the best, from start to end)."""
+    spec = load_study(None, {"name": "c", "model": "m", "draft": "d",
+                             "datasets": ["humaneval", "mt-bench"], "batch": [1],
+                             "space": "narrow", "search": {"strategy": "tpe"}})
+    safe, edgy = TreeConfig(3, 1, 4), TreeConfig(2, 1, 3)
+
+    def both(config, humaneval, mt_bench):
+        return LaunchResult(config, ok=True, cells=[
+            cell("humaneval", 1, humaneval, (humaneval - 0.2, humaneval, humaneval + 0.2)),
+            cell("mt-bench", 1, mt_bench, (mt_bench - 0.2, mt_bench, mt_bench + 0.2))])
+
+    launches = [both(BASELINE, 100.0, 100.0), both(BASELINE, 101.0, 101.0),
+                both(safe, 111.0, 111.0), both(edgy, 131.0, 102.0)]
+    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                      load_space("narrow"), launches)
+    noise = planner.noise()
+    verdicts = {c: judge(planner.results[config_key(c)], planner.baseline, 1,
+                         ["humaneval", "mt-bench"], 0.0, noise, None, 2)
+                for c in (safe, edgy)}
+    # The premise: both unsettled (plausible, not confirmed), the edgy one faster on
+    # average.
+    assert all(v.plausible and not v.confirmed for v in verdicts.values())
+    assert verdicts[edgy].mean > verdicts[safe].mean
+    remeasures(planner, (safe, both(safe, 110.0, 110.0)))

@@ -757,6 +757,28 @@ def judge(result: LaunchResult, baseline: LaunchResult, batch: int, datasets: li
                    needs_launches, statistics.fmean(sd for _, sd in blends))
 
 
+def confirm_chance(result: LaunchResult, baseline: LaunchResult, batch: int,
+                   datasets: list[str], tolerance: float, noise: StudyNoise,
+                   tree_cap: int, base_cap: int, criterion: Criterion = THROUGHPUT) -> float:
+    """The chance that a measured tree is feasible by a margin its launches can prove: on
+    every dataset, that its true speedup clears the floor by the 99% bound's reach once
+    the tree has `tree_cap` launches and the baseline `base_cap` (the tree's own error and
+    the baseline's shrink with their launches), as the measurements so far say."""
+    floor = math.log(floor_of(tolerance))
+    n_tree, n_base = launches_of(result), launches_of(baseline)
+    chance = 1.0
+    for key in criterion.cells(datasets, batch):
+        s = _spread(result, baseline, key, noise)
+        if s.mean <= 0:
+            return 0.0
+        own, base = s.own_sd ** 2, max(s.sd ** 2 - s.own_sd ** 2, 0.0)
+        reach = Z_LOWER * math.sqrt(own * n_tree / max(tree_cap, n_tree)
+                                    + base * n_base / max(base_cap, n_base))
+        margin = math.log(s.mean) - floor - reach
+        chance *= (float(stats.norm.cdf(margin / s.sd)) if s.sd > 0 else float(margin >= 0))
+    return chance
+
+
 def estimated_verdict(config: ServerConfig, batch: int, datasets: list[str], tolerance: float,
                       estimates: Estimates | None) -> Verdict | None:
     """What the model says of a config nobody measured, as a verdict (no launches, so never

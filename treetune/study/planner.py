@@ -41,6 +41,7 @@ from treetune.study.evidence import (
     Interval,
     StudyNoise,
     Verdict,
+    confirm_chance,
     doubted,
     floor_of,
     intervals,
@@ -350,7 +351,12 @@ class Planner:
         """Add to `candidates` (gain over the best confirmed, key, batch, workload) every
         tree that would lead workload `names` at `batch` if it were confirmed: measured
         above the best confirmed tree, or plausible on its launch(es) and ranked above it with
-        the model's `estimates` blended in; returns whether any tree is plausible there."""
+        the model's `estimates` blended in; returns whether any tree is plausible there.
+        The gain is weighed by the chance that the tree's launches, up to its cap, can
+        prove it (`confirm_chance`): a tree at the floor on one dataset leads the mean
+        where the constraint binds, and no launches the cap allows confirm it (a traced
+        binding-floor study re-measured such trees for 25 launches and recommended no
+        speculation, half the best, to the end; benchmarks/RESULTS.md, stop 59)."""
         assert self.baseline is not None
         verdicts = {key: self._verdict(result, batch, names, noise)
                     for key, result in self.results.items()
@@ -367,8 +373,9 @@ class Planner:
         # Another launch could make these a recommendation.
         open_ = {key: v for key, v in verdicts.items() if v.unsettled and key not in busy
                  and launches_of(self.results[key]) < cap}
-        candidates += [(v.mean - best, key, batch, names) for key, v in open_.items()
-                       if v.mean > best]
+        chance = functools.cache(lambda key: self._chance(key, batch, names, noise, cap))
+        candidates += [((v.mean - best) * chance(key), key, batch, names)
+                       for key, v in open_.items() if v.mean > best]
         # A tree plausible but unconfirmed, below the best confirmed one as measured but
         # above it as recommendations rank (the model, pooling every launch, blended in):
         # one more launch lets it be recommended. Without it a tree measured low once was
@@ -381,9 +388,17 @@ class Planner:
             ranked = {key: self._verdict(self.results[key], batch, names, noise, model)
                       for key, v in verdicts.items() if v.confirmed or key in behind}
             leader = max((v.rank for v in ranked.values() if v.confirmed), default=1.0)
-            candidates += [(ranked[key].rank - leader, key, batch, names) for key in behind
-                           if ranked[key].rank > leader]
+            candidates += [((ranked[key].rank - leader) * chance(key), key, batch, names)
+                           for key in behind if ranked[key].rank > leader]
         return any(v.plausible for v in verdicts.values())
+
+    def _chance(self, key: str, batch: int, names: tuple[str, ...], noise: StudyNoise,
+                cap: int) -> float:
+        """`confirm_chance` of a measured tree over workload `names` at `batch`, the tree
+        and the baseline each given up to `cap` launches."""
+        assert self.baseline is not None
+        return confirm_chance(self.results[key], self.baseline, batch, list(names),
+                              self.spec.tolerance, noise, cap, cap, self.spec.criterion)
 
     def _verdict(self, result: LaunchResult, batch: int, names: tuple[str, ...],
                  noise: StudyNoise, model: Estimates | None = None) -> Verdict:
@@ -399,8 +414,12 @@ class Planner:
         noise, so it goes first once; after that only when the tree has more launches."""
         assert self.baseline is not None
         base_launches = launches_of(self.baseline)
-        if (base_launches < self.spec.search.max_launches_per_config and "baseline" not in busy
-                and (base_launches < 2 or base_launches < launches_of(self.results[key]))):
+        tree = launches_of(self.results[key])
+        # A tree past the per-config limit (no tree confirmed: `_unsettled`) takes the
+        # baseline with it: every bound rests on the baseline's error as much as its own.
+        cap = max(self.spec.search.max_launches_per_config, tree)
+        if (base_launches < cap and "baseline" not in busy
+                and (base_launches < 2 or base_launches < tree)):
             key = "baseline"
         return Task(self.results[key].config, remeasure=True)
 
