@@ -982,23 +982,6 @@ def test_where_no_tree_is_confirmed_a_plausible_one_goes_past_the_launch_limit()
     assert after is not None and not after.remeasure
 
 
-def test_a_tree_past_the_launch_limit_takes_the_baseline_with_it():
-    """Past the per-config limit (no tree confirmed), the baseline is launched again while
-    it has fewer launches than the tree: every speedup's bound rests on the baseline's
-    error as much as on the tree's, and with the baseline held at the limit a tree 4-5%
-    above the floor was never confirmed however often it ran (binding-floor, stop 59)."""
-    tree, limit = TreeConfig(3, 1, 4), 3
-    spec = one_dataset_study(search={"strategy": "tpe", "max_launches_per_config": limit})
-    launches = [launch(BASELINE, t, (t - 0.2, t, t + 0.2)) for t in (100.0, 103.0, 98.0)]
-    launches += [launch(tree, t, (t - 0.2, t, t + 0.2)) for t in (104.0, 100.0, 106.0, 99.0)]
-    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
-                      load_space("narrow"), launches)
-    (verdict,) = tree_verdicts(planner).values()
-    assert verdict.plausible and not verdict.confirmed  # the premise
-    remeasures(planner, (BASELINE, launch(BASELINE, 101.0, (100.8, 101, 101.2))),
-               (tree, launch(tree, 103.0, (102.8, 103, 103.2))))
-
-
 def test_a_leader_clear_of_the_runner_up_is_not_measured_again():
     spec = one_dataset_study()
     base = launch(BASELINE, 100.0, (99.8, 100, 100.2))

@@ -395,10 +395,11 @@ class Planner:
     def _chance(self, key: str, batch: int, names: tuple[str, ...], noise: StudyNoise,
                 cap: int) -> float:
         """`confirm_chance` of a measured tree over workload `names` at `batch`, the tree
-        and the baseline each given up to `cap` launches."""
+        given up to `cap` launches and the baseline the per-config limit (`_baseline_first`)."""
         assert self.baseline is not None
         return confirm_chance(self.results[key], self.baseline, batch, list(names),
-                              self.spec.tolerance, noise, cap, cap, self.spec.criterion)
+                              self.spec.tolerance, noise, cap,
+                              self.spec.search.max_launches_per_config, self.spec.criterion)
 
     def _verdict(self, result: LaunchResult, batch: int, names: tuple[str, ...],
                  noise: StudyNoise, model: Estimates | None = None) -> Verdict:
@@ -414,12 +415,8 @@ class Planner:
         noise, so it goes first once; after that only when the tree has more launches."""
         assert self.baseline is not None
         base_launches = launches_of(self.baseline)
-        tree = launches_of(self.results[key])
-        # A tree past the per-config limit (no tree confirmed: `_unsettled`) takes the
-        # baseline with it: every bound rests on the baseline's error as much as its own.
-        cap = max(self.spec.search.max_launches_per_config, tree)
-        if (base_launches < cap and "baseline" not in busy
-                and (base_launches < 2 or base_launches < tree)):
+        if (base_launches < self.spec.search.max_launches_per_config and "baseline" not in busy
+                and (base_launches < 2 or base_launches < launches_of(self.results[key]))):
             key = "baseline"
         return Task(self.results[key].config, remeasure=True)
 
