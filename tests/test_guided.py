@@ -32,6 +32,7 @@ from treetune.strategies.model import (
 from treetune.study.evidence import (
     StudyNoise,
     Verdict,
+    confirm_chance,
     doubted,
     intervals,
     judge,
@@ -1241,6 +1242,25 @@ def test_a_misfit_models_estimate_of_a_measured_tree_is_corrected_as_the_other_t
     # Learned with its own cells, the correction sits elsewhere (here by 0.05%; 0.01%
     # is a hundred thousand times the tolerance the equalities above are held to).
     assert max(moved) > 1e-4
+
+
+def test_the_chance_of_a_proof_grows_with_the_margin_and_with_the_launches_allowed():
+    """One launch of a tree and of the baseline, under the stated 3% launch noise: a tree
+    measured at the floor has little chance of being proven within its caps (it may
+    truly sit 5% above, or below), one measured 15% above all but sure; more launches
+    allowed, more chance."""
+    base = launch(BASELINE, 100.0, (99.8, 100, 100.2))
+    noise = StudyNoise.prior(0.03)
+
+    def chance(tput, caps=(6, 3)):
+        tree = launch(TreeConfig(3, 1, 4), tput, (tput - 0.2, tput, tput + 0.2))
+        return confirm_chance(tree, base, 1, ["humaneval"], 0.0, noise, *caps)
+
+    by_margin = [chance(t) for t in (100.5, 104.0, 108.0, 115.0)]
+    assert by_margin == sorted(by_margin) and len(set(by_margin)) == 4
+    assert by_margin[0] < 0.25 and by_margin[-1] > 0.95
+    by_caps = [chance(104.0, caps) for caps in ((1, 1), (3, 3), (6, 3), (6, 6))]
+    assert by_caps == sorted(by_caps) and by_caps[0] < by_caps[-1] / 3
 
 
 def test_where_no_tree_is_confirmed_the_one_its_launches_can_prove_is_measured_again():
