@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import optuna
 import pytest
+from scipy import stats
 
 from treetune.config import BASELINE, TreeConfig
 from treetune.perfmodel import PerfModel, Shape, load_profile
@@ -30,12 +31,15 @@ from treetune.strategies.model import (
     speedup_misfit,
 )
 from treetune.study.evidence import (
+    PRIOR_LAUNCHES,
+    QUIET_MIX,
     StudyNoise,
     Verdict,
     confirm_chance,
     doubted,
     intervals,
     judge,
+    learned_cv,
     merge,
     merge_all,
 )
@@ -672,10 +676,6 @@ def _held_and_learned(true_cv: float, dof: int, spread: Callable[[float, int], f
     """A launch's error against the spread `spread(ss, dof)` learned from `dof` degrees of
     freedom of a `true_cv` engine: the share of 95% Student-t intervals that hold it, and
     the median learned spread over the true one."""
-    from scipy import stats
-
-    from treetune.study.evidence import PRIOR_LAUNCHES
-
     rng = np.random.default_rng(11)
     held = 0
     learned = []
@@ -690,8 +690,6 @@ def _held_and_learned(true_cv: float, dof: int, spread: Callable[[float, int], f
 def _one_scale(ss: float, dof: int) -> float:
     """The launch spread the prior of one scale learned (before stop 58): the stated 3%
     counted as PRIOR_LAUNCHES launches of variance."""
-    from treetune.study.evidence import PRIOR_LAUNCHES
-
     return math.sqrt((ss + PRIOR_LAUNCHES * 0.03 ** 2) / (dof + PRIOR_LAUNCHES))
 
 
@@ -701,8 +699,6 @@ def test_the_learned_launch_noise_is_as_sure_as_before_on_an_engine_as_noisy_as_
     learned from 2-8 repeated launches gives intervals that hold as often as the prior of
     one scale gave (two launches of the stated variance): the quiet scale's small weight
     does not narrow them while a few repeats cannot tell the engines apart."""
-    from treetune.study.evidence import learned_cv
-
     for dof in (2, 4, 8):
         held, _ = _held_and_learned(true_cv, dof, lambda ss, d: learned_cv(ss, d, 0.03))
         before, _ = _held_and_learned(true_cv, dof, _one_scale)
@@ -716,8 +712,6 @@ def test_a_quiet_engines_launch_noise_is_learned_nearer_its_own():
     (its intervals held 99.9% and 99.5%); the mix, 1.35 and 1.1 times. It is never learned
     below a third of the stated spread (the quiet scale), so a run of agreeing launches
     cannot draw a bound narrower than a quiet engine's."""
-    from treetune.study.evidence import QUIET_MIX, learned_cv
-
     for dof in (8, 16):
         held, ratio = _held_and_learned(0.01, dof, lambda ss, d: learned_cv(ss, d, 0.03))
         held_before, ratio_before = _held_and_learned(0.01, dof, _one_scale)
