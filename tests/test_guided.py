@@ -33,7 +33,6 @@ from treetune.strategies.model import (
 from treetune.study.evidence import (
     PRIOR_LAUNCHES,
     QUIET_MIX,
-    Z_LOWER,
     StudyNoise,
     Verdict,
     confirm_chance,
@@ -43,7 +42,6 @@ from treetune.study.evidence import (
     learned_cv,
     merge,
     merge_all,
-    proof_reach,
 )
 from treetune.study.offline import Noise, run_offline, simulate_launch
 from treetune.study.planner import (
@@ -1288,55 +1286,3 @@ def test_where_no_tree_is_confirmed_the_one_its_launches_can_prove_is_measured_a
     assert all(v.plausible and not v.confirmed for v in verdicts.values())
     assert verdicts[edgy].mean > verdicts[safe].mean
     remeasures(planner, (safe, both(safe, 110.0, 110.0)))
-
-
-def test_what_launches_can_prove_shrinks_with_the_launches_of_the_tree_and_the_baseline():
-    """The reach of a tree's 99% bound once it and the baseline have their capped
-    launches, each launch erring as the baseline's do: more launches of either, less
-    reach; 2.326 standard errors of it."""
-    base = launch(BASELINE, 100.0, (99.8, 100, 100.2))
-    noise = StudyNoise.prior(0.03)
-    reach = {caps: proof_reach(base, 1, "humaneval", noise, *caps)
-             for caps in ((1, 1), (3, 3), (6, 3), (6, 6))}
-    assert [r for r, _ in reach.values()] == sorted((r for r, _ in reach.values()),
-                                                    reverse=True)
-    assert all(r == pytest.approx(Z_LOWER * sd) for r, sd in reach.values())
-    assert proof_reach(base, 32, "humaneval", noise, 3, 3) == (0.0, 0.0)  # no such cell
-
-
-def test_the_chance_that_launches_prove_a_tree_is_even_at_the_reach_and_grows_past_it():
-    reach, sd = 0.08, 0.034
-    at = [model_strategy._provable([math.exp(reach + shift) * 0.99], [(reach, sd)], 0.99)
-          for shift in (-0.05, 0.0, 0.05)]
-    assert at[1] == pytest.approx(0.5) and at[0] < 0.1 and at[2] > 0.9
-    # Every dataset must be proven; with nothing known of the noise, clear is proven.
-    assert model_strategy._provable([1.2, 1.2], [(reach, sd)] * 2, 1.0) == pytest.approx(
-        model_strategy._provable([1.2], [(reach, sd)], 1.0) ** 2)
-    assert model_strategy._provable([1.001, 3.0], [(0.0, 0.0)] * 2, 1.0) == 1.0
-
-
-def test_where_the_constraint_binds_the_model_search_proposes_the_tree_launches_can_prove():
-    """Two untried trees, as a dense-band study's draw predicts them at batch 1: one leads
-    the mean but clears sharegpt by 4%, one 3% slower on average clears it by 10%. At 3%
-    noise the 99% bound of three launches against three of the baseline reaches about 8%:
-    the first is rarely proven, and the search proposes the second (a traced study never
-    launched it and recommended a tree 18% below the best to the end). On a quiet engine
-    both can be proven, and it proposes the faster."""
-    strategy = Planner(study("qwen3-8b-h100"), StudyStore(
-        study("qwen3-8b-h100"), storage=optuna.storages.InMemoryStorage()),
-        load_space("default"), []).strategy
-    datasets = strategy.fit.datasets
-    assert datasets[0] == "sharegpt"
-    measured, edgy, safe = TreeConfig(3, 4, 12), TreeConfig(6, 8, 64), TreeConfig(5, 8, 64)
-    table = {measured: {1: [1.20, 1.9, 2.8, 2.7], 32: [1.05, 1.5, 2.1, 3.0]},
-             edgy: {1: [1.04, 2.0, 4.0, 3.9], 32: [0.24, 0.4, 0.7, 2.2]},
-             safe: {1: [1.10, 1.9, 3.8, 3.7], 32: [0.24, 0.4, 0.6, 1.9]}}
-    every = [tuple(range(len(datasets)))]
-
-    def pick(reach, sd):
-        proof = {(b, d): (reach, sd) for b in (1, 32) for d in datasets}
-        return strategy._gain_over(table, [edgy, safe], [measured], every, set(), proof)
-
-    noisy, quiet = pick(0.079, 0.034), pick(0.026, 0.011)
-    assert noisy[1] == safe and quiet[1] == edgy
-    assert 1.0 < noisy[0] < quiet[0]

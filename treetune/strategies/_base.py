@@ -82,10 +82,6 @@ class SearchContext:
     # Datasets of fixed-length requests (prompt and output tokens): their cells measure
     # whole requests, prefill and turnover included (`strategies/_whole.py`).
     shapes: Mapping[str, Shape] = field(default_factory=dict)
-    # Per (batch, dataset), what a tree's launches up to the per-config limit can prove:
-    # the reach of its 99% feasibility bound (log speedup) and the standard error behind
-    # it, from the study's learned noise; empty before the baseline is measured.
-    proof: Callable[[], Mapping[tuple[int, str], tuple[float, float]]] = lambda: {}
 
 
 class Strategy(Protocol):

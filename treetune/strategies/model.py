@@ -15,7 +15,6 @@ fixed-length requests are fitted and predicted as the whole requests they measur
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 from collections.abc import Mapping, Sequence
 
@@ -42,9 +41,6 @@ from treetune.strategies._misfit import Correction, Residual
 from treetune.strategies._trials import nearest_config
 from treetune.strategies._whole import WholeRequests
 from treetune.strategies.tpe import TPEStrategy
-
-# Per (batch, dataset): what a tree's launches can prove (`SearchContext.proof`).
-Proof = Mapping[tuple[int, str], tuple[float, float]]
 
 EXPLORE = 0.1  # share of proposals drawn from a wider posterior (EXPLORE_INFLATE)
 EXPLORE_MISFIT = 0.25  # the same while the model does not fit the measurements
@@ -513,12 +509,11 @@ class ModelStrategy:
         # nothing to launch (its best move is no speculation): drawn again, and at last
         # the fit itself.
         inflate = EXPLORE_INFLATE if exploring else DRAW_INFLATE
-        proof = self.context.proof()
         for draw in range(REDRAWS + 1):
             profile = (self.fit.sample(self.rng, inflate=inflate) if draw < REDRAWS
                        else self.fit.profile)
             pick = self._best_under(profile, untried, seen, self.rng if draw < REDRAWS
-                                    else None, proof)
+                                    else None)
             if pick is not None:
                 # An exploring draw's gain is no forecast: it must not hold back a
                 # confirmation.
@@ -542,8 +537,7 @@ class ModelStrategy:
         return top
 
     def _best_under(self, profile: Profile, untried: list[TreeConfig], trees: list[TreeConfig],
-                    draw: np.random.Generator | None, proof: Proof | None = None
-                    ) -> tuple[float, TreeConfig] | None:
+                    draw: np.random.Generator | None) -> tuple[float, TreeConfig] | None:
         """The untried tree that `profile` (with the correction, drawn with `draw`) says
         gains most over `trees` (the measured ones, and those under way) at some batch
         size, with that gain; None when no untried tree is predicted clear of the floor,
@@ -551,51 +545,30 @@ class ModelStrategy:
 
         Where no tree is predicted clear of the floor on every dataset at any batch size,
         the study recommends each dataset its own tree (what a server dedicated to that
-        workload runs): the gain is then over each dataset's best. `proof`: what launches
-        can prove (`SearchContext.proof`; asked of the context when None), see
-        `_gain_over`."""
-        proof = self.context.proof() if proof is None else proof
+        workload runs): the gain is then over each dataset's best."""
         table = predicted_speedups(profile, untried + trees, self.fit.batches,
                                    self.fit.datasets, self.fit.tp)
         self.corrected(table, draw=draw, measured=trees)
         done: set[tuple[TreeConfig, int]] = set()
         every = tuple(range(len(self.fit.datasets)))
-        pick = self._gain_over(table, untried, trees, [every], done, proof)
+        pick = self._gain_over(table, untried, trees, [every], done)
         if pick is None and len(every) > 1:
-            pick = self._gain_over(table, untried, trees, [(i,) for i in every], done, proof)
+            pick = self._gain_over(table, untried, trees, [(i,) for i in every], done)
         return pick
 
     def _gain_over(self, table: dict[TreeConfig, dict[int, list[float]]],
                    untried: list[TreeConfig], trees: list[TreeConfig],
-                   workloads: list[tuple[int, ...]], done: set[tuple[TreeConfig, int]],
-                   proof: Proof | None = None) -> tuple[float, TreeConfig] | None:
+                   workloads: list[tuple[int, ...]], done: set[tuple[TreeConfig, int]]
+                   ) -> tuple[float, TreeConfig] | None:
         """The untried tree of most gain over `trees` for some workload (dataset indices)
         at some batch size, clear of the floor on the workload's datasets and no near twin
-        of a measured tree; None if there is none.
-
-        A tree is worth what a study can recommend of it: its mean speedup if its launches
-        prove it feasible, else what there was. So each tree's mean over no speculation
-        (the measured trees', the incumbent's) and over the incumbent (the untried) counts
-        in proportion to the chance that launches up to the per-config limit prove it
-        (`proof`, `_provable`). Where the constraint binds, a tree 4% clear of the floor
-        at 3% noise leads the mean and is rarely proven, and the tree 10% clear and 3%
-        slower is the one a study can ship (a traced dense-band study recommended a tree
-        18% below the best at batch 1 to the end, never having launched that one)."""
-        proof = {} if proof is None else proof
-        names = self.fit.datasets
+        of a measured tree; None if there is none."""
         best_pick: tuple[float, TreeConfig] | None = None
         for batch in self.fit.batches:
             for workload in workloads:
                 among = self._served(table, untried, trees, batch, workload, done)
                 known = np.log([table[c][batch] for c in trees]) if trees else None
-
-                def provable(cells: list[float], at: int = batch,
-                             workload: tuple[int, ...] = workload) -> float:
-                    return _provable(cells, [proof.get((at, names[i]), (0.0, 0.0))
-                                             for i in workload], self.floor)
-
-                incumbent = max((1 + provable(cells) * (statistics.fmean(cells) - 1)
-                                 for c in trees
+                incumbent = max((statistics.fmean(cells) for c in trees
                                  if min(cells := _on(table, c, batch, workload)) >= self.floor),
                                 default=1.0)
                 for config in among:
@@ -605,23 +578,10 @@ class ModelStrategy:
                     if known is not None and np.abs(known - np.log(table[config][batch])).max(
                             axis=1).min() < NOVELTY:
                         continue  # a near twin of a measured tree: launching it teaches nothing
-                    gain = 1 + provable(per) * (statistics.fmean(per) / incumbent - 1)
+                    gain = statistics.fmean(per) / incumbent
                     if best_pick is None or gain > best_pick[0]:
                         best_pick = (gain, config)
         return best_pick
-
-
-def _provable(speedups: Sequence[float], reaches: Sequence[tuple[float, float]],
-              floor: float) -> float:
-    """The chance that launches prove a tree of true `speedups` (per dataset) feasible:
-    that on every dataset its measured log speedup, of standard error sd, clears the
-    floor by the bound's reach ((reach, sd) per dataset, `SearchContext.proof`)."""
-    chance = 1.0
-    for speedup, (reach, sd) in zip(speedups, reaches, strict=True):
-        margin = math.log(speedup / floor) - reach
-        chance *= 0.5 * math.erfc(-margin / (sd * math.sqrt(2))) if sd > 0 else float(
-            margin >= 0)
-    return chance
 
 
 def _on(table: dict[TreeConfig, dict[int, list[float]]], config: TreeConfig, batch: int,

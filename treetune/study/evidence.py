@@ -779,22 +779,6 @@ def confirm_chance(result: LaunchResult, baseline: LaunchResult, batch: int,
     return chance
 
 
-def proof_reach(baseline: LaunchResult, batch: int, dataset: str, noise: StudyNoise,
-                tree_cap: int, base_cap: int) -> tuple[float, float]:
-    """What launches can prove of a tree not measured yet, in one cell of throughput: the
-    reach of the 99% bound (log) once the tree has `tree_cap` launches and the baseline
-    `base_cap` (or the more it has), with the standard error behind it; each of the
-    tree's launches taken to err as the baseline's do there. (0, 0) where the cell or the
-    objective gives nothing to go on: every tree clear of the floor is then provable."""
-    cell = baseline.cell(dataset, batch)
-    if cell is None or noise.objective is not Objective.THROUGHPUT:
-        return 0.0, 0.0
-    count = len(cell.launch_tok_s) or 1
-    per_launch = sum(variance_parts(cell, noise)) * count
-    sd = math.sqrt(per_launch * (1 / tree_cap + 1 / max(base_cap, count)))
-    return Z_LOWER * sd, sd
-
-
 def estimated_verdict(config: ServerConfig, batch: int, datasets: list[str], tolerance: float,
                       estimates: Estimates | None) -> Verdict | None:
     """What the model says of a config nobody measured, as a verdict (no launches, so never

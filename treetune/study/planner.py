@@ -55,7 +55,6 @@ from treetune.study.evidence import (
     node_yardstick,
     noise_of,
     odd_launch,
-    proof_reach,
     relative_variance,
     study_noise,
     window_spread,
@@ -156,7 +155,7 @@ class Planner:
             is_known=self.is_known, evidence=self.evidence, prior=prior,
             measurement_variance=self.measurement_variance, max_batch=spec.max_batch, tp=tp,
             prior_why_not=why_not, pending=self.pending_trees,
-            shapes=spec.request_shapes(), proof=self.proof)
+            shapes=spec.request_shapes())
         self.strategy_name = strategies.resolve(spec.search.strategy, context)
         self.strategy = strategies.make(self.strategy_name, context)
         # Said once when `auto` had to go without the model search, so a user sees why.
@@ -230,16 +229,6 @@ class Planner:
         """The study's measurement noise of its objective, learned from its launches so
         far."""
         return noise_of(self.spec, self.results.values())
-
-    def proof(self) -> dict[tuple[int, str], tuple[float, float]]:
-        """Per (batch, dataset), `proof_reach` of a tree with the per-config limit of
-        launches, the baseline with as many (the limit `_baseline_first` keeps it to)."""
-        if self.baseline is None:
-            return {}
-        noise, limit = self.noise(), self.spec.search.max_launches_per_config
-        return {(batch, dataset): proof_reach(self.baseline, batch, dataset, noise, limit,
-                                              limit)
-                for batch in self.spec.batch for dataset in self.spec.dataset_names}
 
     def intervals(self, result: LaunchResult, batch: int, names: list[str] | None = None
                   ) -> dict[str, Interval]:
