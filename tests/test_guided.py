@@ -48,6 +48,7 @@ from treetune.study.planner import (
     DEFER_GAIN,
     DEFER_MAX,
     RACE_MARGIN,
+    THIN_BASELINE_LIMITS,
     THIN_SDS,
     UNRECOMMENDED_LAUNCHES,
     Planner,
@@ -794,10 +795,15 @@ def test_a_tree_ranked_above_the_confirmed_leader_is_confirmed_though_measured_b
                 *(launch(c, t, (t - 0.2, t, t + 0.2)) for c, t in fitting.items())]
 
     def first_task(speedups):
+        """The first launch after the leader's own: where its margin is thin (the
+        not-yet-sure case), its baseline and then itself come first, left running here."""
         planner = planned()
         planner.strategy = Estimator({**dict(zip((leader, rival), speedups, strict=True)),
                                       **{c: t / 102.0 for c, t in fitting.items()}})
         task = planner.next()
+        while task is not None and task.thin:
+            assert task.config in (BASELINE, leader)
+            task = planner.next()
         assert task is not None
         return task
 
@@ -813,8 +819,7 @@ def test_a_tree_ranked_above_the_confirmed_leader_is_confirmed_though_measured_b
     assert not verdicts[rival].confirmed and verdicts[rival].mean < verdicts[leader].mean
     task = first_task(above)
     assert task.remeasure and task.config == rival
-    # The model agrees with the measurements: the rival is not launched again (the
-    # not-yet-sure case's leader is itself feasible by a thin margin, so its baseline may be).
+    # The model agrees with the measurements: the rival is not launched again.
     assert first_task(below).config != rival
 
 
@@ -857,8 +862,9 @@ def test_a_recommendation_feasible_by_a_thin_margin_rests_on_more_launches_of_bo
     (a traced two-worker study shipped a tree truly 0.994 so, on the baseline's two
     launches and its own three). The baseline is launched again while it has no more
     launches than the tree (up to one past the per-config limit), then the tree (up to
-    the limit), until the margin is clear; then the search goes on. Past both limits, or
-    with a margin of a few errors, nothing is re-measured."""
+    the limit), then the baseline again (up to THIN_BASELINE_LIMITS times the limit),
+    until the margin is clear; then the search goes on. Past those limits, or with a
+    margin of a few errors, nothing is re-measured."""
     spec = one_dataset_study()
     tree = TreeConfig(3, 1, 4)
 
@@ -888,11 +894,53 @@ def test_a_recommendation_feasible_by_a_thin_margin_rests_on_more_launches_of_bo
     assert margin(planner) < THIN_SDS  # the baseline now has more launches than the tree
     remeasures(planner, (tree, launch(tree, 112.0, (111.8, 112, 112.2))))
     assert margin(planner) > THIN_SDS and goes_on(planner)
-    # At the limits (three launches of the tree, four of the baseline), still thin.
+    # The tree at its limit (three launches) and still thin: the baseline goes on, past
+    # one more than the limit, up to THIN_BASELINE_LIMITS times it; then the search goes on.
     capped = planned((100.0, 106.0, 101.0, 104.0), (107.0, 114.0, 111.0))
-    assert margin(capped) < THIN_SDS and goes_on(capped)
+    assert margin(capped) < THIN_SDS
+    task = capped.next()
+    assert task is not None and task.remeasure and task.config == BASELINE and task.thin
+    at_limits = planned((100.0, 106.0, 101.0, 104.0, 100.0, 106.0), (107.0, 114.0, 111.0))
+    assert THIN_BASELINE_LIMITS * spec.search.max_launches_per_config == 6  # the premise
+    assert margin(at_limits) < THIN_SDS
+    assert goes_on(at_limits)
     clear = planned((100.0, 103.0), (116.0, 119.0))
     assert THIN_SDS < margin(clear) < math.inf and goes_on(clear)
+
+
+def test_a_thin_recommendation_is_measured_again_before_other_trees_are_confirmed():
+    """The thin recommendation's re-measurement comes before any other tree's confirmation
+    and is never put off for a proposal forecast to gain: behind them it waited while trees
+    at the floor took their launches, and a traced dense-band study recommended a tree truly
+    at the floor from launch 15 to 30 on a baseline of two launches."""
+    tree, rival = TreeConfig(3, 1, 4), TreeConfig(2, 1, 3)
+
+    def planned(gain: float | None) -> Planner:
+        spec = one_dataset_study()
+        launches = [launch(BASELINE, 100.0, (99.8, 100, 100.2)),
+                    launch(BASELINE, 103.0, (102.8, 103, 103.2)),
+                    launch(tree, 111.2, (111.0, 111.2, 111.4)),
+                    launch(tree, 114.2, (114.0, 114.2, 114.4)),
+                    launch(rival, 118.0, (117.8, 118, 118.2))]
+        planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                          load_space("narrow"), launches)
+        planner.strategy_name, planner.strategy = "model", Forecaster(gain)
+        return planner
+
+    planner = planned(None)
+    verdicts = tree_verdicts(planner)
+    # The premise: the tree is recommended, its bound within THIN_SDS errors of the floor;
+    # the rival, measured above it once, is not yet confirmed (a confirmation to make).
+    thin = verdicts[tree]
+    assert thin.confirmed and not thin.sure
+    assert math.log(thin.lower["humaneval"] / thin.floor) < \
+        THIN_SDS * thin.intervals["humaneval"].log_sd
+    assert verdicts[rival].unsettled and verdicts[rival].mean > thin.mean
+    # The baseline (it has no more launches than the tree), not the rival's confirmation.
+    remeasures(planner, (BASELINE, launch(BASELINE, 101.0, (100.8, 101, 101.2))))
+    # A proposal forecast far above every measured tree waits for it too.
+    task = planned(1.5).next()
+    assert task is not None and task.remeasure and task.config == BASELINE and task.thin
 
 
 def test_a_close_race_between_confirmed_trees_gets_third_launches_up_to_the_limit():

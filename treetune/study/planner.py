@@ -84,6 +84,13 @@ UNRECOMMENDED_LAUNCHES = 2
 # per-config limit): a low baseline and a lucky tree add up, and a thin margin is where
 # that ships a regression (benchmarks/RESULTS.md, stop 44's trace).
 THIN_SDS = 1.0
+# With the tree at its limit and still thin, the baseline goes on up to this many times the
+# limit: every speedup shares its error. Only a recommendation (a tree that passes) asks
+# for it, so more launches can only take a lucky pass back, never add one (the withdrawn
+# rule that had the baseline follow an unconfirmed tree past the limit looked until its
+# tree passed; benchmarks/RESULTS.md, stop 59). In a traced dense-band study a baseline
+# measured 4.3% low over four launches passed a tree truly at the floor (stop 61).
+THIN_BASELINE_LIMITS = 2
 
 
 @dataclass
@@ -91,6 +98,8 @@ class Task:
     config: ServerConfig
     proposal: Proposal | None = None
     remeasure: bool = False
+    # A thin recommendation's re-measurement (`Planner._remeasure_thin`): never put off.
+    thin: bool = False
     index: int = 0  # launches of this config before this one (finished or under way)
     elsewhere: bool = False  # another search of the study runs it (a shared storage)
     node: str = ""  # the node it was handed to, where the runner said (`Planner.next`)
@@ -251,7 +260,7 @@ class Planner:
             # With the baseline still running, other workers need not wait for it: the
             # strategy proposes as it would before its first result (a start-up design).
             task = self._remeasure()
-            if task is None or self._may_defer():
+            if task is None or (not task.thin and self._may_defer()):
                 proposal = self.strategy.propose()
                 if proposal is None:
                     if task is None:
@@ -301,9 +310,10 @@ class Planner:
         return budget is None or self.launches + len(self.in_flight) < budget - DEFER_MAX
 
     def _remeasure(self) -> Task | None:
-        """A config that would become a recommendation if it were confirmed (borderline,
-        or feasible on one launch only): re-launched, the baseline first while it has
-        fewer launches."""
+        """A recommendation feasible by a thin margin first (`_remeasure_thin`); else a
+        config that would become a recommendation if it were confirmed (borderline, or
+        feasible on one launch only): re-launched, the baseline first while it has fewer
+        launches."""
         busy = {t.key for t in self.in_flight}
         limit = self.spec.search.max_launches_per_config
         if limit <= 1 or self.baseline is None:
@@ -316,6 +326,14 @@ class Planner:
         estimates = functools.cache(
             lambda: (self.estimates() or {}) if self.spec.objective is Objective.THROUGHPUT
             else {})
+        # What is recommended comes first: a recommendation feasible by a thin margin is
+        # measured again before any other tree is confirmed. Behind those confirmations it
+        # waited while trees at the floor took their launches (a traced dense-band study
+        # recommended a tree truly at the floor from launch 15 to 30 on a baseline of two
+        # launches; benchmarks/RESULTS.md, stop 61).
+        ranked = self._confirmed_by_rank(noise, estimates())
+        if (thin := self._remeasure_thin(busy, ranked)) is not None:
+            return thin
         for batch in self.spec.batch:
             # The mixed workload's recommendation; when no tree is even plausible for every
             # dataset at this batch size, each dataset's own (what a server dedicated to
@@ -326,9 +344,7 @@ class Planner:
                     self._unsettled(batch, (dataset,), noise, busy, limit, candidates,
                                     estimates)
         if not candidates:
-            ranked = self._confirmed_by_rank(noise, estimates())
-            return (self._remeasure_leader(busy, ranked, bool(estimates()))
-                    or self._remeasure_thin(busy, ranked))
+            return self._remeasure_leader(busy, ranked, bool(estimates()))
         model = estimates()
 
         def expected_regression(key: str, batch: int, names: tuple[str, ...]) -> bool:
@@ -489,7 +505,9 @@ class Planner:
         margin, its 99% bound within THIN_SDS standard errors of the floor on a dataset and
         not sure: the baseline again while it has no more launches than the tree (up to one
         past the per-config limit: every speedup rests on it), else the tree, up to the
-        limit. Its speedup then rests on less luck of either. `ranked`: as
+        limit, and then the baseline again up to THIN_BASELINE_LIMITS times the limit. Its
+        speedup then rests on less luck of either. It comes before every other
+        re-measurement and is never put off for a proposal (`Task.thin`). `ranked`: as
         `_remeasure_leader` reads it."""
         assert self.baseline is not None
         limit = self.spec.search.max_launches_per_config
@@ -501,10 +519,13 @@ class Planner:
                     for d, i in leader.intervals.items()):
                 continue
             if "baseline" not in busy and base <= min(leader.launches, limit):
-                return Task(BASELINE, remeasure=True)
+                return Task(BASELINE, remeasure=True, thin=True)
             key = config_key(leader.config)
             if key not in busy and leader.launches < limit:
-                return Task(leader.config, remeasure=True)
+                return Task(leader.config, remeasure=True, thin=True)
+            if "baseline" not in busy and leader.launches >= limit and \
+                    base < THIN_BASELINE_LIMITS * limit:
+                return Task(BASELINE, remeasure=True, thin=True)
         return None
 
     # ---- adaptive steps ---------------------------------------------------------------
