@@ -170,12 +170,14 @@ def main() -> None:
     worlds = load_worlds(parser, args.truth)
     with tempfile.TemporaryDirectory() as folder:
         jobs = []
-        for truth, world in worlds.items():
+        for index, (truth, world) in enumerate(worlds.items()):
             profile = world.profile
             model, draft, gpu = real_setup(parser, args, truth, profile.name)
             prior = auto_prior(model_facts(model), model_facts(draft), gpu_facts(gpu),
                                profile.tp, list(profile.datasets))
-            prior_file = str(Path(folder) / f"{truth}-auto-prior.yaml")
+            # Named by the world's place, not its path: a truth given as a file's path
+            # joined as is would write next to that file and leave it behind.
+            prior_file = str(Path(folder) / f"{index}-{Path(truth).stem}-auto-prior.yaml")
             prior.save(prior_file)
             jobs += [Job(truth, p, seed, args.max_launches, args.noise)
                      for seed in seeds for p in (None, prior_file)]

@@ -256,15 +256,25 @@ def test_scoring_the_model_s_estimates_does_not_steer_the_study(monkeypatch):
     assert set(summary) == {"4-6", "7-9"} and summary["4-6"]["z2_measured"] >= 0
 
 
-def test_the_auto_prior_benchmark_searches_a_world_from_its_profile_s_auto_prior():
+@pytest.mark.parametrize("as_file", [False, True])
+def test_the_auto_prior_benchmark_searches_a_world_from_its_profile_s_auto_prior(
+        tmp_path, as_file):
     """A world built on the 8B profile is searched from the 8B's own fixtures and GPU, and
-    both arms run and are judged."""
+    both arms run and are judged; named by its name or by the path of its file, and then
+    nothing is written beside that file (the prior once was, and stayed behind)."""
+    truth = "acceptance-shape"
+    if as_file:
+        copy = tmp_path / "acceptance-shape.yaml"
+        copy.write_text((ROOT / "treetune" / "worlds" / "shipped" / f"{truth}.yaml").read_text())
+        truth = str(copy)
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "auto_prior.py"), "--truth",
-         "acceptance-shape", "--seeds", "1", "--max-launches", "2", "--processes", "1",
+         truth, "--seeds", "1", "--max-launches", "2", "--processes", "1",
          "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
-    summary = json.loads(done.stdout)["acceptance-shape"]
+    assert [p.name for p in tmp_path.iterdir()] == (["acceptance-shape.yaml"] if as_file
+                                                    else [])
+    summary = json.loads(done.stdout)[truth]
     for arm in ("truth facts", "auto"):
         (launches,) = summary[arm]["launches"]
         assert 1 <= launches <= 3 and summary[arm]["reached"] == (launches <= 2)
