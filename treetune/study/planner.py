@@ -519,14 +519,14 @@ class Planner:
                     math.log(leader.lower[d] / leader.floor) < THIN_SDS * i.log_sd
                     for d, i in leader.intervals.items()):
                 continue
-            if "baseline" not in busy and base <= min(leader.launches, limit):
+            # Short of the tree's limit the baseline goes while it has no more launches
+            # than the tree; at the limit, up to THIN_BASELINE_LIMITS times it.
+            at_limit = leader.launches >= limit
+            if "baseline" not in busy and \
+                    base < (THIN_BASELINE_LIMITS * limit if at_limit else leader.launches + 1):
                 return Task(BASELINE, remeasure=True, thin=True)
-            key = config_key(leader.config)
-            if key not in busy and leader.launches < limit:
+            if not at_limit and config_key(leader.config) not in busy:
                 return Task(leader.config, remeasure=True, thin=True)
-            if "baseline" not in busy and leader.launches >= limit and \
-                    base < THIN_BASELINE_LIMITS * limit:
-                return Task(BASELINE, remeasure=True, thin=True)
         return None
 
     # ---- adaptive steps ---------------------------------------------------------------
