@@ -14,17 +14,33 @@ settings, widened; they were fixed before any drawn world was searched.
 
 Each file is an ordinary world file (`treetune/worlds/_world.py`), its description saying
 what was drawn; the same count and seed draw the same files.
+
+With `--new-bases` the base is drawn too, so that no world rests on a shipped profile: a
+target among the config.json fixtures (tests/fixtures/hf: Qwen3 dense, MoE and hybrid,
+GLM-4.5-Air, Llama-4-Scout, DeepSeek-V3) with its EAGLE3 head (a one-layer head of the
+target's width where no head is among the fixtures), on a GPU of treetune's table at the
+least tensor parallelism whose weights take at most 60% of the GPUs' memory; its facts are
+what the auto prior counts from those files, its calibration one of the three profiles'
+with each value scaled by up to +-30%, its datasets' acceptance another's (or the same).
+The base is written to DIR/bases/, which `--worlds DIR/*.yaml` does not pick up.
+
+    .venv/bin/python benchmarks/drawn_worlds.py --new-bases --seed 2028 --output DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from treetune.facts import auto_prior, gpu_facts, model_facts
+from treetune.facts.models import facts_from_config
 from treetune.perfmodel import Profile, load_profile
+from treetune.perfmodel.profile import Calibration
 from treetune.yamlio import dump_yaml
 
 PROFILES = ("qwen3-8b-h100", "qwen3-30b-a3b-h100", "qwen3-coder-next-h200")
@@ -35,13 +51,29 @@ PROFILES = ("qwen3-8b-h100", "qwen3-30b-a3b-h100", "qwen3-coder-next-h200")
 BUCKETS = ((8, 16, 32, 64, 128, 256), (16, 24, 32, 48, 64, 96, 128, 192, 256),
            (64, 128, 192, 256, 384, 512), (12, 24, 40, 80, 160, 320))
 POSITIONS = 8  # top-1 acceptance drawn per depth up to here (deeper repeats the last)
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
+# --new-bases: targets (with their EAGLE3 head's fixture, None: a one-layer head of the
+# target's width) and GPUs to draw from.
+TARGETS = (("Qwen/Qwen3-8B", "thoughtworks/Qwen3-8B-Eagle3"),
+           ("Qwen/Qwen3-30B-A3B-FP8", "sgl-project/qwen3-30B-A3B-eagle3"),
+           ("Qwen/Qwen3-Coder-Next-FP8", "thoughtworks/Qwen3-Coder-Next-Eagle3"),
+           ("zai-org/GLM-4.5-Air", None),
+           ("meta-llama/Llama-4-Scout-17B-16E-Instruct", None),
+           ("deepseek-ai/DeepSeek-V3", None))
+GPUS = ("A100-80GB-SXM", "H100-SXM", "H100-PCIe", "H200", "B200", "L40S", "MI300X")
+WEIGHT_SHARE = 0.6  # of the GPUs' memory the target's weights may take
+CALIBRATION_SPREAD = 0.3  # each borrowed calibration value scaled by exp(+-this) at most
 
 
-def draw(index: int, seed: int = 2026) -> dict[str, Any]:
-    """World `index` of the draw `seed`, as a world file's mapping."""
+def draw(index: int, seed: int = 2026, base: Profile | None = None) -> dict[str, Any]:
+    """World `index` of the draw `seed`, as a world file's mapping; on `base` (its
+    "profile" then to be set to where the base is written) instead of a shipped profile."""
     rng = np.random.default_rng([seed, index])
     name = f"drawn-{seed}-{index:02d}"
     profile = load_profile(PROFILES[int(rng.integers(len(PROFILES)))])
+    label = profile.name
+    if base is not None:
+        profile, label = base, base.description.split(":")[0]
     moe = profile.target.moe is not None
     effects: dict[str, Any] = {}
     facts: dict[str, Any] = {}
@@ -81,7 +113,7 @@ def draw(index: int, seed: int = 2026) -> dict[str, Any]:
             said.append("{rate:.0%} of launches at {speed:.0%} speed".format(**slow))
     out: dict[str, Any] = {
         "name": name,
-        "description": f"Drawn (seed {seed}, world {index}): {profile.name} with "
+        "description": f"Drawn (seed {seed}, world {index}): {label} with "
                        + "; ".join(said) + ".",
         "profile": profile.name}
     if facts:
@@ -89,6 +121,56 @@ def draw(index: int, seed: int = 2026) -> dict[str, Any]:
     if effects:
         out["effects"] = effects
     return out
+
+
+def draw_base(index: int, seed: int) -> Profile:
+    """World `index`'s base for `--new-bases`: a target and head of the fixtures on a
+    drawn GPU, its facts counted as the auto prior counts them, its calibration and
+    acceptance borrowed from the shipped profiles (see the module's doc)."""
+    rng = np.random.default_rng([seed, index, 1])  # apart from the effects' stream
+    target_name, head_name = TARGETS[int(rng.integers(len(TARGETS)))]
+    target = model_facts(str(FIXTURES / target_name))
+    draft = (model_facts(str(FIXTURES / head_name)) if head_name
+             else _eagle3_head(target_name))
+    while True:
+        gpu = gpu_facts(GPUS[int(rng.integers(len(GPUS)))])
+        weights = target.total_params * target.weight_bytes
+        tp = next((n for n in (1, 2, 4, 8)
+                   if weights <= WEIGHT_SHARE * n * gpu.memory_gb * 1e9), None)
+        if tp is not None:
+            break
+    costs = load_profile(PROFILES[int(rng.integers(len(PROFILES)))])
+    texts = load_profile(PROFILES[int(rng.integers(len(PROFILES)))])
+    scaled = {key: value * float(np.exp(rng.uniform(-CALIBRATION_SPREAD,
+                                                    CALIBRATION_SPREAD)))
+              for key, value in dataclasses.asdict(costs.calibration).items()}
+    calibration = Calibration(**{key: round(min(value, 0.95) if key.endswith(
+        ("_eff", "_diversity")) else value, 6) for key, value in scaled.items()})
+    name = f"base-{seed}-{index:02d}"
+    prior = auto_prior(target, draft, gpu, tp, list(texts.datasets), name=name)
+    return prior.replace(
+        description=(f"{target_name} with {head_name or 'a one-layer EAGLE3 head'} on {tp} x "
+                     f"{gpu.name}: facts as the auto prior counts them, calibration "
+                     f"{costs.name}'s scaled by up to +-{CALIBRATION_SPREAD:.0%}, "
+                     f"acceptance {texts.name}'s."),
+        calibration=calibration, datasets=dict(texts.datasets))
+
+
+def _eagle3_head(target_name: str) -> Any:
+    """The facts of a one-layer EAGLE3 head for the fixture `target_name`: the target's
+    width, heads and vocabulary, a 32k draft vocabulary (as the fixtures' heads have)."""
+    config = json.loads((FIXTURES / target_name / "config.json").read_text())
+    text = config.get("text_config", config)
+    hidden, heads = text["hidden_size"], text["num_attention_heads"]
+    head = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+            "hidden_size": hidden, "intermediate_size": text["intermediate_size"],
+            "num_hidden_layers": 1, "num_attention_heads": heads,
+            "num_key_value_heads": text.get("num_key_value_heads") or heads,
+            "head_dim": text.get("head_dim") or hidden // heads,
+            "vocab_size": text["vocab_size"], "draft_vocab_size": 32000,
+            "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+    return facts_from_config(head, f"{target_name} EAGLE3 head (drawn)",
+                             Path("(drawn)") / target_name)
 
 
 def _acceptance(profile: Profile, rng: np.random.Generator) -> dict[str, dict[str, list[float]]]:
@@ -116,12 +198,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=2026, help="the draw's seed")
     parser.add_argument("--output", type=Path, required=True,
                         help="the folder the world files are written to")
+    parser.add_argument("--new-bases", action="store_true",
+                        help="draw each world's base too (a target of the fixtures on a "
+                        "drawn GPU, written to OUTPUT/bases/) instead of a shipped profile")
     args = parser.parse_args()
     if args.count < 1:
         parser.error("--count must be >= 1")
     args.output.mkdir(parents=True, exist_ok=True)
     for index in range(args.count):
-        world = draw(index, args.seed)
+        base = draw_base(index, args.seed) if args.new_bases else None
+        world = draw(index, args.seed, base)
+        if base is not None:
+            (args.output / "bases").mkdir(exist_ok=True)
+            base.save(args.output / "bases" / f"{base.name}.yaml")
+            world["profile"] = f"bases/{base.name}.yaml"
         path = args.output / f"{world['name']}.yaml"
         dump_yaml(world, path)
         print(path)

@@ -329,3 +329,65 @@ def test_drawn_worlds_are_held_out_worlds_that_load_and_repeat_per_seed(tmp_path
                               "--count", "0", "--output", str(tmp_path)],
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert refused.returncode == 2 and "--count must be >= 1" in refused.stderr
+
+
+def test_drawn_worlds_with_new_bases_rest_on_no_shipped_profile(tmp_path):
+    """`--new-bases`: each world's base is a fixture target on a drawn GPU at the least
+    tensor parallelism its weights fit, counted as the auto prior counts it, its
+    calibration a shipped profile's within +-30%; the bases sit in a subfolder, so
+    `DIR/*.yaml` lists the worlds alone."""
+    import math
+
+    import drawn_worlds
+
+    from treetune.config import BASELINE
+    from treetune.facts import gpu_facts, model_facts
+    from treetune.perfmodel import load_profile
+    from treetune.worlds import load_world
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "drawn_worlds.py"),
+                           "--new-bases", "--seed", "2028", "--count", "24",
+                           "--output", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [f.name for f in sorted(tmp_path.glob("*.yaml"))] == [
+        f"drawn-2028-{i:02d}.yaml" for i in range(24)]
+    assert len(list((tmp_path / "bases").glob("*.yaml"))) == 24
+    assert drawn_worlds.draw_base(5, 2028) == drawn_worlds.draw_base(5, 2028) \
+        != drawn_worlds.draw_base(5, 2029)
+    shipped = [load_profile(name).calibration for name in drawn_worlds.PROFILES]
+    spread = drawn_worlds.CALIBRATION_SPREAD
+
+    def scaled_from(value: float, shipped_value: float, efficiency: bool) -> bool:
+        """Within +-spread of the shipped value (an efficiency is then held at 0.95)."""
+        if efficiency and value == 0.95:
+            return shipped_value * math.exp(spread) >= 0.95
+        return abs(math.log(value / shipped_value)) <= spread + 1e-4
+    targets, gpus, heads = set(), set(), set()
+    for path in sorted(tmp_path.glob("*.yaml")):
+        world = load_world(path)
+        base = world.profile
+        assert base.name.startswith("base-2028-") and base.name not in drawn_worlds.PROFILES
+        target_name, head_name = next(
+            (t, h) for t, h in drawn_worlds.TARGETS if base.description.startswith(t))
+        counted = model_facts(str(drawn_worlds.FIXTURES / target_name))
+        assert base.target.total_params_b == pytest.approx(counted.total_params / 1e9, rel=1e-3)
+        assert base.target.kv_bytes_per_token == pytest.approx(counted.kv_bytes_per_token,
+                                                             rel=1e-3)
+        gpu = gpu_facts(base.hardware.gpu)
+        weights = counted.total_params * counted.weight_bytes
+        share = drawn_worlds.WEIGHT_SHARE * gpu.memory_gb * 1e9
+        assert weights <= share * base.tp and (base.tp == 1 or weights > share * base.tp / 2)
+        own = base.calibration
+        assert any(all(scaled_from(getattr(own, f), getattr(c, f), f.endswith("_eff"))
+                       for f in ("step_overhead_ms", "draft_overhead_ms", "compute_eff",
+                                 "weight_bandwidth_eff"))
+                   for c in shipped), path.name
+        assert world.description.startswith(f"Drawn (seed 2028, world {int(path.stem[-2:])}): "
+                                            f"{target_name} with ")
+        dataset = next(iter(base.datasets))
+        assert world.model(base.tp).throughput(BASELINE, 1, dataset) > 0
+        targets.add(target_name)
+        gpus.add(gpu.name)
+        heads.add(head_name is None)
+    assert len(targets) >= 4 and len(gpus) >= 4 and heads == {True, False}
