@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 
 from treetune.facts import auto_prior, gpu_facts, model_facts
-from treetune.facts.models import facts_from_config
+from treetune.facts.gpus import GpuFacts
+from treetune.facts.models import ModelFacts, facts_from_config
 from treetune.perfmodel import Profile, load_profile
 from treetune.perfmodel.profile import Calibration
 from treetune.yamlio import dump_yaml
@@ -132,13 +133,16 @@ def draw_base(index: int, seed: int) -> Profile:
     target = model_facts(str(FIXTURES / target_name))
     draft = (model_facts(str(FIXTURES / head_name)) if head_name
              else _eagle3_head(target_name))
-    while True:
-        gpu = gpu_facts(GPUS[int(rng.integers(len(GPUS)))])
-        weights = target.total_params * target.weight_bytes
-        tp = next((n for n in (1, 2, 4, 8)
-                   if weights <= WEIGHT_SHARE * n * gpu.memory_gb * 1e9), None)
-        if tp is not None:
-            break
+    weights = target.total_params * target.weight_bytes
+
+    def least_tp(gpu: GpuFacts) -> int | None:
+        return next((n for n in (1, 2, 4, 8)
+                     if weights <= WEIGHT_SHARE * n * gpu.memory_gb * 1e9), None)
+
+    if not any(least_tp(gpu_facts(name)) for name in GPUS):
+        raise ValueError(f"{target_name} fits none of {', '.join(GPUS)} at 8 GPUs")
+    while (tp := least_tp(gpu := gpu_facts(GPUS[int(rng.integers(len(GPUS)))]))) is None:
+        pass  # drawn again: the target does not fit this GPU
     costs = load_profile(PROFILES[int(rng.integers(len(PROFILES)))])
     texts = load_profile(PROFILES[int(rng.integers(len(PROFILES)))])
     scaled = {key: value * float(np.exp(rng.uniform(-CALIBRATION_SPREAD,
@@ -146,9 +150,9 @@ def draw_base(index: int, seed: int) -> Profile:
               for key, value in dataclasses.asdict(costs.calibration).items()}
     calibration = Calibration(**{key: round(min(value, 0.95) if key.endswith(
         ("_eff", "_diversity")) else value, 6) for key, value in scaled.items()})
-    name = f"base-{seed}-{index:02d}"
-    prior = auto_prior(target, draft, gpu, tp, list(texts.datasets), name=name)
-    return prior.replace(
+    counted = auto_prior(target, draft, gpu, tp, list(texts.datasets),
+                         name=f"base-{seed}-{index:02d}")
+    return counted.replace(
         description=(f"{target_name} with {head_name or 'a one-layer EAGLE3 head'} on {tp} x "
                      f"{gpu.name}: facts as the auto prior counts them, calibration "
                      f"{costs.name}'s scaled by up to +-{CALIBRATION_SPREAD:.0%}, "
@@ -156,7 +160,7 @@ def draw_base(index: int, seed: int) -> Profile:
         calibration=calibration, datasets=dict(texts.datasets))
 
 
-def _eagle3_head(target_name: str) -> Any:
+def _eagle3_head(target_name: str) -> ModelFacts:
     """The facts of a one-layer EAGLE3 head for the fixture `target_name`: the target's
     width, heads and vocabulary, a 32k draft vocabulary (as the fixtures' heads have)."""
     config = json.loads((FIXTURES / target_name / "config.json").read_text())
