@@ -1232,13 +1232,15 @@ def test_a_cost_cut_by_chance_does_not_free_the_rank_ratio(wald, monkeypatch):
 
 def test_a_draft_whose_ranks_do_not_fall_by_half_frees_the_rank_ratio_through_noise():
     """The acceptance-shape world's draft (rank shares 0.45 and 0.03) is noticed through
-    3% noise: by the sixth launch the ratio is freed, fitted below 0.2, more than
-    SHARED_DEPARTURE posterior deviations from the prior's 0.5."""
+    3% noise: by the eighth launch the ratio is freed, fitted below 0.2, more than
+    SHARED_DEPARTURE posterior deviations from the prior's 0.5. Over seeds 0-7 it was
+    freed at launch 5-7; seed 4 at launch 6 on one machine and 7 on another (the fits'
+    floating point differs in the last bits), so the sixth launch was no margin."""
     world = load_world("acceptance-shape")
     spec = study("qwen3-8b-h100", seed=4, search={"strategy": "model", "launch_cv": 0.03},
                  backend={"kind": "emulator", "world": "acceptance-shape"})
     freed = []
-    fit = run_offline(spec, world.model(world.profile.tp), 4, 6, Noise(0.03, 0.03),
+    fit = run_offline(spec, world.model(world.profile.tp), 4, 8, Noise(0.03, 0.03),
                       lambda planner: freed.append(planner.strategy.fit.shared_fit)
                       ).strategy.fit
     assert freed[-1] and not freed[0]
