@@ -369,22 +369,29 @@ def test_prometheus_counters_agree_with_server_info_after_clients_disconnect_mid
     assert samples["sglang:spec_verify_calls_total"] == info["emulator"]["verify_calls"]
 
 
-def test_token_and_verify_counters_move_as_requests_end_as_sglang_counts_them(spec_server):
+def test_token_and_verify_counters_move_as_requests_end_as_sglang_counts_them(slow_server):
     """SGLang adds a request's tokens and verify calls to its Prometheus counters when the
     request ends (`observe_one_finished_request`), not round by round: mid-stream the
     counters stand while server_info's totals grow; once the client hangs up (the request
-    ends aborted) they hold its tokens."""
-    start = metrics(spec_server)
+    ends aborted) they hold its tokens. On the slow clock: at the fast one a busy machine's
+    client read its 20 lines after the whole 4096-token request had ended (the counters
+    then rightly held its tokens mid-read)."""
+    deadline = time.monotonic() + 30
+    while metrics(slow_server)["sglang:num_running_reqs"] > 0:  # another test's request
+        assert time.monotonic() < deadline, "the shared server never fell idle"
+        time.sleep(0.05)
+    start = metrics(slow_server)
     seen: dict[str, float] = {}
 
     async def long_request() -> None:
         body = {"prompt": "p", "max_tokens": 4096, "ignore_eos": True, "stream": True}
         async with aiohttp.ClientSession(headers=HEADERS) as session, \
-                session.post(spec_server.url + "/v1/completions", json=body) as resp:
+                session.post(slow_server.url + "/v1/completions", json=body) as resp:
             for _ in range(20):
                 await resp.content.readline()
-            seen.update(metrics(spec_server))
-            seen["info tokens"] = server_info(spec_server)["emulator"]["completion_tokens"]
+            seen.update(metrics(slow_server))
+            assert seen["sglang:num_running_reqs"] == 1, "the request ended before the read"
+            seen["info tokens"] = server_info(slow_server)["emulator"]["completion_tokens"]
             resp.close()
 
     asyncio.run(long_request())
@@ -393,10 +400,10 @@ def test_token_and_verify_counters_move_as_requests_end_as_sglang_counts_them(sp
     assert seen["sglang:generation_tokens_total"] == start["sglang:generation_tokens_total"]
     assert seen["sglang:spec_verify_calls_total"] == start["sglang:spec_verify_calls_total"]
     deadline = time.monotonic() + 5
-    while metrics(spec_server)["sglang:num_running_reqs"] > 0:
+    while metrics(slow_server)["sglang:num_running_reqs"] > 0:
         assert time.monotonic() < deadline, "the abandoned request still counts as running"
         time.sleep(0.05)
-    end = metrics(spec_server)
+    end = metrics(slow_server)
     assert end["sglang:generation_tokens_total"] > start["sglang:generation_tokens_total"]
     assert end["sglang:spec_verify_calls_total"] > start["sglang:spec_verify_calls_total"]
 
