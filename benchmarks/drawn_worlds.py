@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ import numpy as np
 
 from treetune.facts import auto_prior, gpu_facts, model_facts
 from treetune.facts.gpus import GpuFacts
-from treetune.facts.models import ModelFacts, facts_from_config
+from treetune.facts.models import ModelFacts, facts_from_config, read_config
 from treetune.perfmodel import Profile, load_profile
 from treetune.perfmodel.profile import Calibration
 from treetune.yamlio import dump_yaml
@@ -163,7 +162,7 @@ def draw_base(index: int, seed: int) -> Profile:
 def _eagle3_head(target_name: str) -> ModelFacts:
     """The facts of a one-layer EAGLE3 head for the fixture `target_name`: the target's
     width, heads and vocabulary, a 32k draft vocabulary (as the fixtures' heads have)."""
-    config = json.loads((FIXTURES / target_name / "config.json").read_text())
+    config = read_config(FIXTURES / target_name / "config.json")
     text = config.get("text_config", config)
     hidden, heads = text["hidden_size"], text["num_attention_heads"]
     head = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",

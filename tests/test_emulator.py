@@ -21,6 +21,7 @@ import aiohttp
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from studykit import wait_until
 
 from treetune.config import BASELINE, TreeConfig
 from treetune.emulator.args import EMULATED_SGLANG_VERSION
@@ -342,6 +343,11 @@ def test_flush_cache_on_an_idle_server_resets_the_average_accept_length(spec_ser
     assert server_info(spec_server)["internal_states"][0]["avg_spec_accept_length"] == 0.0
 
 
+def wait_idle(server: Emulator, seconds: float) -> bool:
+    """Whether `server` has no running request within `seconds`."""
+    return wait_until(lambda: metrics(server)["sglang:num_running_reqs"] == 0, seconds, 0.05)
+
+
 def test_prometheus_counters_agree_with_server_info_after_clients_disconnect_mid_stream(
         spec_server):
     # A client hanging up mid-round cancels its request; that round must then count it as
@@ -358,10 +364,7 @@ def test_prometheus_counters_agree_with_server_info_after_clients_disconnect_mid
         await asyncio.gather(*(leave_early(i) for i in range(4)))
 
     asyncio.run(main())
-    deadline = time.monotonic() + 5
-    while metrics(spec_server)["sglang:num_running_reqs"] > 0:
-        assert time.monotonic() < deadline, "abandoned requests still count as running"
-        time.sleep(0.05)
+    assert wait_idle(spec_server, 5), "abandoned requests still count as running"
     info = server_info(spec_server)
     samples = metrics(spec_server)
     assert samples["sglang:num_running_reqs"] == 0
@@ -376,10 +379,7 @@ def test_token_and_verify_counters_move_as_requests_end_as_sglang_counts_them(sl
     ends aborted) they hold its tokens. On the slow clock: at the fast one a busy machine's
     client read its 20 lines after the whole 4096-token request had ended (the counters
     then rightly held its tokens mid-read)."""
-    deadline = time.monotonic() + 30
-    while metrics(slow_server)["sglang:num_running_reqs"] > 0:  # another test's request
-        assert time.monotonic() < deadline, "the shared server never fell idle"
-        time.sleep(0.05)
+    assert wait_idle(slow_server, 30), "the shared server never fell idle"
     start = metrics(slow_server)
     seen: dict[str, float] = {}
 
@@ -399,10 +399,7 @@ def test_token_and_verify_counters_move_as_requests_end_as_sglang_counts_them(sl
     assert seen["info tokens"] > start["sglang:generation_tokens_total"]
     assert seen["sglang:generation_tokens_total"] == start["sglang:generation_tokens_total"]
     assert seen["sglang:spec_verify_calls_total"] == start["sglang:spec_verify_calls_total"]
-    deadline = time.monotonic() + 5
-    while metrics(slow_server)["sglang:num_running_reqs"] > 0:
-        assert time.monotonic() < deadline, "the abandoned request still counts as running"
-        time.sleep(0.05)
+    assert wait_idle(slow_server, 5), "the abandoned request still counts as running"
     end = metrics(slow_server)
     assert end["sglang:generation_tokens_total"] > start["sglang:generation_tokens_total"]
     assert end["sglang:spec_verify_calls_total"] > start["sglang:spec_verify_calls_total"]
