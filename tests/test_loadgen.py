@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -27,6 +28,8 @@ from treetune.loadgen._common import Counters
 from treetune.perfmodel import PerfModel, load_profile
 from treetune.results import CellResult, Slo
 from treetune.server import ServerProcess, start_server
+from treetune.study.spec import Measurement
+from treetune.study.worker import measure_watched
 
 PROFILE = "qwen3-coder-next-h200"
 DATASET = "humaneval"
@@ -37,6 +40,7 @@ EMULATOR_ARGS = ("--no-noise", "--seed", "1", "--time-scale", str(TIME_SCALE),
 MAX_NEW_TOKENS = 1024
 DURATION_S = 15.0  # server seconds: 1.5 s of wall time per cell
 REPEATS = 3
+MAX_LAG_S = Measurement().max_clock_lag_s  # a study's default
 # The performance model's throughput is the steady state: `batch` requests decoding through
 # the whole window. Cells of 1024-token requests also hold request turnovers, each leaving a
 # slot idle for the client's round trip, which the emulated clock stretches tenfold: on a
@@ -171,16 +175,21 @@ SERVER_TTFT = "sglang:time_to_first_token_seconds"
 @pytest.fixture(scope="module")
 def cells(servers: dict[str, ServerProcess]) -> Cell:
     """measure_cell on a server at a batch size (memoized), with /metrics before and after;
-    `steady=True` for requests that outlast the window (see STEADY_TOKENS)."""
+    `steady=True` for requests that outlast the window (see STEADY_TOKENS). Watched as a
+    study watches its cells (`measure_watched`): measured again when the server's clock or
+    the client's timers ran late, and marked `lagged` if they did twice."""
     done: dict[tuple[str, int, bool], Measured] = {}
 
     def cell(server: str, batch: int, steady: bool = False) -> Measured:
         if (server, batch, steady) not in done:
             async def measure(client: ServerClient) -> Measured:
                 before = await client.metrics()
-                result = await measure_cell(client, STEADY if steady else PROMPTS, batch,
-                                            duration_s=DURATION_S, repeats=REPEATS,
-                                            ignore_eos=True)
+                result, _ = await measure_watched(
+                    functools.partial(measure_cell, client, STEADY if steady else PROMPTS,
+                                      batch, duration_s=DURATION_S, repeats=REPEATS,
+                                      ignore_eos=True),
+                    MAX_LAG_S, EMULATOR_API.clock_lag_hint, TIME_SCALE, speculative=True,
+                    closed_loop=True)
                 counters = Counters(before, await client.metrics())
                 first_tokens = counters.delta(f"{SERVER_TTFT}_count")
                 seconds = counters.delta(f"{SERVER_TTFT}_sum")
@@ -234,8 +243,19 @@ def test_a_cell_has_one_throughput_per_repeat_no_errors_and_latencies_in_server_
     assert cell.ttft.p99 < cell.e2e.p50 / 2
     # One request's tokens over its decode time is about the per-request throughput of the
     # steady state (this cell's own throughput also holds the turnovers' idle slots).
-    per_request = cells("tree", batch, steady=True).cell.output_tok_s / batch
-    assert 1 / cell.tpot.p50 == pytest.approx(per_request, rel=0.10)
+    # Beside heavy tests and a CPU hog, a 1024-token cell once measured 1 / TPOT 17% below
+    # that (109.7 against 132.5 tok/s): a server or client starved for part of the cell
+    # delivers its tokens late. A study then measures the cell again and marks it lagged
+    # if it lags again; such a cell's latencies are not claimed, its mark is.
+    steady = cells("tree", batch, steady=True).cell
+    lags = (f"clock lag {cell.clock_lag_s} s and {steady.clock_lag_s} s, client lag "
+            f"{cell.client_lag_s} s and {steady.client_lag_s} s")
+    if cell.lagged or steady.lagged:
+        late = [c for c in (cell, steady) if c.lagged]
+        assert all(max(c.clock_lag_s or 0.0, c.client_lag_s or 0.0) > MAX_LAG_S
+                   for c in late), lags
+    else:
+        assert 1 / cell.tpot.p50 == pytest.approx(steady.output_tok_s / batch, rel=0.10), lags
 
 
 @pytest.mark.parametrize("server,batch,steady", [
