@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -183,14 +182,17 @@ def cells(servers: dict[str, ServerProcess]) -> Cell:
     def cell(server: str, batch: int, steady: bool = False) -> Measured:
         if (server, batch, steady) not in done:
             async def measure(client: ServerClient) -> Measured:
-                before = await client.metrics()
+                before: list[dict] = []  # /metrics before each attempt: the last is kept
+
+                async def attempt() -> CellResult:
+                    before.append(await client.metrics())
+                    return await measure_cell(client, STEADY if steady else PROMPTS, batch,
+                                              duration_s=DURATION_S, repeats=REPEATS,
+                                              ignore_eos=True)
                 result, _ = await measure_watched(
-                    functools.partial(measure_cell, client, STEADY if steady else PROMPTS,
-                                      batch, duration_s=DURATION_S, repeats=REPEATS,
-                                      ignore_eos=True),
-                    MAX_LAG_S, EMULATOR_API.clock_lag_hint, TIME_SCALE, speculative=True,
-                    closed_loop=True)
-                counters = Counters(before, await client.metrics())
+                    attempt, MAX_LAG_S, EMULATOR_API.clock_lag_hint, TIME_SCALE,
+                    speculative=True, closed_loop=True)
+                counters = Counters(before[-1], await client.metrics())
                 first_tokens = counters.delta(f"{SERVER_TTFT}_count")
                 seconds = counters.delta(f"{SERVER_TTFT}_sum")
                 return Measured(result, counters.after,
