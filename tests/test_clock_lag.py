@@ -103,6 +103,40 @@ def test_a_blocked_event_loop_shows_as_clock_lag_in_emulated_seconds():
     assert samples[LAG] == summary["deadlines"]
 
 
+def test_a_request_arriving_while_the_engine_runs_late_has_a_positive_time_to_first_token():
+    # Beside a CPU hog, a server's histogram once read a negative mean TTFT over a cell: a
+    # request stamped with the wall's time arrived after the late clock gave its first token.
+    profile = load_profile(PROFILE)
+    scale, block_s = 2.0, 0.3
+    metrics = ServerMetrics("m")
+    engine = Engine(profile, TREE, tp=4, max_running_requests=4, time_scale=scale,
+                    noise=NoiseModel.from_profile(profile.noise, False),
+                    rng=np.random.default_rng(0), metrics=metrics)
+
+    async def run() -> list:
+        task = asyncio.create_task(engine.run())
+        first = engine.new_request(DATASET, 100, 64, ignore_eos=True)
+        while not engine.running:
+            await asyncio.sleep(0)
+        time.sleep(block_s)  # the engine is now 0.6 emulated seconds behind the wall
+        late = engine.new_request(DATASET, 100, 16, ignore_eos=True)
+        while first.finished_at is None or late.finished_at is None:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return [first, late]
+
+    requests = asyncio.run(run())
+    assert engine.lag.worst > 0.5  # the mechanism under test: the engine ran late
+    for request in requests:
+        assert request.first_token_at > request.arrival
+        assert request.finished_at > request.first_token_at
+    samples = metric_samples(metrics.render().decode())
+    ttft = "sglang:time_to_first_token_seconds"
+    assert samples[f"{ttft}_count"] == 2 and samples[f"{ttft}_sum"] > 0
+
+
 # ---- a cell records it --------------------------------------------------------------------
 
 def test_a_cells_clock_lag_is_the_mean_over_the_deadlines_met_in_its_window():

@@ -151,6 +151,15 @@ class Engine:
             await asyncio.sleep(delay)
         self.lag.observe(max(0.0, self._loop_time() - due) * self.time_scale)
 
+    def _arrival(self) -> float:
+        """When a request arriving now arrives on the emulated clock. While requests run,
+        the clock is the end of the pass the engine waits on; an engine running late is
+        behind the wall clock and sees the request no sooner than that pass ends, so the
+        request arrives then. Stamping the wall's time would put the arrival after its
+        first token (a negative TTFT in /metrics). Otherwise the clock is stale (idle time
+        passes on the next wake-up) and the wall's time is the arrival."""
+        return min(self.now(), self.clock) if self.running else self.now()
+
     # ---- requests ---------------------------------------------------------------------
     def new_request(
         self, dataset: str, prompt_tokens: int, max_new_tokens: int, ignore_eos: bool
@@ -164,7 +173,7 @@ class Engine:
             length = data.output_tokens * math.exp(self.rng.normal(-sigma * sigma / 2, sigma))
             stop = max(1, min(max_new_tokens, round(length)))
         req = Request(f"{next(self._ids):08x}", dataset, max(prompt_tokens, 1),
-                      max_new_tokens, max(stop, 1), self.now())
+                      max_new_tokens, max(stop, 1), self._arrival())
         if max_new_tokens <= 0:
             req.stop_after = 0
         self.waiting.append(req)
