@@ -590,7 +590,7 @@ def test_the_pareto_figure_shows_an_adaptive_server_as_its_own_star_and_rings_it
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_tmpdir")
-def test_the_adaptive_study_runs_on_ray_and_exports_what_sglang_accepts(tmp_path):
+def test_the_adaptive_study_runs_on_ray_and_exports_what_sglang_accepts(tmp_path, ray_cluster):
     """studies/adaptive.yaml, made small: every launch a real emulated server. The tuning
     needs a chain surely feasible (every dataset's lower bound above 1) on one launch,
     under the prior's 3% launch noise and whatever the machine's load adds. Windows of 16
@@ -600,7 +600,8 @@ def test_the_adaptive_study_runs_on_ray_and_exports_what_sglang_accepts(tmp_path
     mt-bench (13-23%), chains cleared 1 by 5-11%, and once, in the whole suite beside a
     CPU hog on 2 cores, none did. Time scale 10, not 20: beside two benchmark processes
     on 2 cores, the servers at 20 measured a window-to-window spread of 15-17% (no chain
-    cleared 1, in 2 runs of 2, and 1 suite run of 2), at 10 of 7-9% (2 of 2 ran whole)."""
+    cleared 1, in 2 runs of 2, and 1 suite run of 2), at 10 of 7-9% (2 of 2 ran whole).
+    On the session's Ray cluster: starting Ray is not what this test is about."""
     from treetune.report import figures
     from treetune.report.data import load_study_data
     from treetune.study.export import write_outputs
@@ -611,7 +612,7 @@ def test_the_adaptive_study_runs_on_ray_and_exports_what_sglang_accepts(tmp_path
         "batch": [1, 8], "datasets": ["humaneval", "terminal-bench"], "compare": [],
         "budget": {"launches": 7}, "search": {"max_launches_per_config": 1},
         "model": f"{tmp_path}/model-under-test", "output": str(tmp_path / "out"),
-        "backend": {"time_scale": 10.0, "load_time_s": 5.0},
+        "backend": {"time_scale": 10.0, "load_time_s": 5.0}, "ray_address": ray_cluster,
         # A clock or load generator lag of tens of ms at time scale 10 on a busy machine is
         # not what this test is about (test_clock_lag.py is): a threshold above it.
         "measurement": {"duration_s": 16.0, "repeats": 2, "startup_timeout_s": 60.0,
