@@ -203,7 +203,8 @@ def test_the_per_batch_optuna_constraints_cover_the_rate_cells(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_tmpdir")
-def test_the_slo_study_runs_on_ray_judging_p99_tpot_in_every_cell(tmp_path):
+def test_the_slo_study_runs_on_ray_judging_p99_tpot_in_every_cell(tmp_path, ray_cluster):
+    # On the session's Ray cluster: starting Ray is not what this test is about.
     from pathlib import Path
 
     from treetune.report import figures
@@ -214,7 +215,7 @@ def test_the_slo_study_runs_on_ray_judging_p99_tpot_in_every_cell(tmp_path):
         "batch": [16], "rates": [4], "compare": ["3,1,4", "3,4,8"],
         "budget": {"launches": 3}, "search": {"max_launches_per_config": 1},
         "model": f"{tmp_path}/model-under-test", "output": str(tmp_path / "out"),
-        "backend": {"time_scale": 10.0, "load_time_s": 5.0},
+        "backend": {"time_scale": 10.0, "load_time_s": 5.0}, "ray_address": ray_cluster,
         "measurement": {"duration_s": 6.0, "repeats": 2, "startup_timeout_s": 60.0,
                         "max_clock_lag_s": 0.25}})
     outcome = run_study(spec)
