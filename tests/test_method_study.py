@@ -13,7 +13,6 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from studykit import ray_env, short_ray_dir
 
 from treetune.backends.sglang import sglang_command
 from treetune.config import BASELINE, TreeConfig
@@ -292,7 +291,8 @@ def test_recommendations_and_launch_scripts_name_the_method(tmp_path):
 @needs_published
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_tmpdir")
-def test_a_ray_study_on_emulated_servers_picks_each_benchmark_s_published_winner(tmp_path):
+def test_a_ray_study_on_emulated_servers_picks_each_benchmark_s_published_winner(tmp_path,
+                                                                                ray_cluster):
     """The two published trees, (3,1,4) of each method, on emulated servers without
     launch noise: mmstar (MTP 10% faster) and gsm8k (EAGLE3 3% faster), each read from
     about 1,500 verify rounds a cell. At time scale 10, not 20: gsm8k's two trees differ
@@ -300,7 +300,8 @@ def test_a_ray_study_on_emulated_servers_picks_each_benchmark_s_published_winner
     clocks 15-20 ms (server time), one cell 140 ms, which cost it 11% of its throughput;
     the suite beside a CPU hog picked NEXTN on gsm8k so. At 10 the lag is 6-10 ms. One
     worker: with two, EAGLE3's tree always ran beside the baseline's server and NEXTN's
-    alone, a bias against EAGLE3 of whatever the machine takes from two servers at once."""
+    alone, a bias against EAGLE3 of whatever the machine takes from two servers at once.
+    On the session's Ray cluster: starting Ray is not what this test is about."""
     from treetune.study.runner import run_study
 
     spec = study(tmp_path, datasets=[{"name": d, "path": str(ROOT / "studies" / "prompts"
@@ -312,11 +313,9 @@ def test_a_ray_study_on_emulated_servers_picks_each_benchmark_s_published_winner
                  search={"max_launches_per_config": 1},
                  backend={"kind": "emulator", "profile": PROFILE, "time_scale": 10.0,
                           "load_time_s": 5.0, "noise": False},
-                 measurement={"duration_s": 20.0, "repeats": 2, "startup_timeout_s": 60.0})
-    with pytest.MonkeyPatch.context() as env, short_ray_dir() as ray_dir:
-        for name, value in ray_env(ray_dir).items():
-            env.setenv(name, value)
-        outcome = run_study(spec)
+                 measurement={"duration_s": 20.0, "repeats": 2, "startup_timeout_s": 60.0},
+                 ray_address=ray_cluster)
+    outcome = run_study(spec)
     assert sorted(config_key(r.config) for r in outcome.results) == [
         "3,1,4", "NEXTN:3,1,4", "baseline"]
     nextn = next(r for r in outcome.results if config_key(r.config) == "NEXTN:3,1,4")
