@@ -58,8 +58,11 @@ def kill_when(condition, action, timeout_s=120.0):
     return thread, done
 
 
-def test_a_killed_worker_process_has_its_launch_rescheduled_on_another_worker(tmp_path):
-    spec = load_study(None, small_study(tmp_path, budget={"launches": 5}))
+def test_a_killed_worker_process_has_its_launch_rescheduled_on_another_worker(tmp_path,
+                                                                            ray_cluster):
+    # On the session's Ray cluster: what dies is a launch worker, not Ray.
+    spec = load_study(None, small_study(tmp_path, budget={"launches": 5},
+                                        ray_address=ray_cluster))
     marker = str(tmp_path)
 
     def wide_server():
