@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow
 HOSTILE_MODEL = "/m/$(touch x); y <script>alert(1)</script>"
 
 
+@pytest.mark.no_ray  # reads the source: beside the heavy tests
 def test_no_shell_is_ever_used():
     package = Path(treetune.__file__).parent
     offenders = []
@@ -31,6 +32,7 @@ def test_no_shell_is_ever_used():
     assert not offenders, offenders
 
 
+@pytest.mark.no_ray  # refused before Ray starts: beside the heavy tests
 def test_a_python_object_tag_in_a_study_file_is_refused(tmp_path):
     path = tmp_path / "evil.yaml"
     path.write_text(f"name: !!python/object/apply:os.system ['touch {tmp_path}/pwned']\n")

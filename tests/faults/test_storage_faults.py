@@ -55,6 +55,7 @@ HOLD_SQLITE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.no_ray  # refused before Ray starts (asserted): beside the heavy tests
 def test_a_storage_locked_by_another_process_is_refused_before_any_launch(tmp_path):
     path = write_study(tmp_path)
     StudyStore(load_study(path))  # the storage exists, as after an earlier run
@@ -82,6 +83,7 @@ HOLD_LOCK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.no_ray  # refused before Ray starts (asserted): beside the heavy tests
 def test_a_second_search_of_the_same_study_is_refused_naming_the_first(tmp_path):
     path = write_study(tmp_path)
     (tmp_path / "out").mkdir()
@@ -122,6 +124,7 @@ def read_only(folder):
         os.chmod(folder, 0o755)
 
 
+@pytest.mark.no_ray  # refused before Ray starts (asserted): beside the heavy tests
 def test_a_read_only_output_folder_is_refused_before_any_launch(tmp_path):
     path = write_study(tmp_path)
     with read_only(tmp_path / "out"):
@@ -130,6 +133,7 @@ def test_a_read_only_output_folder_is_refused_before_any_launch(tmp_path):
     assert "not writable" in err and str(tmp_path / "out") in err
 
 
+@pytest.mark.no_ray  # refused before Ray starts (asserted): beside the heavy tests
 def test_a_read_only_storage_folder_is_refused_before_any_launch(tmp_path):
     path = write_study(tmp_path, storage=f"sqlite:///{tmp_path}/db/study.db")
     with read_only(tmp_path / "db"):
