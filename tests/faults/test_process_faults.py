@@ -96,7 +96,9 @@ def test_a_node_leaving_the_cluster_mid_study_lets_the_study_finish_on_the_other
     nodes = [cluster.add_node(num_cpus=2, resources={"emulated_gpu": 4}) for _ in range(2)]
     cluster.wait_for_nodes()
     try:
-        spec = load_study(None, small_study(tmp_path, budget={"launches": 6},
+        # Four launches, as test_cluster.py's node loss: the node leaves with the third
+        # running, and its launch and the fourth are left to the other node.
+        spec = load_study(None, small_study(tmp_path, budget={"launches": 4},
                                             ray_address=cluster.address))
         marker = str(tmp_path)
 
@@ -109,7 +111,7 @@ def test_a_node_leaving_the_cluster_mid_study_lets_the_study_finish_on_the_other
         outcome = run_study(spec)
         thread.join(1)
         assert "value" in removed, "the node was never removed"
-        assert_each_config_measured_once(spec, outcome, 6)
+        assert_each_config_measured_once(spec, outcome, 4)
         rescheduled = [t for t in launch_trials(spec, TrialState.FAIL)
                        if "worker died" in t.user_attrs.get("reason", "")]
         assert rescheduled, "the removed node's launch was not rescheduled"
