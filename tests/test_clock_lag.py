@@ -73,13 +73,21 @@ def test_the_emulator_reports_its_clock_lag_in_server_info_and_as_a_histogram(em
         lag["recent_mean_s"] * lag["deadlines"])
 
 
-def test_a_blocked_event_loop_shows_as_clock_lag_in_emulated_seconds():
+SCALE, BLOCK_S = 2.0, 0.3  # an engine's time scale, and how long a test blocks its loop
+
+
+def quiet_engine() -> tuple[Engine, ServerMetrics]:
+    """An in-process engine of TREE without noise, at time scale SCALE, and its metrics."""
     profile = load_profile(PROFILE)
-    scale, block_s = 2.0, 0.3
     metrics = ServerMetrics("m")
-    engine = Engine(profile, TREE, tp=4, max_running_requests=4, time_scale=scale,
-                    noise=NoiseModel.from_profile(profile.noise, False),
-                    rng=np.random.default_rng(0), metrics=metrics)
+    return Engine(profile, TREE, tp=4, max_running_requests=4, time_scale=SCALE,
+                  noise=NoiseModel.from_profile(profile.noise, False),
+                  rng=np.random.default_rng(0), metrics=metrics), metrics
+
+
+def test_a_blocked_event_loop_shows_as_clock_lag_in_emulated_seconds():
+    scale, block_s = SCALE, BLOCK_S
+    engine, metrics = quiet_engine()
     prefill_s = engine.model.prefill_time(TREE, 1, 100, DATASET)  # emulated seconds
 
     async def run() -> None:
@@ -106,19 +114,14 @@ def test_a_blocked_event_loop_shows_as_clock_lag_in_emulated_seconds():
 def test_a_request_arriving_while_the_engine_runs_late_has_a_positive_time_to_first_token():
     # Beside a CPU hog, a server's histogram once read a negative mean TTFT over a cell: a
     # request stamped with the wall's time arrived after the late clock gave its first token.
-    profile = load_profile(PROFILE)
-    scale, block_s = 2.0, 0.3
-    metrics = ServerMetrics("m")
-    engine = Engine(profile, TREE, tp=4, max_running_requests=4, time_scale=scale,
-                    noise=NoiseModel.from_profile(profile.noise, False),
-                    rng=np.random.default_rng(0), metrics=metrics)
+    engine, metrics = quiet_engine()
 
     async def run() -> list:
         task = asyncio.create_task(engine.run())
         first = engine.new_request(DATASET, 100, 64, ignore_eos=True)
         while not engine.running:
             await asyncio.sleep(0)
-        time.sleep(block_s)  # the engine is now 0.6 emulated seconds behind the wall
+        time.sleep(BLOCK_S)  # the engine is now 0.6 emulated seconds behind the wall
         late = engine.new_request(DATASET, 100, 16, ignore_eos=True)
         while first.finished_at is None or late.finished_at is None:
             await asyncio.sleep(0.001)
