@@ -85,23 +85,33 @@ def quiet_engine() -> tuple[Engine, ServerMetrics]:
                   rng=np.random.default_rng(0), metrics=metrics), metrics
 
 
-def test_a_blocked_event_loop_shows_as_clock_lag_in_emulated_seconds():
-    engine, metrics = quiet_engine()
-    prefill_s = engine.model.prefill_time(TREE, 1, 100, DATASET)  # emulated seconds
-
-    async def run() -> None:
+def run_blocked(engine: Engine, tokens: int, then: int | None = None) -> list:
+    """Run `engine` on a request of `tokens`; once it is admitted (the engine waits for its
+    prefill's end), block the loop for BLOCK_S, a CPU hog in miniature: the loop cannot
+    run at all. Then send a request of `then` tokens, if given, and wait until every
+    request finished. Returns the requests."""
+    async def run() -> list:
         task = asyncio.create_task(engine.run())
-        request = engine.new_request(DATASET, 100, 16, ignore_eos=True)
-        while not engine.running:  # admitted: the engine now waits for the prefill's end
+        requests = [engine.new_request(DATASET, 100, tokens, ignore_eos=True)]
+        while not engine.running:
             await asyncio.sleep(0)
-        time.sleep(BLOCK_S)  # a CPU hog in miniature: the loop cannot run at all
-        while request.finished_at is None:
+        time.sleep(BLOCK_S)
+        if then is not None:
+            requests.append(engine.new_request(DATASET, 100, then, ignore_eos=True))
+        while any(r.finished_at is None for r in requests):
             await asyncio.sleep(0.001)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        return requests
 
-    asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_blocked_event_loop_shows_as_clock_lag_in_emulated_seconds():
+    engine, metrics = quiet_engine()
+    prefill_s = engine.model.prefill_time(TREE, 1, 100, DATASET)  # emulated seconds
+    run_blocked(engine, 16)
     summary = engine.lag.summary()
     # The prefill was due prefill_s / SCALE wall seconds in; it was met after the block.
     assert summary["max_s"] >= (BLOCK_S - prefill_s / SCALE) * SCALE
@@ -115,22 +125,7 @@ def test_a_request_arriving_while_the_engine_runs_late_has_a_positive_time_to_fi
     # request stamped with the wall's time arrived after the late clock gave its first token.
     engine, metrics = quiet_engine()
     prefill_s = engine.model.prefill_time(TREE, 1, 100, DATASET)  # emulated seconds
-
-    async def run() -> list:
-        task = asyncio.create_task(engine.run())
-        first = engine.new_request(DATASET, 100, 64, ignore_eos=True)
-        while not engine.running:
-            await asyncio.sleep(0)
-        time.sleep(BLOCK_S)  # the engine now runs behind the wall (BLOCK_S x SCALE)
-        late = engine.new_request(DATASET, 100, 16, ignore_eos=True)
-        while first.finished_at is None or late.finished_at is None:
-            await asyncio.sleep(0.001)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return [first, late]
-
-    requests = asyncio.run(run())
+    requests = run_blocked(engine, 64, then=16)  # the second sent while the engine is late
     # The mechanism under test: the engine ran late, as in the test above.
     assert engine.lag.worst >= (BLOCK_S - prefill_s / SCALE) * SCALE
     for request in requests:
