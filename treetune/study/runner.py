@@ -103,8 +103,9 @@ class _Ray:
             # Ray finds real GPUs itself; a backend's own resource is declared here.
             resources = None if gpu == RAY_GPU else {gpu: float(workers * spec.tp)}
             temp = os.environ.get("TREETUNE_RAY_TMPDIR")
-            # Workers at niceness 0 (Ray's default is 15): they launch the servers and
-            # measure them, and must not get the CPU after everything else on the machine.
+            # Workers at the driver's niceness (Ray's default adds 15): they launch the
+            # servers and measure them, and must not get the CPU after everything else on
+            # the machine.
             ray.init(num_cpus=workers + 1, resources=resources,
                      _system_config={"worker_niceness": 0},
                      **({"_temp_dir": temp} if temp else {}), **kwargs)
