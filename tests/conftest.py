@@ -293,15 +293,21 @@ def small_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def ray_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A short Ray temp dir of the test's own (Ray's socket paths break past ~100
     characters); nothing the test started under it may outlive the test, and the dir is
-    removed after it."""
-    from studykit import processes_with, ray_env, short_ray_dir, wait_until
+    removed after it. "Under it" is what names the dir in its command line or environment,
+    works in it or has a file open in it (studykit.dir_holders): Ray's agents rename
+    themselves and their command line no longer names it. Those of a raylet that died
+    unannounced (a SIGKILLed search's, a node's that Cluster.shutdown SIGKILLed) wait a
+    minute on the gone GCS: they are given a moment, then ended. Whatever else is left
+    fails the test, and is killed so that nothing outlives it."""
+    from studykit import end_processes, ray_env, release_ray_dir, short_ray_dir
 
     with short_ray_dir() as path:
         for name, value in ray_env(path).items():
             monkeypatch.setenv(name, value)
         yield path
-        assert wait_until(lambda: not processes_with(path), 30), (
-            f"processes outlived the test: {processes_with(path)}")
+        left = release_ray_dir(path)
+        end_processes([holder.pid for holder in left])
+        assert not left, "processes outlived the test:\n" + "\n".join(map(str, left))
 
 
 @pytest.fixture(scope="session")
