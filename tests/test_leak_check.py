@@ -80,6 +80,7 @@ def test_an_orphaned_ray_agent_is_ended_and_a_server_or_worker_left_is_reported(
 
 
 def test_a_dir_held_by_nothing_is_released_at_once(tmp_path):
+    # Two scans of /proc, no waiting: well within the agents' grace even on a busy machine.
     started = time.monotonic()
     assert release_ray_dir(str(tmp_path)) == []
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < studykit.REAP_GRACE_S
