@@ -122,6 +122,7 @@ class Job:
     prior_noise: float | None = None  # the study's stated launch_cv (None: the true noise)
     workers: int = 1  # launches running at once (simulated time, `run_parallel`)
     nodes: tuple[float, ...] = ()  # each node's speed; worker w runs on node w % len(nodes)
+    drift: float = 0.0  # launch k runs at 1 + drift x k (`run_parallel`)
 
 
 def truth_table(world: World, batches: tuple[int, ...]
@@ -274,7 +275,8 @@ def study(job: Job, world: World, table: dict[TreeConfig, dict[int, list[float]]
     started = time.monotonic()
     noise = Noise(launch_cv=job.noise, measurement_cv=job.noise)
     planner = run_parallel(spec, truth, job.seed, job.max_launches, job.workers, noise,
-                           after_launch=lambda p, _: after(p), nodes=job.nodes)
+                           after_launch=lambda p, _: after(p), nodes=job.nodes,
+                           drift=job.drift)
     first = next((i + 1 for i, ok in enumerate(within) if ok), job.max_launches + 1)
     stable = next((i + 1 for i in range(len(within)) if all(within[i:])), job.max_launches + 1)
     covered, judged = coverage(planner, table, spec.dataset_names, job.batches)
@@ -382,6 +384,8 @@ def markdown(worlds: dict[str, dict[str, dict]], overall: dict[str, dict],
         stated += f", {args.workers} workers"  # the heading's settings beside the noise
     if args.node_speeds:
         stated += ", node speeds " + " ".join(f"{s:g}" for s in args.node_speeds)
+    if args.drift:
+        stated += f", drift {args.drift:+.2%} per launch"
     lines = [f"# Search efficiency ({len(worlds)} worlds x {args.seeds} seeds, noise "
              f"{args.noise:.0%}{stated}, budget {args.budget}, up to {args.max_launches} launches, "
              f"batch sizes {batches})", "",
@@ -528,6 +532,11 @@ def main() -> None:
     parser.add_argument("--node-speeds", nargs="+", type=float, default=[],
                         help="each node's speed, common to every launch it runs (e.g. 1 0.92:"
                         " a second node 8%% slow); worker w runs on node w mod the count")
+    parser.add_argument("--drift", type=float, default=0.0,
+                        help="each launch's speed changes by this share per launch before "
+                        "it (launch k at 1 + drift x k; e.g. 0.003: 9%% faster by launch 30,"
+                        " a machine warming up or a neighbour leaving), which the search's "
+                        "noise model, taking launches as independent, does not expect")
     parser.add_argument("--quick", action="store_true",
                         help="every world, 1 seed, up to 16 launches: a smoke run")
     output_arguments(parser)
@@ -541,6 +550,9 @@ def main() -> None:
         args.workers = max(1, len(args.node_speeds))
     if args.workers < 1 or any(s <= 0 for s in args.node_speeds):
         parser.error("--workers must be >= 1 and every --node-speeds value > 0")
+    if 1 + args.drift * (args.max_launches - 1) <= 0:
+        parser.error(f"--drift {args.drift} would stop launch {args.max_launches} "
+                     "(its speed <= 0)")
     worlds = load_worlds(parser, args.worlds)
     names = list(worlds)
     kinds = {name: "own model" if world.own_model else
@@ -548,7 +560,7 @@ def main() -> None:
              for name, world in worlds.items()}
     batches = tuple(sorted(set(args.batch)))
     jobs = [Job(w, s, seed, args.max_launches, args.budget, args.noise, batches,
-                args.prior_noise, args.workers, tuple(args.node_speeds))
+                args.prior_noise, args.workers, tuple(args.node_speeds), args.drift)
             for w in names for s in args.strategies
             for seed in range(args.first_seed, args.first_seed + args.seeds)]
     started = time.monotonic()

@@ -242,6 +242,27 @@ def test_simulated_nodes_name_their_workers_and_slow_every_launch_they_run():
         run_parallel(spec, truth(), seed=2, launches=2, workers=2, nodes=(1.0, 0.0))
 
 
+def test_a_drifting_machine_speeds_up_each_launch_by_its_share_per_launch_before_it():
+    """Launch k runs at 1 + drift x k (a machine warming up, a neighbour leaving), whatever
+    its config: compared launch by launch with the same study on a steady machine (no
+    noise here; TPE's first trials are drawn before any result, so both launch the same
+    configs)."""
+    spec = study(search={"strategy": "tpe"})
+    quiet = Noise(0.0, 0.0, 0.0)
+    plain = run_parallel(spec, truth(), seed=3, launches=4, workers=1, clock=EXACT,
+                         noise=quiet)
+    drifting = run_parallel(spec, truth(), seed=3, launches=4, workers=1, clock=EXACT,
+                            noise=quiet, drift=0.1)
+    for k, (steady, drifted) in enumerate(zip(plain.launched, drifting.launched,
+                                              strict=True)):
+        assert drifted.config == steady.config
+        for cell in steady.cells:
+            assert drifted.cell(cell.dataset, cell.batch).output_tok_s == pytest.approx(
+                (1 + 0.1 * k) * cell.output_tok_s)
+    with pytest.raises(ValueError, match="drift"):
+        run_parallel(spec, truth(), seed=3, launches=11, workers=1, drift=-0.1)
+
+
 def test_the_study_ends_when_after_launch_says_so():
     spec = study(search={"strategy": "tpe"})
     planner = run_parallel(spec, truth(), seed=0, launches=20, workers=4,

@@ -179,7 +179,8 @@ def run_offline(spec: StudySpec, truth: PerfModel, seed: int, launches: int,
 def run_parallel(spec: StudySpec, truth: PerfModel, seed: int, launches: int, workers: int,
                  noise: Noise = Noise(), clock: LaunchClock = LaunchClock(),
                  after_launch: Callable[[Planner, float], bool | None] | None = None,
-                 store: StudyStore | None = None, nodes: tuple[float, ...] = ()) -> Planner:
+                 store: StudyStore | None = None, nodes: tuple[float, ...] = (),
+                 drift: float = 0.0) -> Planner:
     """One study of `launches` launches on `workers` simulated workers: every free worker
     takes the planner's next launch (as `treetune search`'s runner does), and the launch
     finishing first in simulated time is handed back first. `after_launch` sees the
@@ -188,11 +189,16 @@ def run_parallel(spec: StudySpec, truth: PerfModel, seed: int, launches: int, wo
     makes exactly the study `run_offline` makes (durations have their own random
     stream). `nodes`: each node's speed (see `simulate_launch`); worker w runs on node
     w % len(nodes) and is named worker-w@node-n, as the runner names a Ray worker by its
-    host; without nodes, workers are unnamed."""
+    host; without nodes, workers are unnamed. `drift`: every launch's speed changes by this
+    share per launch started before it (launch k runs at 1 + drift x k): a machine that
+    warms up, or a neighbour that leaves, mid-study; a trend the noise model, which takes
+    launches as independent, does not have."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if any(speed <= 0 for speed in nodes):
         raise ValueError(f"node speeds must be > 0, got {nodes}")
+    if 1 + drift * max(launches - 1, 0) <= 0:
+        raise ValueError(f"drift {drift} stops launch {launches} (its speed would be <= 0)")
     store = store or StudyStore(spec, storage=optuna.storages.InMemoryStorage())
     planner = Planner(spec, store, load_space(spec.space), [], tp=truth.cost.tp)
     rng = np.random.default_rng(seed)
@@ -210,8 +216,8 @@ def run_parallel(spec: StudySpec, truth: PerfModel, seed: int, launches: int, wo
                 break  # nothing to launch until a running launch finishes (or for good)
             worker = free.pop(0)
             trial = store.begin_launch(task.config, ())
-            result = simulate_launch(truth, task.config, spec, rng, noise,
-                                     nodes[node] if nodes else 1.0)
+            speed = (nodes[node] if nodes else 1.0) * (1 + drift * started)
+            result = simulate_launch(truth, task.config, spec, rng, noise, speed)
             if nodes:
                 result.worker = f"worker-{worker}@node-{node}"
             heapq.heappush(running, (now + clock.duration(spec, result, durations), started,
