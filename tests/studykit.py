@@ -93,8 +93,14 @@ def processes_with(marker: str) -> list[int]:
     return [pid for pid, cmd in cmdlines().items() if marker in cmd]
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (state, parent, ...); OSError once
+    the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return int(_stat_fields(pid)[1])
 
 
 def wait_until(condition: Callable[[], object], timeout_s: float, poll_s: float = 0.1) -> bool:
@@ -196,7 +202,7 @@ def dir_holders(path: str) -> list[Holder]:
             continue
         pid = int(entry)
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = _stat_fields(pid)
         except OSError:
             continue
         if fields[0] in ("Z", "X"):
@@ -247,7 +253,7 @@ def orphaned_ray_agent(holder: Holder) -> bool:
 
 def _alive(pid: int) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = _stat_fields(pid)[0]
     except OSError:
         return False
     return state not in ("Z", "X")
