@@ -23,12 +23,7 @@ T = TypeVar("T")
 def load_yaml(path: str | Path) -> Any:
     """Parse a YAML file with the safe loader; errors name the file and the line."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigFileError(path, "file not found") from None
-    except OSError as exc:
-        raise ConfigFileError(path, f"cannot read: {exc.strerror}") from None
+    text = read_text(path)
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -36,6 +31,28 @@ def load_yaml(path: str | Path) -> Any:
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigFileError(path, f"not valid YAML{where}: {problem}") from None
+
+
+def read_text(path: str | Path) -> str:
+    """A user's text file (YAML, CSV, JSON) as UTF-8, a byte-order mark dropped; a file that
+    is missing, a folder or not UTF-8 is an error naming it, never a traceback."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigFileError(path, "file not found") from None
+    except IsADirectoryError:
+        raise ConfigFileError(path, "is a folder, not a file") from None
+    except OSError as exc:
+        raise ConfigFileError(path, f"cannot read: {exc.strerror}") from None
+    return decode_utf8(path, raw)
+
+
+def decode_utf8(path: str | Path, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigFileError(path, f"not UTF-8 text (byte {exc.start})") from None
 
 
 def dump_yaml(data: Any, path: str | Path) -> None:

@@ -114,6 +114,39 @@ def test_malformed_yaml_names_the_file_and_the_line(capsys, tmp_path, text, line
     assert message.startswith(f"{path}: not valid YAML (line {line}, column ")
 
 
+NOT_UTF8 = b"model: org/model\ndraft: \xff\xfe org/draft\n"  # Latin-1 bytes, say
+
+
+def write_latin1(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(NOT_UTF8)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["study", "space", "prior", "world", "measurements",
+                                  "config.json"])
+def test_a_file_that_is_not_utf8_is_named_not_shown_as_an_internal_error(
+        capsys, tmp_path, kind):
+    bad = write_latin1(tmp_path / {"study": "study.yaml", "space": "space.yaml",
+                                   "prior": "prior.yaml", "world": "world.yaml",
+                                   "measurements": "points.csv",
+                                   "config.json": "target/config.json"}[kind])
+    (tmp_path / "good").mkdir()
+    good_study = str(write_study(tmp_path / "good"))
+    args = {
+        "study": ("search", "--study", str(bad)),
+        "space": ("search", "--study", good_study, "--space", str(bad)),
+        "prior": ("search", "--study", good_study, "--strategy", "model", "--prior", str(bad)),
+        "world": ("grid", "--world", str(bad), "-o", str(tmp_path / "grid.csv")),
+        "measurements": ("calibrate", "--profile", "qwen3-8b-h100", "--measurements",
+                         str(bad), "-o", str(tmp_path / "fitted.yaml")),
+        "config.json": ("prior", "--model", str(bad.parent), "--draft", str(bad.parent),
+                        "--gpu", "H100-SXM"),
+    }[kind]
+    message = refused(capsys, *args)
+    assert message.startswith(f"{bad}: not UTF-8 text (byte 24)"), message
+
+
 # ---- 2. unknown and misspelt keys ---------------------------------------------------------
 @pytest.mark.parametrize(("fields", "key", "suggestion"), [
     ({"budgett": "{launches: 3}"}, "budgett", "budget"),

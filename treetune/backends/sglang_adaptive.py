@@ -83,10 +83,13 @@ def load(path: str | Path | None) -> dict[str, Any]:
     if path is None:
         return copy.deepcopy(DEFAULT_CONFIG)
     try:
-        config = json.loads(Path(path).read_text())
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
         raise AdaptiveConfigError(f"cannot read speculative_adaptive_config {path}: "
                                   f"{e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise AdaptiveConfigError(f"speculative_adaptive_config {path} is not UTF-8 text "
+                                  f"(byte {e.start})") from e
     except json.JSONDecodeError as e:
         raise AdaptiveConfigError(f"speculative_adaptive_config {path} is not JSON: {e}") from e
     validate(config)

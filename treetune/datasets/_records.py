@@ -15,7 +15,7 @@ from typing import Any
 
 from treetune.datasets._spec import ROLES
 from treetune.errors import ConfigFileError
-from treetune.yamlio import closest
+from treetune.yamlio import closest, decode_utf8
 
 
 @dataclass(frozen=True)
@@ -130,10 +130,7 @@ def _read_text(path: Path) -> str:
             raw = gzip.decompress(raw)
         except (OSError, EOFError, zlib.error):
             raise ConfigFileError(path, "not a valid gzip file") from None
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise ConfigFileError(path, f"not UTF-8 text (byte {exc.start})") from None
+    return decode_utf8(path, raw)
 
 
 def _json_array(path: Path, text: str) -> list[Record]:

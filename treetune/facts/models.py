@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from treetune.errors import ConfigFileError, TreetuneError
+from treetune.yamlio import read_text
 
 DTYPE_BYTES = {"float32": 4.0, "float": 4.0, "float16": 2.0, "half": 2.0, "bfloat16": 2.0,
                "float8_e4m3fn": 1.0, "float8_e5m2": 1.0}
@@ -127,9 +128,7 @@ def _cached_config(repo: Path) -> Path | None:
 
 def read_config(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigFileError(path, f"cannot read: {exc.strerror}") from None
+        data = json.loads(read_text(path))
     except json.JSONDecodeError as exc:
         raise ConfigFileError(path, f"not valid JSON (line {exc.lineno}): {exc.msg}") from None
     if not isinstance(data, dict):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from treetune.config import BASELINE, TreeConfig
 from treetune.errors import ConfigFileError, InvalidTreeError, TreetuneError
 from treetune.perfmodel.predict import PerfModel
 from treetune.perfmodel.profile import Profile
-from treetune.yamlio import build, closest, load_yaml
+from treetune.yamlio import build, closest, load_yaml, read_text
 
 
 @dataclass(frozen=True)
@@ -295,26 +296,23 @@ def _measurement(where: _Where, row: _Row) -> Measurement:
 def _csv_rows(path: Path) -> list[tuple[_Where, Any]]:
     numeric_int = {"steps", "topk", "draft_tokens", "batch"}
     rows = []
-    try:
-        with path.open(newline="") as fh:
-            for line, rec in enumerate(csv.DictReader(fh), start=2):
-                where = _Where(path, csv_line=line)
-                row: dict[str, Any] = {}
-                for key, value in rec.items():
-                    # An empty cell is an unknown value (a speedup-only point's throughputs).
-                    if key is None or value is None or not value.strip():
-                        continue
-                    key = key.strip()
-                    try:
-                        row[key] = (
-                            int(value) if key in numeric_int
-                            else value.strip() if key == "dataset" else float(value)
-                        )
-                    except ValueError:
-                        raise where.error(f"'{value}' is not a number", key) from None
-                rows.append((where, row))
-    except FileNotFoundError:
-        raise ConfigFileError(path, "file not found") from None
+    text = read_text(path)
+    for line, rec in enumerate(csv.DictReader(io.StringIO(text, newline="")), start=2):
+        where = _Where(path, csv_line=line)
+        row: dict[str, Any] = {}
+        for key, value in rec.items():
+            # An empty cell is an unknown value (a speedup-only point's throughputs).
+            if key is None or value is None or not value.strip():
+                continue
+            key = key.strip()
+            try:
+                row[key] = (
+                    int(value) if key in numeric_int
+                    else value.strip() if key == "dataset" else float(value)
+                )
+            except ValueError:
+                raise where.error(f"'{value}' is not a number", key) from None
+        rows.append((where, row))
     return rows
 
 

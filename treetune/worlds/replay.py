@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import io
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -33,7 +34,7 @@ from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.errors import ConfigFileError, TreetuneError
 from treetune.perfmodel import DEFAULT_METHOD, PerfModel, Profile
 from treetune.perfmodel.cost import RoundTime
-from treetune.yamlio import load_yaml
+from treetune.yamlio import load_yaml, read_text
 
 COLUMNS = ("steps", "topk", "draft_tokens", "batch", "dataset", "throughput", "accept_length")
 
@@ -50,8 +51,7 @@ class Cell:
 def load_cells(path: Path) -> list[Cell]:
     """The measured cells of a replay file; errors name the row."""
     if path.suffix.lower() == ".csv":
-        with path.open(newline="") as handle:
-            rows = list(csv.DictReader(handle))
+        rows = list(csv.DictReader(io.StringIO(read_text(path), newline="")))
         where = [f"row {i + 2}" for i in range(len(rows))]
     else:
         loaded = load_yaml(path)
