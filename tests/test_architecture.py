@@ -176,7 +176,8 @@ class ToyBackend:
         return Deployment(["toy-serve", "--model", launch.model_path,
                            "--tree", getattr(config, "label", lambda: "none")()])
 
-    def check(self, datasets: list[str], env: Mapping[str, str], local: bool) -> None:
+    def check(self, launch: LaunchSpec, datasets: list[str], env: Mapping[str, str],
+              local: bool) -> None:
         if self.checked_marker:
             Path(self.checked_marker).write_text(",".join(datasets))
 

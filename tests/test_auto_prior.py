@@ -169,6 +169,14 @@ def test_without_a_config_auto_falls_back_to_tpe_and_says_why_in_one_line(tmp_pa
     assert "\n" not in planner.note
 
 
+def test_an_unknown_gpu_override_is_refused_when_the_study_is_read(tmp_path):
+    # A misspelt --gpu is the user's to fix before anything starts; only a GPU the worker
+    # sees and the table lacks makes `auto` go without a model (below).
+    with pytest.raises(TreetuneError, match=r"key 'backend.gpu': GPU 'RTX 9999' \(--gpu\) "
+                       r"is not in treetune's GPU table"):
+        sglang_study(tmp_path, backend={"gpu": "RTX 9999"})
+
+
 def test_on_an_unknown_gpu_auto_falls_back_to_tpe_naming_the_override(tmp_path):
     bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "NVIDIA Future GPU, 1000 MiB\n")
     spec = sglang_study(tmp_path, env={"PATH": str(bin_dir)})
@@ -179,12 +187,13 @@ def test_on_an_unknown_gpu_auto_falls_back_to_tpe_naming_the_override(tmp_path):
 
 def test_a_study_of_several_draft_methods_still_says_why_auto_went_without_a_model(
         tmp_path):
-    spec = sglang_study(tmp_path, backend={"gpu": "RTX 9999"}, methods=["EAGLE3", "NGRAM"])
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "NVIDIA Future GPU, 1000 MiB\n")
+    spec = sglang_study(tmp_path, env={"PATH": str(bin_dir)}, methods=["EAGLE3", "NGRAM"])
     planner = planner_for(spec)
     assert planner.strategy_name == "tpe"
     assert planner.note.startswith("draft methods EAGLE3 (tpe), NGRAM (tpe): one search "
                                    "each, taking turns; no performance-model prior (GPU "
-                                   "'RTX 9999' (--gpu) is not in treetune's GPU table")
+                                   "'NVIDIA Future GPU' (nvidia-smi")
     assert "\n" not in planner.note
 
 

@@ -553,6 +553,34 @@ def test_an_unknown_profile_is_refused_before_ray_with_a_suggestion(capsys, tmp_
     assert "did you mean 'qwen3-coder-next-h200'" in message
 
 
+@pytest.mark.parametrize(("backend", "tp", "gpus"), [
+    ("{kind: emulator, profile: qwen3-8b-h100}", 2, 1),
+    ("{kind: emulator, world: cliffs}", 8, 4),
+])
+def test_more_tensor_parallel_gpus_than_the_emulated_node_has_is_refused_before_ray(
+        capsys, tmp_path, backend, tp, gpus):
+    path = write_study(tmp_path, tp=str(tp), backend=backend)
+    message = search(capsys, path)
+    assert f"tp {tp} needs {tp} GPUs per server" in message
+    assert f"set tp to at most {gpus}" in message
+    # Nothing was created, so the same folder takes the corrected study.
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("fields", "options"), [
+    ({"backend": "{kind: sglang, gpu: H999}"}, ()),
+    ({"backend": None}, ("--backend", "sglang", "--gpu", "H999")),
+])
+def test_a_gpu_override_not_in_the_gpu_table_is_refused_before_ray(capsys, tmp_path, fields,
+                                                                   options):
+    path = write_study(tmp_path, **fields)
+    message = search(capsys, path, *options)
+    assert "GPU 'H999' (--gpu) is not in treetune's GPU table" in message
+    assert "H100-SXM" in message  # the names it knows
+    if not options:
+        assert message.startswith(f"{path}, line {line_of(path, 'backend:')}: key 'backend.gpu'")
+
+
 # ---- a traceback only with --debug --------------------------------------------------------------
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "treetune", *args], capture_output=True,

@@ -143,9 +143,11 @@ class Backend(Protocol):
         """What a user pastes into production for `config` (never with secrets)."""
         ...
 
-    def check(self, datasets: list[str], env: Mapping[str, str], local: bool) -> None:
+    def check(self, launch: LaunchSpec, datasets: list[str], env: Mapping[str, str],
+              local: bool) -> None:
         """Refuse, with a TreetuneError saying what to do, what cannot work before Ray or
-        any server starts. `local`: servers run on this machine."""
+        any server starts (servers launched as `launch` says). `local`: servers run on this
+        machine."""
         ...
 
     def facts(self, launch: LaunchSpec, env: Mapping[str, str]) -> Profile | None:

@@ -187,14 +187,21 @@ class EmulatorBackend:
         # What the emulator stands in for is what production runs.
         return sglang_deployment(launch, config)
 
-    def check(self, datasets: list[str], env: Mapping[str, str], local: bool) -> None:
+    def check(self, launch: LaunchSpec, datasets: list[str], env: Mapping[str, str],
+              local: bool) -> None:
         if self.world is not None:
             from treetune.worlds import load_world
 
-            check_datasets(load_world(self.world).profile, datasets)
+            prof = check_datasets(load_world(self.world).profile, datasets)
         else:
             assert self.profile is not None  # refused at construction otherwise
-            check_profile(self.profile, datasets)
+            prof = check_profile(self.profile, datasets)
+        if launch.tp > prof.hardware.gpus:  # every launch, the baseline's first, would fail
+            raise TreetuneError(
+                f"tp {launch.tp} needs {launch.tp} GPUs per server but the emulator's "
+                f"{'world' if self.world else 'profile'} '{self.world or self.profile}' "
+                f"emulates {prof.hardware.gpus} {prof.hardware.gpu}: set tp to at most "
+                f"{prof.hardware.gpus}, or emulate a profile with more GPUs")
 
     def facts(self, launch: LaunchSpec, env: Mapping[str, str]) -> Profile:
         """The emulated system's hardware and model facts; for a world, only what it lets

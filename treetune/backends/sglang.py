@@ -25,7 +25,7 @@ from treetune.backends._base import (
 )
 from treetune.backends.sglang_adaptive import fallback_reason
 from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
-from treetune.errors import TreetuneError
+from treetune.errors import FieldError, TreetuneError
 from treetune.perfmodel.profile import DEFAULT_METHOD
 
 if TYPE_CHECKING:
@@ -417,6 +417,17 @@ class SGLangBackend:
     # prior --help`); None: the one nvidia-smi (amd-smi, rocm-smi) shows a launch worker.
     gpu: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.gpu is not None:
+            # A misspelt override is refused here, not found on a worker after Ray starts
+            # (where `auto` would quietly run TPE).
+            from treetune.facts import gpu_facts
+
+            try:
+                gpu_facts(self.gpu)
+            except TreetuneError as exc:
+                raise FieldError("gpu", str(exc)) from None
+
     def command(self, launch: LaunchSpec, config: ServerConfig,
                 context: LaunchContext) -> list[str]:
         return sglang_command(config, launch, python=self.python)
@@ -424,7 +435,8 @@ class SGLangBackend:
     def deployment(self, launch: LaunchSpec, config: ServerConfig) -> Deployment:
         return sglang_deployment(launch, config, self.python)
 
-    def check(self, datasets: list[str], env: Mapping[str, str], local: bool) -> None:
+    def check(self, launch: LaunchSpec, datasets: list[str], env: Mapping[str, str],
+              local: bool) -> None:
         if local:  # on a cluster, the nodes' interpreters are theirs
             check_sglang(self.python, env)
 

@@ -39,7 +39,7 @@ def check_study(spec: StudySpec) -> None:
         load_profile(spec.search.prior)
     if spec.ray_address:
         check_ray_address(spec.ray_address, RAY_CONNECT_TIMEOUT_S)
-    spec.backend.check(spec.dataset_names, {**os.environ, **spec.env},
+    spec.backend.check(spec.launch_spec(), spec.dataset_names, {**os.environ, **spec.env},
                        local=spec.ray_address in (None, "", "local"))
 
 
