@@ -226,6 +226,17 @@ def test_report_without_an_image_exporter_skips_pngs_with_a_one_line_notice(
     assert "\n" not in notice and "pip install 'treetune[report]'" in notice
 
 
+def test_the_cli_prints_notices_and_paths_as_written_brackets_included(
+        small_study, tmp_path, capsys, monkeypatch):
+    # Rich would take "[report]" or "[1]" for markup and print nothing of it.
+    monkeypatch.setitem(sys.modules, "kaleido", None)
+    out = tmp_path / "report[1]"
+    main(["report", str(small_study), "--output", str(out)])
+    printed = capsys.readouterr()
+    assert "pip install 'treetune[report]'" in printed.err
+    assert f"wrote {out / 'report.html'} with" in printed.out.replace("\n", "")
+
+
 def test_a_failing_image_exporter_still_leaves_the_html_report(data, tmp_path, monkeypatch):
     import plotly.io
 

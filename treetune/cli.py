@@ -210,9 +210,9 @@ def _print_serving(profile: str, rows: list[ServingPrediction], datasets: list[s
     title = f"{profile}, {cell}"
     if top:
         title += f": top {len(shown)} of {len(ranked)} configs by mean speedup"
-    table = Table(title=title, caption=f"whole requests; {speedup}; TPOT is per output token "
-                  "after the first, TTFT the median (mean at a rate); red: slower than "
-                  "baseline; inf: saturated, the queue grows")
+    table = Table(title=escape(title), caption=f"whole requests; {speedup}; TPOT is per "
+                  "output token after the first, TTFT the median (mean at a rate); red: "
+                  "slower than baseline; inf: saturated, the queue grows")
     for col in ("tree S,K,N", "dataset", "in/out", "speedup", "tok/s", "base tok/s",
                 "TPOT ms", "base TPOT", "TTFT ms", "base TTFT", "accept"):
         table.add_column(col, justify="left" if col in ("tree S,K,N", "dataset") else "right")
@@ -223,7 +223,7 @@ def _print_serving(profile: str, rows: list[ServingPrediction], datasets: list[s
     for cells in shown:
         for p in sorted(cells, key=lambda p: datasets.index(p.dataset)):
             table.add_row(
-                p.config.label() + (" OOM" if p.oom else ""), p.dataset,
+                p.config.label() + (" OOM" if p.oom else ""), escape(p.dataset),
                 f"{p.shape.prompt_tokens}/{p.shape.output_tokens}", f"{p.speedup:.3f}",
                 f"{p.spec.output_tok_s:.1f}", f"{p.baseline.output_tok_s:.1f}",
                 ms(p.spec.tpot_s), ms(p.baseline.tpot_s), ms(p.spec.ttft_s),
@@ -247,13 +247,13 @@ def _print_ranking(
     title = f"{profile}, batch {batch}"
     if top:
         title += f": top {len(shown)} of {len(ranked)} configs by mean speedup"
-    table = Table(title=title, caption="speedup over no speculation (accept length); "
+    table = Table(title=escape(title), caption="speedup over no speculation (accept length); "
                   "red: slower than baseline on some dataset")
     table.add_column("tree S,K,N")
     table.add_column("mean", justify="right")
     table.add_column("min", justify="right")
     for d in datasets:
-        table.add_column(d, justify="right", overflow="fold")
+        table.add_column(escape(d), justify="right", overflow="fold")
     for config, cells in shown:
         low = min(c.speedup for c in cells.values())
         oom = any(c.oom for c in cells.values())
@@ -314,13 +314,13 @@ def calibrate(
         err.print(f"[yellow]warning:[/] {len(points)} points cannot determine "
                   f"{len(result.kept)} of the {len(params)} parameters; kept at "
                   f"{escape(base.name)}'s values: {', '.join(result.kept)}")
-    table = Table(title=f"calibration of {base.name} to {measurements}")
+    table = Table(title=escape(f"calibration of {base.name} to {measurements}"))
     for col in ("tree", "batch", "dataset", "measured", "predicted", "error", "baseline err"):
         table.add_column(col, justify="right")
     for e in result.points:
         m = e.measurement
         base_error = e.baseline_rel_error
-        table.add_row(m.config.label(), str(m.batch), m.dataset, f"{m.speedup:.3f}",
+        table.add_row(m.config.label(), str(m.batch), escape(m.dataset), f"{m.speedup:.3f}",
                       f"{e.predicted_speedup:.3f}", f"{e.speedup_error:+.3f}",
                       "n/a" if base_error is None else f"{base_error:+.1%}")
     out.print(table)
@@ -337,7 +337,7 @@ def calibrate(
         description=f"{base.description.split(' Calibrated to ')[0]} {note}".strip(),
     )
     fitted.save(output)
-    out.print(f"wrote {output}")
+    out.print(f"wrote {escape(str(output))}")
 
 
 @app.command()
@@ -386,14 +386,15 @@ def prior(
     profile = build_prior(model, draft, tp, gpu, kv_cache_bytes=kv_bytes,
                           datasets=datasets or (), name=name)
     t = profile.target
-    err.print(f"{t.name}: {t.total_params_b:.2f}B parameters ({t.active_params_b:.2f}B "
+    err.print(f"{escape(t.name)}: {t.total_params_b:.2f}B parameters ({t.active_params_b:.2f}B "
               f"active), {t.kv_bytes_per_token:.0f} KV bytes per token; draft "
-              f"{profile.draft.params_m:.0f}M; {tp} x {profile.hardware.gpu}", highlight=False)
+              f"{profile.draft.params_m:.0f}M; {tp} x {escape(profile.hardware.gpu)}",
+              highlight=False)
     if output is None:
         sys.stdout.write(yaml.safe_dump(profile.to_dict(), sort_keys=False))
         return
     profile.save(output)
-    err.print(f"wrote {output}", highlight=False)
+    err.print(f"wrote {escape(str(output))}", highlight=False)
 
 
 def search(study: Path | None = None, **options: Any) -> None:
@@ -413,13 +414,15 @@ def search(study: Path | None = None, **options: Any) -> None:
         {option.key: options[option.param] for option in search_options()}))
     drafts = (f"draft methods {', '.join(spec.method_names)}" if spec.methods
               else spec.draft)
-    out.print(f"study [bold]{spec.name}[/bold]: {spec.model} + {drafts}, batch "
-              f"{', '.join(map(str, spec.batch))}, datasets {', '.join(spec.dataset_names)}, "
-              f"backend {spec.backend.describe()}, storage {spec.storage_url}")
+    out.print(f"study [bold]{escape(spec.name)}[/bold]: " + escape(
+        f"{spec.model} + {drafts}, batch {', '.join(map(str, spec.batch))}, datasets "
+        f"{', '.join(spec.dataset_names)}, backend {spec.backend.describe()}, storage "
+        f"{spec.storage_url}"))
     if not is_loopback(spec.host):
-        err.print(f"[bold yellow]warning:[/bold yellow] servers will listen on {spec.host}, "
-                  "reachable from other machines: anyone who can reach this host can use "
-                  "them (set api_key_env to require a key)", highlight=False)
+        err.print(f"[bold yellow]warning:[/bold yellow] servers will listen on "
+                  f"{escape(spec.host)}, reachable from other machines: anyone who can "
+                  "reach this host can use them (set api_key_env to require a key)",
+                  highlight=False)
     outcome = _run_with_progress(spec, run_study)  # SIGTERM stops it as Ctrl-C does
     if outcome.baseline is not None:
         recs = outcome.recommendations
@@ -514,7 +517,7 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
     table.add_column("tree", no_wrap=True)
     for b in sorted(spec.batch):
         for d in spec.dataset_names:
-            table.add_column(f"b{b} {d}", justify="right", overflow="fold")
+            table.add_column(escape(f"b{b} {d}"), justify="right", overflow="fold")
     shown = {r.config: r for r in outcome.results if r.ok and r.config.label() != "baseline"}
     chosen = {r.config for r in recs}
     for config, result in sorted(shown.items(), key=lambda kv: kv[0].label()):
@@ -526,7 +529,7 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
             per = speedups(result, outcome.baseline, b, spec.dataset_names, spec.objective)
             cells += [f"[red]{s:.3f}[/red]" if s < 1 else f"{s:.3f}" for s in per.values()]
         tag = " *" if config in spec.compare else ""
-        table.add_row(spec.config_label(config) + tag, *cells)
+        table.add_row(escape(spec.config_label(config)) + tag, *cells)
     out.print(table)
     # escape: rich would take "[interval]" for a markup tag and print nothing of it.
     rec_table = Table(title=f"recommendations ({spec.objective.describe()})", caption=escape(
@@ -535,7 +538,7 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
     for col in ("workload", "batch", "config (tree S,K,N)", "measured speedups [interval]"):
         rec_table.add_column(escape(col))
     for row in summary_rows(recs, methods=len(spec.method_names) > 1):
-        rec_table.add_row(*row)
+        rec_table.add_row(*map(escape, row))
     out.print(rec_table)
     if advice:
         out.print(f"[bold]{advice[0]}:[/bold] {escape(advice[1])}")
@@ -543,9 +546,9 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
     if alternative:
         out.print(f"[bold]adaptive alternative:[/bold] {escape(alternative)} (ADAPTIVE.md)")
     for r in failed:
-        out.print(f"[yellow]failed[/yellow] {r.config}: {r.reason}")
-    out.print(f"wrote {spec.output_dir}/recommendations.yaml, recommendations.json and "
-              f"launch/*.sh")
+        out.print(f"[yellow]failed[/yellow] {escape(f'{r.config}: {r.reason}')}")
+    out.print(f"wrote {escape(str(spec.output_dir))}/recommendations.yaml, "
+              "recommendations.json and launch/*.sh")
 
 
 @app.command()
@@ -569,8 +572,8 @@ def report(
         raise TreetuneError(f"cannot write the report in {folder}: {exc.strerror}") from None
     result = write_report(data, folder)
     for notice in result.notices:
-        err.print(f"[yellow]note:[/yellow] {notice}")
-    out.print(f"wrote {result.index} with {len(result.figures)} figures"
+        err.print(f"[yellow]note:[/yellow] {escape(notice)}")
+    out.print(f"wrote {escape(str(result.index))} with {len(result.figures)} figures"
               + (f" and {len(result.pngs)} PNGs" if result.pngs else ""))
 
 
@@ -579,8 +582,8 @@ def profiles() -> None:
     """List the shipped performance profiles."""
     for name in shipped_profiles():
         prof = load_profile(name)
-        out.print(f"[bold]{name}[/bold]: {prof.description}")
-        out.print(f"    datasets: {', '.join(prof.datasets)}")
+        out.print(f"[bold]{name}[/bold]: {escape(prof.description)}")
+        out.print(f"    datasets: {escape(', '.join(prof.datasets))}")
         out.print(f"    draft methods: {', '.join(prof.method_names)}")
 
 
@@ -595,7 +598,7 @@ def worlds() -> None:
     for name in shipped_worlds():
         world = load_world(name)
         out.print(f"[bold]{name}[/bold]: {escape(world.description)}")
-        out.print(f"    datasets: {', '.join(world.profile.datasets)}")
+        out.print(f"    datasets: {escape(', '.join(world.profile.datasets))}")
 
 
 @app.command()
@@ -640,7 +643,7 @@ def grid(
         writer.writerow(["steps", "topk", "draft_tokens", "batch", "dataset", "throughput",
                          "accept_length"])
         writer.writerows(rows)
-    out.print(f"wrote {output}: {len(trees)} trees and the baseline at batch "
+    out.print(f"wrote {escape(str(output))}: {len(trees)} trees and the baseline at batch "
               f"{', '.join(map(str, batch))} on {len(found.profile.datasets)} datasets")
 
 
