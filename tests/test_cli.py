@@ -263,6 +263,15 @@ def test_a_grid_that_cannot_be_filled_writes_nothing_and_refuses_a_batch_below_o
     assert code == 2 and "--batch 0: batch sizes must be >= 1" in err and not out.exists()
 
 
+def test_a_grid_of_ngram_trees_is_refused_since_a_replay_table_has_no_method_column(
+        capsys, tmp_path):
+    out = tmp_path / "grid.csv"
+    code, _, err = run_cli(capsys, "grid", "--world", "cliffs", "--space", "ngram", "-o",
+                           str(out))
+    assert code == 2 and "--space ngram holds NGRAM trees" in err and not out.exists()
+    assert "replays the world's EAGLE3 draft head only" in " ".join(err.split())
+
+
 def test_the_top_level_help_says_how_to_get_a_traceback(capsys):
     code, out, _ = run_cli(capsys, "--help")
     assert code == 0 and "add --debug to any command" in " ".join(out.split())

@@ -628,7 +628,14 @@ def grid(
     writable(output)
     found = load_world(world)
     model = found.model()
-    trees = [c for c in load_space(space).configs()
+    tree_space = load_space(space)
+    if tree_space.is_ngram:
+        # A replay table has no method column: its trees are the world's own draft head's.
+        raise TreetuneError(
+            f"--space {space} holds NGRAM trees, but a replay table replays the world's "
+            f"{model.method_name} draft head only: give a space of (steps, topk, "
+            "draft_tokens) trees, such as default or bench-speculative")
+    trees = [c for c in tree_space.configs()
              if check_memory(found.profile, c, max(batch), tp=found.profile.tp).fits]
     rows = []  # all of them before the file is opened: an error leaves no partial table
     for b in batch:
