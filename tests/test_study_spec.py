@@ -111,6 +111,17 @@ def test_a_saved_spec_loads_back_as_the_same_study(tmp_path):
     assert again.batch == spec.batch and again.model == spec.model
 
 
+@pytest.mark.parametrize(("file", "name"), [
+    ("my study.yaml", "my-study"), (".hidden.yaml", "hidden"), ("_x (2).yaml", "x-2"),
+    ("étude.yaml", "etude"), ("✓.yaml", "study"),
+])
+def test_the_default_name_from_a_file_name_is_made_a_valid_study_name(tmp_path, file, name):
+    path = tmp_path / file
+    path.write_text("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\n")
+    spec = load_study(path)
+    assert spec.name == name and str(spec.output_dir) == f"runs/{name}"
+
+
 def test_api_key_env_must_be_a_variable_name(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\n"

@@ -15,6 +15,7 @@ import json
 import re
 import types
 import typing
+import unicodedata
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -769,9 +770,11 @@ def _backend(section: dict[str, Any], where: Path | str, given: set[str]) -> Bac
 
 
 def _default_name(model: str, path: str | Path | None) -> str:
-    if path is not None:
-        return Path(path).stem
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", model.rsplit("/", 1)[-1]).strip("-") or "study"
+    """The study file's name, else the model's, made a valid study name ("my study.yaml"
+    is study "my-study")."""
+    source = Path(path).stem if path is not None else model.rsplit("/", 1)[-1]
+    ascii_only = unicodedata.normalize("NFKD", source).encode("ascii", "ignore").decode()
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", ascii_only).strip("-._") or "study"
 
 
 DATASET_SUFFIXES = (".json", ".jsonl")  # a dataset entry ending so is a file's path
