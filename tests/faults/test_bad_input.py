@@ -341,6 +341,20 @@ def test_a_bad_dataset_file_is_named_with_the_record_at_fault(tmp_path, case):
     assert "\n" not in message
 
 
+def test_a_missing_dataset_path_says_where_relative_paths_are_taken_from(
+        capsys, tmp_path, monkeypatch):
+    (tmp_path / "studies").mkdir()
+    study = write_study(tmp_path / "studies", datasets="[nothere/x.jsonl]")
+    monkeypatch.chdir(tmp_path)
+    # In the file: from the file's folder; on the command line: from the current folder.
+    for options, folder in [((), tmp_path / "studies"),
+                            (("--datasets", "nothere/x.jsonl"), tmp_path)]:
+        message = search(capsys, study, *options)
+        assert f"{folder / 'nothere' / 'x.jsonl'}: dataset file not found" in message
+        assert ("relative path is taken from the study file's folder, or on the command "
+                "line from the current folder") in message
+
+
 # Depends on the runner calling treetune.study.preflight.check_study(spec) before Ray.
 @pytest.mark.parametrize("case", BAD_FILES)
 def test_a_study_with_a_bad_dataset_file_is_refused_before_ray(capsys, tmp_path, case):

@@ -120,7 +120,8 @@ def _read_text(path: Path) -> str:
         raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigFileError(path, "dataset file not found: fix the dataset's path (a "
-                              "relative path is taken from the study file's folder)") from None
+                              "relative path is taken from the study file's folder, or on "
+                              "the command line from the current folder)") from None
     except IsADirectoryError:
         raise ConfigFileError(path, "is a folder, not a dataset file") from None
     except OSError as exc:
