@@ -532,6 +532,13 @@ def test_a_storage_made_by_a_different_spec_is_refused_with_how_to_start_anew(
     ({}, ("--backend", "vllm"), "backend.kind must be one of sglang, emulator, got 'vllm'"),
     ({"backend": "{kind: emulator}"}, (), "the emulator backend needs backend.profile"),
     ({"backend": None}, ("--backend", "emulator"), "the emulator backend needs backend.profile"),
+    ({"measurement": "{warmup_s: -3}"}, (), "measurement.warmup_s must be >= 0"),
+    ({"backend": "{kind: emulator, profile: qwen3-8b-h100, load_time_s: -1}"}, (),
+     "backend.load_time_s must be >= 0, got -1"),
+    ({"env": "{A: [1, 2]}"}, (), "key 'env.A': an environment variable's value is text or a "
+     "number, got a list: quote it"),
+    ({"env": "{A: }"}, (), "got nothing: quote it"),
+    ({"env": "{A: yes}"}, (), "got true/false: quote it"),
 ])
 def test_out_of_range_settings_are_refused_in_one_line(capsys, tmp_path, fields, options,
                                                         fragment):
@@ -549,11 +556,18 @@ def test_out_of_range_settings_are_refused_in_one_line(capsys, tmp_path, fields,
     ({"workers": "0"}, "workers"),
     ({"batch": "[-1]"}, "batch"),
     ({"backend": "{kind: vllm}"}, "backend"),
+    ({"measurement": "{warmup_s: -3}"}, "measurement"),
 ])
 def test_an_out_of_range_setting_in_a_file_is_given_its_line(capsys, tmp_path, fields, key):
     path = write_study(tmp_path, **fields)
     message = search(capsys, path)
     assert message.startswith(f"{path}, line {line_of(path, key + ':')}: key '{key}")
+
+
+def test_an_environment_value_that_is_not_text_is_given_its_own_line(capsys, tmp_path):
+    path = write_study(tmp_path, env="\n  B: '1'\n  A: [1, 2]")
+    message = search(capsys, path)
+    assert message.startswith(f"{path}, line {line_of(path, 'A: [1, 2]')}: key 'env.A': ")
 
 
 # Depends on the runner calling treetune.study.preflight.check_study(spec) before Ray.

@@ -151,6 +151,9 @@ class EmulatorBackend:
             raise FieldError("world", "give backend.profile or backend.world, not both")
         if self.time_scale <= 0:
             raise FieldError("time_scale", "backend.time_scale must be > 0")
+        if self.load_time_s < 0:
+            raise FieldError("load_time_s", "backend.load_time_s must be >= 0, got "
+                             f"{self.load_time_s:g}")
 
     def command(self, launch: LaunchSpec, config: ServerConfig,
                 context: LaunchContext) -> list[str]:

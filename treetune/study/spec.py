@@ -101,6 +101,9 @@ class Measurement:
         if self.duration_s <= 0 or self.repeats < 1 or self.startup_timeout_s <= 0:
             raise ValueError("measurement needs duration_s > 0, repeats >= 1, "
                              "startup_timeout_s > 0")
+        if self.warmup_s is not None and self.warmup_s < 0:
+            raise FieldError("warmup_s", f"measurement.warmup_s must be >= 0 (or null: until "
+                             f"every request has its first token), got {self.warmup_s:g}")
         if self.arrival not in ARRIVALS:
             raise FieldError("arrival", f"measurement.arrival must be one of "
                              f"{', '.join(ARRIVALS)}, got '{self.arrival}'")
@@ -734,12 +737,25 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
         merged["algorithm"] = merged["methods"][0].name  # the first method is the study's own
     merged["server_flags"] = {str(k): _flag_value(v)
                               for k, v in merged.get("server_flags", {}).items()}
-    merged["env"] = {str(k): str(v) for k, v in merged.get("env", {}).items()}
+    merged["env"] = {str(k): _env_value(v, origin(f"env.{k}"), f"env.{k}")
+                     for k, v in merged.get("env", {}).items()}
     merged["base_dir"] = str(base)
     try:
         return StudySpec(**merged)
     except ValueError as exc:
         raise refused(exc) from None
+
+
+def _env_value(value: Any, where: Path | str, key: str) -> str:
+    """An environment variable's value: text, or a number written as YAML shows it."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    got = ("nothing" if value is None else "true/false" if isinstance(value, bool)
+           else f"a {type(value).__name__}")
+    raise ConfigFileError(where, f"an environment variable's value is text or a number, got "
+                          f"{got}: quote it (e.g. \"1\")", key)
 
 
 def _flag_value(value: Any) -> str | list[str] | None:
