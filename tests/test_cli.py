@@ -272,6 +272,20 @@ def test_a_grid_of_ngram_trees_is_refused_since_a_replay_table_has_no_method_col
     assert "replays the world's EAGLE3 draft head only" in " ".join(err.split())
 
 
+@pytest.mark.parametrize("command", ["predict", "calibrate", "prior", "search", "grid"])
+def test_a_command_s_description_wraps_at_the_terminal_not_at_the_source_lines(
+        capsys, monkeypatch, command):
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run_cli(capsys, command, "--help")
+    assert code == 0
+    description = out.split("Usage:", 1)[1].split("╭", 1)[0].splitlines()[1:]
+    paragraphs = "\n".join(line.strip() for line in description).strip().split("\n\n")
+    for paragraph in paragraphs:
+        lines = paragraph.splitlines()
+        # Every line but a paragraph's last is filled: a short one is a source line break.
+        assert all(len(line) >= 55 for line in lines[:-1]), paragraph
+
+
 def test_the_top_level_help_says_how_to_get_a_traceback(capsys):
     code, out, _ = run_cli(capsys, "--help")
     assert code == 0 and "add --debug to any command" in " ".join(out.split())

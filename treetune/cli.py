@@ -688,6 +688,18 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def _reflowed(doc: str) -> str:
+    """A docstring as help text: each paragraph one line, for the terminal to wrap (Typer
+    keeps a docstring's line breaks, so at 80 columns every source line broke in two)."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+for _info in app.registered_commands:
+    if _info.help is None and _info.callback is not None and _info.callback.__doc__:
+        _info.help = _reflowed(_info.callback.__doc__)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = expand_multi_values(list(sys.argv[1:] if argv is None else argv))
     debug = "--debug" in args or os.environ.get("TREETUNE_DEBUG") == "1"
