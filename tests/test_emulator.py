@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from studykit import wait_until
 
 from treetune.config import BASELINE, TreeConfig
-from treetune.emulator.args import EMULATED_SGLANG_VERSION
+from treetune.emulator.args import EMULATED_SGLANG_VERSION, LaunchError, parse
 from treetune.perfmodel import PerfModel, check_memory, load_profile
 
 if TYPE_CHECKING:
@@ -486,6 +486,12 @@ REFUSALS = {
         "Not enough memory"),
     "more tensor-parallel ranks than GPUs": (server_args(tp=8), "needs 8 GPUs"),
 }
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--load-time", "-1"), ("--time-scale", "0")])
+def test_an_emulator_switch_out_of_range_is_refused_before_anything_loads(flag, value):
+    with pytest.raises(LaunchError, match=f"{flag} must be"):
+        parse(["--profile", "qwen3-8b-h100", "--model-path", "m", flag, value])
 
 
 def test_the_out_of_memory_refusal_case_is_oom_while_a_small_tree_fits():

@@ -164,6 +164,8 @@ def parse(argv: list[str]) -> EmulatorSettings:
         raise LaunchError("give exactly one of --profile and --world")
     if ns.time_scale <= 0:
         raise LaunchError(f"--time-scale must be > 0, got {ns.time_scale}")
+    if ns.load_time < 0:
+        raise LaunchError(f"--load-time must be >= 0, got {ns.load_time}")
     if ns.tp_size < 1:
         raise LaunchError(f"--tp-size must be >= 1, got {ns.tp_size}")
     if ns.max_running_requests is not None and ns.max_running_requests < 1:
