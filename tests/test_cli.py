@@ -55,6 +55,50 @@ def test_predict_json_covers_every_config_dataset_and_batch(capsys):
     assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["baseline_tok_s"], rel=1e-3)
 
 
+def predicted(capsys, *args: str) -> list[dict]:
+    code, out, err = run(capsys, "predict", *args, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_predict_prices_each_tree_with_its_own_draft_method(capsys):
+    big = ("-p", "qwen3.5-397b-a17b-h200", "--dataset", "mt-bench")
+    mixed = predicted(capsys, *big, "--tree", "3,1,4", "NEXTN:3,1,4", "NGRAM:7,4,8")
+    assert [r["method"] for r in mixed] == ["EAGLE3", "NEXTN", "NGRAM"]
+    for record in mixed:  # the same numbers as asking for that method alone
+        alone = predicted(capsys, *big, "--method", record["method"].lower(), "--tree",
+                          f"{record['steps']},{record['topk']},{record['draft_tokens']}")
+        assert alone == [record]
+    assert mixed[0]["speedup"] != mixed[1]["speedup"] != mixed[2]["speedup"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("-p", "qwen3-8b-h100", "--tree", "NEXTN:3,1,4"), "has no draft method 'NEXTN'"),
+    # SGLang's chain rule would make it (1,1,2): NGRAM's N=2, not the N=8 asked for.
+    (("-p", "qwen3.5-397b-a17b-h200", "--method", "NGRAM", "--tree", "1,1,8"),
+     "(1,1,8) is not an NGRAM server"),
+    (("-p", "qwen3.5-397b-a17b-h200", "--method", "NGRAM", "--tree", "3,4,8"), "here (7,4,8)"),
+    (("-p", "qwen3-8b-h100", "--space", "ngram"), "--space ngram holds NGRAM servers: add "
+     "--method NGRAM"),
+    (("-p", "qwen3.5-397b-a17b-h200", "--method", "NGRAM", "--space", "narrow"),
+     "--method NGRAM takes an NGRAM space"),
+])
+def test_predict_refuses_a_tree_its_method_cannot_serve(capsys, args, message):
+    code, _, err = run(capsys, "predict", *args)
+    assert code == 2 and message in " ".join(err.split())
+
+
+def test_predict_json_keeps_the_top_configs_per_batch_and_merges_repeats(capsys):
+    every = predicted(capsys, "-p", "qwen3-8b-h100", "--space", "narrow", "--batch", "1", "8",
+                      "--dataset", "mt-bench", "mt-bench")
+    top = predicted(capsys, "-p", "qwen3-8b-h100", "--space", "narrow", "--batch", "1", "1",
+                    "8", "--dataset", "mt-bench", "--top", "2")
+    assert len(every) == 16 and len(top) == 4
+    for batch in (1, 8):
+        best = sorted((r for r in every if r["batch"] == batch), key=lambda r: -r["speedup"])
+        assert [r for r in top if r["batch"] == batch] == best[:2]
+
+
 def test_predict_with_a_request_shape_models_whole_requests_closed_and_open(capsys):
     code, out, _ = run(capsys, "predict", "-p", "qwen3-8b-h100", "--tree", "3,4,8",
                        "--dataset", "sharegpt", "--prompt-tokens", "12", "--output-tokens",

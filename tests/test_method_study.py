@@ -107,8 +107,13 @@ def test_the_first_method_is_the_study_s_own_and_one_method_keeps_the_old_finger
     ({"methods": ["EAGLE3", "NEXTN", "EAGLE3"]}, "methods", "listed twice"),
     ({"algorithm": "EAGLE"}, "algorithm", "not one of the methods"),
     ({"compare": ["NGRAM:3,1,4"]}, "compare", "not one of the study's methods"),
-    ({"methods": ["EAGLE3", "NGRAM"], "compare": ["NGRAM:3,4,8"]}, "compare",
+    ({"methods": ["EAGLE3", "NGRAM"], "compare": ["NGRAM:3,4,8"]}, "compare[0]",
      "not an NGRAM server"),
+    # SGLang's chain rule would make it (1,1,2): NGRAM's N=2, not the N=8 written.
+    ({"methods": ["EAGLE3", "NGRAM"], "compare": ["3,4,8", "NGRAM:1,1,8"]}, "compare[1]",
+     "(1,1,8) is not an NGRAM server"),
+    ({"methods": ["NGRAM"], "draft": None, "compare": [[1, 1, 8]]}, "compare[0]",
+     "here (7,1,8)"),
     ({"methods": [], "algorithm": "NGRAM", "compare": []}, "algorithm", "list it in methods"),
     ({"methods": ["NGRAM"], "draft": None, "compare": []}, None, None),
 ])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import ipaddress
@@ -11,17 +12,18 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.table import Table
 
-from treetune.backends.sglang import SPEC_DEFAULT_MAX_RUNNING
+from treetune.backends.sglang import NGRAM, SPEC_DEFAULT_MAX_RUNNING, parse_method_tree
 from treetune.config import AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.perfmodel import (
+    DEFAULT_METHOD,
     PerfModel,
     Prediction,
     ServingPrediction,
@@ -101,8 +103,9 @@ def predict(
                                  "--rate, the server's cap (default: the largest batch, or "
                                  f"{SPEC_DEFAULT_MAX_RUNNING} as SGLang's with speculation).")
     ] = None,
-    top: Annotated[int, typer.Option(help="Rows per batch size when ranking a space (0: "
-                                        "all).")] = 10,
+    top: Annotated[int | None, typer.Option(help="Configs per batch size (per cell) when "
+                                               "ranking a space (default: 10 in the table, "
+                                               "all in --json; 0: all).")] = None,
     method: Annotated[
         str | None, typer.Option(help="Draft method of the profile (default: its own draft "
                                  "head; `treetune profiles` lists each profile's methods).")
@@ -126,7 +129,7 @@ def predict(
     By default, the steady state of decoding: every batch slot busy for ever. With
     --prompt-tokens, --output-tokens or --rate, whole requests as a benchmark sends them:
     each request's prefill, the slot its end leaves empty and, at a rate, the queueing;
-    with TPOT and TTFT. The JSON form is a list of records with keys steps, topk,
+    with TPOT and TTFT. The JSON form is a list of records with keys method, steps, topk,
     draft_tokens, batch, dataset, baseline_tok_s, spec_tok_s, speedup, accept_length, oom;
     whole requests add rate, prompt_tokens, output_tokens, max_running_requests, tpot_ms,
     baseline_tpot_ms, ttft_ms, baseline_ttft_ms, saturated, baseline_saturated.
@@ -135,11 +138,14 @@ def predict(
     from treetune.space import load_space
 
     prof = load_profile(profile)
-    model = PerfModel(prof, method=method)
-    datasets = dataset or list(prof.datasets)
+    own = method.upper() if method else DEFAULT_METHOD  # the method of a tree typed bare
+    models = {own: PerfModel(prof, method=own)}
+    model = models[own]
+    datasets = list(dict.fromkeys(dataset or prof.datasets))
     for name in datasets:
         prof.dataset(name)
-    batches = batch if batch is not None else ([] if rate else [1])
+    batches = list(dict.fromkeys(batch if batch is not None else ([] if rate else [1])))
+    rate = list(dict.fromkeys(rate or []))
     if any(b < 1 for b in batches):
         raise TreetuneError(f"batch sizes must be >= 1, got {batches}")
     if any(r <= 0 for r in rate or []):
@@ -152,20 +158,41 @@ def predict(
         raise TreetuneError(f"--max-running-requests {max_running_requests} is below batch "
                             f"{max(batches)}: a server that runs {max_running_requests} "
                             "requests at once never forms that batch")
-    if top < 0:
+    if top is not None and top < 0:
         raise TreetuneError(f"--top must be >= 0 (0: every config), got {top}")
-    configs: list[ServerConfig] = [TreeConfig.parse(t) for t in tree or []]
+    if top is None:
+        top = 0 if as_json else 10
+    # A tree of the method asked for is typed bare; "NEXTN:3,1,4" is priced as NEXTN.
+    configs: list[TreeConfig] = [_own_method(parse_method_tree(t, own), own) for t in tree or []]
     if space is not None:
-        configs += [c for c in load_space(space).configs() if c not in configs]
+        tree_space = load_space(space)
+        if tree_space.is_ngram != (own == NGRAM):
+            raise TreetuneError(
+                f"--space {space} holds NGRAM servers: add --method NGRAM" if tree_space.is_ngram
+                else f"--method NGRAM takes an NGRAM space (--space ngram): NGRAM has no steps "
+                f"knob, so --space {space}'s trees would be the same servers many times")
+        configs += tree_space.configs()
     if not configs:
         raise TreetuneError("nothing to predict: give --tree S,K,N and/or --space NAME")
     configs = list(dict.fromkeys(configs))
+    for c in configs:
+        if (c.method or own) not in models:
+            models[c.method] = PerfModel(prof, method=c.method)
+
+    def priced(c: TreeConfig) -> PerfModel:
+        return models[c.method or own]
+
+    def method_of(c: ServerConfig) -> str:
+        return (c.method if isinstance(c, TreeConfig) else "") or own
+
     title = prof.name if method is None else f"{prof.name} ({model.method_name})"
     if prompt_tokens is None and output_tokens is None and not rate:
-        rows = [model.predict(c, d, b, max_running_requests)
+        rows = [priced(c).predict(c, d, b, max_running_requests)
                 for b in batches for c in configs for d in datasets]
         if as_json:
-            print(json.dumps([r.record() for r in rows], indent=1))
+            kept = _top_rows(rows, top if space else None)
+            print(json.dumps([{"method": method_of(r.config), **r.record()} for r in kept],
+                             indent=1))
             return
         for b in batches:
             _print_ranking(title, b, [r for r in rows if r.batch == b], datasets,
@@ -179,15 +206,42 @@ def predict(
     cap = max_running_requests or max(batches, default=SPEC_DEFAULT_MAX_RUNNING)
     cells: list[tuple[int | None, float | None]] = [(b, None) for b in batches]
     cells += [(None, r) for r in rate or []]
-    served = [model.predict_serving(c, d, shape(d), batch=b, rate=r,
-                                    max_running_requests=max_running_requests if b else cap)
+    served = [priced(c).predict_serving(c, d, shape(d), batch=b, rate=r,
+                                        max_running_requests=max_running_requests if b else cap)
               for b, r in cells for c in configs for d in datasets]
     if as_json:
-        print(json.dumps([p.record() for p in served], indent=1))
+        kept_served = _top_rows(served, top if space else None)
+        print(json.dumps([{"method": method_of(p.config), **p.record()} for p in kept_served],
+                         indent=1))
         return
     for b, r in cells:
         _print_serving(title, [p for p in served if p.batch == (b or 0) and p.rate == r],
                        datasets, top if space else None)
+
+
+def _own_method(config: TreeConfig, own: str) -> TreeConfig:
+    """`config` with no method when it names the one asked for: "EAGLE3:3,4,8" is 3,4,8."""
+    return dataclasses.replace(config, method="") if config.method == own else config
+
+
+Row = TypeVar("Row", Prediction, ServingPrediction)
+
+
+def _top_rows(rows: list[Row], top: int | None) -> list[Row]:
+    """The rows of each cell's `top` configs by mean speedup over the datasets, ranked
+    (as the tables show them); all rows, in order, without `top`."""
+    if not top:
+        return rows
+    cells: dict[tuple[int, float | None], dict[ServerConfig, list[Row]]] = {}
+    for row in rows:
+        cell = (row.batch, getattr(row, "rate", None))
+        cells.setdefault(cell, {}).setdefault(row.config, []).append(row)
+    kept: list[Row] = []
+    for by_config in cells.values():
+        ranked = sorted(by_config.values(),
+                        key=lambda rs: -statistics.fmean(r.speedup for r in rs))
+        kept += [r for rs in ranked[:top] for r in rs]
+    return kept
 
 
 def _print_serving(profile: str, rows: list[ServingPrediction], datasets: list[str],

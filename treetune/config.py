@@ -68,6 +68,13 @@ class TreeConfig:
     def parse(cls, text: str) -> TreeConfig:
         """Parse 'S,K,N' (as typed on a command line), or 'METHOD:S,K,N' for a tree of
         another draft method of the study ('NEXTN:3,1,4')."""
+        method, steps, topk, draft_tokens = cls.typed(text)
+        return cls.of(steps, topk, draft_tokens, method)
+
+    @staticmethod
+    def typed(text: str) -> tuple[str, int, int, int]:
+        """The method ("" for none) and the three knobs as typed in 'METHOD:S,K,N', before
+        SGLang's chain rule changes any."""
         method, colon, knobs = text.strip().rpartition(":")
         if colon and not METHOD_NAME.fullmatch(method.strip()):
             raise InvalidTreeError(f"tree '{text}': '{method}' before the colon must be a "
@@ -79,7 +86,7 @@ class TreeConfig:
                 " (or METHOD:S,K,N, e.g. NEXTN:3,1,4)"
             )
         steps, topk, draft_tokens = (int(p) for p in parts)
-        return cls.of(steps, topk, draft_tokens, method.strip())
+        return method.strip(), steps, topk, draft_tokens
 
     @property
     def is_chain(self) -> bool:

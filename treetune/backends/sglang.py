@@ -25,7 +25,7 @@ from treetune.backends._base import (
 )
 from treetune.backends.sglang_adaptive import fallback_reason
 from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
-from treetune.errors import FieldError, TreetuneError
+from treetune.errors import FieldError, InvalidTreeError, TreetuneError
 from treetune.perfmodel.profile import DEFAULT_METHOD
 
 if TYPE_CHECKING:
@@ -226,10 +226,29 @@ def method_tree_problem(algorithm: str, config: TreeConfig) -> str | None:
         return (f"speculative algorithm '{algorithm}' is not one of "
                 f"{', '.join(KNOWN_ALGORITHMS)}")
     if algorithm == NGRAM and config.steps != config.draft_tokens - 1:
-        return (f"{config} is not an NGRAM server: NGRAM has no steps knob, only "
-                f"--speculative-num-draft-tokens N and {NGRAM_BREADTH_FLAG} K; write it as "
-                f"(N-1, K, N), here {ngram_tree(config.draft_tokens, config.topk)}")
+        return _not_ngram(config.steps, config.topk, config.draft_tokens)
     return None
+
+
+def _not_ngram(steps: int, topk: int, draft_tokens: int) -> str:
+    return (f"({steps},{topk},{draft_tokens}) is not an NGRAM server: NGRAM has no steps "
+            f"knob, only --speculative-num-draft-tokens N and {NGRAM_BREADTH_FLAG} K; write "
+            f"it as (N-1, K, N), here {ngram_tree(draft_tokens, topk).label()}")
+
+
+def parse_method_tree(text: str, algorithm: str) -> TreeConfig:
+    """A tree typed 'S,K,N' (a server of `algorithm`) or 'METHOD:S,K,N', refused unless it
+    names a server of its method. An NGRAM server is checked as typed: SGLang's chain
+    rule would make '1,1,8' the chain (1,1,2), which is NGRAM's N=2, not the N=8 asked."""
+    method, steps, topk, draft_tokens = TreeConfig.typed(text)
+    own = method or algorithm
+    if own == NGRAM and topk == 1 and steps != draft_tokens - 1 and draft_tokens >= 2:
+        raise InvalidTreeError(_not_ngram(steps, topk, draft_tokens))
+    config = TreeConfig.of(steps, topk, draft_tokens, method)
+    problem = method_tree_problem(own, config)
+    if problem is not None:
+        raise InvalidTreeError(problem)
+    return config
 
 
 def check_algorithm(algorithm: str, draft: str | None) -> None:

@@ -35,6 +35,7 @@ from treetune.backends.sglang import (
     managed_flag,
     method_tree_problem,
     needs_draft_model,
+    parse_method_tree,
 )
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.datasets import DatasetSpec, builtin_names
@@ -727,14 +728,15 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
                                for i, d in enumerate(merged.get("datasets", ())))
     merged["batch"] = tuple(merged.get("batch", ()))
     merged["rates"] = tuple(float(r) for r in merged.get("rates", ()))
-    merged["compare"] = tuple(_tree(t, origin("compare"), i)
-                              for i, t in enumerate(merged.get("compare", ())))
     merged["methods"] = tuple(_method(m, origin("methods"), i,
                                       base if path is not None and "methods" not in given
                                       else None)
                               for i, m in enumerate(merged.get("methods", ())))
     if merged["methods"] and "algorithm" not in merged:
         merged["algorithm"] = merged["methods"][0].name  # the first method is the study's own
+    algorithm = merged.get("algorithm") or StudySpec.__dataclass_fields__["algorithm"].default
+    merged["compare"] = tuple(_tree(t, origin("compare"), i, algorithm)
+                              for i, t in enumerate(merged.get("compare", ())))
     merged["server_flags"] = {str(k): _flag_value(v)
                               for k, v in merged.get("server_flags", {}).items()}
     merged["env"] = {str(k): _env_value(v, origin(f"env.{k}"), f"env.{k}")
@@ -841,14 +843,16 @@ def _method(value: Any, where: Path | str, index: int, base: Path | None) -> Dra
     return method
 
 
-def _tree(value: Any, where: Path | str, index: int) -> TreeConfig:
+def _tree(value: Any, where: Path | str, index: int, algorithm: str) -> TreeConfig:
+    """A compared tree as written, a server of its method (`algorithm` when it names none)."""
     if isinstance(value, TreeConfig):
         return value
     try:
+        if isinstance(value, list) and len(value) == 3 and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value):
+            value = ",".join(map(str, value))
         if isinstance(value, str):
-            return TreeConfig.parse(value)
-        if isinstance(value, list) and len(value) == 3:
-            return TreeConfig.of(*value)
+            return parse_method_tree(value, algorithm)
     except (InvalidTreeError, TypeError) as exc:
         raise ConfigFileError(where, str(exc), f"compare[{index}]") from None
     raise ConfigFileError(where, "expected [steps, topk, draft_tokens], 'S,K,N' or, for "
