@@ -7,6 +7,7 @@ import json
 import shlex
 from pathlib import Path
 
+import pytest
 import yaml
 from synthetic import BASE, NARROW, WIDE, launch, spec
 
@@ -125,6 +126,15 @@ def test_pools_readme_names_both_scripts_and_ports_behind_one_router_each(tmp_pa
         f"http://127.0.0.1:{port}" for port in ports]
     assert len({r[r.index("--port") + 1] for r in routers}) == 2
     assert len({r[r.index("--prometheus-port") + 1] for r in routers}) == 2
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "10.1.2.3"])
+def test_the_routers_listen_where_the_study_s_servers_do(tmp_path, host):
+    pools = (written(tmp_path, host=host) / "POOLS.md").read_text()
+    routers = [shlex.split(line) for line in pools.splitlines()
+               if line.startswith("python -m sglang_router.launch_router")]
+    assert routers and all(r[r.index("--host") + 1] == host for r in routers)
+    assert ("only this machine reaches them" in pools) == (host == "127.0.0.1")
 
 
 def test_pools_readme_is_absent_when_one_tree_serves_every_batch_size(tmp_path):

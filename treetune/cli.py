@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import ipaddress
 import json
 import os
 import statistics
@@ -30,7 +29,7 @@ from treetune.perfmodel import (
     load_profile,
     shipped_profiles,
 )
-from treetune.study.spec import search_options
+from treetune.study.spec import is_loopback, search_options
 
 if TYPE_CHECKING:
     from treetune.study.recommend import Recommendation
@@ -516,13 +515,6 @@ def _search_signature() -> inspect.Signature:
 
 search.__signature__ = _search_signature()  # type: ignore[attr-defined]
 app.command()(search)
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _run_with_progress(spec: StudySpec, run_study: Callable[..., StudyOutcome]) -> StudyOutcome:

@@ -26,7 +26,7 @@ from treetune.study.recommend import (
     pools_advice,
     script_name,
 )
-from treetune.study.spec import StudySpec
+from treetune.study.spec import StudySpec, is_loopback
 from treetune.yamlio import dump_yaml
 
 POOLS_FILE = "POOLS.md"
@@ -257,14 +257,18 @@ def pools_readme(spec: StudySpec, recs: list[Recommendation]) -> str | None:
     for p in found:
         router = ["python", "-m", "sglang_router.launch_router",
                   "--worker-urls", f"http://{worker_host}:{p.port}",
-                  "--host", "0.0.0.0", "--port", str(p.router_port),
+                  "--host", spec.host, "--port", str(p.router_port),
                   "--prometheus-port", str(p.metrics_port)]
         out += [f"# pool {p.index}: traffic at batch {', '.join(map(str, p.batches))}",
                 shell_line(router) + (f" --api-key {key}" if key else "")]
     out += ["```", "",
             "Add replicas to a pool by listing their URLs after its router's `--worker-urls`. "
             "Concurrency between the measured batch sizes was not measured: send it to the "
-            "nearer pool, or add the batch size to the study."]
+            "nearer pool, or add the batch size to the study.", "",
+            f"The routers listen on {spec.host}, the study's host, as its servers do"
+            + (": only this machine reaches them; to serve others, give the study a "
+               "non-loopback `host` (`--host`) and an API key (`api_key_env`)."
+               if is_loopback(spec.host) else ".")]
     if key:
         out += ["", f"The API key stays in `{spec.api_key_env}`; the routers pass it to the "
                 "workers."]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import ipaddress
 import json
 import re
 import types
@@ -785,6 +786,14 @@ def _backend(section: dict[str, Any], where: Path | str, given: set[str]) -> Bac
                                   f"'{key}' is a setting of the {other} backend, and this "
                                   f"study's backend is {kind}", f"backend.{key}")
     return build(cls, fields, source, "backend")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether servers bound to `host` are reachable from this machine only."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _default_name(model: str, path: str | Path | None) -> str:
