@@ -171,6 +171,32 @@ def test_a_refused_point_names_its_key_or_csv_line(tmp_path):
         load_measurements(misspelt)
 
 
+@pytest.mark.parametrize("accept", ["9.5", "0.5"])
+def test_an_accept_length_no_server_can_have_is_refused_on_its_line(tmp_path, accept):
+    # SGLang's accept length counts the bonus token: from 1 to steps + 1 (4 for (3,1,4)).
+    data = write(tmp_path, "points.csv", "steps,topk,draft_tokens,batch,dataset,baseline_tok_s,"
+                 f"spec_tok_s,accept_length\n3,1,4,1,mt-bench,150,250,{accept}\n")
+    with pytest.raises(ConfigFileError, match=r"line 2: column 'accept_length': must be "
+                       rf"between 1 and steps \+ 1 = 4 .*got {accept}"):
+        load_measurements(data)
+
+
+def test_the_calibration_table_shows_measured_against_predicted_accept_lengths(
+        capsys, tmp_path):
+    data = write(tmp_path, "points.csv", "steps,topk,draft_tokens,batch,dataset,baseline_tok_s,"
+                 "spec_tok_s,accept_length\n3,1,4,1,mt-bench,150,250,3.5\n"
+                 "3,4,8,1,mt-bench,150,270,\n")
+    out_path = tmp_path / "fit.yaml"
+    code, out, err = run_cli(capsys, "calibrate", "-p", "qwen3-8b-h100", "--measurements",
+                             data, "-o", str(out_path), "--starts", "1")
+    assert code == 0, err
+    predicted = PerfModel(load_profile(str(out_path))).accept_length(
+        TreeConfig(3, 1, 4), "mt-bench")
+    row = next(line for line in out.splitlines() if "(3,1,4)" in line)
+    assert "accept length" in out and "3.50" in row and f"{predicted:.2f}" in row
+    assert "n/a" in next(line for line in out.splitlines() if "(3,4,8)" in line)
+
+
 def test_four_points_cannot_determine_twenty_parameters_and_the_rest_stay_at_the_prior(
         capsys, tmp_path):
     datasets = ("mt-bench", "humaneval", "sharegpt", "swebench-verified")

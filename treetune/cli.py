@@ -368,14 +368,19 @@ def calibrate(
                   f"{len(result.kept)} of the {len(params)} parameters; kept at "
                   f"{escape(base.name)}'s values: {', '.join(result.kept)}")
     table = Table(title=escape(f"calibration of {base.name} to {measurements}"))
-    for col in ("tree", "batch", "dataset", "measured", "predicted", "error", "baseline err"):
+    accepts = any(e.measurement.accept_length is not None for e in result.points)
+    for col in ("tree", "batch", "dataset", "measured", "predicted", "error", "baseline err",
+                *(("accept length", "predicted accept") if accepts else ())):
         table.add_column(col, justify="right")
     for e in result.points:
         m = e.measurement
         base_error = e.baseline_rel_error
+        accept = (("n/a", "n/a") if m.accept_length is None
+                  else (f"{m.accept_length:.2f}", f"{e.predicted_accept:.2f}"))
         table.add_row(m.config.label(), str(m.batch), escape(m.dataset), f"{m.speedup:.3f}",
                       f"{e.predicted_speedup:.3f}", f"{e.speedup_error:+.3f}",
-                      "n/a" if base_error is None else f"{base_error:+.1%}")
+                      "n/a" if base_error is None else f"{base_error:+.1%}",
+                      *(accept if accepts else ()))
     out.print(table)
     base_max = result.max_baseline_error
     base_text = "n/a (speedups only)" if base_max is None else f"{base_max:.1%}"

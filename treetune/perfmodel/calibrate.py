@@ -273,6 +273,12 @@ def _measurement(where: _Where, row: _Row) -> Measurement:
         value = getattr(row, name)
         if value is not None and value <= 0:
             raise where.error(f"must be > 0, got {value:g}", name)
+    accept = row.accept_length
+    if accept is not None and not 1 <= accept <= config.max_accept_length:
+        # SGLang's accept length counts the bonus token: 1 (no draft kept) to steps + 1.
+        raise where.error(f"must be between 1 and steps + 1 = {config.max_accept_length} "
+                          f"(accepted drafts plus the bonus token), got {accept:g}",
+                          "accept_length")
     base, spec, speedup = row.baseline_tok_s, row.spec_tok_s, row.speedup
     if speedup is None and (base is None or spec is None):
         missing = " and ".join(n for n, v in (("baseline_tok_s", base), ("spec_tok_s", spec))
