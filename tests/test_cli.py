@@ -253,6 +253,28 @@ def test_predict_tables_in_a_log_keep_every_dataset_name_whole(capsys):
     assert max(len(line) for line in out.splitlines()) < 200, "not padded to some huge width"
 
 
+def test_search_outcome_lists_every_measured_config_marking_the_recommended(
+        capsys, tmp_path):
+    from synthetic import launch, spec
+
+    from treetune.cli import _print_outcome
+    from treetune.study.recommend import advice, recommend
+    from treetune.study.runner import StudyOutcome
+
+    study = spec(tmp_path, datasets=["mt-bench"], batch=[1], compare=["3,4,8"])
+    base = launch(BASELINE, {1: {"mt-bench": 100}})
+    results = [base, launch(TreeConfig(3, 4, 8), {1: {"mt-bench": 150}}),
+               launch(TreeConfig(5, 1, 6), {1: {"mt-bench": 130}}),
+               launch(TreeConfig(2, 1, 3), {1: {"mt-bench": 120}})]
+    recs = recommend(study, results, base)
+    _print_outcome(study, StudyOutcome(study, results, base, launches=4, strategy="grid"),
+                   recs, advice(recs))
+    rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("│") and "(" in line.split("│")[1]}
+    assert set(rows) >= {"> (3,4,8) *", "(5,1,6)", "(2,1,3)"}, rows
+    assert "1.300" in rows["(5,1,6)"] and "1.200" in rows["(2,1,3)"]
+
+
 def test_search_outcome_in_a_log_prints_every_column_name_whole_brackets_included(
         capsys, tmp_path):
     from synthetic import launch, spec

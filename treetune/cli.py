@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from treetune.backends.sglang import NGRAM, SPEC_DEFAULT_MAX_RUNNING, parse_method_tree
-from treetune.config import AdaptiveConfig, ServerConfig, TreeConfig
+from treetune.config import ServerConfig, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.perfmodel import (
     DEFAULT_METHOD,
@@ -563,8 +563,8 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
     what = "" if spec.objective == "throughput" else f"{spec.objective.label} "
     table = Table(title=f"measured {what}speedups over no speculation ({len(outcome.results)} "
                   f"configs in {outcome.launches} launches, {len(failed)} failed; strategy "
-                  f"{outcome.strategy})", caption="* compared config; red: "
-                  "slower than no speculation")
+                  f"{outcome.strategy})", caption="every measured config; > recommended "
+                  "at some batch size; * compared; red: slower than no speculation")
     table.add_column("tree", no_wrap=True)
     for b in sorted(spec.batch):
         for d in spec.dataset_names:
@@ -572,15 +572,13 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
     shown = {r.config: r for r in outcome.results if r.ok and r.config.label() != "baseline"}
     chosen = {r.config for r in recs}
     for config, result in sorted(shown.items(), key=lambda kv: kv[0].label()):
-        if (config not in chosen and config not in spec.compare
-                and not isinstance(config, AdaptiveConfig)):
-            continue
         cells = []
         for b in sorted(spec.batch):
             per = speedups(result, outcome.baseline, b, spec.dataset_names, spec.objective)
             cells += [f"[red]{s:.3f}[/red]" if s < 1 else f"{s:.3f}" for s in per.values()]
-        tag = " *" if config in spec.compare else ""
-        table.add_row(escape(spec.config_label(config)) + tag, *cells)
+        tag = ("> " if config in chosen else "") + escape(spec.config_label(config)) + (
+            " *" if config in spec.compare else "")
+        table.add_row(tag, *cells)
     out.print(table)
     # escape: rich would take "[interval]" for a markup tag and print nothing of it.
     rec_table = Table(title=f"recommendations ({spec.objective.describe()})", caption=escape(
