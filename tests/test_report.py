@@ -196,6 +196,13 @@ def test_report_writes_every_figure_self_contained_and_links_each_recommendation
     assert "PNGs" in capsys.readouterr().err or list(out.glob("*.png"))
 
 
+def test_the_index_counts_launches_re_launches_included_and_configs_apart(data, tmp_path):
+    # The study's budget of 10 launches measured the baseline (at least) twice.
+    assert data.launches == 10 and len(data.results) < 10
+    index = write_report(data, tmp_path).index.read_text()
+    assert f"10 launches of {len(data.results)} configs (0 failed)" in index
+
+
 def test_report_escapes_names_in_the_index(data, tmp_path):
     hostile = data.spec.replace(model="<script>alert(1)</script>")
     data.spec = hostile

@@ -48,6 +48,7 @@ class StudyData:
     storage_url: str
     folder: Path
     strategy: str = ""
+    launches: int | None = None  # server launches, re-launches counted (None: one per config)
 
     @property
     def failed(self) -> list[LaunchResult]:
@@ -118,7 +119,8 @@ def load_study_data(source: str | Path, study: str | None = None) -> StudyData:
     recs = stored.recommendations
     if recs is None:  # stored before decisions were kept with the study: judge here
         recs = recommend(spec, results, baseline) if baseline else []
-    return StudyData(spec, results, baseline, recs, spec.storage_url, folder, stored.strategy)
+    return StudyData(spec, results, baseline, recs, spec.storage_url, folder, stored.strategy,
+                     launches=len(stored.results))
 
 
 def _spec_from_storage(url: str, study: str | None) -> StudySpec:
