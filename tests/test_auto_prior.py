@@ -98,6 +98,26 @@ def test_treetune_prior_refuses_an_eagle3_head_given_as_the_target(capsys):
     assert "is an EAGLE3 draft head, not a target model: give it as the draft" in err
 
 
+def test_treetune_prior_refuses_a_draft_head_trained_for_another_target_width(capsys):
+    # Its first layer reads three 2048-wide hidden states; Qwen3-8B's are 4096 wide.
+    code, stdout, err = run_cli(capsys, "prior", "--model", fixture("Qwen/Qwen3-8B"),
+                                "--draft", DRAFT, "--gpu", "H200")
+    assert code == 2 and stdout == ""
+    assert "is an EAGLE3 head for a target of hidden size 2048" in " ".join(err.split())
+
+
+def test_a_prior_from_a_config_json_path_is_named_after_its_folder_with_exact_counts(capsys):
+    code, stdout, err = run_cli(capsys, "prior", "--model",
+                                f"{fixture('Qwen/Qwen3-8B')}/config.json",
+                                "--draft", fixture("thoughtworks/Qwen3-8B-Eagle3"),
+                                "--gpu", "H100-SXM")
+    assert code == 0, err
+    data = yaml.safe_load(stdout)
+    assert data["name"] == "auto-qwen3-8b-h100-sxm"
+    # 36 layers x 8 KV heads x 128 x (K and V) x 2 bytes, not rounded to 147460.
+    assert data["target"]["kv_bytes_per_token"] == 147456
+
+
 def test_treetune_prior_without_a_config_names_where_it_looked(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     code, _, err = run_cli(capsys, "prior", "--model", "Org/Not-Here", "--draft", DRAFT,

@@ -56,8 +56,8 @@ def test_predict_reproduces_all_twelve_published_speedups(capsys):
 def test_predict_json_records_have_the_stable_keys(capsys):
     records = predict_json(capsys, "--tree", "3,4,8", "--batch", "32")
     assert records and set(records[0]) == {
-        "steps", "topk", "draft_tokens", "batch", "dataset", "baseline_tok_s", "spec_tok_s",
-        "speedup", "accept_length", "oom"}
+        "method", "steps", "topk", "draft_tokens", "batch", "dataset", "baseline_tok_s",
+        "spec_tok_s", "speedup", "accept_length", "oom"}
 
 
 def test_shipped_profile_is_what_calibration_to_the_published_results_gives():

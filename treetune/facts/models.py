@@ -64,6 +64,7 @@ class ModelFacts:
     mla: bool
     moe: MoEFacts | None
     eagle3: bool
+    target_hidden_size: int = 0  # an EAGLE3 head's: the width of the states it reads
 
 
 # ---- where config.json is ---------------------------------------------------------------
@@ -258,7 +259,8 @@ def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         active_params=total, layers=layers, attention_layers=layers, linear_layers=0,
         hidden_size=h, vocab_size=draft_vocab, dtype=dtype, weight_bytes=weight_bytes,
         quantization=quantization, kv_bytes_per_token=layers * _kv_elements(c, h) * kv_bytes,
-        state_bytes_per_request=0.0, mla=False, moe=None, eagle3=True)
+        state_bytes_per_request=0.0, mla=False, moe=None, eagle3=True,
+        target_hidden_size=target_hidden)
 
 
 def _layer_kinds(c: _Config, layers: int) -> list[str]:

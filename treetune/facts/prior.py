@@ -78,9 +78,20 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
     if target_facts.eagle3:
         raise TreetuneError(f"'{model}' ({target_facts.config_path}) is an EAGLE3 draft head,"
                             " not a target model: give it as the draft")
+    if draft_facts.eagle3 and draft_facts.target_hidden_size != target_facts.hidden_size:
+        # Its first layer takes three of the target's hidden states: SGLang cannot load it.
+        raise TreetuneError(
+            f"draft '{draft}' ({draft_facts.config_path}) is an EAGLE3 head for a target of "
+            f"hidden size {draft_facts.target_hidden_size}, but '{model}' has hidden size "
+            f"{target_facts.hidden_size}: give the draft head trained for this target")
     gpu_entry = gpu_facts(gpu, "--gpu") if gpu else detect_gpu(env)
     return auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets, name)
 
 
 def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9.]+", "-", name.rsplit("/", 1)[-1].lower()).strip("-") or "model"
+    """A model's short name: its last path part ("Qwen/Qwen3-8B": qwen3-8b), its folder's
+    when the path is the config.json itself."""
+    parts = [p for p in name.split("/") if p]
+    if len(parts) > 1 and parts[-1] == "config.json":
+        parts.pop()
+    return re.sub(r"[^a-z0-9.]+", "-", (parts or ["model"])[-1].lower()).strip("-") or "model"

@@ -425,8 +425,9 @@ def _plain(value: Any) -> Any:
         return {k: _plain(v) for k, v in value.items() if v is not None}
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
-    if isinstance(value, float):
+    if isinstance(value, float) and not value.is_integer():
         return float(f"{value:.5g}")  # fitted values: no false precision in the YAML
+    # Whole numbers are counted facts (147456 KV bytes per token), kept exact.
     return value
 
 
