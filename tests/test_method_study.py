@@ -99,6 +99,14 @@ def test_the_first_method_is_the_study_s_own_and_one_method_keeps_the_old_finger
         study(tmp_path, compare=[]).fingerprint()
 
 
+def test_method_names_are_read_in_any_case_as_sglang_reads_them(tmp_path):
+    lower = study(tmp_path, methods=["eagle3", {"name": "ngram"}], algorithm="eagle3",
+                  compare=[])
+    assert lower.method_names == ("EAGLE3", "NGRAM") and lower.algorithm == "EAGLE3"
+    upper = study(tmp_path, methods=["EAGLE3", "NGRAM"], algorithm="EAGLE3", compare=[])
+    assert lower.fingerprint() == upper.fingerprint()
+
+
 @pytest.mark.parametrize(("over", "key", "fragment"), [
     ({"methods": ["EAGLE3", "NEXTM"]}, "methods[1]", "did you mean 'NEXTN'"),
     ({"methods": ["EAGLE3", {"name": "NEXTN", "draft": "x"}]}, "methods[1].draft",

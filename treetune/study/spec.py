@@ -182,6 +182,8 @@ class DraftMethod:
     space: str | None = None
 
     def __post_init__(self) -> None:
+        # SGLang reads --speculative-algorithm in any case (SpeculativeAlgorithm.from_string).
+        object.__setattr__(self, "name", self.name.upper())
         if self.name not in KNOWN_ALGORITHMS:
             raise FieldError("name", f"draft method '{self.name}'"
                              f"{closest(self.name, KNOWN_ALGORITHMS)} is not one of "
@@ -364,6 +366,7 @@ class StudySpec:
     def _check_methods(self) -> None:
         """The algorithm, the draft methods and their drafts, and the compared trees'
         methods; compared trees of `algorithm` are stored without a method."""
+        object.__setattr__(self, "algorithm", self.algorithm.upper())  # as SGLang reads it
         names = self.method_names
         if not self.methods and self.algorithm not in ALGORITHMS:
             ngram = (f" ({NGRAM} has its own search space: list it in methods)"
@@ -735,7 +738,8 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
                               for i, m in enumerate(merged.get("methods", ())))
     if merged["methods"] and "algorithm" not in merged:
         merged["algorithm"] = merged["methods"][0].name  # the first method is the study's own
-    algorithm = merged.get("algorithm") or StudySpec.__dataclass_fields__["algorithm"].default
+    algorithm = str(merged.get("algorithm")
+                    or StudySpec.__dataclass_fields__["algorithm"].default).upper()
     merged["compare"] = tuple(_tree(t, origin("compare"), i, algorithm)
                               for i, t in enumerate(merged.get("compare", ())))
     merged["server_flags"] = {str(k): _flag_value(v)
