@@ -88,6 +88,14 @@ def test_predict_refuses_a_tree_its_method_cannot_serve(capsys, args, message):
     assert code == 2 and message in " ".join(err.split())
 
 
+def test_whole_requests_too_long_for_the_kv_pool_at_a_batch_are_out_of_memory(capsys):
+    # 64 requests of 40k tokens need about 377 GB of KV cache on one 80 GB H100.
+    records = predicted(capsys, "-p", "qwen3-8b-h100", "--tree", "3,1,4", "--dataset",
+                        "sharegpt", "--prompt-tokens", "30000", "--output-tokens", "10000",
+                        "--batch", "1", "64")
+    assert {r["batch"]: r["oom"] for r in records} == {1: False, 64: True}
+
+
 def test_predict_json_keeps_the_top_configs_per_batch_and_merges_repeats(capsys):
     every = predicted(capsys, "-p", "qwen3-8b-h100", "--space", "narrow", "--batch", "1", "8",
                       "--dataset", "mt-bench", "mt-bench")

@@ -35,14 +35,17 @@ def check_memory(
     tp: int | None = None,
     mem_fraction_static: float | None = None,
     method: Method | str | None = None,
+    context_tokens: int | None = None,
 ) -> MemoryCheck:
+    """`context_tokens`: what each running request holds at most (prompt and output), when
+    longer than the profile's reserve (`server.reserve_context_tokens`)."""
     tp = tp or profile.tp
     fraction = mem_fraction_static or profile.server.mem_fraction_static
     t, server = profile.target, profile.server
     draft = method if isinstance(method, Method) else profile.method(method)
     available = profile.hardware.memory_gb * GB * fraction
     weights = t.total_params_b * 1e9 * t.weight_bytes / tp
-    slots = server.reserve_context_tokens
+    slots = max(server.reserve_context_tokens, context_tokens or 0)
     in_flight = max_running_requests
     draft_kv_per_token = 0.0
     if config is not BASELINE:

@@ -230,7 +230,9 @@ class PerfModel:
             cap = max_running_requests
             base = self.open_loop(BASELINE, dataset, shape, rate, cap)
             spec = self.open_loop(config, dataset, shape, rate, cap)
-        memory = check_memory(self.profile, config, cap, tp=self.cost.tp, method=self.method)
+        # Every running request must hold its whole prompt and output in the KV pool.
+        memory = check_memory(self.profile, config, cap, tp=self.cost.tp, method=self.method,
+                              context_tokens=shape.prompt_tokens + shape.output_tokens)
         return ServingPrediction(config, dataset, shape, batch or 0, rate, cap, base, spec,
                                  self.accept_length(config, dataset), not memory.fits)
 
