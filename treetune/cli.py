@@ -582,8 +582,10 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
     out.print(table)
     # escape: rich would take "[interval]" for a markup tag and print nothing of it.
     rec_table = Table(title=f"recommendations ({spec.objective.describe()})", caption=escape(
-        "[interval]: where the true speedup lies, given the measurement noise; a tree is "
-        "recommended only when every lower bound clears 1 - tolerance"))
+        "[interval]: the 95% interval of the true speedup, given the measurement noise; a "
+        "tree is "
+        "recommended only when on every dataset its one-sided 99% lower bound (a little "
+        "below the 95% interval's) clears 1 - tolerance"))
     for col in ("workload", "batch", "config (tree S,K,N)", "measured speedups [interval]"):
         rec_table.add_column(escape(col))
     for row in summary_rows(recs, methods=len(spec.method_names) > 1):

@@ -260,8 +260,8 @@ def _why_none(verdicts: list[Verdict], batch: int) -> str:
     worst, low = min(closest.lower.items(), key=lambda kv: kv[1])
     return (f"no speculation: no measured config is surely as fast as no speculation on "
             f"every dataset at batch {batch} (closest: {closest.config} at "
-            f"{closest.intervals[worst].label()} on {worst}, whose 99% lower bound {low:.3f} "
-            f"must reach {closest.floor:.2f})")
+            f"{closest.intervals[worst].label()} (95% interval) on {worst}, whose one-sided "
+            f"99% lower bound {low:.3f} must reach {closest.floor:.2f})")
 
 
 def pools_advice(recs: list[Recommendation]) -> str | None:
