@@ -305,7 +305,7 @@ def test_search_outcome_in_a_log_prints_every_column_name_whole_brackets_include
     assert all(lines_with(out, f"b{b} {d}") == 1 for b in (1, 32) for d in DATASETS), out
     assert not pieces(out, DATASETS), out
     assert lines_with(out, "measured speedups [interval]") == 1, "the header shows brackets"
-    assert lines_with(out, "[interval]: where the true speedup lies") == 1, out
+    assert lines_with(out, "[interval]: the 95% interval of the true speedup") == 1, out
 
 
 @pytest.mark.parametrize("argv", [
