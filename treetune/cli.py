@@ -366,7 +366,7 @@ def calibrate(
     if result.kept:
         err.print(f"[yellow]warning:[/] {len(points)} points cannot determine "
                   f"{len(result.kept)} of the {len(params)} parameters; kept at "
-                  f"{escape(base.name)}'s values: {', '.join(result.kept)}")
+                  f"{escape(base.name)}'s values: {escape(', '.join(result.kept))}")
     table = Table(title=escape(f"calibration of {base.name} to {measurements}"))
     accepts = any(e.measurement.accept_length is not None for e in result.points)
     for col in ("tree", "batch", "dataset", "measured", "predicted", "error", "baseline err",
@@ -583,9 +583,8 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
     # escape: rich would take "[interval]" for a markup tag and print nothing of it.
     rec_table = Table(title=f"recommendations ({spec.objective.describe()})", caption=escape(
         "[interval]: the 95% interval of the true speedup, given the measurement noise; a "
-        "tree is "
-        "recommended only when on every dataset its one-sided 99% lower bound (a little "
-        "below the 95% interval's) clears 1 - tolerance"))
+        "tree is recommended only when on every dataset its one-sided 99% lower bound (a "
+        "little below the 95% interval's) clears 1 - tolerance"))
     for col in ("workload", "batch", "config (tree S,K,N)", "measured speedups [interval]"):
         rec_table.add_column(escape(col))
     for row in summary_rows(recs, methods=len(spec.method_names) > 1):
