@@ -162,8 +162,9 @@ def test_the_world_option_names_the_emulated_world_and_implies_the_emulator(caps
 
 
 def test_the_gpu_option_sets_the_sglang_backends_gpu(capsys, monkeypatch):
-    spec = spec_from_command_line(capsys, monkeypatch, "--backend", "sglang", "--gpu", "H100")
-    assert spec.backend.kind == "sglang" and spec.backend.gpu == "H100"
+    spec = spec_from_command_line(capsys, monkeypatch, "--backend", "sglang", "--gpu",
+                                  "H100 SXM")
+    assert spec.backend.kind == "sglang" and spec.backend.gpu == "H100 SXM"
 
 
 def test_a_switch_is_unset_unless_given_so_the_study_files_value_stands(capsys, monkeypatch,
