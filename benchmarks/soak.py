@@ -190,9 +190,17 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, default=None, help="keep the studies here")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        soak(args, args.keep)
+        return
+    with tempfile.TemporaryDirectory(prefix="soak-") as root:  # gone however the run ends
+        soak(args, Path(root))
+
+
+def soak(args: argparse.Namespace, root: Path) -> None:
+    """The two studies in `root`, and the report."""
     launches = 20 if args.quick else args.launches
-    root = args.keep or Path(tempfile.mkdtemp(prefix="soak-"))
-    root.mkdir(parents=True, exist_ok=True)
     space_file = root / "soak-space.yaml"
     space_file.write_text(yaml.safe_dump(QUICK_SPACE if args.quick else SPACE))
     space_size = len(load_space(str(space_file)).configs()) + 1
@@ -201,7 +209,8 @@ def main() -> None:
     clean = make_spec(root, "fault-free", space_file, launches, args.seed, [])
     faulty = make_spec(root, "faulty", space_file, launches, args.seed, FAULTS)
     print(f"soak: {launches} launches over a space of {space_size} configs, 2 workers; "
-          f"studies in {root}", file=sys.stderr)
+          f"studies in {root}" + ("" if args.keep else " (removed at the end: --keep DIR "
+                                   "keeps them)"), file=sys.stderr)
     clean_s, _ = run(clean, [])
     faulty_s, kills = run(faulty, kill_at)
     def leftovers() -> list[int]:  # servers (their model path) and Ray's processes

@@ -122,6 +122,9 @@ def test_method_names_are_read_in_any_case_as_sglang_reads_them(tmp_path):
      "(1,1,8) is not an NGRAM server"),
     ({"methods": ["NGRAM"], "draft": None, "compare": [[1, 1, 8]]}, "compare[0]",
      "here (7,1,8)"),
+    # SGLang would serve the adaptive launches as static NGRAM chains.
+    ({"methods": ["NGRAM"], "draft": None, "compare": [], "adaptive": True}, "adaptive",
+     "adaptive steps do not run with NGRAM"),
     ({"methods": [], "algorithm": "NGRAM", "compare": []}, "algorithm", "list it in methods"),
     ({"methods": ["NGRAM"], "draft": None, "compare": []}, None, None),
 ])

@@ -595,6 +595,14 @@ def test_more_tensor_parallel_gpus_than_the_emulated_node_has_is_refused_before_
     assert not (tmp_path / "out").exists()
 
 
+def test_a_draft_method_the_emulated_profile_lacks_is_refused_before_ray(capsys, tmp_path):
+    # Every NGRAM launch would fail on qwen3-8b-h100, spending the budget on nothing.
+    path = write_study(tmp_path, methods="[EAGLE3, NGRAM]",
+                       backend="{kind: emulator, profile: qwen3-8b-h100}")
+    message = search(capsys, path)
+    assert "describes the draft methods EAGLE3, not NGRAM: drop NGRAM" in message
+
+
 @pytest.mark.parametrize(("fields", "options"), [
     ({"backend": "{kind: sglang, gpu: H999}"}, ()),
     ({"backend": None}, ("--backend", "sglang", "--gpu", "H999")),

@@ -19,7 +19,7 @@ from treetune.backends._base import (
     ServerApi,
     register,
 )
-from treetune.backends.sglang import SGLANG_API, server_args, sglang_deployment
+from treetune.backends.sglang import SGLANG_API, profile_method, server_args, sglang_deployment
 from treetune.config import ServerConfig
 from treetune.errors import FieldError, InvalidTreeError, TreetuneError
 from treetune.results import config_from_key, config_key
@@ -199,11 +199,18 @@ class EmulatorBackend:
         else:
             assert self.profile is not None  # refused at construction otherwise
             prof = check_profile(self.profile, datasets)
+        source = f"{'world' if self.world else 'profile'} '{self.world or self.profile}'"
+        for algorithm in (launch.algorithm, *(name for name, _ in launch.methods)):
+            if profile_method(algorithm) not in prof.method_names:
+                # Every launch of that method would fail: the budget spent on nothing.
+                raise TreetuneError(
+                    f"the emulator's {source} describes the draft methods "
+                    f"{', '.join(prof.method_names)}, not {algorithm}: drop {algorithm} from "
+                    "the study's methods, or emulate a profile that has it")
         if launch.tp > prof.hardware.gpus:  # every launch, the baseline's first, would fail
             raise TreetuneError(
                 f"tp {launch.tp} needs {launch.tp} GPUs per server but the emulator's "
-                f"{'world' if self.world else 'profile'} '{self.world or self.profile}' "
-                f"emulates {prof.hardware.gpus} {prof.hardware.gpu}: set tp to at most "
+                f"{source} emulates {prof.hardware.gpus} {prof.hardware.gpu}: set tp to at most "
                 f"{prof.hardware.gpus}, or emulate a profile with more GPUs")
 
     def facts(self, launch: LaunchSpec, env: Mapping[str, str]) -> Profile:

@@ -38,6 +38,7 @@ from treetune.backends.sglang import (
     needs_draft_model,
     parse_method_tree,
 )
+from treetune.backends.sglang_adaptive import unsupported_reason
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.datasets import DatasetSpec, builtin_names
 from treetune.errors import ConfigFileError, FieldError, InvalidTreeError, TreetuneError
@@ -367,6 +368,12 @@ class StudySpec:
         """The algorithm, the draft methods and their drafts, and the compared trees'
         methods; compared trees of `algorithm` are stored without a method."""
         object.__setattr__(self, "algorithm", self.algorithm.upper())  # as SGLang reads it
+        unsupported = unsupported_reason(self.algorithm, None) if self.adaptive else None
+        if unsupported is not None:
+            # SGLang would serve the adaptive launches as static chains, labeled adaptive.
+            raise FieldError("adaptive", f"adaptive: SGLang's adaptive steps do not run with "
+                             f"{self.algorithm} ({unsupported}): give adaptive: false, or "
+                             "make an EAGLE or EAGLE3 method the study's first")
         names = self.method_names
         if not self.methods and self.algorithm not in ALGORITHMS:
             ngram = (f" ({NGRAM} has its own search space: list it in methods)"
