@@ -283,6 +283,23 @@ def test_search_outcome_lists_every_measured_config_marking_the_recommended(
     assert "1.300" in rows["(5,1,6)"] and "1.200" in rows["(2,1,3)"]
 
 
+def test_search_outcome_says_why_no_speculation_won_a_batch_size(capsys, tmp_path):
+    from synthetic import launch, spec
+
+    from treetune.cli import _print_outcome
+    from treetune.study.recommend import advice, recommend
+    from treetune.study.runner import StudyOutcome
+
+    study = spec(tmp_path, datasets=["mt-bench", "humaneval"], batch=[1])
+    base = launch(BASELINE, {1: {"mt-bench": 100, "humaneval": 100}})
+    regresses = launch(TreeConfig(3, 4, 8), {1: {"mt-bench": 150, "humaneval": 90}})
+    recs = recommend(study, [base, regresses], base)
+    _print_outcome(study, StudyOutcome(study, [base, regresses], base, launches=2,
+                                       strategy="grid"), recs, advice(recs))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "batch 1: no speculation: no measured config is surely as fast" in out
+
+
 def test_search_outcome_in_a_log_prints_every_column_name_whole_brackets_included(
         capsys, tmp_path):
     from synthetic import launch, spec

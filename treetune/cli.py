@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from treetune.backends.sglang import NGRAM, SPEC_DEFAULT_MAX_RUNNING, parse_method_tree
-from treetune.config import ServerConfig, TreeConfig
+from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.perfmodel import (
     DEFAULT_METHOD,
@@ -557,7 +557,7 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
     """The measured configs, the recommendations, and the mixed workload's advice when it
     is more than one static tree: ("two pools", why) or ("one pool, adaptive", why)."""
     from treetune.study.evidence import speedups
-    from treetune.study.recommend import alternative_advice, summary_rows
+    from treetune.study.recommend import MIXED, alternative_advice, summary_rows
 
     failed = [r for r in outcome.results if not r.ok]
     what = "" if spec.objective == "throughput" else f"{spec.objective.label} "
@@ -590,6 +590,9 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
     for row in summary_rows(recs, methods=len(spec.method_names) > 1):
         rec_table.add_row(*map(escape, row))
     out.print(rec_table)
+    for rec in recs:  # why, where a measured tree is not taken (the others: recommendations.*)
+        if rec.workload == MIXED and rec.config is BASELINE and rec.reason:
+            out.print(f"[bold]batch {rec.batch}:[/bold] {escape(rec.reason)}")
     if advice:
         out.print(f"[bold]{advice[0]}:[/bold] {escape(advice[1])}")
     alternative = alternative_advice(recs)
@@ -667,7 +670,6 @@ def grid(
     """
     import csv
 
-    from treetune.config import BASELINE
     from treetune.perfmodel import check_memory
     from treetune.space import load_space
     from treetune.worlds import load_world
