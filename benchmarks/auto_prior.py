@@ -67,7 +67,14 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from search_efficiency import judge_mixed, load_worlds, study_spec, truth_table, within_target
+from search_efficiency import (
+    judge_mixed,
+    load_worlds,
+    positive_int,
+    study_spec,
+    truth_table,
+    within_target,
+)
 
 from treetune.facts import auto_prior, gpu_facts, model_facts
 from treetune.study.offline import Noise, run_offline
@@ -149,7 +156,7 @@ def summarize(rows: list[dict], max_launches: int) -> dict[str, dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--truth", nargs="+", default=["qwen3-coder-next-h200"],
                         help="shipped profiles or worlds searched (each from its own facts "
                         "and from the auto prior of the profile it is built on)")
@@ -158,12 +165,12 @@ def main() -> None:
     parser.add_argument("--draft", help="the draft's config.json directory (default: the "
                         "truth's fixture)")
     parser.add_argument("--gpu", help="the GPU the auto prior assumes (default: the truth's)")
-    parser.add_argument("--seeds", type=int, default=4)
+    parser.add_argument("--seeds", type=positive_int, default=4)
     parser.add_argument("--first-seed", type=int, default=0,
                         help="seeds are first-seed .. first-seed + seeds - 1")
     parser.add_argument("--max-launches", type=int, default=30)
     parser.add_argument("--noise", type=float, default=0.03)
-    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--processes", type=positive_int, default=2)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     seeds = range(args.first_seed, args.first_seed + args.seeds)

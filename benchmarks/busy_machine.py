@@ -93,7 +93,7 @@ def cells(result: LaunchResult | None) -> list[CellResult]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--hogs", type=int, default=2, help="busy loops beside the study")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

@@ -30,7 +30,7 @@ DEMO = Path(__file__).resolve().parents[1] / "studies" / "demo.yaml"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--output", default=None,
                         help="study folder, kept (default: a temp dir, removed at the end)")
     parser.add_argument("--json", action="store_true")

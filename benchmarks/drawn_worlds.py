@@ -196,7 +196,7 @@ def _acceptance(profile: Profile, rng: np.random.Generator) -> dict[str, dict[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--count", type=int, default=24, help="worlds to draw")
     parser.add_argument("--seed", type=int, default=2026, help="the draw's seed")
     parser.add_argument("--output", type=Path, required=True,

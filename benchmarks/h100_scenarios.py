@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from search_efficiency import positive_int
+
 from treetune.config import TreeConfig
 from treetune.perfmodel import PerfModel, load_profile
 from treetune.study.evidence import judge
@@ -30,8 +32,8 @@ PUBLISHED = TreeConfig(5, 8, 32)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--launches", type=int, default=16)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--launches", type=positive_int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     spec = load_study(STUDY)
@@ -58,7 +60,9 @@ def main() -> None:
             print(f"  {rec.workload} at batch {rec.batch}: {rec.label()}: "
                   + ", ".join(rec.speedup_labels()))
     published = planner.results.get("5,8,32")
-    assert planner.baseline is not None and published is not None
+    if planner.baseline is None or published is None:
+        raise SystemExit(f"the baseline and {PUBLISHED} were not both measured in "
+                         f"{args.launches} launches: give more (--launches)")
     for batch in spec.batch:
         if not published.ok:
             print(f"  {PUBLISHED} at batch {batch}: infeasible (its launch failed)")

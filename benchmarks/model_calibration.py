@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from search_efficiency import (
+    check_arguments,
     load_worlds,
     output_arguments,
     publish,
@@ -128,7 +129,7 @@ def markdown(per_world: dict[str, dict], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--worlds", nargs="+",
                         default=["qwen3-30b-a3b-h100", "qwen3-8b-h100", "qwen3-coder-next-h200"],
                         help="shipped world or profile names, or world/profile files; 'all': "
@@ -142,6 +143,7 @@ def main() -> None:
                         help="launch and measurement noise (coefficient of variation)")
     output_arguments(parser)
     args = parser.parse_args()
+    check_arguments(parser, args)
     names = list(load_worlds(parser, args.worlds))
     jobs = [Job(w, seed, args.max_launches, args.top, args.noise)
             for w in names for seed in range(args.seeds)]

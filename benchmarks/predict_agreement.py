@@ -35,6 +35,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from treetune.config import TreeConfig
+from treetune.errors import InvalidTreeError
 from treetune.server import start_server
 
 PROFILE = "qwen3-8b-h100"
@@ -306,9 +308,19 @@ def measure(tree: str, cells: list[Cell], scale: float, fine_scale: float, quick
     return measured
 
 
+def tree_text(text: str) -> str:
+    """An argparse type: a tree as `treetune predict --tree` takes it, checked here."""
+    try:
+        TreeConfig.parse(text)
+    except InvalidTreeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tree", default="3,4,8", help="the tree, steps,topk,draft_tokens")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--tree", default="3,4,8", type=tree_text,
+                        help="the tree, steps,topk,draft_tokens")
     parser.add_argument("--quick", action="store_true",
                         help="shorter windows and fewer open-loop requests (about 4 minutes; "
                         "the full run about 25)")

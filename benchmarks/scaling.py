@@ -34,7 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # search_efficiency, beside us
 
 from search_efficiency import (
+    check_arguments,
     judge_mixed,
+    load_worlds,
     output_arguments,
     publish,
     run_pool,
@@ -164,18 +166,20 @@ def markdown(summary: dict[str, dict[str, dict]], args: argparse.Namespace) -> s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--workers", nargs="+", type=int, default=list(WORKERS))
     parser.add_argument("--strategies", nargs="+", default=["model", "tpe"])
     parser.add_argument("--worlds", nargs="+", default=["qwen3-coder-next-h200"],
                         help="shipped world or profile names, or files (default: the demo's "
                         "published Qwen3-Coder-Next profile, 4 datasets)")
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 32])
-    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="studies per strategy and worker count (default 10; 3 with "
+                        "--quick)")
     parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--max-launches", type=int, default=100,
+    parser.add_argument("--max-launches", type=int, default=None,
                         help="launches a study may use to reach the target (TPE needs "
-                        "dozens at one worker)")
+                        "dozens at one worker; default 100, 60 with --quick)")
     parser.add_argument("--noise", type=float, default=0.03,
                         help="launch and measurement noise (coefficient of variation)")
     parser.add_argument("--load-s", type=float, default=300.0, help="mean server load time")
@@ -185,8 +189,8 @@ def main() -> None:
                         help="3 seeds, up to 60 launches: under 3 minutes on 2 quiet cores")
     output_arguments(parser)
     args = parser.parse_args()
-    if args.quick:
-        args.seeds, args.max_launches = 3, 60
+    check_arguments(parser, args, quick={"seeds": 3, "max_launches": 60},
+                    defaults={"seeds": 10, "max_launches": 100})
     if any(w < 1 for w in args.workers):
         parser.error("--workers must be >= 1")
     batches = tuple(sorted(set(args.batch)))
@@ -196,7 +200,8 @@ def main() -> None:
             for world in args.worlds for strategy in args.strategies
             for workers in sorted(set(args.workers))
             for seed in range(args.first_seed, args.first_seed + args.seeds)]
-    args.cells = len(batches) * len(load_world(args.worlds[0]).profile.datasets)
+    worlds = load_worlds(parser, args.worlds)  # a bad name is a usage error, before any study
+    args.cells = len(batches) * len(next(iter(worlds.values())).profile.datasets)
     started = time.monotonic()
     rows, failed = run_pool(run_job, jobs, args.processes, lambda row: (
         f"{row['strategy']} x{row['workers']} seed {row['seed']}: target at "

@@ -57,6 +57,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from treetune import strategies
+from treetune.cli import writable
 from treetune.config import BASELINE, TreeConfig
 from treetune.datasets import builtin_names
 from treetune.errors import TreetuneError
@@ -448,6 +449,40 @@ def output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (a count of launches, seeds, processes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                    quick: dict[str, int] | None = None,
+                    defaults: dict[str, int] | None = None) -> None:
+    """Fill the options left unset (None): from `quick` with --quick, else `defaults`, so
+    that what is given explicitly stands; then refuse, as usage errors before any study
+    runs, what would crash later or lose the run: counts below one, an --output that
+    cannot be written."""
+    for name, value in (defaults or {}).items():
+        if getattr(args, name) is None:
+            setattr(args, name, (quick or {}).get(name, value)
+                    if getattr(args, "quick", False) else value)
+    for name, least in (("processes", 1), ("seeds", 1), ("max_launches", 2), ("budget", 1),
+                        ("launches", 1)):
+        value = getattr(args, name, None)
+        if value is not None and value < least:
+            parser.error(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    if args.output is not None:
+        try:
+            writable(args.output)
+        except TreetuneError as exc:
+            parser.error(str(exc))
+
+
 def run_pool(run: Callable[[Any], dict], jobs: list, processes: int,
              describe: Callable[[dict], str]) -> tuple[list[dict], int]:
     """Every job in a process pool, a progress line each on stderr: the rows in job order,
@@ -476,13 +511,16 @@ def publish(text: str, data: dict, args: argparse.Namespace, studies: int,
     """The markdown (to --output, and to stdout or beside the JSON) and the JSON summary."""
     text += (f"\n{studies} studies in {time.monotonic() - started:.0f} s "
              f"({time.strftime('%Y-%m-%d')}).\n")
-    if args.output:
-        args.output.write_text(text)
     if args.json:
         print(text, file=sys.stderr)  # the table still shows; stdout is the JSON alone
         print(json.dumps(data))
     else:
         print(text)
+    if args.output:  # printed first: a file that cannot be written loses nothing
+        try:
+            args.output.write_text(text)
+        except OSError as exc:
+            print(f"could not write --output {args.output}: {exc.strerror}", file=sys.stderr)
 
 
 def progress_line(row: dict) -> str:
@@ -502,17 +540,20 @@ def progress_line(row: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--worlds", nargs="+", default=["all"],
                         help="shipped world or profile names, or world/profile files; 'all' "
                         "(default): every shipped profile (the search's own model) and world")
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 32])
-    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--seeds", type=int, default=None, help="studies per world and "
+                        "strategy (default 20; 1 with --quick)")
     parser.add_argument("--first-seed", type=int, default=0,
                         help="seeds are first-seed .. first-seed + seeds - 1")
-    parser.add_argument("--budget", type=int, default=20, help="launches for the regret")
-    parser.add_argument("--max-launches", type=int, default=30,
-                        help="launches each study may use to reach the target")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="launches for the regret (default 20; 12 with --quick)")
+    parser.add_argument("--max-launches", type=int, default=None,
+                        help="launches each study may use to reach the target (default 30; "
+                        "16 with --quick)")
     parser.add_argument("--noise", type=float, default=0.03,
                         help="launch and measurement noise (coefficient of variation)")
     parser.add_argument("--prior-noise", type=float, default=None,
@@ -538,11 +579,12 @@ def main() -> None:
                         " a machine warming up or a neighbour leaving), which the search's "
                         "noise model, taking launches as independent, does not expect")
     parser.add_argument("--quick", action="store_true",
-                        help="every world, 1 seed, up to 16 launches: a smoke run")
+                        help="every world, 1 seed, up to 16 launches: a smoke run (options "
+                        "given explicitly stand)")
     output_arguments(parser)
     args = parser.parse_args()
-    if args.quick:
-        args.seeds, args.max_launches, args.budget = 1, 16, 12
+    check_arguments(parser, args, quick={"seeds": 1, "max_launches": 16, "budget": 12},
+                    defaults={"seeds": 20, "max_launches": 30, "budget": 20})
     if args.budget > args.max_launches:
         parser.error(f"--budget {args.budget} is beyond --max-launches {args.max_launches}: "
                      "the regret is read at the budget's launch, which no study reaches")

@@ -28,6 +28,7 @@ from typing import Any
 
 import optuna
 import yaml
+from search_efficiency import positive_int
 
 from treetune.results import LaunchResult, config_key
 from treetune.space import load_space
@@ -181,8 +182,8 @@ def differences(spec: StudySpec, clean: list[LaunchResult], faulty: list[LaunchR
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--launches", type=int, default=100)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--launches", type=positive_int, default=100)
     parser.add_argument("--seed", type=int, default=0,
                         help="the studies' seed (both runs share it)")
     parser.add_argument("--quick", action="store_true", help="20 launches, 1 worker kill")

@@ -12,6 +12,8 @@ import os
 import tempfile
 import time
 
+from search_efficiency import positive_int
+
 from treetune.study.runner import run_study
 from treetune.study.spec import load_study
 
@@ -36,8 +38,8 @@ def study(workers: int, launches: int, out: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--launches", type=int, default=8)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--launches", type=positive_int, default=8)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

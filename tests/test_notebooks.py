@@ -85,6 +85,8 @@ def test_the_pareto_notebook_shows_every_figure_of_the_study(small_study):
     assert all(title.startswith(p)
                for (title, _), p in zip(shown(nb), prefixes, strict=True))
     assert all(traces > 0 for _, traces in shown(nb))
+    # Its budget of 10 launches measured fewer configs: the baseline (at least) twice.
+    assert f"10 launches of {len(data.results)} configs (0 failed)" in printed(nb)
 
 
 @pytest.mark.slow

@@ -542,9 +542,10 @@ def _run_with_progress(spec: StudySpec, run_study: Callable[..., StudyOutcome]) 
             bar.console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
         said = len(p.notes)
         best = "  ".join(f"b{b}: {c} {m:.3f}" for b, (c, m) in sorted(p.best.items()))
-        running = f" running {', '.join(p.running)}" if p.running else ""
+        parts = [f"best {best or '-'}", f"running {', '.join(p.running)}" if p.running else "",
+                 p.message]
         bar.update(task, completed=p.launches_done, refresh=True,
-                   description=f"best {best or '-'} |{running} | {p.message}"[:160])
+                   description=escape(" | ".join(part for part in parts if part)[:160]))
 
     try:
         return run_study(spec, show)

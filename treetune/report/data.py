@@ -48,7 +48,12 @@ class StudyData:
     storage_url: str
     folder: Path
     strategy: str = ""
-    launches: int | None = None  # server launches, re-launches counted (None: one per config)
+    stored_launches: int | None = None  # re-launches counted (None: one per config)
+
+    @property
+    def launches(self) -> int:
+        """Server launches so far, a re-measured config's every launch counted."""
+        return len(self.results) if self.stored_launches is None else self.stored_launches
 
     @property
     def failed(self) -> list[LaunchResult]:
@@ -120,7 +125,7 @@ def load_study_data(source: str | Path, study: str | None = None) -> StudyData:
     if recs is None:  # stored before decisions were kept with the study: judge here
         recs = recommend(spec, results, baseline) if baseline else []
     return StudyData(spec, results, baseline, recs, spec.storage_url, folder, stored.strategy,
-                     launches=len(stored.results))
+                     stored_launches=len(stored.results))
 
 
 def _spec_from_storage(url: str, study: str | None) -> StudySpec:

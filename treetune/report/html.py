@@ -89,7 +89,6 @@ def _index(data: StudyData, outcome: ReportOutcome, out_dir: Path) -> str:
     notices = "".join(f"<p class=\"notice\">{e(n)}</p>" for n in outcome.notices)
     failed = "".join(f"<li>{e(r.config.label())}: {e(r.reason)}</li>" for r in data.failed)
     measured = ", ".join(e(r.config.label()) for r in data.results if r.ok) or "none yet"
-    launches = data.launches if data.launches is not None else len(data.results)
     rates = spec.criterion.rates_at(spec.max_batch)
     rate_words = (f"; rate cells ({', '.join(f'{r:g}' for r in rates)} req/s) are judged "
                   f"with batch {spec.max_batch}, whose server serves them" if rates else "")
@@ -100,7 +99,7 @@ tr:nth-child(even){{background:#f4f4f4}}.notice{{color:#a15c00}}</style></head><
 <h1>treetune study {e(spec.name)}</h1>
 <p>{e(spec.model)} with draft {e(spec.draft or "")}, TP {spec.tp}, SGLang {e(spec.sglang_version)};
 datasets {e(", ".join(spec.dataset_names))}; batch sizes {e(", ".join(map(str, spec.batch)))};
-{launches} launches of {len(data.results)} configs ({len(data.failed)} failed);
+{data.launches} launches of {len(data.results)} configs ({len(data.failed)} failed);
 tolerance {spec.tolerance:g}.</p>
 <p>Objective: {e(objective_line(spec))}{e(rate_words)}.</p>
 {notices}
