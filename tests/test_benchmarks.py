@@ -3,6 +3,7 @@ loses no other job's result, and treetune's errors cross a process pool intact."
 
 from __future__ import annotations
 
+import argparse
 import json
 import pickle
 import subprocess
@@ -16,7 +17,7 @@ from treetune.errors import ConfigFileError
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from search_efficiency import progress_line, run_pool  # noqa: E402
+from search_efficiency import check_arguments, progress_line, run_pool  # noqa: E402
 
 
 def _invert(x: int) -> dict:
@@ -391,3 +392,29 @@ def test_drawn_worlds_with_new_bases_rest_on_no_shipped_profile(tmp_path):
         gpus.add(gpu.name)
         heads.add(head_name is None)
     assert len(targets) >= 4 and len(gpus) >= 4 and heads == {True, False}
+
+
+@pytest.mark.parametrize(("script", "args", "message"), [
+    ("search_efficiency.py", ["--seeds", "0"], "--seeds must be >= 1, got 0"),
+    ("search_efficiency.py", ["--processes", "0"], "--processes must be >= 1, got 0"),
+    ("search_efficiency.py", ["--output", "{tmp}/missing/x.md"], "the folder {tmp}/missing "
+     "does not exist"),
+    ("scaling.py", ["--worlds", "nosuch"], "unknown world 'nosuch'"),
+    ("auto_prior.py", ["--seeds", "0"], "argument --seeds: must be >= 1, got 0"),
+    ("predict_agreement.py", ["--tree", "abc"], "tree 'abc' must be three integers"),
+])
+def test_a_benchmark_refuses_bad_arguments_before_any_study(tmp_path, script, args, message):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script),
+                           *(a.format(tmp=tmp_path) for a in args)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message.format(tmp=tmp_path) in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_quick_fills_only_the_benchmark_options_not_given():
+    args = argparse.Namespace(quick=True, seeds=3, max_launches=None, budget=None,
+                              processes=1, output=None)
+    check_arguments(argparse.ArgumentParser(), args, quick={"seeds": 1, "max_launches": 16,
+                                                            "budget": 12},
+                    defaults={"seeds": 20, "max_launches": 30, "budget": 20})
+    assert (args.seeds, args.max_launches, args.budget) == (3, 16, 12)
