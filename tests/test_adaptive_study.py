@@ -449,6 +449,11 @@ def test_schedules_the_engines_would_refuse_are_refused_here():
     assert any("capped at 1" in n for n in notes)
     with pytest.raises(ScheduleError, match="does not draft"):
         trtllm_schedule(ChainSchedule(((1, 0), (6, 3)), 32), "EAGLE3", "d")
+    assert "above batch 32 (the largest measured)" in notes[-1]
+    # SGLang's default config has a slot at 64 beyond a study that measured up to batch 8.
+    _, notes = trtllm_schedule(ChainSchedule(((1, 3), (64, 1)), 8), "EAGLE3", "d")
+    assert notes[-1].startswith("above batch 64 (the schedule's last slot; the study "
+                                "measured up to batch 8)")
 
 
 def test_an_adaptive_alternative_is_exported_next_to_the_pools_it_is_not_chosen_over(

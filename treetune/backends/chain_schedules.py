@@ -99,8 +99,10 @@ def trtllm_schedule(schedule: ChainSchedule, algorithm: str,
     notes = [f"batch {lo}-{hi}: {k} capped at {first} (TensorRT-LLM's max_draft_len is the "
              "smallest batch sizes' draft length)" for lo, hi, k in ranges if k > first]
     lengths = {str(hi): min(k, first) for _, hi, k in ranges}
-    notes.append(f"above batch {ranges[-1][1]} (the largest measured) TensorRT-LLM does not "
-                 "speculate")
+    last = ranges[-1][1]
+    where = ("the largest measured" if last == schedule.max_batch else
+             f"the schedule's last slot; the study measured up to batch {schedule.max_batch}")
+    notes.append(f"above batch {last} ({where}) TensorRT-LLM does not speculate")
     config: dict[str, Any] = {
         "decoding_type": TRTLLM_DECODING_TYPES.get(algorithm, algorithm),
         "max_draft_len": first}
