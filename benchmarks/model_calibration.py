@@ -151,7 +151,7 @@ def main() -> None:
     rows, failed = run_pool(run_job, jobs, args.processes,
                             lambda r: f"{r['world']} seed {r['seed']}")
     per_world = {w: summarize([r for r in rows if r["world"] == w]) for w in names}
-    publish(markdown(per_world, args), {"worlds": per_world}, args, len(jobs), started)
+    publish(markdown(per_world, args), {"worlds": per_world}, args, len(jobs), started, failed)
     if failed:
         raise SystemExit(1)
 

@@ -207,7 +207,7 @@ def main() -> None:
         f"{row['strategy']} x{row['workers']} seed {row['seed']}: target at "
         f"{row['wall_s'] / 3600:.2f} h, {row['launches']} launches"))
     summary = summarize(rows)
-    publish(markdown(summary, args), summary, args, len(jobs), started)
+    publish(markdown(summary, args), summary, args, len(jobs), started, failed)
     if failed:
         sys.exit(1)
 

@@ -507,9 +507,11 @@ def run_pool(run: Callable[[Any], dict], jobs: list, processes: int,
 
 
 def publish(text: str, data: dict, args: argparse.Namespace, studies: int,
-            started: float) -> None:
-    """The markdown (to --output, and to stdout or beside the JSON) and the JSON summary."""
-    text += (f"\n{studies} studies in {time.monotonic() - started:.0f} s "
+            started: float, failed: int = 0) -> None:
+    """The markdown (to --output, and to stdout or beside the JSON) and the JSON summary;
+    `studies` run, `failed` of them raised (left out of the tables)."""
+    lost = f" ({failed} failed, left out)" if failed else ""
+    text += (f"\n{studies - failed} studies{lost} in {time.monotonic() - started:.0f} s "
              f"({time.strftime('%Y-%m-%d')}).\n")
     if args.json:
         print(text, file=sys.stderr)  # the table still shows; stdout is the JSON alone
@@ -610,7 +612,8 @@ def main() -> None:
     per_world = {name: summarize([r for r in rows if r["world"] == name]) for name in names}
     overall = summarize(rows)
     publish(markdown(per_world, overall, args, kinds),
-            {"worlds": per_world, "all": overall, "studies": rows}, args, len(jobs), started)
+            {"worlds": per_world, "all": overall, "studies": rows}, args, len(jobs), started,
+            failed)
     if failed:
         sys.exit(1)
 
