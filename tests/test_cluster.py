@@ -84,8 +84,11 @@ def test_a_cluster_of_two_gpu_types_is_refused_without_a_pin(tmp_path, two_types
 
 def test_a_tp_larger_than_any_node_is_refused_before_any_worker_starts(tmp_path, two_types):
     address, _ = two_types
-    # Eight H100 GPUs in the cluster, four per node: a server of eight fits nowhere.
-    spec = load_study(None, small_study(tmp_path, ray_address=address, gpu_type="H100", tp=8))
+    # Eight H100 GPUs in the cluster, four per node: a server of eight fits nowhere. The
+    # emulated profile is one of 8 GPUs, so that the cluster, not the profile, refuses it.
+    backend = {**small_study(tmp_path)["backend"], "profile": "qwen3.5-397b-a17b-h200"}
+    spec = load_study(None, small_study(tmp_path, ray_address=address, gpu_type="H100", tp=8,
+                                        backend=backend))
     started = time.monotonic()
     with pytest.raises(TreetuneError, match=r"tp=8 needs 8 emulated GPUs on one node .* "
                                             r"the largest H100 node of the Ray cluster has 4"):
