@@ -283,6 +283,25 @@ def test_search_outcome_lists_every_measured_config_marking_the_recommended(
     assert "1.300" in rows["(5,1,6)"] and "1.200" in rows["(2,1,3)"]
 
 
+def test_search_outcome_shows_the_rate_cells_its_objective_judges(capsys, tmp_path):
+    from synthetic import launch, spec
+
+    from treetune.cli import _print_outcome
+    from treetune.study.recommend import advice, recommend
+    from treetune.study.runner import StudyOutcome
+
+    study = spec(tmp_path, datasets=["mt-bench"], batch=[1, 8], rates=[2.0],
+                 objective="goodput", slo={"tpot_ms": 50.0})
+    base = launch(BASELINE, {1: {"mt-bench": 100}, 8: {"mt-bench": 500}})
+    tree = launch(TreeConfig(3, 1, 4), {1: {"mt-bench": 150}, 8: {"mt-bench": 700}})
+    recs = recommend(study, [base, tree], base)
+    _print_outcome(study, StudyOutcome(study, [base, tree], base, launches=2,
+                                       strategy="grid"), recs, advice(recs))
+    header = next(line for line in capsys.readouterr().out.splitlines() if "tree" in line)
+    assert "b1 mt-bench" in header and "b8 mt-bench" in header
+    assert "mt-bench at 2 req/s" in header
+
+
 def test_search_outcome_says_why_no_speculation_won_a_batch_size(capsys, tmp_path):
     from synthetic import launch, spec
 

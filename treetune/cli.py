@@ -567,19 +567,20 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
                   f"{outcome.strategy})", caption="every measured config; > recommended "
                   "at some batch size; * compared; red: slower than no speculation")
     table.add_column("tree", no_wrap=True)
-    for b in sorted(spec.batch):
-        for d in spec.dataset_names:
-            table.add_column(escape(f"b{b} {d}"), justify="right", overflow="fold")
+    # Every judged cell: each dataset at each batch size, and the rate cells the objective
+    # judges (with the largest batch's server).
+    cells = [c for b in sorted(spec.batch) for c in spec.criterion.cells(spec.dataset_names, b)]
+    for c in cells:
+        table.add_column(escape(f"b{c.batch} {c.name}" if c.rate is None else c.name),
+                         justify="right", overflow="fold")
     shown = {r.config: r for r in outcome.results if r.ok and r.config.label() != "baseline"}
     chosen = {r.config for r in recs}
     for config, result in sorted(shown.items(), key=lambda kv: kv[0].label()):
-        cells = []
-        for b in sorted(spec.batch):
-            per = speedups(result, outcome.baseline, b, spec.dataset_names, spec.objective)
-            cells += [f"[red]{s:.3f}[/red]" if s < 1 else f"{s:.3f}" for s in per.values()]
+        per = speedups(result, outcome.baseline, cells, spec.objective).values()
+        values = [f"[red]{s:.3f}[/red]" if s < 1 else f"{s:.3f}" for s in per]
         tag = ("> " if config in chosen else "") + escape(spec.config_label(config)) + (
             " *" if config in spec.compare else "")
-        table.add_row(tag, *cells)
+        table.add_row(tag, *values)
     out.print(table)
     # escape: rich would take "[interval]" for a markup tag and print nothing of it.
     rec_table = Table(title=f"recommendations ({spec.objective.describe()})", caption=escape(

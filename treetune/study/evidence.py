@@ -646,12 +646,11 @@ def intervals(result: LaunchResult, baseline: LaunchResult, batch: int, datasets
             for k in criterion.cells(datasets, batch)}
 
 
-def speedups(result: LaunchResult, baseline: LaunchResult, batch: int,
-             datasets: Iterable[str], objective: Objective = Objective.THROUGHPUT
-             ) -> dict[str, float]:
-    """Measured speedup per dataset at one batch size (0 where a cell is missing)."""
+def speedups(result: LaunchResult, baseline: LaunchResult, cells: Iterable[CellKey],
+             objective: Objective = Objective.THROUGHPUT) -> dict[CellKey, float]:
+    """Measured speedup per cell, closed-loop or at a rate (0 where a cell is missing)."""
     exact = StudyNoise(0.0, objective=objective)
-    return {d: speedup_interval(result, baseline, d, batch, exact).mean for d in datasets}
+    return {c: _spread(result, baseline, c, exact).mean for c in cells}
 
 
 def floor_of(tolerance: float) -> float:
