@@ -266,6 +266,27 @@ def test_openai_route_returns_openai_shaped_completion_stopped_by_length(spec_se
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
+@pytest.mark.parametrize(("path", "body", "fragment"), [
+    ("/generate", {"text": "hi", "sampling_params": "x"}, "'sampling_params' must be a JSON "
+     "object"),
+    ("/generate", {"text": "hi", "sampling_params": [1]}, "'sampling_params' must be"),
+    ("/generate", {"input_ids": "abc"}, "input_ids must be a list of token ids"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": True,
+                         "stream_options": "x"}, "'stream_options' must be a JSON object"),
+])
+def test_a_field_of_the_wrong_type_is_a_400_not_a_crash(spec_server, path, body, fragment):
+    resp = post(spec_server, path, body)
+    assert resp.status_code == 400 and fragment in resp.text
+
+
+def test_a_completion_takes_token_ids_as_one_prompt_and_max_tokens_zero(spec_server):
+    out = post(spec_server, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 5,
+                                                "ignore_eos": True}).json()
+    assert out["usage"]["prompt_tokens"] == 3 and out["usage"]["completion_tokens"] == 5
+    none = post(spec_server, "/v1/completions", {"prompt": "hi", "max_tokens": 0}).json()
+    assert none["usage"]["completion_tokens"] == 0
+
+
 @pytest.mark.parametrize("route", OPENAI_ROUTES)
 def test_openai_route_streams_deltas_then_a_usage_chunk_when_include_usage(slow_server,
                                                                           route):

@@ -270,8 +270,10 @@ class EmulatedServer:
         ids = body.get("input_ids")
         if text is None and ids is None:
             raise web.HTTPBadRequest(text="/generate needs 'text' or 'input_ids'")
+        if ids is not None and not _token_ids(ids):
+            raise web.HTTPBadRequest(text="input_ids must be a list of token ids (integers)")
         prompt_tokens = len(ids) if isinstance(ids, list) else text_tokens(str(text))
-        params = body.get("sampling_params") or {}
+        params = _mapping(body, "sampling_params")
         req = self._submit(dataset, prompt_tokens, params.get("max_new_tokens", 128),
                            params.get("ignore_eos", False))
         seed = zlib.crc32(str(text if text is not None else ids).encode()) & 0xFFFF
@@ -290,7 +292,7 @@ class EmulatedServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body, dataset = await self._read(request)
         prompt = body.get("prompt")
-        if isinstance(prompt, list):
+        if isinstance(prompt, list) and not _token_ids(prompt):  # token ids are one prompt
             if len(prompt) != 1:
                 raise web.HTTPBadRequest(text="one prompt per request in the emulator")
             prompt = prompt[0]
@@ -311,7 +313,10 @@ class EmulatedServer:
 
     async def _openai(self, request: web.Request, body: dict[str, Any], dataset: str,
                       prompt_tokens: int, prompt: str, *, chat: bool) -> web.StreamResponse:
-        max_new = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        # 0 is a limit too: only an absent (or null) one takes the default.
+        max_new = next((body[k] for k in ("max_completion_tokens", "max_tokens")
+                        if body.get(k) is not None), 16)
+        options = _mapping(body, "stream_options")  # checked before any byte is sent
         req = self._submit(dataset, prompt_tokens, max_new, body.get("ignore_eos", False))
         seed = zlib.crc32(prompt.encode()) & 0xFFFF
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -337,7 +342,6 @@ class EmulatedServer:
         response = await _sse(request)
         sent = 0
         object_name = f"{kind}.chunk" if chat else kind
-        options = body.get("stream_options") or {}
         async with _client_may_leave(), contextlib.aclosing(self._tokens(req)) as tokens:
             async for count in tokens:
                 delta = token_text(seed, sent, count)
@@ -364,6 +368,20 @@ async def _client_may_leave() -> AsyncIterator[None]:
     """A streaming client that disconnects ends its request quietly, as in SGLang."""
     with contextlib.suppress(ConnectionResetError, ClientConnectionResetError):
         yield
+
+
+def _mapping(body: dict[str, Any], key: str) -> dict[str, Any]:
+    """An optional object field of a request, as SGLang validates it (400 otherwise)."""
+    value = body.get(key) or {}
+    if not isinstance(value, dict):
+        raise web.HTTPBadRequest(text=f"'{key}' must be a JSON object, got {value!r}")
+    return value
+
+
+def _token_ids(value: Any) -> bool:
+    """Whether `value` is a prompt of token ids: a non-empty list of integers."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
 async def _drain(tokens: AsyncIterator[int]) -> None:
