@@ -142,6 +142,23 @@ def test_a_read_only_storage_folder_is_refused_before_any_launch(tmp_path):
     assert "cannot write the study storage" in err and "not writable" in err
 
 
+@pytest.mark.no_ray  # refused before Ray starts (asserted): beside the heavy tests
+@pytest.mark.parametrize(("kind", "fragment"), [
+    ("text file", "is not an SQLite database (file is not a database)"),
+    ("folder", "is a folder: give a database file's path"),
+])
+def test_a_storage_that_is_no_database_is_refused_naming_it(tmp_path, kind, fragment):
+    where = tmp_path / "db" / "study.db"
+    if kind == "folder":
+        where.mkdir(parents=True)
+    else:
+        where.parent.mkdir()
+        where.write_text("notes, not a database\n")
+    code, err, _ = search(write_study(tmp_path, storage=f"sqlite:///{where}"))
+    assert_refused_before_any_launch(tmp_path, code, err)
+    assert f"the study storage {where} {fragment}" in " ".join(err.split())
+
+
 # A stand-in `sglang.launch_server` that behaves as SGLang does at start-up: it spawns a
 # scheduler process, then never becomes healthy (a wedged NCCL init, say).
 HANGING_SGLANG = textwrap.dedent("""

@@ -74,13 +74,21 @@ def check_sqlite(url: str) -> None:
         raise TreetuneError(f"cannot write the study storage {path}: its folder "
                             f"{path.parent} is not writable ({exc.strerror}); choose another "
                             "--storage or --output, or fix the folder's permissions") from None
+    if path.is_dir():
+        raise TreetuneError(f"the study storage {path} is a folder: give a database file's "
+                            "path (sqlite:///path/to/study.db)")
     if not path.exists():
         return
     connection = sqlite3.connect(path, timeout=LOCK_WAIT_S)
     try:
         connection.execute("BEGIN IMMEDIATE")
+        connection.execute("SELECT count(*) FROM sqlite_master")  # reads the file's header
         connection.rollback()
-    except sqlite3.OperationalError as exc:
+    except sqlite3.DatabaseError as exc:
+        if not isinstance(exc, sqlite3.OperationalError):  # "file is not a database"
+            raise TreetuneError(f"the study storage {path} is not an SQLite database "
+                                f"({exc}): give another --storage, or move that file "
+                                "away") from None
         if "locked" in str(exc) or "busy" in str(exc):
             raise TreetuneError(
                 f"the study storage {path} is locked by another process (still locked after "
