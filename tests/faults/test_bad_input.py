@@ -617,6 +617,14 @@ def test_a_gpu_override_not_in_the_gpu_table_is_refused_before_ray(capsys, tmp_p
         assert message.startswith(f"{path}, line {line_of(path, 'backend:')}: key 'backend.gpu'")
 
 
+def test_an_output_folder_holding_another_study_is_refused_naming_both(capsys, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "study.yaml").write_text("name: A\nmodel: m\n")
+    message = search(capsys, write_study(tmp_path, name="B"))
+    assert message.startswith(f"the output folder {tmp_path / 'out'} holds study 'A'")
+    assert "give it another --output, or --name A to resume that study" in message
+
+
 # ---- a traceback only with --debug --------------------------------------------------------------
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "treetune", *args], capture_output=True,

@@ -16,7 +16,8 @@ from treetune.errors import TreetuneError
 from treetune.perfmodel import load_profile
 from treetune.space import load_space
 from treetune.study.methods import method_spaces
-from treetune.study.spec import StudySpec
+from treetune.study.spec import SPEC_COPY, StudySpec
+from treetune.yamlio import load_yaml
 
 RAY_CONNECT_TIMEOUT_S = 5.0
 RAY_CLIENT_PORT = 10001  # ray:// addresses without a port
@@ -28,6 +29,7 @@ def check_study(spec: StudySpec) -> None:
     its search space (each draft method's) loads and fits the method, its strategy is
     installed, its prior profile loads, the cluster address answers, and the backend's
     own checks pass."""
+    check_output_folder(spec)
     load_datasets(spec.datasets, Path(spec.base_dir))
     if not spec.methods:
         load_space(spec.space)
@@ -41,6 +43,24 @@ def check_study(spec: StudySpec) -> None:
         check_ray_address(spec.ray_address, RAY_CONNECT_TIMEOUT_S)
     spec.backend.check(spec.launch_spec(), spec.dataset_names, {**os.environ, **spec.env},
                        local=spec.ray_address in (None, "", "local"))
+
+
+def check_output_folder(spec: StudySpec) -> None:
+    """The output folder is new, or this study's: another study's spec copy, scripts and
+    recommendations there would be overwritten by this one's, and mixed with them."""
+    copy = spec.output_dir / SPEC_COPY
+    if not copy.is_file():
+        return
+    try:
+        held = load_yaml(copy)
+    except TreetuneError:
+        return  # not a spec copy this check can read; the study's own checks follow
+    name = held.get("name") if isinstance(held, dict) else None
+    if isinstance(name, str) and name != spec.name:
+        raise TreetuneError(
+            f"the output folder {spec.output_dir} holds study '{name}' ({copy}); this is "
+            f"study '{spec.name}': give it another --output, or --name {name} to resume "
+            "that study")
 
 
 def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
