@@ -543,6 +543,19 @@ def test_small_tree_at_the_same_memory_setting_launches(emulators):
     server.wait_healthy()
 
 
+def test_without_max_running_requests_the_server_runs_what_its_kv_pool_holds(emulators):
+    # SGLang's no-speculation default (1024) does not fit one H100 with the 8B's KV
+    # reserve: SGLang then sizes the running batch to its pool instead of failing.
+    assert not check_memory(load_profile("qwen3-8b-h100"), BASELINE, 1024).fits
+    server = emulators.start(*server_args("--load-time", "0", profile="qwen3-8b-h100",
+                                          tp=None))
+    server.wait_healthy()
+    info = httpx.get(server.url + "/get_server_info", timeout=10).json()
+    assert 1 < info["max_running_requests"] < 1024
+    assert check_memory(load_profile("qwen3-8b-h100"), BASELINE,
+                        info["max_running_requests"]).fits
+
+
 # ---- 7. unknown flags --------------------------------------------------------------------
 
 def test_unknown_sglang_flags_are_ignored_with_a_warning_and_the_server_serves(emulators):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import socket
 import sys
@@ -13,6 +14,7 @@ from treetune.emulator.args import LaunchError, parse, warn_ignored
 from treetune.emulator.server import EmulatedServer, log
 from treetune.errors import TreetuneError
 from treetune.perfmodel import PerfModel, check_memory, load_profile
+from treetune.perfmodel.memory import MemoryCheck
 from treetune.worlds import load_world
 
 
@@ -42,9 +44,22 @@ def main(argv: list[str] | None = None) -> int:
               f"'{profile.name}' has {profile.hardware.gpus} {profile.hardware.gpu}",
               file=sys.stderr, flush=True)
         return 1
-    memory = check_memory(profile, settings.config, settings.max_running_requests,
-                          tp=settings.tp, mem_fraction_static=settings.mem_fraction_static,
-                          method=model.method)
+    def memory_at(running: int) -> MemoryCheck:
+        return check_memory(profile, settings.config, running, tp=settings.tp,
+                            mem_fraction_static=settings.mem_fraction_static,
+                            method=model.method)
+
+    memory = memory_at(settings.max_running_requests)
+    if not memory.fits and not settings.max_running_requests_set:
+        # Without --max-running-requests SGLang sizes the running batch to its KV pool:
+        # the most requests that fit, not an out-of-memory exit.
+        low, high = 0, settings.max_running_requests
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if memory_at(middle).fits else (low, middle - 1)
+        if low >= 1:
+            settings = dataclasses.replace(settings, max_running_requests=low)
+            memory = memory_at(low)
     if not memory.fits:
         print(f"[emulator] ERROR: RuntimeError: Not enough memory. Please try to increase "
               f"--mem-fraction-static or reduce --max-running-requests. ({memory.reason})",
