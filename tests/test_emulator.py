@@ -302,6 +302,9 @@ def test_openai_route_streams_deltas_then_a_usage_chunk_when_include_usage(slow_
     texts = [c["choices"][0]["delta"]["content"] if route == "chat" else c["choices"][0]["text"]
              for c in deltas]
     assert sum(words(t) for t in texts) == 40  # deltas, not cumulative text
+    if route == "chat":  # the role once, in the first delta, as SGLang sends it
+        assert [c["choices"][0]["delta"].get("role") for c in deltas] == [
+            "assistant", *[None] * (len(deltas) - 1)]
     reasons = [c["choices"][0]["finish_reason"] for c in deltas]
     assert reasons[-1] == "length"
     assert set(reasons[:-1]) == {None}

@@ -341,6 +341,7 @@ class EmulatedServer:
                                       "model": model, "choices": [choice], "usage": usage()})
         response = await _sse(request)
         sent = 0
+        role = {"role": "assistant"}  # in the first chunk's delta only, as SGLang sends it
         object_name = f"{kind}.chunk" if chat else kind
         async with _client_may_leave(), contextlib.aclosing(self._tokens(req)) as tokens:
             async for count in tokens:
@@ -348,8 +349,9 @@ class EmulatedServer:
                 sent = count
                 choice = {"index": 0, "finish_reason": finish() if req.done else None,
                           "logprobs": None}
-                choice.update({"delta": {"role": "assistant", "content": delta}} if chat
+                choice.update({"delta": {**role, "content": delta}} if chat
                               else {"text": delta})
+                role = {}
                 chunk = {"id": rid, "object": object_name, "created": created, "model": model,
                          "choices": [choice]}
                 if options.get("continuous_usage_stats"):
