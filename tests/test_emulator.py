@@ -431,6 +431,12 @@ def test_token_and_verify_counters_move_as_requests_end_as_sglang_counts_them(sl
 
 # ---- 5. /metrics -------------------------------------------------------------------------
 
+def test_an_idle_server_reports_no_running_request_and_no_kv_in_use(spec_server):
+    asyncio.run(concurrent_generate(spec_server, 2, max_new_tokens=32))
+    idle = metrics(spec_server)  # the requests have ended: nothing holds the KV cache
+    assert idle["sglang:num_running_reqs"] == 0 and idle["sglang:token_usage"] == 0
+
+
 def test_metrics_expose_sglang_gauges_counters_and_histograms(spec_server):
     asyncio.run(concurrent_generate(spec_server, 2, max_new_tokens=32))
     resp = httpx.get(spec_server.url + "/metrics", timeout=10)

@@ -190,7 +190,7 @@ class Engine:
             self._count(req)
         if req in self.running:
             self.running.remove(req)
-            self.metrics.running(len(self.running))
+            self.metrics.running(len(self.running), self._token_usage())
             self._count(req)
 
     def _count(self, req: Request) -> None:
@@ -332,7 +332,7 @@ class Engine:
             self.metrics.e2e(self.clock - req.arrival)
             self._count(req)
             req.updates.put_nowait(-1)  # end of stream
-        self.metrics.running(len(self.running))
+        self.metrics.running(len(self.running), self._token_usage())
 
     def _token_usage(self) -> float:
         pool = self.profile.server.reserve_context_tokens * self.max_running

@@ -59,8 +59,11 @@ class ServerMetrics:
     def queue(self, n: int) -> None:
         self._queue.set(n)
 
-    def running(self, n: int) -> None:
+    def running(self, n: int, token_usage: float) -> None:
+        """The running requests changed (admitted, finished, cancelled): the gauges that
+        follow them."""
         self._running.set(n)
+        self._usage.set(token_usage)
 
     def finished(self, prompt_tokens: int, generated: int, verify_calls: int) -> None:
         """One request ended (finished or aborted): its counts, as SGLang adds them."""
