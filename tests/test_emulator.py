@@ -431,6 +431,21 @@ def test_token_and_verify_counters_move_as_requests_end_as_sglang_counts_them(sl
 
 # ---- 5. /metrics -------------------------------------------------------------------------
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 20000,
+                                                     "ignore_eos": True}}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 20000, "ignore_eos": True}),
+])
+def test_a_client_that_leaves_a_non_streaming_request_aborts_it(slow_server, path, body):
+    # On the slow clock the request would run for minutes; its client waits 1 s.
+    with pytest.raises(httpx.TimeoutException):
+        post(slow_server, path, body, timeout=1.0)
+    deadline = time.monotonic() + 20.0
+    while metrics(slow_server)["sglang:num_running_reqs"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metrics(slow_server)["sglang:num_running_reqs"] == 0
+
+
 def test_an_idle_server_reports_no_running_request_and_no_kv_in_use(spec_server):
     asyncio.run(concurrent_generate(spec_server, 2, max_new_tokens=32))
     idle = metrics(spec_server)  # the requests have ended: nothing holds the KV cache

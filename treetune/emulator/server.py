@@ -246,6 +246,15 @@ class EmulatedServer:
             if req.finished_at is None:
                 self.engine.cancel(req)
 
+    async def _until_done(self, request: web.Request, req: Request) -> None:
+        """A non-streaming request's rounds until it ends. A client that has gone aborts
+        it, as SGLang's tokenizer manager does when it finds the connection closed: its
+        slot is not held for an answer no one reads."""
+        async with contextlib.aclosing(self._tokens(req)) as tokens:
+            async for _ in tokens:
+                if request.transport is None or request.transport.is_closing():
+                    return  # closing `tokens` cancels the request
+
     def _meta(self, req: Request, seed: int) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": req.rid,
@@ -278,7 +287,7 @@ class EmulatedServer:
                            params.get("ignore_eos", False))
         seed = zlib.crc32(str(text if text is not None else ids).encode()) & 0xFFFF
         if not body.get("stream"):
-            await _drain(self._tokens(req))
+            await self._until_done(request, req)
             return web.json_response({"text": token_text(seed, 0, req.generated),
                                       "meta_info": self._meta(req, seed)})
         response = await _sse(request)
@@ -332,7 +341,7 @@ class EmulatedServer:
             return "length" if req.generated >= req.max_new_tokens else "stop"
 
         if not body.get("stream"):
-            await _drain(self._tokens(req))
+            await self._until_done(request, req)
             text = token_text(seed, 0, req.generated)
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish(), "logprobs": None}
             choice.update({"message": {"role": "assistant", "content": text}} if chat
@@ -384,12 +393,6 @@ def _token_ids(value: Any) -> bool:
     """Whether `value` is a prompt of token ids: a non-empty list of integers."""
     return (isinstance(value, list) and bool(value)
             and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
-
-
-async def _drain(tokens: AsyncIterator[int]) -> None:
-    async with contextlib.aclosing(tokens) as stream:  # type: ignore[type-var]
-        async for _ in stream:
-            pass
 
 
 async def _sse(request: web.Request) -> web.StreamResponse:
