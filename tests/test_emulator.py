@@ -273,8 +273,10 @@ def test_openai_route_returns_openai_shaped_completion_stopped_by_length(spec_se
     ("/generate", {"input_ids": "abc"}, "input_ids must be a list of token ids"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": True,
                          "stream_options": "x"}, "'stream_options' must be a JSON object"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n=2 is not emulated"),
 ])
-def test_a_field_of_the_wrong_type_is_a_400_not_a_crash(spec_server, path, body, fragment):
+def test_a_field_of_the_wrong_type_or_n_above_one_is_a_400_not_a_crash(spec_server, path, body,
+                                                                      fragment):
     resp = post(spec_server, path, body)
     assert resp.status_code == 400 and fragment in resp.text
 

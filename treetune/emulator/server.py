@@ -326,6 +326,9 @@ class EmulatedServer:
         max_new = next((body[k] for k in ("max_completion_tokens", "max_tokens")
                         if body.get(k) is not None), 16)
         options = _mapping(body, "stream_options")  # checked before any byte is sent
+        if body.get("n") not in (None, 1):  # refused rather than answered with one choice
+            raise web.HTTPBadRequest(text=f"n={body['n']!r} is not emulated: one choice per "
+                                     "request (send n requests)")
         req = self._submit(dataset, prompt_tokens, max_new, body.get("ignore_eos", False))
         seed = zlib.crc32(prompt.encode()) & 0xFFFF
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
