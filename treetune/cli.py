@@ -226,21 +226,23 @@ def _own_method(config: TreeConfig, own: str) -> TreeConfig:
 Row = TypeVar("Row", Prediction, ServingPrediction)
 
 
+def _ranked(rows: list[Row]) -> list[list[Row]]:
+    """One cell's rows grouped by config, the best mean speedup over the datasets first."""
+    by_config: dict[ServerConfig, list[Row]] = {}
+    for row in rows:
+        by_config.setdefault(row.config, []).append(row)
+    return sorted(by_config.values(), key=lambda rs: -statistics.fmean(r.speedup for r in rs))
+
+
 def _top_rows(rows: list[Row], top: int | None) -> list[Row]:
     """The rows of each cell's `top` configs by mean speedup over the datasets, ranked
     (as the tables show them); all rows, in order, without `top`."""
     if not top:
         return rows
-    cells: dict[tuple[int, float | None], dict[ServerConfig, list[Row]]] = {}
+    cells: dict[tuple[int, float | None], list[Row]] = {}
     for row in rows:
-        cell = (row.batch, getattr(row, "rate", None))
-        cells.setdefault(cell, {}).setdefault(row.config, []).append(row)
-    kept: list[Row] = []
-    for by_config in cells.values():
-        ranked = sorted(by_config.values(),
-                        key=lambda rs: -statistics.fmean(r.speedup for r in rs))
-        kept += [r for rs in ranked[:top] for r in rs]
-    return kept
+        cells.setdefault((row.batch, getattr(row, "rate", None)), []).append(row)
+    return [r for cell in cells.values() for rs in _ranked(cell)[:top] for r in rs]
 
 
 def _print_serving(profile: str, rows: list[ServingPrediction], datasets: list[str],
@@ -248,11 +250,7 @@ def _print_serving(profile: str, rows: list[ServingPrediction], datasets: list[s
     """One cell's whole-request predictions: a row per config and dataset, configs ranked
     by mean speedup over the datasets."""
     first = rows[0]
-    by_config: dict[ServerConfig, list[ServingPrediction]] = {}
-    for row in rows:
-        by_config.setdefault(row.config, []).append(row)
-    ranked = sorted(by_config.values(), key=lambda cells: -statistics.fmean(
-        p.speedup for p in cells))
+    ranked = _ranked(rows)
     shown = ranked[:top] if top else ranked
     if first.rate is None:
         cell, speedup = f"closed loop at batch {first.batch}", "speedup over no speculation"
@@ -288,15 +286,11 @@ def _print_serving(profile: str, rows: list[ServingPrediction], datasets: list[s
 def _print_ranking(
     profile: str, batch: int, rows: list[Prediction], datasets: list[str], top: int | None
 ) -> None:
-    by_config: dict[ServerConfig, dict[str, Prediction]] = {}
-    for r in rows:
-        by_config.setdefault(r.config, {})[r.dataset] = r
+    ranked = [(rs[0].config, {p.dataset: p for p in rs}) for rs in _ranked(rows)]
+    shown = ranked[:top] if top else ranked
 
     def mean_speedup(cells: dict[str, Prediction]) -> float:
         return statistics.fmean(p.speedup for p in cells.values())
-
-    ranked = sorted(by_config.items(), key=lambda kv: -mean_speedup(kv[1]))
-    shown = ranked[:top] if top else ranked
     title = f"{profile}, batch {batch}"
     if top:
         title += f": top {len(shown)} of {len(ranked)} configs by mean speedup"
