@@ -471,8 +471,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
         if getattr(args, name) is None:
             setattr(args, name, (quick or {}).get(name, value)
                     if getattr(args, "quick", False) else value)
-    for name, least in (("processes", 1), ("seeds", 1), ("max_launches", 2), ("budget", 1),
-                        ("launches", 1)):
+    for name, least in (("processes", 1), ("seeds", 1), ("max_launches", 2), ("budget", 1)):
         value = getattr(args, name, None)
         if value is not None and value < least:
             parser.error(f"--{name.replace('_', '-')} must be >= {least}, got {value}")

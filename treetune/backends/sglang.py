@@ -238,11 +238,11 @@ def _not_ngram(steps: int, topk: int, draft_tokens: int) -> str:
 
 def parse_method_tree(text: str, algorithm: str) -> TreeConfig:
     """A tree typed 'S,K,N' (a server of `algorithm`) or 'METHOD:S,K,N', refused unless it
-    names a server of its method. An NGRAM server is checked as typed: SGLang's chain
+    names a server of its method. An NGRAM server is judged as typed: SGLang's chain
     rule would make '1,1,8' the chain (1,1,2), which is NGRAM's N=2, not the N=8 asked."""
     method, steps, topk, draft_tokens = TreeConfig.typed(text)
     own = method or algorithm
-    if own == NGRAM and topk == 1 and steps != draft_tokens - 1 and draft_tokens >= 2:
+    if own == NGRAM and steps != draft_tokens - 1 and draft_tokens >= 2:
         raise InvalidTreeError(_not_ngram(steps, topk, draft_tokens))
     config = TreeConfig.of(steps, topk, draft_tokens, method)
     problem = method_tree_problem(own, config)
