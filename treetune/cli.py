@@ -138,8 +138,7 @@ def predict(
 
     prof = load_profile(profile)
     own = method.upper() if method else DEFAULT_METHOD  # the method of a tree typed bare
-    models = {own: PerfModel(prof, method=own)}
-    model = models[own]
+    model = PerfModel(prof, method=own)
     datasets = list(dict.fromkeys(dataset or prof.datasets))
     for name in datasets:
         prof.dataset(name)
@@ -147,7 +146,7 @@ def predict(
     rate = list(dict.fromkeys(rate or []))
     if any(b < 1 for b in batches):
         raise TreetuneError(f"batch sizes must be >= 1, got {batches}")
-    if any(r <= 0 for r in rate or []):
+    if any(r <= 0 for r in rate):
         raise TreetuneError(f"--rate must be > 0 requests/s, got {rate}")
     for flag, value in (("--prompt-tokens", prompt_tokens), ("--output-tokens", output_tokens),
                         ("--max-running-requests", max_running_requests)):
@@ -173,24 +172,19 @@ def predict(
         configs += tree_space.configs()
     if not configs:
         raise TreetuneError("nothing to predict: give --tree S,K,N and/or --space NAME")
-    configs = list(dict.fromkeys(configs))
-    for c in configs:
-        if (c.method or own) not in models:
-            models[c.method] = PerfModel(prof, method=c.method)
+    methods: dict[ServerConfig, str] = {c: c.method or own for c in dict.fromkeys(configs)}
+    models = {m: model if m == own else PerfModel(prof, method=m) for m in set(methods.values())}
 
-    def priced(c: TreeConfig) -> PerfModel:
-        return models[c.method or own]
-
-    def method_of(c: ServerConfig) -> str:
-        return (c.method if isinstance(c, TreeConfig) else "") or own
+    def priced(c: ServerConfig) -> PerfModel:
+        return models[methods[c]]
 
     title = prof.name if method is None else f"{prof.name} ({model.method_name})"
     if prompt_tokens is None and output_tokens is None and not rate:
         rows = [priced(c).predict(c, d, b, max_running_requests)
-                for b in batches for c in configs for d in datasets]
+                for b in batches for c in methods for d in datasets]
         if as_json:
             kept = _top_rows(rows, top if space else None)
-            print(json.dumps([{"method": method_of(r.config), **r.record()} for r in kept],
+            print(json.dumps([{"method": methods[r.config], **r.record()} for r in kept],
                              indent=1))
             return
         for b in batches:
@@ -204,13 +198,13 @@ def predict(
 
     cap = max_running_requests or max(batches, default=SPEC_DEFAULT_MAX_RUNNING)
     cells: list[tuple[int | None, float | None]] = [(b, None) for b in batches]
-    cells += [(None, r) for r in rate or []]
+    cells += [(None, r) for r in rate]
     served = [priced(c).predict_serving(c, d, shape(d), batch=b, rate=r,
                                         max_running_requests=max_running_requests if b else cap)
-              for b, r in cells for c in configs for d in datasets]
+              for b, r in cells for c in methods for d in datasets]
     if as_json:
         kept_served = _top_rows(served, top if space else None)
-        print(json.dumps([{"method": method_of(p.config), **p.record()} for p in kept_served],
+        print(json.dumps([{"method": methods[p.config], **p.record()} for p in kept_served],
                          indent=1))
         return
     for b, r in cells:
