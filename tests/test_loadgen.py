@@ -153,6 +153,9 @@ def test_an_http_error_raises_server_request_error_naming_the_url_and_status(tre
 
     assert caught.value.status == 400
     assert f"{tree_url}/v1/completions" in str(caught.value) and "400" in str(caught.value)
+    # The message of SGLang's JSON error object, not the JSON itself.
+    assert caught.value.detail.startswith("X-Treetune-Dataset: profile "), caught.value.detail
+    assert "has no dataset 'no-such-dataset'" in caught.value.detail
 
 
 # ---- measuring a cell ------------------------------------------------------------------

@@ -6,6 +6,7 @@ code that waits for a server to start.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.error
@@ -218,5 +219,16 @@ def _completion_tokens(chunk: Any, url: str) -> int | None:
 
 
 async def _detail(response: aiohttp.ClientResponse) -> str:
+    """What a refused request's answer says: the message of SGLang's JSON errors (the
+    OpenAI endpoints' `{"object": "error", "message": ...}`, `/generate`'s
+    `{"error": {"message": ...}}`), else the first line of its text."""
     text = (await response.text(errors="replace")).strip()
+    with contextlib.suppress(ValueError):
+        body = json.loads(text)
+        if isinstance(body, dict):
+            error = body.get("error")
+            message = body.get("message") or (error.get("message") if isinstance(error, dict)
+                                              else error)
+            if isinstance(message, str) and message.strip():
+                text = message.strip()
     return text.splitlines()[0][:300] if text else (response.reason or "")

@@ -11,6 +11,7 @@ import time
 import uuid
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,29 @@ def token_text(seed: int, start: int, end: int) -> str:
     return "".join(" " + WORDS[(seed + 7919 * i) % len(WORDS)] for i in range(start, end))
 
 
+@web.middleware
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A request refused before its answer started, in SGLang's shape: the OpenAI
+    endpoints' error object (`{"object": "error", "message", "type", "param", "code"}`, as
+    `OpenAIServingBase.create_error_response` writes it) and `/generate`'s
+    `{"error": {"message"}}`; the other endpoints answer in plain text, as SGLang's do,
+    and so does a path or method no route serves."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        routed = exc.status not in (404, 405)
+        if exc.status < 400 or not routed or not (request.path.startswith("/v1/")
+                                                  or request.path == "/generate"):
+            raise
+        message = exc.text or exc.reason
+        if request.path == "/generate":
+            return web.json_response({"error": {"message": message}}, status=exc.status)
+        kind = ("BadRequestError" if exc.status == 400
+                else HTTPStatus(exc.status).phrase.title().replace(" ", "") + "Error")
+        return web.json_response({"object": "error", "message": message, "type": kind,
+                                  "param": None, "code": exc.status}, status=exc.status)
+
+
 class EmulatedServer:
     def __init__(self, settings: EmulatorSettings, profile: Profile,
                  model: PerfModel | None = None) -> None:
@@ -69,7 +93,7 @@ class EmulatedServer:
                                         settings.cuda_graph_max_bs) if adaptive else None),
             log=log,
         )
-        self.app = web.Application(middlewares=[self._auth])
+        self.app = web.Application(middlewares=[self._auth, _json_errors])
         self.app.add_routes([
             web.get("/health", self.health),
             web.get("/health_generate", self.health),
