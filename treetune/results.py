@@ -169,6 +169,10 @@ class LaunchResult:
     # speed for every node (`evidence.level_nodes`), per node: (node, share of the
     # result's launches that ran there, the baseline's launches there).
     leveled: tuple[tuple[str, float, float], ...] = ()
+    # Derived, never stored: where the study leveled a time trend out of the launches
+    # (`evidence.level_trend`), the standard error (log) that the trend's slope adds to
+    # this result's speedups, signed by its launches' mean time against the baseline's.
+    trend: float = 0.0
 
     def cell(self, dataset: str, batch: int) -> CellResult | None:
         return next((c for c in self.cells if c.dataset == dataset and c.batch == batch), None)

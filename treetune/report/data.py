@@ -119,7 +119,8 @@ def load_study_data(source: str | Path, study: str | None = None) -> StudyData:
             spec = spec.replace(output=str(folder))
     stored = read_study(spec)
     # One per config, re-launches merged, nodes leveled: what the search judged.
-    results = list(merge_leveled(stored.results).values())
+    results = list(merge_leveled(stored.results, spec.search.launch_cv,
+                                  spec.search.learns_noise).values())
     baseline = next((r for r in results if r.ok and r.config is BASELINE), None)
     recs = stored.recommendations
     if recs is None:  # stored before decisions were kept with the study: judge here

@@ -93,7 +93,8 @@ def merge(results: Iterable[LaunchResult]) -> LaunchResult:
                   for cell in first.rate_cells]
     return dataclasses.replace(first, cells=cells, rate_cells=rate_cells,
                                attempts=sum(r.attempts for r in ok),
-                               leveled=_merge_leveled(ok))
+                               leveled=_merge_leveled(ok),
+                               trend=statistics.fmean(r.trend for r in ok))
 
 
 def _merge_leveled(ok: list[LaunchResult]) -> tuple[tuple[str, float, float], ...]:
@@ -153,9 +154,28 @@ def merge_all(results: Iterable[LaunchResult]) -> dict[str, LaunchResult]:
     return {key: merge(group) for key, group in grouped.items()}
 
 
-def merge_leveled(launched: list[LaunchResult]) -> dict[str, LaunchResult]:
-    """`merge_all` of the launches as `level_nodes` levels them: what the study judges."""
-    return merge_all(level_nodes(launched)[0])
+def merge_leveled(launched: list[LaunchResult], prior_launch_cv: float,
+                  learned: bool = True) -> dict[str, LaunchResult]:
+    """`merge_all` of the launches as `level_nodes` and then `level_trend` level them:
+    what the study judges. `prior_launch_cv`, `learned`: the study's launch noise prior
+    (see `study_noise`), which the trend's error is judged by."""
+    return merge_all(leveled_launches(launched, prior_launch_cv, learned)[0])
+
+
+def leveled_launches(launched: list[LaunchResult], prior_launch_cv: float,
+                     learned: bool = True) -> tuple[list[LaunchResult], Trend | None]:
+    """The launches as `level_nodes` and then `level_trend` level them, and the trend
+    leveled (None: none)."""
+    by_node = level_nodes(launched)[0]
+    if (fitted := launch_trend(by_node, StudyNoise.prior(prior_launch_cv))) is None:
+        return by_node, None
+    # The trend is judged by the launch noise learned with it taken out: a trend widens
+    # the baseline's spread, which would hide it (the baseline's slope fitted costs its
+    # spread one degree of freedom).
+    noise = study_noise(merge_all(_detrended(by_node, fitted)).values(), prior_launch_cv,
+                        learned=learned)
+    noise = dataclasses.replace(noise, launch_dof=max(noise.launch_dof - 1, 0))
+    return level_trend(by_node, noise)
 
 
 PRIOR_LAUNCHES = 2  # the prior launch spread counts as this many degrees of freedom
@@ -175,6 +195,12 @@ ODD_SHIFT = 0.05
 NODE_SIGMAS = 3.0
 NODE_SHIFT = 0.03
 NODE_CONFIGS = 3  # configs launched on the node and elsewhere: one slow launch is no node
+# A time trend in the launches' speed is leveled only when it is clear (`Trend.clear`):
+# this many standard errors of its slope (two-sided, about 1%), a move of at least this
+# over the launches so far, from at least this many baseline launches.
+TREND_SIGMAS = 2.576
+TREND_SHIFT = 0.03
+TREND_BASELINES = 3
 
 
 @dataclass(frozen=True)
@@ -514,8 +540,12 @@ def level_nodes(launched: list[LaunchResult]) -> tuple[list[LaunchResult], dict[
 
 
 def _leveled(result: LaunchResult, gap: float, base_launches: float) -> LaunchResult:
-    factor = math.exp(-gap)
+    return dataclasses.replace(_scaled(result, math.exp(-gap)),
+                               leveled=((node_of(result), 1.0, base_launches),))
 
+
+def _scaled(result: LaunchResult, factor: float) -> LaunchResult:
+    """`result` with every throughput it measured times `factor`."""
     def cell(c: CellResult) -> CellResult:
         return dataclasses.replace(
             c, output_tok_s=c.output_tok_s * factor,
@@ -523,8 +553,90 @@ def _leveled(result: LaunchResult, gap: float, base_launches: float) -> LaunchRe
             launch_tok_s=tuple(v * factor for v in c.launch_tok_s))
 
     return dataclasses.replace(result, cells=[cell(c) for c in result.cells],
-                               rate_cells=[cell(c) for c in result.rate_cells],
-                               leveled=((node_of(result), 1.0, base_launches),))
+                               rate_cells=[cell(c) for c in result.rate_cells])
+
+
+@dataclass(frozen=True)
+class Trend:
+    """How the machine's speed moved with time over a study's launches, as the baseline's
+    launches show it (`launch_trend`)."""
+
+    slope: float  # log speed per launch (0.003: 0.3% faster with each launch)
+    se: float  # the slope's standard error
+    dof: float  # degrees of freedom of the launch noise it is judged by
+    baselines: int  # the baseline's launches it was fitted from
+    launches: int  # the study's launches so far
+
+    @property
+    def sigmas(self) -> float:
+        return abs(self.slope) / self.se if self.se > 0 else 0.0
+
+    @property
+    def clear(self) -> bool:
+        """Whether the trend is both sure (TREND_SIGMAS standard errors, as far as a
+        Student-t of its degrees of freedom reaches) and large (a move of TREND_SHIFT or
+        more over the study's launches so far)."""
+        if self.se <= 0 or self.baselines < TREND_BASELINES:
+            return False
+        sure = self.sigmas >= TREND_SIGMAS * widening(self.dof, TREND_SIGMAS)
+        return sure and abs(self.slope) * max(self.launches - 1, 1) >= TREND_SHIFT
+
+
+def launch_trend(launched: list[LaunchResult], noise: StudyNoise) -> Trend | None:
+    """The time trend of the machine's speed over `launched` (oldest first; a launch's
+    time is its place among them): the baseline's launches' `launch_levels`, each about its
+    node's mean, against their places, one least-squares slope; its error from the study's
+    launch noise (`noise`, a launch's level moving by its launch_cv). None with fewer than
+    two baseline launches on a node.
+
+    Only the baseline's launches: it is launched on a schedule, whatever it measures, where
+    a tree is launched again because its first launch looked good (a confirmation, a
+    race), so its next launch tends lower (regression to the mean) and trees' repeats read
+    as a falling trend: in a traced study at +1% per launch they fitted +0.2%, at 0.3%
+    standard error (benchmarks/RESULTS.md, stop 68)."""
+    by_node: dict[str, list[tuple[int, LaunchResult]]] = {}
+    for place, result in enumerate(launched):
+        if result.ok and result.cells and result.config == BASELINE:
+            by_node.setdefault(node_of(result), []).append((place, result))
+    groups = []
+    for items in by_node.values():
+        if len(items) >= 2 and (rows := common_cells([r for _, r in items])):
+            groups.append(([float(place) for place, _ in items], launch_levels(rows)))
+    centered = [(t - statistics.fmean(ts), y - statistics.fmean(ys))
+                for ts, ys in groups for t, y in zip(ts, ys, strict=True)]
+    sxx = sum(t * t for t, _ in centered)
+    if sxx <= 0:
+        return None
+    slope = sum(t * y for t, y in centered) / sxx
+    dof = noise.launch_dof + PRIOR_LAUNCHES if noise.learned else math.inf
+    return Trend(slope, noise.launch_cv / math.sqrt(sxx), dof, len(centered), len(launched))
+
+
+def level_trend(launched: list[LaunchResult], noise: StudyNoise
+                ) -> tuple[list[LaunchResult], Trend | None]:
+    """Every launch (oldest first) at the speed of the baseline's launches' mean time, when
+    the machine's speed clearly moved with time (`launch_trend`, `Trend.clear`), and the
+    trend leveled (None: the launches as they are). A machine that warms up or a
+    neighbour that leaves makes the trees launched late look faster than the baseline
+    launched early, by more than the launch noise, taken as independent, allows: a tree
+    truly below the floor was recommended (benchmarks/RESULTS.md, stop 66). A leveled
+    launch notes how far its time is from the baseline's in slope errors
+    (`LaunchResult.trend`): its speedup's interval carries the slope's error
+    (`leveling_variance`). Latencies and goodput are left as measured."""
+    trend = launch_trend(launched, noise)
+    if trend is None or not trend.clear:
+        return launched, None
+    return _detrended(launched, trend), trend
+
+
+def _detrended(launched: list[LaunchResult], trend: Trend) -> list[LaunchResult]:
+    """Every launch (oldest first) at the speed of the baseline's launches' mean time, by
+    `trend`'s slope; each noting how far it is in time from them in slope errors."""
+    center = statistics.fmean(place for place, r in enumerate(launched)
+                              if r.ok and r.cells and r.config == BASELINE)
+    return [dataclasses.replace(_scaled(r, math.exp(-trend.slope * (place - center))),
+                                trend=(place - center) * trend.se)
+            if r.ok else r for place, r in enumerate(launched)]
 
 
 def node_variance(result: LaunchResult, baseline: LaunchResult, launch_cv: float) -> float:
@@ -542,6 +654,16 @@ def node_variance(result: LaunchResult, baseline: LaunchResult, launch_cv: float
     pooled = sum(launches for launches in counts.values())
     matched = sum((shares.get(node, 0.0) + rest) ** 2 / k for node, k in counts.items())
     return launch_cv ** 2 * max(matched - 1 / pooled, 0.0)
+
+
+def leveling_variance(result: LaunchResult, baseline: LaunchResult, launch_cv: float
+                      ) -> float:
+    """The variance the study's leveling adds to the log speedup of `result` against
+    `baseline`: the node leveling's (`node_variance`) and the time trend's (its slope's
+    error over the time between their launches, `level_trend`)."""
+    if result.config == BASELINE:
+        return 0.0
+    return node_variance(result, baseline, launch_cv) + (result.trend - baseline.trend) ** 2
 
 
 def launch_values(cell: CellResult, objective: Objective) -> list[float | None]:
@@ -615,8 +737,9 @@ def _spread(result: LaunchResult, baseline: LaunchResult, key: CellKey,
     mean = objective.ratio(objective.value_of(cell), objective.value_of(base))
     parts = [variance_parts(cell, noise), variance_parts(base, noise)]
     launch, window = sum(p[0] for p in parts), sum(p[1] for p in parts)
-    # A tree compared with its own node's baseline carries that baseline's error.
-    nodes = (node_variance(result, baseline, noise.launch_cv)
+    # A tree compared with its own node's baseline carries that baseline's error, and a
+    # tree leveled for a time trend the trend's.
+    nodes = (leveling_variance(result, baseline, noise.launch_cv)
              if objective is Objective.THROUGHPUT else 0.0)
     launch += nodes
     return _Spread(mean, math.sqrt(launch + window), noise.dof_of(launch, window),

@@ -47,11 +47,12 @@ from treetune.study.evidence import (
     intervals,
     judge,
     launches_of,
+    leveled_launches,
+    leveling_variance,
     merge,
     merge_leveled,
     node_of,
     node_shifts,
-    node_variance,
     node_yardstick,
     noise_of,
     odd_launch,
@@ -92,6 +93,12 @@ THIN_SDS = 1.0
 # dense-band study a baseline measured 4.3% low over four launches passed a tree truly at
 # the floor (stop 61).
 THIN_BASELINE_LIMITS = 2
+# While a tree is recommended, the baseline is launched again once its latest launch is
+# this many launches older than the recommendation's latest (`_remeasure_stale`): a
+# machine whose speed moves with time shows it only in a baseline launched at more than
+# one time (`evidence.level_trend`), and a machine getting faster makes late trees look
+# good, so no thin margin would call for the baseline.
+STALE_LAUNCHES = 10
 
 
 @dataclass
@@ -137,8 +144,8 @@ class Planner:
         self.spec = spec
         self.store = store
         self.launched = list(launched)  # every finished launch, oldest first
-        # One per config, its launches merged, each node's leveled by its baseline.
-        self.results: dict[str, LaunchResult] = merge_leveled(self.launched)
+        # One per config, its launches merged, leveled by node and by a time trend.
+        self.results: dict[str, LaunchResult] = self._merged()
         self.in_flight: list[Task] = []
         self.deferred = 0  # re-measurements put off in a row for forecast gains
         self.queue: list[Task] = [Task(c) for c in (BASELINE, *spec.compare)
@@ -150,12 +157,14 @@ class Planner:
         self.told_odd: set[tuple[str, int]] = set()  # (config key, launch) said odd
         self.told_nodes: set[str] = set()  # nodes said to run apart from the others
         self.told_kernels: set[str] = set()  # attention backends said to differ
+        self.told_trend = False  # whether a time trend in the launches was said
         # A resumed study's launches were judged in the session that ran them (what was
         # said is not stored): judged again now, in silence, so that none is named twice.
         if self.launched:
             self.odd_notes(config_key(BASELINE))
             self.node_notes()
             self.kernel_notes()
+            self.trend_notes()
         self.floor = floor_of(spec.tolerance)
         self.studies = BatchStudies(store, space)
         prior, why_not = study_prior(spec, facts)
@@ -233,7 +242,7 @@ class Planner:
         if cell is None or base is None:
             return math.inf
         return (relative_variance(cell, noise) + relative_variance(base, noise)
-                + node_variance(result, baseline, noise.launch_cv))
+                + leveling_variance(result, baseline, noise.launch_cv))
 
     def noise(self) -> StudyNoise:
         """The study's measurement noise of its objective, learned from its launches so
@@ -335,6 +344,8 @@ class Planner:
         ranked = self._confirmed_by_rank(noise, estimates())
         if (thin := self._remeasure_thin(busy, ranked)) is not None:
             return thin
+        if (stale := self._remeasure_stale(busy, ranked)) is not None:
+            return stale
         for batch in self.spec.batch:
             # The mixed workload's recommendation; when no tree is even plausible for every
             # dataset at this batch size, each dataset's own (what a server dedicated to
@@ -529,6 +540,28 @@ class Planner:
                 return Task(leader.config, remeasure=True, thin=True)
         return None
 
+    def _remeasure_stale(self, busy: set[str], ranked: dict[int, list[Verdict]]
+                         ) -> Task | None:
+        """The baseline again when a recommendation (the mixed workload's, at some batch
+        size) was launched last STALE_LAUNCHES or more launches after the baseline's latest
+        launch, running or done: the recommendation is then compared with a baseline of
+        another time, and only the baseline launched at several times shows whether the
+        machine's speed moved in between (`evidence.level_trend`). At +1% per launch the
+        trees launched late looked good, no margin was thin, and the baseline of launches 1
+        and 3 was never launched again (benchmarks/RESULTS.md, stop 68). `ranked`: as
+        `_remeasure_leader` reads it."""
+        if "baseline" in busy:
+            return None
+        places: dict[str, int] = {}
+        for place, result in enumerate(self.launched):
+            places[config_key(result.config)] = place
+        latest_base = places.get("baseline", -1)
+        for confirmed in ranked.values():
+            if confirmed and places.get(config_key(confirmed[0].config), -1) \
+                    >= latest_base + STALE_LAUNCHES:
+                return Task(BASELINE, remeasure=True)
+        return None
+
     # ---- adaptive steps ---------------------------------------------------------------
     def _adaptive_chains(self) -> list[Task]:
         """The chains the tuning reads, measured like compared configs (`adaptive: true`)."""
@@ -671,6 +704,25 @@ class Planner:
                 "alike need fewer launches")
         return notes
 
+    def trend_notes(self) -> list[str]:
+        """A word for the user, once, when the machine's speed clearly moves with time
+        (`level_trend`): the study then compares each tree with the baseline at the
+        baseline's time, and its bounds widen by the trend's error."""
+        if self.told_trend:
+            return []
+        _, trend = leveled_launches(self.launched, self.spec.search.launch_cv,
+                                    self.spec.search.learns_noise)
+        if trend is None:
+            return []
+        self.told_trend = True
+        move = math.exp(trend.slope) - 1
+        return [f"the machine runs {abs(move):.2%} {'faster' if move > 0 else 'slower'} "
+                f"with each launch ({trend.sigmas:.0f} standard errors out, from the "
+                f"baseline's {trend.baselines} launches in {trend.launches}): "
+                "a GPU warming up or a neighbour coming or going? The study compares each "
+                "tree with the baseline at the baseline's time, and its bounds widen by "
+                "the trend's error. A machine that runs steadily needs fewer launches"]
+
     def kernel_notes(self) -> list[str]:
         """A word for the user, once per attention backend, when a tree's server resolved
         another attention backend than its own node's baseline (`server_info`): left to
@@ -707,8 +759,14 @@ class Planner:
         config's merged result."""
         self.launched.append(result)
         # A baseline launch on another node can change every config's leveling.
-        self.results = merge_leveled(self.launched)
+        self.results = self._merged()
         return self.results[key]
+
+    def _merged(self) -> dict[str, LaunchResult]:
+        """Every config's launches merged, as `merge_leveled` levels them (nodes, then a
+        time trend)."""
+        return merge_leveled(self.launched, self.spec.search.launch_cv,
+                             self.spec.search.learns_noise)
 
     def _next_index(self, key: str) -> int:
         """Which launch of `key` the next one is: those finished and those running."""
