@@ -18,6 +18,9 @@ the intervals hold what they claim early in a study too, and narrow as the noise
 
 On several nodes, every node runs the baseline and each tree is compared with the baseline
 of its own node (`level_nodes`): a node slow for every launch it runs biases no speedup.
+A machine whose speed clearly moves with time, as the baseline's launches at several times
+show it, has the trend leveled out (`level_trend`): a tree launched late is compared with
+the baseline at the baseline's time.
 """
 
 from __future__ import annotations
@@ -620,8 +623,8 @@ def level_trend(launched: list[LaunchResult], noise: StudyNoise
     neighbour that leaves makes the trees launched late look faster than the baseline
     launched early, by more than the launch noise, taken as independent, allows: a tree
     truly below the floor was recommended (benchmarks/RESULTS.md, stop 66). A leveled
-    launch notes how far its time is from the baseline's in slope errors
-    (`LaunchResult.trend`): its speedup's interval carries the slope's error
+    launch notes the slope's error times its distance in launches from the baseline's
+    mean time (`LaunchResult.trend`): its speedup's interval carries that error
     (`leveling_variance`). Latencies and goodput are left as measured."""
     trend = launch_trend(launched, noise)
     if trend is None or not trend.clear:
@@ -631,7 +634,7 @@ def level_trend(launched: list[LaunchResult], noise: StudyNoise
 
 def _detrended(launched: list[LaunchResult], trend: Trend) -> list[LaunchResult]:
     """Every launch (oldest first) at the speed of the baseline's launches' mean time, by
-    `trend`'s slope; each noting how far it is in time from them in slope errors."""
+    `trend`'s slope; each noting the slope's error times its distance from that time."""
     center = statistics.fmean(place for place, r in enumerate(launched)
                               if r.ok and r.cells and r.config == BASELINE)
     return [dataclasses.replace(_scaled(r, math.exp(-trend.slope * (place - center))),
