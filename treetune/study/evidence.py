@@ -595,8 +595,8 @@ def launch_trend(launched: list[LaunchResult], noise: StudyNoise) -> Trend | Non
     Only the baseline's launches: it is launched on a schedule, whatever it measures, where
     a tree is launched again because its first launch looked good (a confirmation, a
     race), so its next launch tends lower (regression to the mean) and trees' repeats read
-    as a falling trend: in a traced study at +1% per launch they fitted +0.2%, at 0.3%
-    standard error (benchmarks/RESULTS.md, stop 68)."""
+    as a falling trend: in a traced study at +1% per launch they fitted +0.02% to +0.23%,
+    at about 0.3% standard error (benchmarks/RESULTS.md, stop 68)."""
     by_node: dict[str, list[tuple[int, LaunchResult]]] = {}
     for place, result in enumerate(launched):
         if result.ok and result.cells and result.config == BASELINE:
