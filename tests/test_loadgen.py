@@ -19,7 +19,7 @@ import pytest
 
 from treetune.backends import LaunchSpec
 from treetune.backends.emulator import EMULATOR_API, emulator_command
-from treetune.client import ServerClient, ServerRequestError
+from treetune.client import ServerClient, ServerRequestError, _detail
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.datasets import Prompt, PromptSet
 from treetune.loadgen import MeasurementError, arrival_times, measure_cell, measure_open_cell
@@ -156,6 +156,31 @@ def test_an_http_error_raises_server_request_error_naming_the_url_and_status(tre
     # The message of SGLang's JSON error object, not the JSON itself.
     assert caught.value.detail.startswith("X-Treetune-Dataset: profile "), caught.value.detail
     assert "has no dataset 'no-such-dataset'" in caught.value.detail
+
+
+class _Answer:
+    """What `_detail` reads of an HTTP answer: its text and reason."""
+
+    def __init__(self, text: str, reason: str = "Bad Request") -> None:
+        self._text, self.reason = text, reason
+
+    async def text(self, errors: str = "strict") -> str:
+        return self._text
+
+
+@pytest.mark.parametrize(("body", "said"), [
+    ('{"object": "error", "message": "max_tokens is too large", "type": "BadRequestError", '
+     '"param": null, "code": 400}', "max_tokens is too large"),  # the OpenAI endpoints'
+    ('{"error": {"message": "The input is too long"}}', "The input is too long"),  # /generate
+    ('{"error": "Unauthorized"}', "Unauthorized"),  # the API key middleware
+    ('{"detail": "Not Found"}', "Not Found"),  # FastAPI's own
+    ('{"error": {"message": ""}}', '{"error": {"message": ""}}'),  # nothing said: as sent
+    ("plain words\nsecond line", "plain words"),
+    ("[" * 100_000, "[" * 300),  # nested past the parser's depth: the text, cut
+    ("", "Bad Request"),
+])
+def test_a_refusal_is_shown_by_its_message(body, said):
+    assert asyncio.run(_detail(_Answer(body))) == said
 
 
 # ---- measuring a cell ------------------------------------------------------------------

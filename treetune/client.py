@@ -221,14 +221,15 @@ def _completion_tokens(chunk: Any, url: str) -> int | None:
 async def _detail(response: aiohttp.ClientResponse) -> str:
     """What a refused request's answer says: the message of SGLang's JSON errors (the
     OpenAI endpoints' `{"object": "error", "message": ...}`, `/generate`'s
-    `{"error": {"message": ...}}`), else the first line of its text."""
+    `{"error": {"message": ...}}`, FastAPI's `{"detail": ...}`), else the first line of
+    its text."""
     text = (await response.text(errors="replace")).strip()
-    with contextlib.suppress(ValueError):
+    with contextlib.suppress(ValueError, RecursionError):
         body = json.loads(text)
         if isinstance(body, dict):
             error = body.get("error")
-            message = body.get("message") or (error.get("message") if isinstance(error, dict)
-                                              else error)
+            message = (body.get("message") or body.get("detail")
+                       or (error.get("message") if isinstance(error, dict) else error))
             if isinstance(message, str) and message.strip():
                 text = message.strip()
     return text.splitlines()[0][:300] if text else (response.reason or "")

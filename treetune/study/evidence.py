@@ -169,16 +169,19 @@ def leveled_launches(launched: list[LaunchResult], prior_launch_cv: float,
                      learned: bool = True) -> tuple[list[LaunchResult], Trend | None]:
     """The launches as `level_nodes` and then `level_trend` level them, and the trend
     leveled (None: none)."""
-    by_node = level_nodes(launched)[0]
-    if (fitted := launch_trend(by_node, StudyNoise.prior(prior_launch_cv))) is None:
-        return by_node, None
+    # The trend first, from the launches as measured (its fit is about each node's own
+    # mean): a node's baseline run at another mean time than the others' holds part of
+    # the trend in its gap, which leveling the nodes first would take out twice.
+    if (fitted := launch_trend(launched, StudyNoise.prior(prior_launch_cv))) is None:
+        return level_nodes(launched)[0], None
     # The trend is judged by the launch noise learned with it taken out: a trend widens
     # the baseline's spread, which would hide it (the baseline's slope fitted costs its
     # spread one degree of freedom).
-    noise = study_noise(merge_all(_detrended(by_node, fitted)).values(), prior_launch_cv,
-                        learned=learned)
+    detrended = level_nodes(_detrended(launched, fitted))[0]
+    noise = study_noise(merge_all(detrended).values(), prior_launch_cv, learned=learned)
     noise = dataclasses.replace(noise, launch_dof=max(noise.launch_dof - 1, 0))
-    return level_trend(by_node, noise)
+    leveled, trend = level_trend(launched, noise)
+    return level_nodes(leveled)[0], trend
 
 
 PRIOR_LAUNCHES = 2  # the prior launch spread counts as this many degrees of freedom
@@ -586,11 +589,11 @@ class Trend:
 
 
 def launch_trend(launched: list[LaunchResult], noise: StudyNoise) -> Trend | None:
-    """The time trend of the machine's speed over `launched` (oldest first; a launch's
-    time is its place among them): the baseline's launches' `launch_levels`, each about its
-    node's mean, against their places, one least-squares slope; its error from the study's
-    launch noise (`noise`, a launch's level moving by its launch_cv). None with fewer than
-    two baseline launches on a node.
+    """The time trend of the machine's speed over `launched` (a launch's time is its place
+    among them, `places`): the baseline's launches' `launch_levels`, each about its node's
+    mean, against their places, one least-squares slope; its error from the study's noise
+    (`noise`: a launch's level moves by its launch_cv and its cells' mean sub-window
+    noise). None with fewer than two baseline launches on a node.
 
     Only the baseline's launches: it is launched on a schedule, whatever it measures, where
     a tree is launched again because its first launch looked good (a confirmation, a
@@ -598,13 +601,16 @@ def launch_trend(launched: list[LaunchResult], noise: StudyNoise) -> Trend | Non
     as a falling trend: in a traced study at +1% per launch they fitted +0.02% to +0.23%,
     at about 0.3% standard error (benchmarks/RESULTS.md, stop 68)."""
     by_node: dict[str, list[tuple[int, LaunchResult]]] = {}
-    for place, result in enumerate(launched):
+    for place, result in zip(places(launched), launched, strict=True):
         if result.ok and result.cells and result.config == BASELINE:
             by_node.setdefault(node_of(result), []).append((place, result))
     groups = []
+    variance = 0.0  # a level's: the launch factor's and its cells' mean sub-window noise
     for items in by_node.values():
         if len(items) >= 2 and (rows := common_cells([r for _, r in items])):
             groups.append(([float(place) for place, _ in items], launch_levels(rows)))
+            window = statistics.fmean(variance_parts(c, noise)[1] for row in rows for c in row)
+            variance = max(variance, noise.launch_cv ** 2 + window / len(rows))
     centered = [(t - statistics.fmean(ts), y - statistics.fmean(ys))
                 for ts, ys in groups for t, y in zip(ts, ys, strict=True)]
     sxx = sum(t * t for t, _ in centered)
@@ -612,7 +618,19 @@ def launch_trend(launched: list[LaunchResult], noise: StudyNoise) -> Trend | Non
         return None
     slope = sum(t * y for t, y in centered) / sxx
     dof = noise.launch_dof + PRIOR_LAUNCHES if noise.learned else math.inf
-    return Trend(slope, noise.launch_cv / math.sqrt(sxx), dof, len(centered), len(launched))
+    return Trend(slope, math.sqrt(variance / sxx), dof, len(centered), len(launched))
+
+
+def places(launched: list[LaunchResult]) -> list[int]:
+    """Each launch's place in time among `launched`: by when it started, where that is
+    known (the runner stamps it), else by its place in the list. The planner keeps
+    launches in the order they finish and the stored study in the order they were begun;
+    with several workers these differ, and a trend judged by either would differ too."""
+    order = sorted(range(len(launched)), key=lambda i: (launched[i].started_at or 0.0, i))
+    place = [0] * len(launched)
+    for rank, i in enumerate(order):
+        place[i] = rank
+    return place
 
 
 def level_trend(launched: list[LaunchResult], noise: StudyNoise
@@ -635,11 +653,12 @@ def level_trend(launched: list[LaunchResult], noise: StudyNoise
 def _detrended(launched: list[LaunchResult], trend: Trend) -> list[LaunchResult]:
     """Every launch (oldest first) at the speed of the baseline's launches' mean time, by
     `trend`'s slope; each noting the slope's error times its distance from that time."""
-    center = statistics.fmean(place for place, r in enumerate(launched)
+    timed = list(zip(places(launched), launched, strict=True))
+    center = statistics.fmean(place for place, r in timed
                               if r.ok and r.cells and r.config == BASELINE)
     return [dataclasses.replace(_scaled(r, math.exp(-trend.slope * (place - center))),
                                 trend=(place - center) * trend.se)
-            if r.ok else r for place, r in enumerate(launched)]
+            if r.ok else r for place, r in timed]
 
 
 def node_variance(result: LaunchResult, baseline: LaunchResult, launch_cv: float) -> float:

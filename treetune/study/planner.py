@@ -56,6 +56,7 @@ from treetune.study.evidence import (
     node_yardstick,
     noise_of,
     odd_launch,
+    places,
     relative_variance,
     study_noise,
     window_spread,
@@ -544,21 +545,23 @@ class Planner:
                          ) -> Task | None:
         """The baseline again when a recommendation (the mixed workload's, at some batch
         size) was launched last STALE_LAUNCHES or more launches after the baseline's latest
-        launch, running or done: the recommendation is then compared with a baseline of
+        launch, running or done, up to THIN_BASELINE_LIMITS times the per-config limit
+        (as a thin margin's): the recommendation is then compared with a baseline of
         another time, and only the baseline launched at several times shows whether the
         machine's speed moved in between (`evidence.level_trend`). At +1% per launch the
         trees launched late looked good, no margin was thin, and the baseline of launches 1
         and 3 was never launched again (benchmarks/RESULTS.md, stop 68). `ranked`: as
         `_remeasure_leader` reads it."""
-        if "baseline" in busy:
+        limit = THIN_BASELINE_LIMITS * self.spec.search.max_launches_per_config
+        if "baseline" in busy or self._next_index("baseline") >= limit:
             return None
-        places: dict[str, int] = {}
-        for place, result in enumerate(self.launched):
-            places[config_key(result.config)] = place
-        latest_base = places.get("baseline", -1)
+        latest: dict[str, int] = {}
+        for place, result in zip(places(self.launched), self.launched, strict=True):
+            key = config_key(result.config)
+            latest[key] = max(place, latest.get(key, -1))
         for confirmed in ranked.values():
-            if confirmed and places.get(config_key(confirmed[0].config), -1) \
-                    >= latest_base + STALE_LAUNCHES:
+            if confirmed and latest.get(config_key(confirmed[0].config), -1) \
+                    >= latest.get("baseline", -1) + STALE_LAUNCHES:
                 return Task(BASELINE, remeasure=True)
         return None
 
