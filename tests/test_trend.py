@@ -30,7 +30,7 @@ from treetune.study.evidence import (
 )
 from treetune.study.offline import Noise, simulate_launch
 from treetune.study.planner import STALE_LAUNCHES, THIN_BASELINE_LIMITS, Planner
-from treetune.study.spec import load_study
+from treetune.study.spec import StudySpec, load_study
 from treetune.study.storage import StudyStore
 
 DRIFT = 0.01  # launch k runs at 1 + DRIFT x k
@@ -38,16 +38,21 @@ DRIFT = 0.01  # launch k runs at 1 + DRIFT x k
 BASE_AT = (0, 1, 8, 14)
 
 
+def fresh(tmp_path, **over) -> tuple[StudySpec, Planner, PerfModel]:
+    """A small grid study's spec, a planner with nothing launched, and its truth."""
+    spec = load_study(None, small_study(tmp_path, **over, search={
+        "strategy": "grid", "max_launches_per_config": 4}))
+    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                      load_space(spec.space), [])
+    return spec, planner, PerfModel(spec.backend.facts(spec.launch_spec(), {}), spec.tp)
+
+
 def drifting_study(tmp_path, drift: float, noise: Noise, seed: int = 0, repeats: int = 0):
     """A planner fed, launch by launch on one machine whose launch k runs at
     1 + drift x k: the baseline at launches BASE_AT, eleven trees once each between and
     after (the last two at launches 15 and 16), and then the first `repeats` trees once
     more."""
-    spec = load_study(None, small_study(tmp_path, search={
-        "strategy": "grid", "max_launches_per_config": 4}))
-    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
-                      load_space(spec.space), [])
-    truth = PerfModel(spec.backend.facts(spec.launch_spec(), {}), spec.tp)
+    spec, planner, truth = fresh(tmp_path)
     rng = np.random.default_rng(seed)
     trees = list(load_space(spec.space).configs())[:13]
     order = list(trees[:13])
@@ -171,11 +176,7 @@ def test_a_slight_trend_under_much_noise_is_left_as_measured(tmp_path):
 def test_nodes_taking_turns_read_as_no_trend(tmp_path):
     """Every config launched on node a, then at once on node b 12% slower: the baseline's
     launches are fitted about each node's own mean, so the nodes' gap reads as no trend."""
-    spec = load_study(None, small_study(tmp_path, search={
-        "strategy": "grid", "max_launches_per_config": 4}))
-    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
-                      load_space(spec.space), [])
-    truth = PerfModel(spec.backend.facts(spec.launch_spec(), {}), spec.tp)
+    spec, planner, truth = fresh(tmp_path)
     rng = np.random.default_rng(0)
     trees = list(load_space(spec.space).configs())[:8]
     for config in [BASELINE, *trees[:4], BASELINE, *trees[4:], BASELINE]:
@@ -193,11 +194,7 @@ def test_a_recommendation_launched_long_after_the_baseline_calls_the_baseline_ag
     baseline of the study's first launches would never run again, so no trend could show.
     Once the recommendation's latest launch is STALE_LAUNCHES after the baseline's, the
     baseline goes next (not while one runs); launched, it is fresh again."""
-    spec = load_study(None, small_study(tmp_path, compare=[], search={
-        "strategy": "grid", "max_launches_per_config": 4}))
-    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
-                      load_space(spec.space), [])
-    truth = PerfModel(spec.backend.facts(spec.launch_spec(), {}), spec.tp)
+    spec, planner, truth = fresh(tmp_path, compare=[])
     rng = np.random.default_rng(0)
     quiet = Noise(0.005, 0.005)
 
@@ -248,11 +245,7 @@ def test_two_nodes_whose_baselines_ran_at_other_times_are_leveled_once(tmp_path)
     baseline ran early, so its gap holds part of the trend: the trend is taken out of the
     launches as measured, before the nodes are leveled, or node b's trees would come out
     about 6% fast and node a's 2.5% slow."""
-    spec = load_study(None, small_study(tmp_path, search={
-        "strategy": "grid", "max_launches_per_config": 4}))
-    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
-                      load_space(spec.space), [])
-    truth = PerfModel(spec.backend.facts(spec.launch_spec(), {}), spec.tp)
+    spec, planner, truth = fresh(tmp_path)
     rng = np.random.default_rng(0)
     trees = list(load_space(spec.space).configs())[:20]
     plan = [(BASELINE, "a"), (BASELINE, "a"), (BASELINE, "b"), (BASELINE, "b"),
