@@ -209,13 +209,16 @@ class ServerClient:
 
 def _completion_tokens(chunk: Any, url: str) -> int | None:
     if isinstance(chunk, dict) and "error" in chunk:
-        error = chunk["error"]
-        message = error.get("message", error) if isinstance(error, dict) else error
-        raise ServerRequestError(url, 200, f"error in stream: {message}")
+        raise ServerRequestError(url, 200, f"error in stream: {_message(chunk['error'])}")
     usage = chunk.get("usage") if isinstance(chunk, dict) else None
     if not usage:
         return None
     return int(usage.get("completion_tokens") or 0)
+
+
+def _message(error: Any) -> Any:
+    """What an `error` field says: its `message` when it is an object, else itself."""
+    return error.get("message", error) if isinstance(error, dict) else error
 
 
 async def _detail(response: aiohttp.ClientResponse) -> str:
@@ -227,9 +230,8 @@ async def _detail(response: aiohttp.ClientResponse) -> str:
     with contextlib.suppress(ValueError, RecursionError):
         body = json.loads(text)
         if isinstance(body, dict):
-            error = body.get("error")
             message = (body.get("message") or body.get("detail")
-                       or (error.get("message") if isinstance(error, dict) else error))
+                       or _message(body.get("error")))
             if isinstance(message, str) and message.strip():
                 text = message.strip()
     return text.splitlines()[0][:300] if text else (response.reason or "")

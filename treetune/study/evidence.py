@@ -172,7 +172,10 @@ def leveled_launches(launched: list[LaunchResult], prior_launch_cv: float,
     # The trend first, from the launches as measured (its fit is about each node's own
     # mean): a node's baseline run at another mean time than the others' holds part of
     # the trend in its gap, which leveling the nodes first would take out twice.
-    if (fitted := launch_trend(launched, StudyNoise.prior(prior_launch_cv))) is None:
+    # Its slope is the noise's own; the noise learned without it is learned only for a
+    # trend large enough to level (this runs after every launch).
+    fitted = launch_trend(launched, StudyNoise.prior(prior_launch_cv))
+    if fitted is None or not fitted.large:
         return level_nodes(launched)[0], None
     # The trend is judged by the launch noise learned with it taken out: a trend widens
     # the baseline's spread, which would hide it (the baseline's slope fitted costs its
@@ -578,14 +581,19 @@ class Trend:
         return abs(self.slope) / self.se if self.se > 0 else 0.0
 
     @property
+    def large(self) -> bool:
+        """Whether the trend is large enough to level, whatever its error: a move of
+        TREND_SHIFT or more over the study's launches so far, from TREND_BASELINES
+        baseline launches or more."""
+        return (self.baselines >= TREND_BASELINES
+                and abs(self.slope) * max(self.launches - 1, 1) >= TREND_SHIFT)
+
+    @property
     def clear(self) -> bool:
-        """Whether the trend is both sure (TREND_SIGMAS standard errors, as far as a
-        Student-t of its degrees of freedom reaches) and large (a move of TREND_SHIFT or
-        more over the study's launches so far)."""
-        if self.se <= 0 or self.baselines < TREND_BASELINES:
-            return False
-        sure = self.sigmas >= TREND_SIGMAS * widening(self.dof, TREND_SIGMAS)
-        return sure and abs(self.slope) * max(self.launches - 1, 1) >= TREND_SHIFT
+        """Whether the trend is both large (`large`) and sure (TREND_SIGMAS standard
+        errors, as far as a Student-t of its degrees of freedom reaches)."""
+        return self.large and self.se > 0 and \
+            self.sigmas >= TREND_SIGMAS * widening(self.dof, TREND_SIGMAS)
 
 
 def launch_trend(launched: list[LaunchResult], noise: StudyNoise) -> Trend | None:

@@ -40,6 +40,7 @@ from treetune.study.evidence import (
     Estimates,
     Interval,
     StudyNoise,
+    Trend,
     Verdict,
     confirm_chance,
     doubted,
@@ -50,7 +51,7 @@ from treetune.study.evidence import (
     leveled_launches,
     leveling_variance,
     merge,
-    merge_leveled,
+    merge_all,
     node_of,
     node_shifts,
     node_yardstick,
@@ -146,7 +147,9 @@ class Planner:
         self.store = store
         self.launched = list(launched)  # every finished launch, oldest first
         # One per config, its launches merged, leveled by node and by a time trend.
-        self.results: dict[str, LaunchResult] = self._merged()
+        self.results: dict[str, LaunchResult] = {}
+        self.trend: Trend | None = None  # the time trend the results are leveled by
+        self._merge()
         self.in_flight: list[Task] = []
         self.deferred = 0  # re-measurements put off in a row for forecast gains
         self.queue: list[Task] = [Task(c) for c in (BASELINE, *spec.compare)
@@ -711,11 +714,7 @@ class Planner:
         """A word for the user, once, when the machine's speed clearly moves with time
         (`level_trend`): the study then compares each tree with the baseline at the
         baseline's time, and its bounds widen by the trend's error."""
-        if self.told_trend:
-            return []
-        _, trend = leveled_launches(self.launched, self.spec.search.launch_cv,
-                                    self.spec.search.learns_noise)
-        if trend is None:
+        if self.told_trend or (trend := self.trend) is None:
             return []
         self.told_trend = True
         move = math.exp(trend.slope) - 1
@@ -762,14 +761,15 @@ class Planner:
         config's merged result."""
         self.launched.append(result)
         # A baseline launch on another node can change every config's leveling.
-        self.results = self._merged()
+        self._merge()
         return self.results[key]
 
-    def _merged(self) -> dict[str, LaunchResult]:
-        """Every config's launches merged, as `merge_leveled` levels them (nodes, then a
-        time trend)."""
-        return merge_leveled(self.launched, self.spec.search.launch_cv,
-                             self.spec.search.learns_noise)
+    def _merge(self) -> None:
+        """`results`: every config's launches merged, leveled by a time trend and by node
+        (`leveled_launches`); `trend`: the trend leveled (None: none)."""
+        leveled, self.trend = leveled_launches(self.launched, self.spec.search.launch_cv,
+                                               self.spec.search.learns_noise)
+        self.results = merge_all(leveled)
 
     def _next_index(self, key: str) -> int:
         """Which launch of `key` the next one is: those finished and those running."""
