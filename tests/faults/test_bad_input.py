@@ -312,6 +312,35 @@ def test_an_unknown_dataset_or_format_is_named_with_a_suggestion(
     assert fragment in message
 
 
+@pytest.mark.parametrize(("name", "fragment"), [
+    ('"../../evil\\necho INJECTED #"', "may only hold letters, digits"),
+    ("'my chats'", "may only hold letters, digits"),
+    (".hidden", "may only hold letters, digits"),
+    ("mixed", "'mixed' is the workload of every dataset at once"),
+])
+def test_a_dataset_name_that_would_leave_the_launch_folder_or_break_a_script_is_refused(
+        capsys, tmp_path, name, fragment):
+    """A dataset's name names its workload's launch files and stands in their comments: a
+    '/' would write them elsewhere and a newline would run its text as a command."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    path = write_study(tmp_path, datasets=f"[mt-bench, {{name: {name}, path: p.jsonl}}]")
+    message = search(capsys, path)
+    assert message.startswith(f"{path}, line {line_of(path, 'datasets:')}: key "
+                              "'datasets[1].name': "), message
+    assert fragment in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dataset_file_named_on_the_command_line_is_named_safely(tmp_path):
+    """`--datasets "my chats.jsonl"`: the dataset is "my-chats", as a study file's name is
+    made a study's."""
+    (tmp_path / "my chats.jsonl").write_text('{"prompt": "hi"}\n')
+    spec = load_study(None, {"model": "org/model", "draft": "org/draft", "batch": [1],
+                             "datasets": [str(tmp_path / "my chats.jsonl")]})
+    assert [d.name for d in spec.datasets] == ["my-chats"]
+    assert spec.datasets[0].path == str(tmp_path / "my chats.jsonl")
+
+
 BAD_FILES = {
     "missing": (None, "dataset file not found"),
     "empty": ("", "file is empty"),

@@ -37,9 +37,7 @@ from treetune.study.evidence import (
     noise_of,
 )
 from treetune.study.schedule import estimated_steps
-from treetune.study.spec import StudySpec
-
-MIXED = "mixed"
+from treetune.study.spec import MIXED, StudySpec
 
 
 class Advice(enum.StrEnum):

@@ -47,6 +47,11 @@ from treetune.perfmodel.serving import Shape
 from treetune.results import Slo, config_key
 from treetune.yamlio import build, closest, dump_yaml, load_yaml
 
+# The workload of every dataset at once; a dataset may not take its name.
+MIXED = "mixed"
+# A study's, a dataset's and a GPU type's names: they name files (`launch/<workload>-batch1.sh`)
+# and stand in emitted scripts' comments, so no '/', no leading '.', no space or newline.
+NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 SPEC_COPY = "study.yaml"  # the resolved spec, saved in the output folder for readers
 COMMAND_LINE = "command line"  # where a value given as an option comes from
 
@@ -291,7 +296,7 @@ class StudySpec:
     base_dir: str = field(default=".", metadata=meta(in_file=False))
 
     def __post_init__(self) -> None:
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
+        if not re.fullmatch(NAME, self.name):
             raise FieldError("name", f"name '{self.name}' may only hold letters, digits, '.', "
                              "'_', '-'")
         if not self.datasets:
@@ -311,12 +316,19 @@ class StudySpec:
         if not self.host.strip() or any(c.isspace() for c in self.host):
             raise FieldError("host", f"host {self.host!r} is not an address to listen on "
                              "(127.0.0.1, the default; 0.0.0.0 for every interface)")
-        if self.gpu_type is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*",
-                                                          self.gpu_type):
+        if self.gpu_type is not None and not re.fullmatch(NAME, self.gpu_type):
             raise FieldError("gpu_type", f"gpu_type '{self.gpu_type}' is not a GPU type as Ray "
                              "names them (H100, A100-80G, L4, ...)")
         parse_version(self.sglang_version)
         names = [d.name for d in self.datasets]
+        for i, name in enumerate(names):
+            if not re.fullmatch(NAME, name):
+                raise FieldError(f"datasets[{i}].name", f"dataset name {name!r} may only hold "
+                                 "letters, digits, '.', '_', '-', and starts with a letter or "
+                                 "digit: it names the workload's launch files")
+            if name == MIXED:
+                raise FieldError(f"datasets[{i}].name", f"dataset name '{MIXED}' is the "
+                                 "workload of every dataset at once: give the dataset another")
         if len(set(names)) != len(names):
             raise FieldError("datasets", f"datasets are listed twice: {names}")
         if self.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*",
@@ -810,9 +822,14 @@ def is_loopback(host: str) -> bool:
 def _default_name(model: str, path: str | Path | None) -> str:
     """The study file's name, else the model's, made a valid study name ("my study.yaml"
     is study "my-study")."""
-    source = Path(path).stem if path is not None else model.rsplit("/", 1)[-1]
+    return _safe_name(Path(path).stem if path is not None else model.rsplit("/", 1)[-1],
+                      "study")
+
+
+def _safe_name(source: str, fallback: str) -> str:
+    """`source` made a valid name (NAME): accents dropped, other characters runs of '-'."""
     ascii_only = unicodedata.normalize("NFKD", source).encode("ascii", "ignore").decode()
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", ascii_only).strip("-._") or "study"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", ascii_only).strip("-._") or fallback
 
 
 DATASET_SUFFIXES = (".json", ".jsonl")  # a dataset entry ending so is a file's path
@@ -834,9 +851,10 @@ def _dataset(value: Any, where: Path | str, index: int) -> DatasetSpec:
 
 def _dataset_file(value: str, where: Path | str) -> DatasetSpec:
     """A file named where a dataset's name goes (`--datasets data/chat.jsonl`): named after
-    the file, its format read from its first record; given on the command line, its path
-    is the working directory's (a study file's paths are the file's folder's)."""
-    name = Path(value).stem
+    the file ("my chats.jsonl" is dataset "my-chats"), its format read from its first
+    record; given on the command line, its path is the working directory's (a study
+    file's paths are the file's folder's)."""
+    name = _safe_name(Path(value).stem, "dataset")
     if name in builtin_names():
         raise ValueError(f"the file '{value}' would be named '{name}', a built-in dataset's "
                          f"name: give it its own, {{name: my-{name}, path: {value}}}")
