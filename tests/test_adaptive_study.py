@@ -403,6 +403,25 @@ def test_the_adaptive_pools_config_file_and_container_args_name_the_json_by_file
     assert args[args.index("--speculative-adaptive-config") + 1] == "mixed.adaptive.json"
 
 
+def test_the_adaptive_config_files_header_runs_it_where_both_files_are(tmp_path):
+    """The header's command, run where the header says, finds the config file and the
+    adaptive JSON it names (a helper found it naming `launch/...` from the output folder,
+    where the bare JSON name does not resolve)."""
+    import shlex
+
+    import yaml
+
+    launch = exported(tmp_path) / "launch"
+    text = (launch / "mixed-adaptive.config.yaml").read_text()
+    header = text.splitlines()
+    command = shlex.split(header[0].partition("): ")[2])
+    assert command[:3] == ["python", "-m", "sglang.launch_server"]
+    assert "from this file's folder" in text
+    config = command[command.index("--config") + 1]
+    assert (launch / config).is_file()
+    assert (launch / yaml.safe_load(text)["speculative-adaptive-config"]).is_file()
+
+
 def test_other_engines_get_the_equivalent_chain_schedules_by_their_own_rules(tmp_path):
     from treetune.backends.chain_schedules import check_trtllm, check_vllm
 

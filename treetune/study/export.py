@@ -151,15 +151,20 @@ def config_file(spec: StudySpec, rec: Recommendation) -> str | None:
     found = deployment(spec, rec)
     if found.config_file is None or found.config_command is None:
         return None
+    # An adaptive server's JSON config is named by its file name: the command runs from the
+    # launch folder, where both files are (other configs' from the study's output folder).
+    adaptive = isinstance(rec.config, AdaptiveConfig)
+    name = Path(config_name(rec)).name if adaptive else config_name(rec)
     lines = [f"# server config ({found.config_note}): "
-             f"{shell_line([*found.config_command, config_name(rec)])}",
+             f"{shell_line([*found.config_command, name])}",
              f"# treetune study '{spec.name}': {rec.workload} workload at batch {rec.batch}, "
              + server(rec)]
-    if isinstance(rec.config, AdaptiveConfig):
+    if adaptive:
         lines[1] = (f"# treetune study '{spec.name}': {rec.workload} workload, {rec.config} "
                     f"for every batch size")
-        lines.append(f"# run it from the folder of {Path(adaptive_name(rec.workload)).name}, which "
-                     "the adaptive config path names")
+        lines.append(f"# run it from this file's folder, where "
+                     f"{Path(adaptive_name(rec.workload)).name} is: the adaptive config "
+                     "path names it by file name")
     if spec.env:
         lines.append("# environment: " + " ".join(f"{k}={shell_line([v])}"
                                                   for k, v in sorted(spec.env.items())))
