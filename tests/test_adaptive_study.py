@@ -578,6 +578,33 @@ def test_a_study_measures_the_chains_then_sglangs_default_and_the_tuned_config()
     assert len({r.kind for r in recs if r.workload == "mixed"}) == 1
 
 
+def test_a_tuning_with_nothing_to_draft_with_is_redone_after_each_launch():
+    """Seed 1: after one launch of each chain (and of the baseline) none is surely faster
+    than no speculation at any batch size. The study said so, tuned again after each
+    launch, and launched the tuned config within its 12 launches (before, it never tuned,
+    silently, in 4 of 8 seeds; a helper's audit saw it in the shipped adaptive study)."""
+    from treetune.study.offline import run_offline
+    from treetune.study.planner import Planner
+
+    spec = offline_spec()
+    said: list[list[str]] = []
+    first_tuning: list[object] = []
+
+    def after(planner: Planner) -> None:
+        if planner.tuning is not None and not first_tuning:
+            first_tuning.append(planner.tuning.config)
+        said.append(planner.tuning_notes())
+
+    planner = run_offline(spec, truth(), seed=1, launches=12, after_launch=after)
+    assert first_tuning == [None]
+    assert sum(len(n) for n in said) == 1
+    assert "adaptive config tuned from the chains waits" in next(n for n in said if n)[0]
+    order = [config_key(r.config) for r in planner.launched]
+    assert planner.tuning is not None and planner.tuning.config is not None
+    assert config_key(planner.tuning.config) in order
+    assert planner.tuning_notes() == []
+
+
 def test_without_adaptive_a_study_launches_no_chain_nor_adaptive_server_of_its_own():
     from treetune.study.offline import run_offline
 

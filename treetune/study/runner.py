@@ -542,6 +542,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                     progress.notes += planner.node_notes()
                     progress.notes += planner.kernel_notes()
                     progress.notes += planner.trend_notes()
+                    progress.notes += planner.tuning_notes()
                 for warning in result.warnings:  # in full once, then by reference
                     first = warned.setdefault(warning, str(config))
                     progress.notes.append(f"{config}: {warning}" if first == str(config)
