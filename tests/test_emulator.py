@@ -769,3 +769,65 @@ def test_closed_loop_throughput_matches_the_performance_model_within_5_percent(
     assert measured == pytest.approx(expected, rel=0.05), (
         f"measured {measured:.1f} tok/s, model {expected:.1f} tok/s "
         f"({measured / expected - 1:+.1%})")
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
+def test_a_client_gone_before_the_stream_s_headers_ends_its_request_quietly(
+        monkeypatch, capsys, path):
+    """In-process: sending a stream's headers fails as it does once its client has hung up.
+    The request is aborted (nothing runs on) and the handler returns quietly: before, the
+    failure escaped the handler and aiohttp logged a traceback in the server's log (a
+    helper's audit found one in a demo's server log)."""
+    import logging
+
+    from aiohttp import ClientConnectionResetError, web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from treetune.emulator.args import parse as parse_args
+    from treetune.emulator.server import EmulatedServer
+    from treetune.perfmodel import load_profile
+
+    settings = parse_args(list(SPEC_ARGS))
+    server = EmulatedServer(settings, load_profile(settings.profile))
+
+    async def gone(self, request):
+        raise ClientConnectionResetError("Cannot write to closing transport")
+
+    body = ({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 64}}
+            if path == "/generate" else
+            {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 64}
+            if "chat" in path else {"prompt": "hi", "stream": True, "max_tokens": 64})
+    errors: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            errors.append(record)
+
+    keep = Keep(logging.ERROR)
+    logging.getLogger("aiohttp").addHandler(keep)
+
+    async def main() -> int:
+        async with TestClient(TestServer(server.app)) as client:
+            assert await wait_health(client)
+            monkeypatch.setattr(web.StreamResponse, "prepare", gone)
+            # The server closes the connection: the client's side of hanging up.
+            with contextlib.suppress(aiohttp.ClientError):
+                await client.post(path, json=body, headers=HEADERS)
+            monkeypatch.undo()
+            return len(server.engine.running) + len(server.engine.waiting)
+
+    try:
+        left = asyncio.run(main())
+    finally:
+        logging.getLogger("aiohttp").removeHandler(keep)
+    assert left == 0
+    assert not [r for r in errors if r.exc_info], [r.getMessage() for r in errors]
+
+
+async def wait_health(client) -> bool:
+    """Whether the in-process server answered /health within 10 s (it loads first)."""
+    for _ in range(200):
+        if (await client.get("/health")).status == 200:
+            return True
+        await asyncio.sleep(0.05)
+    return False

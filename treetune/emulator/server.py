@@ -246,6 +246,19 @@ class EmulatedServer:
                 text=f"max_new_tokens must be an integer >= 0, got {max_new!r}")
         return self.engine.new_request(dataset, prompt_tokens, max_new, bool(ignore_eos))
 
+    @contextlib.asynccontextmanager
+    async def _client_may_leave(self, req: Request) -> AsyncIterator[None]:
+        """A streaming client that disconnects, mid-stream or before the headers went out,
+        ends its request quietly and aborts it, as in SGLang. Its headers were sent
+        outside this, and a client gone by then made the handler raise: aiohttp logged a
+        traceback in the server's log (a helper's audit)."""
+        try:
+            with contextlib.suppress(ConnectionResetError, ClientConnectionResetError):
+                yield
+        finally:
+            if req.finished_at is None:
+                self.engine.cancel(req)
+
     async def _tokens(self, req: Request) -> AsyncIterator[int]:
         """Yield the running token count after each round until the request ends.
 
@@ -314,8 +327,9 @@ class EmulatedServer:
             await self._until_done(request, req)
             return web.json_response({"text": token_text(seed, 0, req.generated),
                                       "meta_info": self._meta(req, seed)})
-        response = await _sse(request)
-        async with _client_may_leave(), contextlib.aclosing(self._tokens(req)) as tokens:
+        response = _event_stream()
+        async with self._client_may_leave(req), contextlib.aclosing(self._tokens(req)) as tokens:
+            await response.prepare(request)
             async for count in tokens:
                 chunk = {"text": token_text(seed, 0, count), "meta_info": self._meta(req, seed)}
                 await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
@@ -375,11 +389,12 @@ class EmulatedServer:
                           else {"text": text})
             return web.json_response({"id": rid, "object": kind, "created": created,
                                       "model": model, "choices": [choice], "usage": usage()})
-        response = await _sse(request)
+        response = _event_stream()
         sent = 0
         role = {"role": "assistant"}  # in the first chunk's delta only, as SGLang sends it
         object_name = f"{kind}.chunk" if chat else kind
-        async with _client_may_leave(), contextlib.aclosing(self._tokens(req)) as tokens:
+        async with self._client_may_leave(req), contextlib.aclosing(self._tokens(req)) as tokens:
+            await response.prepare(request)
             async for count in tokens:
                 delta = token_text(seed, sent, count)
                 sent = count
@@ -401,13 +416,6 @@ class EmulatedServer:
         return response
 
 
-@contextlib.asynccontextmanager
-async def _client_may_leave() -> AsyncIterator[None]:
-    """A streaming client that disconnects ends its request quietly, as in SGLang."""
-    with contextlib.suppress(ConnectionResetError, ClientConnectionResetError):
-        yield
-
-
 def _mapping(body: dict[str, Any], key: str) -> dict[str, Any]:
     """An optional object field of a request, as SGLang validates it (400 otherwise)."""
     value = body.get(key) or {}
@@ -422,11 +430,10 @@ def _token_ids(value: Any) -> bool:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
-async def _sse(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    return response
+def _event_stream() -> web.StreamResponse:
+    """A streaming answer's response, not yet prepared (its headers unsent)."""
+    return web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
 
 
 def log(message: str) -> None:
