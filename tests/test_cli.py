@@ -125,7 +125,7 @@ def test_predict_with_a_request_shape_models_whole_requests_closed_and_open(caps
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--rate", "0"], "--rate must be > 0"),
+    (["--rate", "0"], "--rate must be a finite number > 0"),
     (["--output-tokens", "0"], "--output-tokens must be >= 1"),
 ])
 def test_predict_refuses_a_bad_request_shape_or_rate(capsys, args, message):

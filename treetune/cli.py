@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import math
 import os
 import statistics
 import sys
@@ -146,8 +147,8 @@ def predict(
     rate = list(dict.fromkeys(rate or []))
     if any(b < 1 for b in batches):
         raise TreetuneError(f"batch sizes must be >= 1, got {batches}")
-    if any(r <= 0 for r in rate):
-        raise TreetuneError(f"--rate must be > 0 requests/s, got {rate}")
+    if any(not 0 < r < math.inf for r in rate):  # nan fails both
+        raise TreetuneError(f"--rate must be a finite number > 0 requests/s, got {rate}")
     for flag, value in (("--prompt-tokens", prompt_tokens), ("--output-tokens", output_tokens),
                         ("--max-running-requests", max_running_requests)):
         if value is not None and value < 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -127,6 +128,8 @@ def convert(hint: Any, value: Any, path: str | Path, key: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigFileError(path, f"expected a number, got {_kind(value)}", key)
+        if not math.isfinite(value):  # YAML's .nan and .inf: no duration, rate or limit
+            raise ConfigFileError(path, f"expected a finite number, got {value!r}", key)
         return float(value)
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -139,6 +142,9 @@ def convert(hint: Any, value: Any, path: str | Path, key: str) -> Any:
     if hint is str:
         if isinstance(value, bool) or not isinstance(value, str | int | float):
             raise ConfigFileError(path, f"expected a string, got {_kind(value)}", key)
+        if isinstance(value, float):  # its text is lost: 0.10 reads as 0.1
+            raise ConfigFileError(path, f"expected a string, got the number {value!r}: quote "
+                                  "it as written (\"0.10\", not 0.10)", key)
         return str(value)
     return value
 

@@ -185,6 +185,16 @@ def test_an_unknown_key_in_a_search_space_file_gets_its_line_too(tmp_path):
     ({"tolerance": "[1]"}, "tolerance", "expected a number, got a list"),
     ({"backend": "\n  kind: emulator\n  profile: qwen3-coder-next-h200\n  noise: maybe"},
      "backend.noise", "expected true or false, got str 'maybe'"),
+    # YAML's .nan and .inf are numbers to it, none to a duration, rate or limit.
+    ({"rates": "[.nan]"}, "rates[0]", "expected a finite number, got nan"),
+    ({"measurement": "{duration_s: .inf}"}, "measurement.duration_s",
+     "expected a finite number, got inf"),
+    ({"budget": "{launches: 3, wall_time_s: .nan}"}, "budget.wall_time_s",
+     "expected a finite number, got nan"),
+    ({"slo": "{tpot_ms: .nan}"}, "slo.tpot_ms", "expected a finite number, got nan"),
+    # A number where text goes loses how it was written: SGLang 0.10 is not 0.1.
+    ({"sglang_version": "0.10"}, "sglang_version",
+     'expected a string, got the number 0.1: quote it as written ("0.10", not 0.10)'),
 ])
 def test_a_value_of_the_wrong_type_names_key_file_line_and_expected_type(
         capsys, tmp_path, fields, key, expected):
@@ -206,6 +216,41 @@ def test_an_option_of_the_wrong_type_is_a_one_line_usage_error(capsys, tmp_path,
                                                                 fragment):
     message = search(capsys, write_study(tmp_path), *options)
     assert fragment in message and "treetune search --help" in message
+
+
+@pytest.mark.parametrize(("options", "key", "got"), [
+    (("--budget-time", "inf"), "budget.wall_time_s", "inf"),
+    (("--rates", "nan"), "rates[0]", "nan"),
+    (("--tolerance", "nan"), "tolerance", "nan"),
+])
+def test_an_option_of_nan_or_inf_is_refused_as_the_file_s_are(capsys, tmp_path, options,
+                                                              key, got):
+    """Typer parses "nan" and "inf" as floats before any field sees them."""
+    message = search(capsys, write_study(tmp_path), *options)
+    assert message == f"command line: key '{key}': expected a finite number, got {got}"
+
+
+def test_predict_refuses_a_rate_of_nan_or_inf(capsys):
+    for rate in ("nan", "inf"):
+        message = refused(capsys, "predict", "-p", "qwen3-8b-h100", "--tree", "3,4,8",
+                          "--rate", rate)
+        assert "--rate must be a finite number > 0 requests/s" in message, message
+
+
+@pytest.mark.parametrize(("row", "expected"), [
+    ("3,4,8,1,sharegpt,nan", "line 2: column 'speedup': 'nan' is not a finite number"),
+    ("3,4,8,1,sharegpt,1.5,7,8", "line 2: 2 more cells than the header's columns: '7', '8'"),
+    ("3.5,4,8,1,sharegpt,1.5", "line 2: column 'steps': '3.5' is not an integer"),
+])
+def test_a_measurements_row_that_cannot_be_a_point_is_named(capsys, tmp_path, row, expected):
+    """Before, nan fitted a profile whose error was nan (exit 0), and extra cells were
+    dropped without a word."""
+    points = tmp_path / "points.csv"
+    points.write_text(f"steps,topk,draft_tokens,batch,dataset,speedup\n{row}\n")
+    message = refused(capsys, "calibrate", "--profile", "qwen3-8b-h100", "--measurements",
+                      str(points), "-o", str(tmp_path / "fitted.yaml"))
+    assert message == f"{points}: {expected}", message
+    assert not (tmp_path / "fitted.yaml").exists()
 
 
 # Depends on the CLI printing messages as text, not Rich markup, see the report.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -307,8 +308,11 @@ def _csv_rows(path: Path) -> list[tuple[_Where, Any]]:
         where = _Where(path, csv_line=line)
         row: dict[str, Any] = {}
         for key, value in rec.items():
+            if key is None:  # DictReader's home for the cells past the header's
+                raise where.error(f"{len(value)} more cells than the header's columns: "
+                                  f"{', '.join(map(repr, value))}")
             # An empty cell is an unknown value (a speedup-only point's throughputs).
-            if key is None or value is None or not value.strip():
+            if value is None or not value.strip():
                 continue
             key = key.strip()
             try:
@@ -317,7 +321,10 @@ def _csv_rows(path: Path) -> list[tuple[_Where, Any]]:
                     else value.strip() if key == "dataset" else float(value)
                 )
             except ValueError:
-                raise where.error(f"'{value}' is not a number", key) from None
+                kind = "an integer" if key in numeric_int else "a number"
+                raise where.error(f"'{value}' is not {kind}", key) from None
+            if isinstance(row[key], float) and not math.isfinite(row[key]):
+                raise where.error(f"'{value}' is not a finite number", key)
         rows.append((where, row))
     return rows
 

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import ipaddress
 import json
+import math
 import re
 import types
 import typing
@@ -705,6 +706,7 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
             and (base / space).is_file():
         merged["space"] = str((base / space).resolve())
     given: set[str] = set()  # dotted keys the command line set
+    _finite_options(overrides or {})
     for key, value in (overrides or {}).items():
         if key in SECTIONS and isinstance(value, dict):
             # Options left unset on the command line keep the file's values.
@@ -770,6 +772,19 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
         return StudySpec(**merged)
     except ValueError as exc:
         raise refused(exc) from None
+
+
+def _finite_options(value: Any, key: str = "") -> None:
+    """Command-line numbers are parsed before any field sees them, and "nan" and "inf"
+    parse: refused as a file's .nan and .inf are (`yamlio.convert`)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _finite_options(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _finite_options(v, f"{key}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigFileError(COMMAND_LINE, f"expected a finite number, got {value!r}", key)
 
 
 def _env_value(value: Any, where: Path | str, key: str) -> str:
