@@ -665,6 +665,7 @@ def grid(
     from treetune.space import load_space
     from treetune.worlds import load_world
 
+    batch = list(dict.fromkeys(batch))  # a size given twice is one size, as predict's
     bad = [b for b in batch if b < 1]
     if bad:
         raise TreetuneError(f"--batch {bad[0]}: batch sizes must be >= 1")

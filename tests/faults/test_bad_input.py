@@ -333,6 +333,23 @@ def test_batch_sizes_below_one_are_refused(capsys, tmp_path, fields, options, go
     assert f"batch sizes must be >= 1, got {got}" in message
 
 
+@pytest.mark.parametrize(("fields", "options"), [({"batch": "[32, 32]"}, ()),
+                                                ({}, ("--batch", "8", "8"))])
+def test_a_batch_size_listed_twice_is_refused(capsys, tmp_path, fields, options):
+    """As a dataset listed twice is: each cell would be measured twice a launch."""
+    message = search(capsys, write_study(tmp_path, **fields), *options)
+    assert "batch sizes are listed twice: [" in message, message
+
+
+def test_grid_writes_a_batch_size_given_twice_once(capsys, tmp_path):
+    out = tmp_path / "grid.csv"
+    code, _, err = run(capsys, "grid", "--world", "cliffs", "--space", "narrow",
+                       "--batch", "4", "4", "-o", str(out))
+    assert code == 0, err
+    rows = out.read_text().splitlines()[1:]
+    assert rows and len(rows) == len(set(rows))
+
+
 def test_a_bad_batch_size_given_on_the_command_line_is_not_blamed_on_a_file_line(
         capsys, tmp_path):
     message = search(capsys, write_study(tmp_path), "--batch", "0")

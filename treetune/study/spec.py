@@ -304,6 +304,8 @@ class StudySpec:
             raise FieldError("datasets", "datasets: give at least one dataset")
         if not self.batch or any(b < 1 for b in self.batch):
             raise FieldError("batch", f"batch sizes must be >= 1, got {list(self.batch)}")
+        if len(set(self.batch)) != len(self.batch):  # each would be measured twice a launch
+            raise FieldError("batch", f"batch sizes are listed twice: {list(self.batch)}")
         if any(r <= 0 for r in self.rates) or len(set(self.rates)) != len(self.rates):
             raise FieldError("rates", f"rates must be > 0 and different, got {list(self.rates)}")
         if self.tp < 1:
