@@ -192,6 +192,8 @@ def test_an_unknown_key_in_a_search_space_file_gets_its_line_too(tmp_path):
     ({"budget": "{launches: 3, wall_time_s: .nan}"}, "budget.wall_time_s",
      "expected a finite number, got nan"),
     ({"slo": "{tpot_ms: .nan}"}, "slo.tpot_ms", "expected a finite number, got nan"),
+    ({"sglang_version": "banana"}, "sglang_version",
+     "SGLang version 'banana' is not of the form MAJOR.MINOR[.PATCH]"),
     # A number where text goes loses how it was written: SGLang 0.10 is not 0.1.
     ({"sglang_version": "0.10"}, "sglang_version",
      'expected a string, got the number 0.1: quote it as written ("0.10", not 0.10)'),
@@ -228,6 +230,12 @@ def test_an_option_of_nan_or_inf_is_refused_as_the_file_s_are(capsys, tmp_path, 
     """Typer parses "nan" and "inf" as floats before any field sees them."""
     message = search(capsys, write_study(tmp_path), *options)
     assert message == f"command line: key '{key}': expected a finite number, got {got}"
+
+
+def test_a_report_of_a_folder_that_does_not_exist_says_so(capsys, tmp_path):
+    message = refused(capsys, "report", str(tmp_path / "gone"))
+    assert message == (f"{tmp_path / 'gone'} does not exist: give the folder "
+                       "`treetune search` wrote (its --output, runs/<name> by default)")
 
 
 def test_predict_refuses_a_rate_of_nan_or_inf(capsys):

@@ -109,6 +109,9 @@ def load_study_data(source: str | Path, study: str | None = None) -> StudyData:
     else:
         folder = Path(source)
         spec_path = folder / SPEC_COPY
+        if not folder.exists():
+            raise TreetuneError(f"{folder} does not exist: give the folder `treetune search` "
+                                "wrote (its --output, runs/<name> by default)")
         if not spec_path.is_file():
             raise TreetuneError(f"{folder} is not a treetune study folder: no {SPEC_COPY} in "
                                 "it (run `treetune search` with --output pointing there)")

@@ -322,7 +322,10 @@ class StudySpec:
         if self.gpu_type is not None and not re.fullmatch(NAME, self.gpu_type):
             raise FieldError("gpu_type", f"gpu_type '{self.gpu_type}' is not a GPU type as Ray "
                              "names them (H100, A100-80G, L4, ...)")
-        parse_version(self.sglang_version)
+        try:
+            parse_version(self.sglang_version)
+        except TreetuneError as exc:
+            raise FieldError("sglang_version", str(exc)) from None
         names = [d.name for d in self.datasets]
         for i, name in enumerate(names):
             if not re.fullmatch(NAME, name):
