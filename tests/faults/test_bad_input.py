@@ -147,6 +147,16 @@ def test_a_file_that_is_not_utf8_is_named_not_shown_as_an_internal_error(
     assert message.startswith(f"{bad}: not UTF-8 text (byte 24)"), message
 
 
+def test_a_key_given_twice_is_refused_at_its_second_line(capsys, tmp_path):
+    """PyYAML keeps the last of two equal keys silently: the first tolerance was lost."""
+    path = write_study(tmp_path, tolerance="0.01")
+    path.write_text(path.read_text() + "tolerance: 0.02\n")
+    message = search(capsys, path)
+    line = len(path.read_text().splitlines())
+    assert message == (f"{path}: not valid YAML (line {line}, column 1): key 'tolerance' is "
+                       "given twice in one mapping")
+
+
 # ---- 2. unknown and misspelt keys ---------------------------------------------------------
 @pytest.mark.parametrize(("fields", "key", "suggestion"), [
     ({"budgett": "{launches: 3}"}, "budgett", "budget"),
