@@ -98,6 +98,33 @@ def test_treetune_prior_refuses_an_eagle3_head_given_as_the_target(capsys):
     assert "is an EAGLE3 draft head, not a target model: give it as the draft" in err
 
 
+@pytest.mark.parametrize("tp", ["3", "64"])
+def test_treetune_prior_refuses_a_tp_the_attention_heads_do_not_split_over(capsys, tp):
+    """Qwen3-8B: 32 query heads, 8 KV heads. SGLang's attention layers assert a whole share
+    of each per GPU; a prior for 64 x H100 was printed, exit 0 (a helper's audit)."""
+    code, stdout, err = run_cli(capsys, "prior", "--model", fixture("Qwen/Qwen3-8B"),
+                                "--draft", fixture("thoughtworks/Qwen3-8B-Eagle3"),
+                                "--gpu", "H100-SXM", "--tp", tp)
+    message = " ".join(err.split())
+    assert code == 2 and stdout == "", err
+    assert f"--tp {tp}: SGLang cannot serve" in message
+    assert f"its 32 attention heads do not split evenly over {tp} GPUs" in message
+    assert "tp sizes that fit: 1, 2, 4, 8, 16" in message
+
+
+@pytest.mark.parametrize(("model", "tp", "problem"), [
+    ("Qwen/Qwen3-8B", 16, ""),  # 8 KV heads, each copied to two GPUs
+    ("Qwen/Qwen3-Coder-Next-FP8", 4, ""),  # 16 heads; 2 KV heads, each on two GPUs
+    ("zai-org/GLM-4.5-Air", 3, "its 8 KV heads neither split evenly over 3 GPUs"),
+    ("zai-org/GLM-4.5-Air", 16, ""),
+    ("deepseek-ai/DeepSeek-V3", 8, ""),  # MLA: one latent, no KV heads to split
+    ("deepseek-ai/DeepSeek-V3", 6, "its 128 attention heads do not split evenly"),
+])
+def test_a_tp_size_is_checked_against_the_query_and_kv_heads(model, tp, problem):
+    found = model_facts(fixture(model)).tp_problem(tp)
+    assert (found.startswith(problem) and found) if problem else found == ""
+
+
 def test_treetune_prior_refuses_a_draft_head_trained_for_another_target_width(capsys):
     # Its first layer reads three 2048-wide hidden states; Qwen3-8B's are 4096 wide.
     code, stdout, err = run_cli(capsys, "prior", "--model", fixture("Qwen/Qwen3-8B"),

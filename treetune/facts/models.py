@@ -65,6 +65,21 @@ class ModelFacts:
     moe: MoEFacts | None
     eagle3: bool
     target_hidden_size: int = 0  # an EAGLE3 head's: the width of the states it reads
+    attention_heads: int = 0  # query heads of a full-attention layer (0: not read)
+    kv_heads: int = 0  # its key/value heads (MLA: its heads, sharing one latent)
+
+    def tp_problem(self, tp: int) -> str:
+        """Why SGLang cannot split this model's attention over `tp` GPUs ("" when it can):
+        each GPU takes a whole share of the query heads, and of the KV heads unless there
+        are fewer of them than GPUs, when each is copied to a whole number of GPUs (the
+        asserts of SGLang's attention layers, e.g. `Qwen3Attention`)."""
+        heads, kv = self.attention_heads, self.kv_heads
+        if heads and heads % tp:
+            return f"its {heads} attention heads do not split evenly over {tp} GPUs"
+        if kv and not self.mla and (kv % tp if kv >= tp else tp % kv):
+            return (f"its {kv} KV heads neither split evenly over {tp} GPUs nor copy evenly "
+                    "to them")
+        return ""
 
 
 # ---- where config.json is ---------------------------------------------------------------
@@ -242,7 +257,9 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         kv_bytes_per_token=attention_layers * _kv_elements(c, h) * kv_bytes,
         state_bytes_per_request=(kinds.count("linear") * _recurrent_state_bytes(
             c, DTYPE_BYTES[dtype]) if "linear" in kinds else 0.0),
-        mla=_is_mla(c), moe=None if moe is None else moe.spec, eagle3=False)
+        mla=_is_mla(c), moe=None if moe is None else moe.spec, eagle3=False,
+        attention_heads=c.int("num_attention_heads", default=0),
+        kv_heads=c.int("num_key_value_heads", "num_attention_heads", default=0))
 
 
 def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
