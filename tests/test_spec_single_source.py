@@ -46,7 +46,13 @@ def test_every_field_with_an_option_is_an_option_of_search_with_its_help():
     with_option = [f for _, f in spec_fields() if "option" in f.metadata]
     assert len(with_option) >= 20
     for f in with_option:
-        assert params[f.metadata["option"]].help == f.metadata["help"]
+        # The field's help, and its default where the field has a plain one (an option
+        # left out is None, so that a study file's value stands).
+        assert params[f.metadata["option"]].help.startswith(f.metadata["help"].rstrip("."))
+    assert params["--tp"].help.endswith("(GPUs per server) (default 1).")
+    assert params["--budget-launches"].help.endswith("at least 2 (default 30).")
+    assert params["--space"].help.endswith("(default 'default').")
+    assert params["--workers"].help == "GPU groups to use in parallel."  # default: None
 
 
 def test_search_help_lists_every_option_with_its_help(capsys):

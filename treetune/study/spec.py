@@ -73,7 +73,7 @@ def meta(option: str | None = None, help: str = "", *, short: str | None = None,
 @dataclass(frozen=True)
 class Budget:
     launches: int | None = field(default=30, metadata=meta(
-        "--budget-launches", "Server launches, baseline included."))
+        "--budget-launches", "Server launches, baseline included; at least 2."))
     wall_time_s: float | None = field(default=None, metadata=meta(
         "--budget-time", "Wall-time budget, seconds."))
 
@@ -215,7 +215,8 @@ class StudySpec:
     model: str = field(metadata=meta("--model", "Target model path or name.",
                                      file_type=str | None))
     datasets: tuple[DatasetSpec, ...] = field(metadata=meta(
-        "--datasets", "Datasets (built-in names), e.g. --datasets mt-bench humaneval.",
+        "--datasets", "Datasets: built-in names or .json/.jsonl files, e.g. --datasets "
+        "mt-bench humaneval data/chat.jsonl.",
         file_type=list[Any]))  # names, or mappings with a file
     batch: tuple[int, ...] = field(metadata=meta(
         "--batch", "Batch sizes, e.g. --batch 1 32.", file_type=list[int]))
@@ -659,7 +660,14 @@ def _options(cls: type[Any], prefix: str) -> Iterator[SpecOption]:
             value = _value_type(hint)
             multiple = typing.get_origin(value) in (list, tuple)
             item = typing.get_args(value)[0] if multiple else value
-            yield SpecOption(key, f.metadata["option"], f.metadata["help"],
+            help = f.metadata["help"]
+            # Options default to None (a study file's value stands): the help names the
+            # field's own default, which is what a study without either gets.
+            if (isinstance(f.default, int | float | str) and not isinstance(f.default, bool)
+                    and "default" not in help):
+                shown = repr(f.default) if isinstance(f.default, str) else f.default
+                help = f"{help.rstrip('.')} (default {shown})."
+            yield SpecOption(key, f.metadata["option"], help,
                              # Trees, datasets and names are text on the command line.
                              item if item in (int, float, bool) else str, multiple,
                              f.metadata["short"])
