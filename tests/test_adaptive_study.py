@@ -448,6 +448,29 @@ def test_other_engines_get_the_equivalent_chain_schedules_by_their_own_rules(tmp
     assert "above batch 32" in readme
 
 
+def test_sglangs_default_exported_says_its_schedules_are_sglangs_guess(tmp_path):
+    """Recommended as it is, SGLang's default gives vLLM 7 steps at batch 1: its slot's
+    longest candidate, a chain the study never launches. ADAPTIVE.md says so; a tuned
+    config's schedules are the chains the study found best and carry no such word."""
+    from treetune.study.export import write_outputs
+    from treetune.study.recommend import ADAPTIVE, Recommendation
+
+    s = noisy_spec(tmp_path, sglang_version="0.5.23")
+
+    def pool(config):
+        return [Recommendation("mixed", b, config, dict.fromkeys(s.dataset_names, 1.2),
+                               "measured", kind=ADAPTIVE) for b in s.batch]
+
+    write_outputs(s, pool(AdaptiveConfig.sglang_default()), s.output_dir)
+    vllm = json.loads((s.output_dir / "launch" / "mixed.vllm-schedule.json").read_text())
+    assert vllm["num_speculative_tokens_per_batch_size"][0][2] == 7
+    readme = " ".join((s.output_dir / "ADAPTIVE.md").read_text().split())
+    assert "This is SGLang's default adaptive config" in readme
+    assert "is SGLang's guess, not a chain this study found best" in readme
+    write_outputs(s, pool(TUNED), s.output_dir)
+    assert "SGLang's guess" not in (s.output_dir / "ADAPTIVE.md").read_text()
+
+
 def test_schedules_the_engines_would_refuse_are_refused_here():
     from treetune.backends.chain_schedules import (
         ChainSchedule,

@@ -346,6 +346,13 @@ def adaptive_readme(spec: StudySpec, recs: list[Recommendation]) -> str | None:
         except ValueError as exc:
             notes = [f"not written: {exc}"]
         out += [f"  - {note}" for note in notes]
+        if config.is_sglang_default:
+            # Its longest candidates are SGLang's guess: 7 steps at batch 1 for vLLM, a
+            # chain no study measures (a helper's audit of the adaptive study's outputs).
+            out += ["", "This is SGLang's default adaptive config: each slot's longest "
+                    "candidate, which these schedules take, is SGLang's guess, not a chain "
+                    "this study found best (the chains it measured are in the report); "
+                    "measure before using them."]
         out.append("")
     return "\n".join(out)
 
