@@ -630,6 +630,17 @@ def test_a_storage_made_by_a_different_spec_is_refused_with_how_to_start_anew(
     assert "Start a new study with another --name or --output" in message
 
 
+def test_a_storage_that_does_not_load_leaves_no_run_folder_of_its_making(capsys, tmp_path):
+    """Refused before anything is written: the folder the search made for its lock goes
+    with it (it held only `.treetune.lock`; a helper's audit); one that was there stays."""
+    message = search(capsys, write_study(tmp_path), "--storage", "foo://bar")
+    assert "cannot open study storage foo://bar" in message
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "out").mkdir()
+    search(capsys, write_study(tmp_path), "--storage", "foo://bar")
+    assert (tmp_path / "out").is_dir()
+
+
 # ---- 11. budget, tolerance, workers, backend, profile ------------------------------------------
 @pytest.mark.parametrize(("fields", "options", "fragment"), [
     ({"budget": "{launches: 1}"}, (), "budget.launches must be >= 2 (the baseline plus one tree)"),

@@ -259,6 +259,7 @@ def study_lock(spec: StudySpec) -> Iterator[None]:
     other's running launches stale. Also proves the folder writable, before any server is
     launched."""
     folder = spec.output_dir
+    created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         check_writable(folder)
@@ -283,6 +284,12 @@ def study_lock(spec: StudySpec) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+        # A search refused before it wrote anything (a storage URL that does not load)
+        # leaves no folder of its own making behind.
+        if created and {p.name for p in folder.iterdir()} == {LOCK_FILE}:
+            with contextlib.suppress(OSError):
+                (folder / LOCK_FILE).unlink()
+                folder.rmdir()
 
 
 def run_study(spec: StudySpec, on_progress: Callable[[Progress], None] | None = None,
