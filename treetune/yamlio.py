@@ -145,9 +145,7 @@ def convert(hint: Any, value: Any, path: str | Path, key: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigFileError(path, f"expected a number, got {_kind(value)}", key)
-        if not math.isfinite(value):  # YAML's .nan and .inf: no duration, rate or limit
-            raise ConfigFileError(path, f"expected a finite number, got {value!r}", key)
-        return float(value)
+        return float(finite(value, path, key))
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigFileError(path, f"expected an integer, got {_kind(value)}", key)
@@ -163,6 +161,14 @@ def convert(hint: Any, value: Any, path: str | Path, key: str) -> Any:
             raise ConfigFileError(path, f"expected a string, got the number {value!r}: quote "
                                   "it as written (\"0.10\", not 0.10)", key)
         return str(value)
+    return value
+
+
+def finite(value: float, path: Any, key: str) -> float:
+    """`value`, refused unless finite: YAML's .nan and .inf, and "nan" and "inf" on a
+    command line, parse as numbers, but no duration, rate or limit is one."""
+    if not math.isfinite(value):
+        raise ConfigFileError(path, f"expected a finite number, got {value!r}", key)
     return value
 
 

@@ -286,8 +286,8 @@ def study_lock(spec: StudySpec) -> Iterator[None]:
         os.close(fd)  # releases the lock
         # A search refused before it wrote anything (a storage URL that does not load)
         # leaves no folder of its own making behind.
-        if created and {p.name for p in folder.iterdir()} == {LOCK_FILE}:
-            with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # gone or unreadable: not ours to mend
+            if created and {p.name for p in folder.iterdir()} == {LOCK_FILE}:
                 (folder / LOCK_FILE).unlink()
                 folder.rmdir()
 

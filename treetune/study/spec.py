@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import ipaddress
 import json
-import math
 import re
 import types
 import typing
@@ -46,7 +45,7 @@ from treetune.errors import ConfigFileError, FieldError, InvalidTreeError, Treet
 from treetune.objectives import OBJECTIVES, Criterion, Objective
 from treetune.perfmodel.serving import Shape
 from treetune.results import Slo, config_key
-from treetune.yamlio import build, closest, dump_yaml, load_yaml
+from treetune.yamlio import build, closest, dump_yaml, finite, load_yaml
 
 # The workload of every dataset at once; a dataset may not take its name.
 MIXED = "mixed"
@@ -788,16 +787,16 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
 
 
 def _finite_options(value: Any, key: str = "") -> None:
-    """Command-line numbers are parsed before any field sees them, and "nan" and "inf"
-    parse: refused as a file's .nan and .inf are (`yamlio.convert`)."""
+    """Command-line numbers are parsed before any field sees them: each checked as a
+    file's are (`yamlio.finite`)."""
     if isinstance(value, dict):
         for k, v in value.items():
             _finite_options(v, f"{key}.{k}" if key else str(k))
     elif isinstance(value, list | tuple):
         for i, v in enumerate(value):
             _finite_options(v, f"{key}[{i}]")
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise ConfigFileError(COMMAND_LINE, f"expected a finite number, got {value!r}", key)
+    elif isinstance(value, float):
+        finite(value, COMMAND_LINE, key)
 
 
 def _env_value(value: Any, where: Path | str, key: str) -> str:
