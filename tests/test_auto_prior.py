@@ -244,6 +244,28 @@ def test_a_study_of_several_draft_methods_still_says_why_auto_went_without_a_mod
     assert "\n" not in planner.note
 
 
+@pytest.mark.parametrize("tp", [3, 6])
+def test_a_search_on_a_tp_the_target_does_not_split_over_is_refused_before_ray(tmp_path, tp):
+    """Coder-Next: 16 query heads, 2 KV heads. SGLang's assert would fail the baseline's
+    launch after Ray started, and `auto` had already gone to TPE for want of a prior."""
+    from treetune.study.preflight import check_study
+
+    with pytest.raises(TreetuneError) as refused:
+        check_study(sglang_study(tmp_path, tp=tp, backend={"gpu": "H200"}))
+    message = str(refused.value)
+    assert message.startswith(f"tp {tp} (--tp): SGLang cannot serve '{TARGET}' on {tp} GPUs")
+    assert f"its 16 attention heads do not split evenly over {tp} GPUs" in message
+    assert message.endswith("tp sizes that fit: 1, 2, 4, 8, 16")
+
+
+def test_a_search_whose_target_is_only_on_the_nodes_leaves_its_tp_to_them(tmp_path):
+    from treetune.backends.sglang import check_tp
+
+    spec = sglang_study(tmp_path, model=str(tmp_path / "on-the-nodes"), tp=3,
+                        backend={"gpu": "H200"})
+    check_tp(spec.launch_spec(), {})  # nothing here to say it does not fit
+
+
 def test_the_model_strategy_asked_for_without_facts_says_why(tmp_path):
     spec = sglang_study(tmp_path, model=str(tmp_path / "nothing"), backend={"gpu": "H200"},
                         search={"strategy": "model"})

@@ -421,6 +421,21 @@ def check_sglang(python: str, env: Mapping[str, str] | None = None) -> None:
         f"installation (pip install 'treetune[sglang]'), {EMULATOR_HINT}")
 
 
+def check_tp(launch: LaunchSpec, env: Mapping[str, str]) -> None:
+    """The target's attention splits over `launch.tp` GPUs, when its config.json is here to
+    say (a local folder or this machine's Hugging Face cache): else every launch, the
+    baseline's first, would fail at SGLang's assert after Ray started. A target found only
+    on the nodes is left to them."""
+    from treetune.facts import model_facts
+
+    try:
+        facts = model_facts(launch.model_path, env)
+    except TreetuneError:
+        return
+    if refusal := facts.tp_refusal(launch.model_path, launch.tp):
+        raise TreetuneError(f"tp {launch.tp} (--tp): {refusal}")
+
+
 @register
 @dataclass(frozen=True)
 class SGLangBackend:
@@ -456,6 +471,7 @@ class SGLangBackend:
 
     def check(self, launch: LaunchSpec, datasets: list[str], env: Mapping[str, str],
               local: bool) -> None:
+        check_tp(launch, env)
         if local:  # on a cluster, the nodes' interpreters are theirs
             check_sglang(self.python, env)
 

@@ -81,6 +81,16 @@ class ModelFacts:
                     "to them")
         return ""
 
+    def tp_refusal(self, model: str, tp: int) -> str:
+        """Why `model` (these facts') cannot be served on `tp` GPUs, with the sizes that fit;
+        "" when it can."""
+        problem = self.tp_problem(tp)
+        if not problem:
+            return ""
+        fits = [t for t in (1, 2, 4, 8, 16) if not self.tp_problem(t)]
+        return (f"SGLang cannot serve '{model}' on {tp} GPUs: {problem} ({self.config_path});"
+                f" tp sizes that fit: {', '.join(map(str, fits)) or 'none up to 16'}")
+
 
 # ---- where config.json is ---------------------------------------------------------------
 

@@ -84,11 +84,8 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
             f"draft '{draft}' ({draft_facts.config_path}) is an EAGLE3 head for a target of "
             f"hidden size {draft_facts.target_hidden_size}, but '{model}' has hidden size "
             f"{target_facts.hidden_size}: give the draft head trained for this target")
-    if problem := target_facts.tp_problem(tp):
-        fits = [t for t in (1, 2, 4, 8, 16) if not target_facts.tp_problem(t)]
-        raise TreetuneError(f"--tp {tp}: SGLang cannot serve '{model}' on {tp} GPUs: "
-                            f"{problem} ({target_facts.config_path}); tp sizes that fit: "
-                            f"{', '.join(map(str, fits)) or 'none up to 16'}")
+    if refusal := target_facts.tp_refusal(model, tp):
+        raise TreetuneError(f"--tp {tp}: {refusal}")
     gpu_entry = gpu_facts(gpu, "--gpu") if gpu else detect_gpu(env)
     return auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets, name)
 
