@@ -200,6 +200,37 @@ def test_a_bad_command_line_value_is_blamed_on_the_command_line_not_the_file(key
     assert str(caught.value).startswith(f"command line: {blamed}"), str(caught.value)
 
 
+@pytest.mark.parametrize(("key", "line", "value", "message"), [
+    ("space", "space: defualt", "defualt", "unknown search space 'defualt' (did you mean "
+     "'default'?)"),
+    ("search.prior", "search: {prior: qwen3-8b}", "qwen3-8b", "unknown profile 'qwen3-8b'"),
+    ("backend.profile", "backend: {kind: emulator, profile: qwen3-8b}", "qwen3-8b",
+     "unknown profile 'qwen3-8b'"),
+    ("backend.world", "backend: {kind: emulator, world: clifs}", "clifs",
+     "unknown world 'clifs' (did you mean 'cliffs'?)"),
+    ("methods[1].space", "methods: [EAGLE3, {name: NGRAM, space: ngarm}]", "ngarm",
+     "unknown search space 'ngarm' (did you mean 'ngram'?)"),
+])
+def test_an_unknown_shipped_name_is_refused_at_its_line_when_the_study_is_read(
+        tmp_path, key, line, value, message):
+    """It was refused only after the study's banner, by the check that loads it, without
+    the file or key it was written at (a helper's audit)."""
+    study = tmp_path / "s.yaml"
+    study.write_text(f"model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\n{line}\n")
+    with pytest.raises(ConfigFileError) as caught:
+        load_study(study)
+    assert str(caught.value).startswith(f"{study}, line 5: key '{key}': {message}"), str(
+        caught.value)
+
+
+def test_a_space_or_profile_given_as_a_file_is_left_to_its_loader(tmp_path):
+    study = tmp_path / "s.yaml"
+    study.write_text("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\n"
+                     "space: mine.yaml\nsearch: {prior: ./profiles/p.yaml}\n")
+    spec = load_study(study)  # a missing file is the loader's to name, with its path
+    assert spec.space == "mine.yaml" and spec.search.prior == "./profiles/p.yaml"
+
+
 @pytest.mark.parametrize("host", ["", " ", "127.0.0.1 "])
 def test_an_empty_or_spaced_host_is_refused(host):
     from treetune.study.spec import option_overrides

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from treetune.keylines import key_line
 
 
@@ -21,6 +24,18 @@ class FieldError(ValueError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(message)
         self.key = key
+
+
+@contextmanager
+def for_field(key: str) -> Iterator[None]:
+    """A TreetuneError raised inside (an unknown shipped name, say) as a FieldError of
+    `key`, so that the file and line it was written on are named with it."""
+    try:
+        yield
+    except FieldError:
+        raise
+    except TreetuneError as exc:
+        raise FieldError(key, str(exc)) from None
 
 
 class ConfigFileError(TreetuneError):

@@ -102,18 +102,24 @@ def shipped_spaces() -> dict[str, Path]:
     return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
 
 
-def load_space(name_or_path: str | Path) -> SearchSpace:
-    """A space file path, or the name of a space in search_spaces/ (e.g. 'default')."""
+def resolve_space_path(name_or_path: str | Path) -> Path:
+    """The file of a space: a path as given, or a shipped space's by its name."""
     text = str(name_or_path)
     path = Path(text)
-    if not path.exists() and path.suffix not in (".yaml", ".yml") and "/" not in text:
-        shipped = shipped_spaces()
-        if text not in shipped:
-            raise TreetuneError(
-                f"unknown search space '{text}'{closest(text, shipped)}: give a YAML file path "
-                f"or one of: {', '.join(shipped) or '(none found)'}"
-            )
-        path = shipped[text]
+    if path.exists() or path.suffix in (".yaml", ".yml") or "/" in text:
+        return path
+    shipped = shipped_spaces()
+    if text not in shipped:
+        raise TreetuneError(
+            f"unknown search space '{text}'{closest(text, shipped)}: give a YAML file path "
+            f"or one of: {', '.join(shipped) or '(none found)'}"
+        )
+    return shipped[text]
+
+
+def load_space(name_or_path: str | Path) -> SearchSpace:
+    """A space file path, or the name of a space in search_spaces/ (e.g. 'default')."""
+    path = resolve_space_path(name_or_path)
     data = load_yaml(path)
     raw = build(_SpaceFile, data, path)
     # The search varies the tree only; a space's flags used to be accepted and then ignored,

@@ -21,7 +21,7 @@ from treetune.backends._base import (
 )
 from treetune.backends.sglang import SGLANG_API, profile_method, server_args, sglang_deployment
 from treetune.config import ServerConfig
-from treetune.errors import FieldError, InvalidTreeError, TreetuneError
+from treetune.errors import FieldError, InvalidTreeError, TreetuneError, for_field
 from treetune.results import config_from_key, config_key
 
 if TYPE_CHECKING:
@@ -149,6 +149,16 @@ class EmulatorBackend:
                              "qwen3-coder-next-h200) or backend.world")
         if self.profile and self.world:
             raise FieldError("world", "give backend.profile or backend.world, not both")
+        # An unknown name is refused where it was written, not after the study's banner.
+        from treetune.perfmodel import resolve_profile_path
+        from treetune.worlds import resolve_world_path
+
+        if self.profile:
+            with for_field("profile"):
+                resolve_profile_path(self.profile)
+        if self.world:
+            with for_field("world"):
+                resolve_world_path(self.world)
         if self.time_scale <= 0:
             raise FieldError("time_scale", "backend.time_scale must be > 0")
         if self.load_time_s < 0:

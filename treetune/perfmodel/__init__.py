@@ -25,6 +25,7 @@ from treetune.perfmodel.profile import (
     Profile,
     Target,
     load_profile,
+    resolve_profile_path,
     shipped_profiles,
 )
 from treetune.perfmodel.serving import Serving, Shape
@@ -61,6 +62,7 @@ __all__ = [
     "independent_tokens",
     "load_profile",
     "lognormal_factor",
+    "resolve_profile_path",
     "sample_accepted",
     "shipped_profiles",
 ]

@@ -41,10 +41,18 @@ from treetune.backends.sglang import (
 from treetune.backends.sglang_adaptive import unsupported_reason
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.datasets import DatasetSpec, builtin_names
-from treetune.errors import ConfigFileError, FieldError, InvalidTreeError, TreetuneError
+from treetune.errors import (
+    ConfigFileError,
+    FieldError,
+    InvalidTreeError,
+    TreetuneError,
+    for_field,
+)
 from treetune.objectives import OBJECTIVES, Criterion, Objective
+from treetune.perfmodel import resolve_profile_path
 from treetune.perfmodel.serving import Shape
 from treetune.results import Slo, config_key
+from treetune.space import resolve_space_path
 from treetune.yamlio import build, closest, dump_yaml, finite, load_yaml
 
 # The workload of every dataset at once; a dataset may not take its name.
@@ -174,6 +182,9 @@ class Search:
         if self.max_launches_per_config < 1:
             raise FieldError("max_launches_per_config",
                              "search.max_launches_per_config must be >= 1")
+        if self.prior is not None:
+            with for_field("prior"):
+                resolve_profile_path(self.prior)
 
 
 @dataclass(frozen=True)
@@ -198,6 +209,9 @@ class DraftMethod:
             raise FieldError("draft", f"{self.name} runs no draft model (NEXTN drafts with "
                              "the target's own MTP layer, NGRAM from a suffix trie): remove "
                              "its draft")
+        if self.space is not None:
+            with for_field("space"):
+                resolve_space_path(self.space)
 
     def entry(self) -> str | dict[str, str]:
         """As a study file lists it: the name alone, or a mapping with what it adds."""
@@ -302,6 +316,8 @@ class StudySpec:
                              "'_', '-'")
         if not self.datasets:
             raise FieldError("datasets", "datasets: give at least one dataset")
+        with for_field("space"):
+            resolve_space_path(self.space)
         if not self.batch or any(b < 1 for b in self.batch):
             raise FieldError("batch", f"batch sizes must be >= 1, got {list(self.batch)}")
         if len(set(self.batch)) != len(self.batch):  # each would be measured twice a launch

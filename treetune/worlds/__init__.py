@@ -11,8 +11,10 @@ from treetune.worlds._world import (
     World,
     WorldModel,
     load_world,
+    resolve_world_path,
     shipped_worlds,
 )
 
 __all__ = ["AcceptanceShape", "Effects", "LaunchBias", "MoEDispatch", "SlowLaunches",
-           "VerifyCliffs", "World", "WorldModel", "load_world", "shipped_worlds"]
+           "VerifyCliffs", "World", "WorldModel", "load_world", "resolve_world_path",
+           "shipped_worlds"]

@@ -37,7 +37,7 @@ import numpy as np
 
 from treetune.config import ServerConfig, TreeConfig
 from treetune.errors import ConfigFileError, TreetuneError
-from treetune.perfmodel import PerfModel, Profile, load_profile
+from treetune.perfmodel import PerfModel, Profile, load_profile, resolve_profile_path
 from treetune.perfmodel.acceptance import Acceptance
 from treetune.perfmodel.cost import RoundTime
 from treetune.results import config_key
@@ -221,20 +221,29 @@ def _path(name_or_path: str | Path) -> Path | None:
     return Path(str(shipped)) if shipped.is_file() else None
 
 
+def resolve_world_path(name_or_path: str | Path) -> Path:
+    """The file of a world: a path as given, a shipped world's, or a shipped profile's
+    (the world of the search's own model)."""
+    path = _path(name_or_path)
+    if path is not None:
+        return path
+    from treetune.perfmodel import shipped_profiles
+
+    try:
+        return resolve_profile_path(name_or_path)
+    except TreetuneError:
+        names = shipped_worlds() + shipped_profiles()
+        raise TreetuneError(
+            f"unknown world '{name_or_path}'{closest(str(name_or_path), names)}: give a "
+            f"world or profile file, or one of: {', '.join(names)}") from None
+
+
 def load_world(name_or_path: str | Path) -> World:
     """A shipped world's name, a world file, or a profile (name or file): the profile is
     the world of the search's own model."""
     path = _path(name_or_path)
     if path is None:
-        from treetune.perfmodel import shipped_profiles
-
-        try:
-            profile = load_profile(name_or_path)
-        except TreetuneError:
-            names = shipped_worlds() + shipped_profiles()
-            raise TreetuneError(
-                f"unknown world '{name_or_path}'{closest(str(name_or_path), names)}: give a "
-                f"world or profile file, or one of: {', '.join(names)}") from None
+        profile = load_profile(resolve_world_path(name_or_path))
         return World(profile.name, profile.description, profile, profile, own_model=True)
     data = load_yaml(path)
     if not isinstance(data, dict):
