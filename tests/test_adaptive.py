@@ -88,6 +88,13 @@ def test_routing_pads_to_the_cuda_graph_batch_size_then_takes_the_largest_key_no
     assert Schedule({"4": {"candidate_steps": [1]}}, steps=1).slot_key(1) == 4
 
 
+def test_above_256_the_cuda_graphs_step_by_16_as_sglangs_do():
+    # A batch of 260 runs in the 272 graph, not one as wide as the largest batch.
+    graphs = adaptive.graph_batch_sizes(512)
+    assert graphs[graphs.index(256):] == [256, *range(272, 513, 16)]
+    assert adaptive.graph_batch_sizes(300)[-3:] == [272, 288, 300]
+
+
 def test_default_config_and_initial_steps():
     assert adaptive.candidate_steps(adaptive.DEFAULT_CONFIG) == [0, 1, 3, 5, 7]
     assert adaptive.initial_steps(adaptive.DEFAULT_CONFIG, None) == 3  # the middle one

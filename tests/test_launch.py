@@ -24,16 +24,19 @@ def test_sglang_0_5_23_uses_the_split_cuda_graph_flag():
     assert "--cuda-graph-max-bs" not in args
 
 
-@pytest.mark.parametrize("version", ["0.5.6", "0.4.9", "0.5.9"])
-def test_releases_before_0_5_10_use_the_old_cuda_graph_flag(version):
+@pytest.mark.parametrize("version", ["0.5.6", "0.4.9", "0.5.9", "0.5.10", "0.5.13"])
+def test_releases_before_0_5_14_use_the_old_cuda_graph_flag(version):
     args = server_args(TreeConfig(3, 4, 8), spec(engine_version=version))
     assert args[args.index("--cuda-graph-max-bs") + 1] == "64"
     assert "--cuda-graph-max-bs-decode" not in args
 
 
-def test_cuda_graph_flag_switches_at_0_5_10():
-    assert cuda_graph_flag("0.5.10") == "--cuda-graph-max-bs-decode"
-    assert cuda_graph_flag("0.5.9") == "--cuda-graph-max-bs"
+def test_cuda_graph_flag_switches_at_0_5_14():
+    """0.5.13's server_args.py knows only the old name (its parser refuses the new one);
+    0.5.14 has the new one and the old as an alias; 0.5.22 has only the new."""
+    assert cuda_graph_flag("0.5.14") == "--cuda-graph-max-bs-decode"
+    assert cuda_graph_flag("0.5.23") == "--cuda-graph-max-bs-decode"
+    assert cuda_graph_flag("0.5.13") == "--cuda-graph-max-bs"
 
 
 def test_speculative_flags_come_as_a_complete_set():

@@ -1,7 +1,8 @@
 """SGLang: every fact treetune relies on about it, and the backend that launches it.
 
-Flag names follow the SGLang version a command targets: 0.5.10 split
-`--cuda-graph-max-bs` into `--cuda-graph-max-bs-decode` / `--cuda-graph-max-bs-prefill`.
+Flag names follow the SGLang version a command targets: 0.5.14 split
+`--cuda-graph-max-bs` into `--cuda-graph-max-bs-decode` / `--cuda-graph-max-bs-prefill`
+(keeping the old name as a deprecated alias until 0.5.22 dropped it).
 The emulator speaks the same flags and HTTP API, so it reads them from here too.
 """
 
@@ -64,7 +65,9 @@ NGRAM_FLAGS: dict[str, tuple[type, object]] = {
 }
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 NGRAM_DEFAULT_DRAFT_TOKENS = 12
-CUDA_GRAPH_FLAG_SPLIT = (0, 5, 10)
+# The wheels' srt/server_args.py: 0.5.13's knows only "--cuda-graph-max-bs"; 0.5.14's has
+# cuda_graph_max_bs_decode and keeps the old flag as a DeprecatedAliasStoreAction of it.
+CUDA_GRAPH_FLAG_SPLIT = (0, 5, 14)
 # `python -m sglang.launch_server --config FILE.yaml` first shipped in SGLang 0.5.3: the 0.5.2
 # wheel's srt/server_args.py has no --config, 0.5.3's has it and
 # srt/server_args_config_parser.py (sgl-project/sglang PR #10534, "Initial support for input

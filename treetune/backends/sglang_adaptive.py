@@ -158,8 +158,10 @@ def initialized_line(schedule: Schedule) -> str:
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
-    """SGLang's CUDA-graph decode batch sizes with speculation on, up to `max_bs`."""
-    sizes = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 257, 8)]
+    """SGLang's CUDA-graph decode batch sizes with speculation on, up to `max_bs`
+    (ServerArgs._generate_decode_cuda_graph_batch_sizes, 0.5.14 to 0.5.23)."""
+    sizes = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 257, 8),
+             *range(272, max_bs + 1, 16)]
     sizes = [b for b in sizes if b <= max_bs]
     if max_bs not in sizes:
         sizes.append(max_bs)
