@@ -507,3 +507,22 @@ def test_cells_measured_while_cpu_hogs_share_the_emulators_cpu_are_flagged_not_k
     assert all(w.endswith(f"To fix: {CLOCK_LAG_HINT} (time scale now 100).")
                for w in lag_warnings)
     assert wait_until(lambda: not server_processes(str(tmp_path)), 5)
+
+
+@pytest.mark.parametrize(("counts", "measured"), [(False, 1), (True, 2)])
+def test_a_server_that_counts_no_verify_calls_is_not_measured_again_for_them(counts, measured):
+    cells = [without_accept(cell(0.0)), without_accept(cell(0.0))]
+
+    async def counts_verify() -> bool:
+        return counts
+
+    async def measure() -> CellResult:
+        return cells.pop(0)
+
+    result, warning = asyncio.run(measure_watched(measure, 0.05, CLOCK_LAG_HINT, 20.0,
+                                                  speculative=True,
+                                                  counts_verify=counts_verify))
+    assert 2 - len(cells) == measured and result.accept_length is None
+    assert warning is not None
+    assert warning.startswith("the server's metrics have no speculative verify counter") \
+        is not counts

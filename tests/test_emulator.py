@@ -831,3 +831,33 @@ async def wait_health(client) -> bool:
             return True
         await asyncio.sleep(0.05)
     return False
+
+
+@pytest.mark.parametrize(("version", "counts"), [("0.5.12", False), ("0.5.13", True)])
+def test_an_sglang_before_0_5_13_shows_no_verify_counter_and_a_study_sees_it(version, counts):
+    """SGLang's metrics have sglang:spec_verify_calls_total from 0.5.13 on. Before, a study
+    measured every speculative cell twice in wait of a count that never comes (a helper's
+    audit against the wheels); the worker now asks the server's metrics once."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from treetune.backends.sglang import SGLANG_API
+    from treetune.client import ServerClient
+    from treetune.emulator.server import EmulatedServer
+    from treetune.study.worker import counts_verify_calls
+
+    settings = parse([*SPEC_ARGS, "--emulate-version", version])
+    server = EmulatedServer(settings, load_profile(settings.profile))
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 16}}
+
+    async def main() -> tuple[bool, bool, bool]:
+        async with TestClient(TestServer(server.app)) as client:
+            assert await wait_health(client)
+            async with ServerClient(str(client.make_url("/")), api=SGLANG_API) as sglang:
+                before = await counts_verify_calls(sglang)  # nothing counted yet
+                answer = await client.post("/generate", json=body, headers=HEADERS)
+                assert answer.status == 200, await answer.text()
+                names = await sglang.metrics()
+                return before, await counts_verify_calls(sglang), (
+                    SGLANG_API.verify_calls in names)
+
+    assert asyncio.run(main()) == (True, counts, counts)

@@ -345,3 +345,16 @@ def test_an_adaptive_study_refuses_the_adaptive_flags_in_server_flags(tmp_path):
                            "study's adaptive launches"):
             load_study(None, {**base, "adaptive": True, "server_flags": {flag: value}})
         assert load_study(None, {**base, "server_flags": {flag: value}}).server_flags
+
+
+@pytest.mark.parametrize("version", ["0.5.10", "0.5.12"])
+def test_an_adaptive_study_needs_an_sglang_that_reads_per_batch_size_slots(version):
+    """0.5.11-0.5.12 read the config flat: the tuned slots would be ignored and the
+    launches, labeled tuned, would serve candidate steps [1, 3, 7] (a helper's audit)."""
+    base = {"model": "m", "draft": "d", "datasets": ["humaneval"], "batch": [1, 8],
+            "adaptive": True}
+    with pytest.raises(ConfigFileError, match=r"key 'adaptive': adaptive: SGLang reads a "
+                       rf"per-batch-size adaptive config from 0\.5\.13 on .* sglang_version "
+                       rf"{version}: give adaptive: false"):
+        load_study(None, {**base, "sglang_version": version})
+    assert load_study(None, {**base, "sglang_version": "0.5.13"}).adaptive

@@ -25,6 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The per-batch-size config file this module writes and reads, read by SGLang from 0.5.13
+# (the wheels' speculative/adaptive_spec_params.py: 0.5.13 takes digit keys as slots; 0.5.11
+# and 0.5.12 read one flat config and ignore the slots, serving candidate steps [1, 3, 7];
+# 0.5.10 has no --speculative-adaptive).
+SLOT_CONFIG_SINCE = (0, 5, 13)
+
 # SGLang's default config (domain.md section 7): a guess, which a tuned config replaces.
 DEFAULT_CONFIG: dict[str, Any] = {
     "1": {"candidate_steps": [1, 3, 5, 7], "up_hysteresis": 0.0, "down_hysteresis": -0.25,

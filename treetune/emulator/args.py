@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treetune.backends import sglang_adaptive
+from treetune.backends._base import parse_version
 from treetune.backends.sglang import (
     DEFAULT_SGLANG_VERSION,
     KNOWN_ALGORITHMS,
@@ -23,6 +24,7 @@ from treetune.backends.sglang import (
     resolved_algorithm,
 )
 from treetune.config import BASELINE, ServerConfig, TreeConfig, tree_problem
+from treetune.errors import TreetuneError
 
 NO_SPEC_DEFAULT_MAX_RUNNING = 1024
 DEFAULT_TREE = (3, 1, 4)  # SGLang's automatic choice for non-Llama targets
@@ -168,6 +170,10 @@ def parse(argv: list[str]) -> EmulatorSettings:
         raise LaunchError(f"--load-time must be >= 0, got {ns.load_time}")
     if ns.tp_size < 1:
         raise LaunchError(f"--tp-size must be >= 1, got {ns.tp_size}")
+    try:
+        parse_version(ns.emulate_version)
+    except TreetuneError as exc:
+        raise LaunchError(f"--emulate-version: {exc}") from None
     if ns.max_running_requests is not None and ns.max_running_requests < 1:
         raise LaunchError(f"--max-running-requests must be >= 1, got {ns.max_running_requests}")
     adaptive, fallback = _adaptive(ns)

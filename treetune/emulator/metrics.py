@@ -19,8 +19,13 @@ disable_created_metrics()  # SGLang exposes no *_created series
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
 
 
+# SGLang's metrics_collector.py first has sglang:spec_verify_calls_total in 0.5.13 (the
+# wheels'): an older server's accept length over a window cannot be counted.
+VERIFY_COUNTER_SINCE = (0, 5, 13)
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, counts_verify_calls: bool = True) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -43,7 +48,8 @@ class ServerMetrics:
             model_name)
         self._accept_rate = gauge("spec_accept_rate", "Accepted share of drafted steps.").labels(
             model_name)
-        self._verify = counter("spec_verify_calls", "Speculative verify calls.").labels(model_name)
+        self._verify = counter("spec_verify_calls", "Speculative verify calls.").labels(
+            model_name) if counts_verify_calls else None
         self._generation = counter("generation_tokens", "Generated tokens.").labels(model_name)
         self._prompt = counter("prompt_tokens", "Prefilled prompt tokens.").labels(model_name)
         self._ttft = hist("time_to_first_token_seconds", "Time to first token.").labels(model_name)
@@ -69,7 +75,7 @@ class ServerMetrics:
         """One request ended (finished or aborted): its counts, as SGLang adds them."""
         self._prompt.inc(prompt_tokens)
         self._generation.inc(generated)
-        if verify_calls:
+        if verify_calls and self._verify is not None:
             self._verify.inc(verify_calls)
 
     def ttft(self, seconds: float) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from aiohttp import ClientConnectionResetError, web
 
+from treetune.backends._base import parse_version
 from treetune.backends.emulator import CLOCK_LAG_INFO_KEY, EMULATOR_INFO_KEY
 from treetune.backends.sglang import (
     ADAPTIVE_INFO_KEY,
@@ -27,7 +28,7 @@ from treetune.config import TreeConfig
 from treetune.datasets import CHAT_MESSAGE_TOKENS, text_tokens
 from treetune.emulator.args import EmulatorSettings
 from treetune.emulator.engine import Engine, Request
-from treetune.emulator.metrics import ServerMetrics
+from treetune.emulator.metrics import VERIFY_COUNTER_SINCE, ServerMetrics
 from treetune.perfmodel import NoiseModel, PerfModel, Profile
 
 DATASET_HEADER = "X-Treetune-Dataset"
@@ -77,7 +78,9 @@ class EmulatedServer:
         self.arrivals = 0
         self.started = time.time()
         rng = np.random.default_rng(settings.seed)
-        self.metrics = ServerMetrics(settings.served_model_name)
+        self.metrics = ServerMetrics(
+            settings.served_model_name,
+            parse_version(settings.sglang_version) >= VERIFY_COUNTER_SINCE)
         adaptive = settings.adaptive
         self.engine = Engine(
             profile,

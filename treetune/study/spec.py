@@ -38,7 +38,7 @@ from treetune.backends.sglang import (
     needs_draft_model,
     parse_method_tree,
 )
-from treetune.backends.sglang_adaptive import unsupported_reason
+from treetune.backends.sglang_adaptive import SLOT_CONFIG_SINCE, unsupported_reason
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.datasets import DatasetSpec, builtin_names
 from treetune.errors import (
@@ -339,9 +339,15 @@ class StudySpec:
             raise FieldError("gpu_type", f"gpu_type '{self.gpu_type}' is not a GPU type as Ray "
                              "names them (H100, A100-80G, L4, ...)")
         try:
-            parse_version(self.sglang_version)
+            version = parse_version(self.sglang_version)
         except TreetuneError as exc:
             raise FieldError("sglang_version", str(exc)) from None
+        if self.adaptive and version < SLOT_CONFIG_SINCE:
+            raise FieldError("adaptive", "adaptive: SGLang reads a per-batch-size adaptive "
+                             "config from 0.5.13 on (0.5.11-0.5.12 ignore its slots, older "
+                             "releases have no --speculative-adaptive), and this study targets "
+                             f"sglang_version {self.sglang_version}: give adaptive: false, or "
+                             "a newer sglang_version")
         names = [d.name for d in self.datasets]
         for i, name in enumerate(names):
             if not re.fullmatch(NAME, name):

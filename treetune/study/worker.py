@@ -15,12 +15,15 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from treetune.backends import BackendFacts, LaunchContext, gather_facts, server_facts
 from treetune.config import AdaptiveConfig, Baseline, ServerConfig
 from treetune.results import CellResult, LaunchResult, config_from_key, config_key
 from treetune.study.spec import StudySpec
+
+if TYPE_CHECKING:
+    from treetune.client import ServerClient
 
 # How long a server that stopped answering mid-benchmark gets to finish exiting, so that
 # the launch's reason says how it ended (a crash closes its sockets before its process is
@@ -216,8 +219,9 @@ class LaunchWorker:
                 cell, warning = await measure_watched(
                     measure, m.max_clock_lag_s, spec.backend.api.clock_lag_hint,
                     await client.time_scale(), closed_loop=not is_rate,
-                    speculative=not isinstance(result.config, Baseline))
-            if warning:
+                    speculative=not isinstance(result.config, Baseline),
+                    counts_verify=functools.partial(counts_verify_calls, client))
+            if warning and warning not in result.warnings:
                 result.warnings.append(warning)
             (result.rate_cells if is_rate else result.cells).append(cell)
 
@@ -242,19 +246,25 @@ def command_flags(argv: list[str]) -> list[tuple[str, str | None]]:
 
 async def measure_watched(measure: Callable[[], Awaitable[CellResult]], max_lag_s: float,
                           hint: str, time_scale: float = 1.0, *, speculative: bool = False,
-                          closed_loop: bool = False) -> tuple[CellResult, str | None]:
+                          closed_loop: bool = False,
+                          counts_verify: Callable[[], Awaitable[bool]] | None = None
+                          ) -> tuple[CellResult, str | None]:
     """A cell measured by `measure`, and measured once more if its server's clock, or the
     load generator's own timers, lagged more than `max_lag_s` behind schedule, or if a
     `speculative` server delivered tokens in the window without one verify call counted
-    for the cell (no request of it ended: its accept length is missing), or if a `closed_loop`
-    cell's window saw no token at all; if the second is no better, it is kept (marked
-    `lagged` if it lagged), with a warning for the study that says what to do (`hint`).
-    A closed-loop cell empty twice raises MeasurementError: requests were in flight all
-    along, so the server stalled, and 0 tok/s is not its throughput (the worker's retry on
-    a fresh server measures the cell again)."""
+    for the cell (no request of it ended: its accept length is missing) unless
+    `counts_verify` says the server counts none at all, or if a `closed_loop` cell's window
+    saw no token at all; if the second is no better, it is kept (marked `lagged` if it
+    lagged), with a warning for the study that says what to do (`hint`). A closed-loop
+    cell empty twice raises MeasurementError: requests were in flight all along, so the
+    server stalled, and 0 tok/s is not its throughput (the worker's retry on a fresh
+    server measures the cell again)."""
     cell = await measure()
-    if (not _lags(cell, max_lag_s) and not _no_accept(cell, speculative)
-            and not _empty(cell, closed_loop)):
+    lags, empty = _lags(cell, max_lag_s), _empty(cell, closed_loop)
+    if not lags and not empty and _no_accept(cell, speculative) and counts_verify is not None \
+            and not await counts_verify():
+        return cell, NO_VERIFY_COUNTER  # measuring again would count none either
+    if not lags and not _no_accept(cell, speculative) and not empty:
         return cell, None
     first = cell
     cell = await measure()
@@ -279,6 +289,12 @@ async def measure_watched(measure: Callable[[], Awaitable[CellResult]], max_lag_
     return cell, None
 
 
+NO_VERIFY_COUNTER = (
+    "the server's metrics have no speculative verify counter (SGLang has "
+    "sglang:spec_verify_calls_total from 0.5.13 on): no accept length was measured, and the "
+    "search fits throughput alone")
+
+
 def _lag_warning(first: CellResult, second: CellResult, max_lag_s: float, hint: str,
                  time_scale: float) -> str:
     """Why a cell measured twice is kept marked lagged, and what to do."""
@@ -300,6 +316,16 @@ def _lag_warning(first: CellResult, second: CellResult, max_lag_s: float, hint: 
 def _empty(cell: CellResult, closed_loop: bool) -> bool:
     """A closed-loop cell whose window saw no token."""
     return closed_loop and cell.output_tokens == 0
+
+
+async def counts_verify_calls(client: ServerClient) -> bool:
+    """Whether the server counts speculative verify calls: a server that has counted
+    generated tokens and shows no verify counter has none (SGLang before 0.5.13). SGLang's
+    labeled counters show no sample before their first count, so one that has counted no
+    token yet is taken to count them."""
+    api = client.api
+    names = await client.metrics()
+    return api.verify_calls in names or names.get(api.generated_tokens, 0.0) <= 0
 
 
 def _no_accept(cell: CellResult, speculative: bool) -> bool:
