@@ -634,6 +634,29 @@ def test_every_launch_of_a_config_draws_its_own_seed_and_writes_its_own_log():
     assert len(names) == 6 and log_name("3,4,8") == "3-4-8.log"
 
 
+def test_a_studys_servers_keep_no_prefix_cache_and_production_keeps_sglangs_default(
+        tmp_path):
+    """A cell sends each prompt many times, every cell of a server the same ones: SGLang's
+    radix cache (on by default) would skip their prefills after the first cell (a helper's
+    audit). The emulator, which keeps no cache, takes the flag as SGLang does."""
+    from treetune.emulator.args import build_parser
+    from treetune.study.export import launch_argv
+    from treetune.study.recommend import recommend
+    from treetune.study.worker import launch_command
+
+    spec = load_study("studies/demo.yaml")
+    argv = launch_command(spec, TreeConfig(3, 1, 4), (), 30000)
+    assert argv.count("--disable-radix-cache") == 1
+    assert build_parser().parse_known_args(argv[3:])[1] == []
+    base = launch(BASELINE, 100.0, (99, 100, 101))
+    rec = recommend(spec, [base], base)[0]
+    assert "--disable-radix-cache" not in launch_argv(spec, rec)
+    # Set by the user, it is theirs: in production too, and not given twice.
+    mine = load_study("studies/demo.yaml", {"server_flags": {"--disable-radix-cache": None}})
+    assert launch_command(mine, BASELINE, (), 30000).count("--disable-radix-cache") == 1
+    assert "--disable-radix-cache" in launch_argv(mine, recommend(mine, [base], base)[0])
+
+
 def test_the_planner_numbers_the_launches_of_a_config():
     spec = one_dataset_study()
     base = launch(BASELINE, 100.0, (99, 100, 101))

@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--cuda-graph-max-bs-prefill", type=int, default=None)
     sg.add_argument("--api-key", default=None)
     sg.add_argument("--trust-remote-code", action="store_true")
+    # The emulator keeps no prefix cache: every prompt is prefilled whole, as with this.
+    sg.add_argument("--disable-radix-cache", action="store_true")
     return p
 
 

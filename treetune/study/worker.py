@@ -31,16 +31,24 @@ if TYPE_CHECKING:
 EXIT_GRACE_S = 5.0
 MAX_ATTEMPTS = 2  # a server that crashes mid-benchmark is retried once on a fresh server
 START_LOG_LINES = 2000  # enough of a server's log to hold its whole start-up
+# A study's servers keep no prefix cache. Its cells send each prompt of a set many times
+# (a cell cycles through them; every cell of a server sends the same ones), and SGLang's
+# radix cache, on by default, would then skip nearly every prefill after the first cell:
+# a prefill-free steady state no production server sees, and not the one the model search
+# and the emulator price. Production commands (the export) keep SGLang's default.
+NO_PREFIX_CACHE = "--disable-radix-cache"
 
 
-def launch_command(spec: StudySpec, config: ServerConfig, flags: tuple[tuple[str, str], ...],
-                   port: int, attempt: int = 0, api_key: str | None = None,
-                   launch_index: int = 0, adaptive_config_path: str | None = None
-                   ) -> list[str]:
+def launch_command(spec: StudySpec, config: ServerConfig,
+                   flags: tuple[tuple[str, str | None], ...], port: int, attempt: int = 0,
+                   api_key: str | None = None, launch_index: int = 0,
+                   adaptive_config_path: str | None = None) -> list[str]:
     """The server command of the study's backend for one launch attempt (`launch_index`:
     how many launches of this config came before; `adaptive_config_path`: an adaptive
     server's JSON config file, already written)."""
     launch = spec.launch_spec(port=port)
+    if NO_PREFIX_CACHE not in spec.server_flags:
+        flags = (*flags, (NO_PREFIX_CACHE, None))
     if api_key:
         flags = (*flags, ("--api-key", api_key))
     launch = dataclasses.replace(launch, extra_flags=(*launch.extra_flags, *flags),
