@@ -258,6 +258,37 @@ def test_a_search_on_a_tp_the_target_does_not_split_over_is_refused_before_ray(t
     assert message.endswith("tp sizes that fit: 1, 2, 4, 8, 16")
 
 
+def stand_in_sglang(tmp_path, version: str | None) -> dict[str, str]:
+    """A study environment whose interpreter imports a stand-in sglang of `version`."""
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(f"__version__ = {version!r}\n" if version else "")
+    return {"PYTHONPATH": str(fake.parent)}
+
+
+@pytest.mark.parametrize(("installed", "targeted", "refused"), [
+    ("0.5.13", "0.5.23", True), ("0.5.23", "0.5.10", True), ("0.5.14rc0", "0.5.23", False),
+    ("0.5.9", "0.5.12", False), (None, "0.5.23", False)])
+def test_an_installed_sglang_that_takes_other_flags_than_the_study_targets_is_refused(
+        tmp_path, installed, targeted, refused):
+    """0.5.13's parser refuses --cuda-graph-max-bs-decode, 0.5.23's --cuda-graph-max-bs:
+    every launch would fail after Ray started (a helper's audit)."""
+    from treetune.study.preflight import check_study
+
+    spec = sglang_study(tmp_path, backend={"gpu": "H200"}, sglang_version=targeted,
+                        env=stand_in_sglang(tmp_path, installed))
+    if not refused:
+        check_study(spec)
+        return
+    with pytest.raises(TreetuneError) as caught:
+        check_study(spec)
+    message = str(caught.value)
+    assert message.startswith(f"SGLang {installed} is installed for {sys.executable} "
+                              f"(backend.python), and the study's commands are written for "
+                              f"SGLang {targeted} (sglang_version)")
+    assert message.endswith(f"give --sglang-version {installed}")
+
+
 def test_a_search_whose_target_is_only_on_the_nodes_leaves_its_tp_to_them(tmp_path):
     from treetune.backends.sglang import check_tp
 

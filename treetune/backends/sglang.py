@@ -387,12 +387,26 @@ def kv_cache_bytes(launch: LaunchSpec) -> float | None:
     return KV_CACHE_BYTES.get(value or "auto")
 
 
-def check_sglang(python: str, env: Mapping[str, str] | None = None) -> None:
-    """`python` (backend.python) can import sglang; no shell involved."""
+# Prints the installed release ("" when the package does not say: a stand-in, a source tree).
+_IMPORT_AND_VERSION = (
+    "import sglang\n"
+    "version = getattr(sglang, '__version__', '')\n"
+    "if not version:\n"
+    "    from importlib import metadata\n"
+    "    try:\n"
+    "        version = metadata.version('sglang')\n"
+    "    except metadata.PackageNotFoundError:\n"
+    "        pass\n"
+    "print(version)\n")
+
+
+def check_sglang(python: str, env: Mapping[str, str] | None = None) -> str:
+    """`python` (backend.python) can import sglang; no shell involved. Returns the
+    installed release, "" when the package does not say."""
     shown = python if shutil.which(python) in (None, python) else (
         f"{python} ({shutil.which(python)})")
     try:
-        done = subprocess.run([python, "-c", "import sglang"], stdin=subprocess.DEVNULL,
+        done = subprocess.run([python, "-c", _IMPORT_AND_VERSION], stdin=subprocess.DEVNULL,
                               env=dict(env) if env is not None else None,
                               capture_output=True, text=True, timeout=SGLANG_IMPORT_TIMEOUT_S)
     except FileNotFoundError:
@@ -411,7 +425,8 @@ def check_sglang(python: str, env: Mapping[str, str] | None = None) -> None:
             f"{SGLANG_IMPORT_TIMEOUT_S:.0f} s; check that installation, {EMULATOR_HINT}"
         ) from None
     if done.returncode == 0:
-        return
+        lines = done.stdout.strip().splitlines()
+        return lines[-1].strip() if lines else ""
     if "No module named 'sglang'" in done.stderr:
         raise TreetuneError(
             f"SGLang is not installed for {shown} (backend.python): install it on the GPU "
@@ -437,6 +452,22 @@ def check_tp(launch: LaunchSpec, env: Mapping[str, str]) -> None:
         return
     if refusal := facts.tp_refusal(launch.model_path, launch.tp):
         raise TreetuneError(f"tp {launch.tp} (--tp): {refusal}")
+
+
+def check_installed_version(installed: str, targeted: str, python: str) -> None:
+    """The installed SGLang takes the flags the study's commands are written for: a study
+    targeting 0.5.23 (the default) on 0.5.13 would pass --cuda-graph-max-bs-decode, which
+    that release's parser refuses, and fail every launch."""
+    try:
+        parse_version(installed)
+    except TreetuneError:
+        return  # no release to compare (a stand-in, a source tree): the launch will tell
+    if cuda_graph_flag(installed) != cuda_graph_flag(targeted):
+        raise TreetuneError(
+            f"SGLang {installed} is installed for {python} (backend.python), "
+            f"and the study's commands are written for SGLang {targeted} (sglang_version): "
+            f"that release takes {cuda_graph_flag(installed)} where these pass "
+            f"{cuda_graph_flag(targeted)}; give --sglang-version {installed}")
 
 
 @register
@@ -476,7 +507,8 @@ class SGLangBackend:
               local: bool) -> None:
         check_tp(launch, env)
         if local:  # on a cluster, the nodes' interpreters are theirs
-            check_sglang(self.python, env)
+            check_installed_version(check_sglang(self.python, env), version_of(launch),
+                                    self.python)
 
     def facts(self, launch: LaunchSpec, env: Mapping[str, str]) -> Profile:
         """The auto prior: the target's and draft's config.json (local paths or the local
