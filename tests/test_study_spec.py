@@ -1,5 +1,6 @@
 """Study specs: YAML plus command-line overrides, validated once."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -358,3 +359,35 @@ def test_an_adaptive_study_needs_an_sglang_that_reads_per_batch_size_slots(versi
                        rf"{version}: give adaptive: false"):
         load_study(None, {**base, "sglang_version": version})
     assert load_study(None, {**base, "sglang_version": "0.5.13"}).adaptive
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ('{"X;touch /tmp/pwn;Y": "1"}', "env: 'X;touch /tmp/pwn;Y' is not an environment "
+     "variable name"),
+    ('{"A B": "1"}', "env: 'A B' is not an environment variable name"),
+    ('{"SGLANG_X": "1\\ntrust-remote-code: true\\n#"}', "env: SGLANG_X's value holds a "
+     "control character"),
+])
+def test_an_env_name_or_value_that_would_break_out_of_a_launch_script_is_refused(
+        tmp_path, env, message):
+    """Names went unquoted into `export NAME=VALUE` (the first ran its command when the
+    script ran), a newline in a value ended the config file's comment and wrote a live key
+    (a helper's audit)."""
+    study = tmp_path / "s.yaml"
+    study.write_text(f"model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\nenv: {env}\n")
+    with pytest.raises(ConfigFileError, match=rf"^{re.escape(str(study))}, line 5: "):
+        load_study(study)
+    with pytest.raises(ConfigFileError, match=re.escape(message)):
+        load_study(study)
+
+
+@pytest.mark.parametrize("value", ['["1", "--host", "0.0.0.0"]', '"--host"'])
+def test_a_server_flags_value_that_is_a_flag_is_refused(tmp_path, value):
+    """`{--cuda-graph-bs: ["1", "--host", "0.0.0.0"]}` rebound every server to every
+    interface past the check of the flags treetune sets, and without its warning."""
+    study = tmp_path / "s.yaml"
+    study.write_text("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\n"
+                     f"server_flags: {{--cuda-graph-bs: {value}}}\n")
+    with pytest.raises(ConfigFileError, match=r"server_flags: '--cuda-graph-bs': its value "
+                       r"'--host' starts with '--': give each flag as a key of its own"):
+        load_study(study)

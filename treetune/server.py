@@ -8,6 +8,7 @@ owner. Its stdout and stderr go to one log file, whose tail explains a failed st
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -273,9 +274,18 @@ class ServerProcess:
             time.sleep(0.05)
 
 
+def secret_forms(secret: str) -> list[bytes]:
+    """The ways a server may print `secret`: as it is, and as a Python repr or a JSON
+    string escapes it (SGLang logs `server_args=ServerArgs(..., api_key='...')`, where a
+    backslash comes out doubled); longest first, so that no part of one is left."""
+    forms = {secret, repr(secret)[1:-1], json.dumps(secret)[1:-1],
+             json.dumps(secret, ensure_ascii=False)[1:-1]}
+    return sorted((f.encode() for f in forms if f), key=len, reverse=True)
+
+
 def _copy_redacted(source: IO[bytes], log_path: Path, secrets: tuple[str, ...]) -> None:
     """Copy the server's output to its log line by line, each secret replaced by ***."""
-    encoded = [s.encode() for s in secrets]
+    encoded = [form for s in secrets for form in secret_forms(s)]
     with source, log_path.open("ab") as log:
         for line in source:
             for secret in encoded:

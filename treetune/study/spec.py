@@ -60,6 +60,7 @@ MIXED = "mixed"
 # A study's, a dataset's and a GPU type's names: they name files (`launch/<workload>-batch1.sh`)
 # and stand in emitted scripts' comments, so no '/', no leading '.', no space or newline.
 NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]*"  # an environment variable, as a shell exports it
 SPEC_COPY = "study.yaml"  # the resolved spec, saved in the output folder for readers
 COMMAND_LINE = "command line"  # where a value given as an option comes from
 
@@ -359,10 +360,17 @@ class StudySpec:
                                  "workload of every dataset at once: give the dataset another")
         if len(set(names)) != len(names):
             raise FieldError("datasets", f"datasets are listed twice: {names}")
-        if self.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*",
-                                                             self.api_key_env):
+        if self.api_key_env is not None and not re.fullmatch(ENV_NAME, self.api_key_env):
             raise FieldError("api_key_env", f"api_key_env '{self.api_key_env}' is not an "
                              "environment variable name")
+        for name, value in self.env.items():
+            # Both go into the launch scripts (`export NAME=VALUE`) and config files' comments.
+            if not re.fullmatch(ENV_NAME, name):
+                raise FieldError(f"env.{name}", f"env: {name!r} is not an environment "
+                                 "variable name (letters, digits and '_', not first a digit)")
+            if any(unicodedata.category(c) == "Cc" for c in value):
+                raise FieldError(f"env.{name}", f"env: {name}'s value holds a control "
+                                 "character (a newline, a tab, ...): give it on one line")
         for flag in self.server_flags:
             if not flag.startswith("--"):
                 raise FieldError("server_flags", f"server_flags: '{flag}' must start with '--'")
@@ -371,6 +379,12 @@ class StudySpec:
                 raise FieldError("server_flags", f"server_flags: '{flag}': give the value as "
                                  f"the flag's, {{{name}: {value}}}")
             value = self.server_flags[flag]
+            for word in value if isinstance(value, list) else [value] if value else []:
+                if word.startswith("--"):
+                    # SGLang would read it as a flag of its own, past the checks below.
+                    raise FieldError("server_flags", f"server_flags: '{flag}': its value "
+                                     f"'{word}' starts with '--': give each flag as a key "
+                                     "of its own")
             if isinstance(value, list) and (not value or flag in ONE_VALUE_FLAGS):
                 raise FieldError("server_flags", f"server_flags: '{flag}' takes "
                                  f"{'one value' if value else 'at least one value'}, got "
