@@ -465,3 +465,22 @@ def test_a_search_that_pins_no_attention_backend_is_told_when_it_starts(tmp_path
     assert unpinned_attention(bare, chains) is None  # chains only: SGLang serves them alike
     compared = spec(tmp_path, server_flags={}, compare=["3,4,8"])
     assert unpinned_attention(compared, chains) is not None
+
+
+def test_a_storage_password_is_neither_shown_nor_written(capsys, tmp_path):
+    """`--storage postgresql://user:pass@host/db` (the README's own example) printed the
+    password in the banner and in the error, and wrote it to the folder's study.yaml (a
+    helper's audit); libpq takes it from PGPASSWORD or ~/.pgpass instead."""
+    from treetune.study.spec import load_study, shown_url, url_without_password
+
+    url = "postgresql://tt:PGPASS-xyz@127.0.0.1:1/studies"
+    code, out, err = run_cli(capsys, "search", "--study", "studies/demo.yaml", "--storage",
+                             url, "--output", str(tmp_path / "out"))
+    assert code == 2 and "PGPASS-xyz" not in out + err, out + err
+    assert "postgresql://tt:***@127.0.0.1:1/studies" in out
+    assert "cannot open study storage postgresql://tt:***@127.0.0.1:1/studies" in " ".join(
+        err.split())
+    spec = load_study("studies/demo.yaml", {"storage": url})
+    assert spec.to_dict()["storage"] == "postgresql://tt@127.0.0.1:1/studies"
+    assert url_without_password("sqlite:////a/b.db") == "sqlite:////a/b.db"
+    assert shown_url("postgresql://tt@h/db") == "postgresql://tt@h/db"

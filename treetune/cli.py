@@ -30,7 +30,7 @@ from treetune.perfmodel import (
     load_profile,
     shipped_profiles,
 )
-from treetune.study.spec import is_loopback, search_options
+from treetune.study.spec import is_loopback, search_options, shown_url
 
 if TYPE_CHECKING:
     from treetune.study.recommend import Recommendation
@@ -464,7 +464,7 @@ def search(study: Path | None = None, **options: Any) -> None:
     out.print(f"study [bold]{escape(spec.name)}[/bold]: " + escape(
         f"{spec.model} + {drafts}, batch {', '.join(map(str, spec.batch))}, datasets "
         f"{', '.join(spec.dataset_names)}, backend {spec.backend.describe()}, storage "
-        f"{spec.storage_url}"))
+        f"{shown_url(spec.storage_url)}"))
     if not is_loopback(spec.host):
         err.print(f"[bold yellow]warning:[/bold yellow] servers will listen on "
                   f"{escape(spec.host)}, reachable from other machines: anyone who can "

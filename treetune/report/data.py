@@ -14,7 +14,13 @@ from treetune.errors import TreetuneError
 from treetune.results import LaunchResult
 from treetune.study.evidence import judge, merge_leveled, noise_of
 from treetune.study.recommend import Recommendation, recommend
-from treetune.study.spec import SPEC_COPY, StudySpec, load_study, study_from_mapping
+from treetune.study.spec import (
+    SPEC_COPY,
+    StudySpec,
+    load_study,
+    shown_url,
+    study_from_mapping,
+)
 from treetune.study.storage import SPEC_ATTR, read_only_storage, read_study
 
 LAUNCHES = ":launches"
@@ -137,16 +143,17 @@ def _spec_from_storage(url: str, study: str | None) -> StudySpec:
     try:
         names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
     except Exception as exc:  # SQLAlchemy raises many kinds
-        raise TreetuneError(f"cannot open study storage {url}: {exc}") from None
+        raise TreetuneError(f"cannot open study storage {shown_url(url)}: {exc}") from None
     studies = sorted(n.removesuffix(LAUNCHES) for n in names if n.endswith(LAUNCHES))
     if study is None and len(studies) == 1:
         study = studies[0]
     if study not in studies:
-        raise TreetuneError(f"{url} holds the treetune studies {', '.join(studies) or '(none)'}"
-                            "; name one" + (f" (not '{study}')" if study else ""))
+        raise TreetuneError(f"{shown_url(url)} holds the treetune studies "
+                            f"{', '.join(studies) or '(none)'}; name one"
+                            + (f" (not '{study}')" if study else ""))
     attrs = optuna.load_study(study_name=f"{study}{LAUNCHES}", storage=storage).user_attrs
     if SPEC_ATTR not in attrs:
-        raise TreetuneError(f"study '{study}' in {url} predates specs kept in storage; open "
-                            "its output folder instead")
-    spec = study_from_mapping(attrs[SPEC_ATTR], f"{url} ({study})", Path("."))
+        raise TreetuneError(f"study '{study}' in {shown_url(url)} predates specs kept in "
+                            "storage; open its output folder instead")
+    spec = study_from_mapping(attrs[SPEC_ATTR], f"{shown_url(url)} ({study})", Path("."))
     return spec.replace(storage=url)

@@ -597,12 +597,41 @@ class StudySpec:
         data["compare"] = [config_key(c) if c.method else [c.steps, c.topk, c.draft_tokens]
                            for c in self.compare]
         data["methods"] = [m.entry() for m in self.methods]
+        # A password in --storage is the user's; never kept (this goes to the output
+        # folder's copy and the storage's own record of the study).
+        data["storage"] = url_without_password(self.storage) if self.storage else None
         data.pop("base_dir")
         return data
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         dump_yaml(self.to_dict(), path)
+
+
+def _parsed_with_password(url: str) -> Any:
+    """`url` as SQLAlchemy reads it, when it holds a password; else None."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return None
+    return parsed if parsed.password is not None else None
+
+
+def shown_url(url: str) -> str:
+    """A storage URL as it may be printed: its password, if any, as ***."""
+    parsed = _parsed_with_password(url)
+    return url if parsed is None else parsed.render_as_string(hide_password=True)
+
+
+def url_without_password(url: str) -> str:
+    """A storage URL as it may be written to a file: without its password, which the
+    database's client then takes from its own place (PostgreSQL: PGPASSWORD, ~/.pgpass)."""
+    parsed = _parsed_with_password(url)
+    return url if parsed is None else parsed._replace(password=None).render_as_string(
+        hide_password=False)
 
 
 def _fields(cls: type[Any]) -> Iterator[tuple[dataclasses.Field[Any], Any]]:

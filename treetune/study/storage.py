@@ -31,7 +31,7 @@ from treetune.results import LaunchResult, config_key
 from treetune.study.claims import CREATE_TRIES, created_racing
 from treetune.study.evidence import StudyNoise, judge
 from treetune.study.recommend import Recommendation
-from treetune.study.spec import StudySpec, load_study
+from treetune.study.spec import StudySpec, load_study, shown_url
 
 RESULT_ATTR = "launch_result"
 RECOMMENDATIONS_ATTR = "recommendations"  # what the search decided, as recommendations.json
@@ -110,11 +110,12 @@ def _open_rdb(url: str) -> optuna.storages.RDBStorage:
                 url, engine_kwargs={"connect_args": {"timeout": 30}} if sqlite else None)
         except ModuleNotFoundError as exc:  # the database's driver
             raise TreetuneError(
-                f"cannot open study storage {url}: its database driver is not installed "
+                f"cannot open study storage {shown_url(url)}: its database driver is not "
+                f"installed "
                 f"({exc}); for PostgreSQL: pip install 'treetune[postgres]'") from None
 
     # SQLAlchemy raises many kinds; SQLite's file is the study's alone (its folder's lock).
-    return created_racing(create, f"cannot open study storage {url}",
+    return created_racing(create, f"cannot open study storage {shown_url(url)}",
                           tries=1 if sqlite else CREATE_TRIES)
 
 
@@ -351,7 +352,15 @@ def read_only_storage(url: str) -> optuna.storages.BaseStorage:
                                           skip_compatibility_check=True,
                                           skip_table_creation=True)
     except Exception as exc:  # SQLAlchemy raises many kinds
-        raise TreetuneError(f"cannot open study storage {url}: {exc}") from None
+        raise TreetuneError(f"cannot open study storage {shown_url(url)}: {exc}"
+                            f"{_PASSWORD_HINT if not url.startswith('sqlite') else ''}"
+                            ) from None
+
+
+# A study folder's copy of the spec keeps no password of its storage.
+_PASSWORD_HINT = ("; a storage password is never written to the study folder: give it by "
+                  "the database's own means (PostgreSQL: PGPASSWORD or ~/.pgpass), or open "
+                  "the storage URL itself")
 
 
 def read_study(spec: StudySpec) -> StoredStudy:
@@ -359,7 +368,8 @@ def read_study(spec: StudySpec) -> StoredStudy:
     try:
         launches = optuna.load_study(study_name=f"{spec.name}:launches", storage=storage)
     except KeyError:
-        raise TreetuneError(f"study '{spec.name}' is not in {spec.storage_url}") from None
+        raise TreetuneError(f"study '{spec.name}' is not in {shown_url(spec.storage_url)}"
+                            ) from None
     results = _launch_results(launches)
     attrs = launches.user_attrs
     stored = attrs.get(RECOMMENDATIONS_ATTR)
