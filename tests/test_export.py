@@ -4,6 +4,7 @@ lists, and POOLS.md when batch sizes want different trees."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -98,7 +99,24 @@ def test_args_json_is_the_launch_scripts_argv_after_the_program(tmp_path):
         name = script.name.removesuffix(".sh")
         args = json.loads((out / "launch" / f"{name}.args.json").read_text())
         assert all(isinstance(a, str) for a in args)
-        assert ["python", *args] == script_argv(out, name)
+        # Kubernetes expands $(VAR) in args and passes $$( as $(: the model path, which
+        # holds "$(touch pwned)", reaches the server as the script gives it.
+        assert "/models/My Model $$(touch pwned)" in args
+        assert ["python", *(a.replace("$$(", "$(") for a in args)] == script_argv(out, name)
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o077, 0o700), (0o022, 0o755)])
+def test_launch_scripts_are_executable_as_far_as_the_umask_lets_them_be_read(
+        tmp_path, umask, mode):
+    """They hold the study's env; forced to 0755 they were readable by all whatever the
+    umask (a helper's audit)."""
+    old = os.umask(umask)
+    try:
+        out = written(tmp_path)
+    finally:
+        os.umask(old)
+    scripts = list((out / "launch").glob("*.sh"))
+    assert scripts and {s.stat().st_mode & 0o777 for s in scripts} == {mode}
 
 
 def test_no_speculation_recommendations_export_without_speculative_flags(tmp_path):

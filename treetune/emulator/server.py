@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import os
 import sys
@@ -143,7 +144,8 @@ class EmulatedServer:
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         key = self.settings.api_key
         open_paths = ("/health", "/health_generate", "/metrics")
-        authorized = request.headers.get("Authorization", "") == f"Bearer {key}"
+        authorized = hmac.compare_digest(
+            request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode())
         if key and request.path not in open_paths and not authorized:
             return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)

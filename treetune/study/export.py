@@ -177,8 +177,9 @@ def config_file(spec: StudySpec, rec: Recommendation) -> str | None:
 
 def container_args(spec: StudySpec, rec: Recommendation) -> list[str]:
     """The launch script's argv after the program (`python`), for a container spec's args.
-    The API key is a Kubernetes `$(VAR)` reference, expanded from the container's env."""
-    argv = launch_argv(spec, rec)[1:]
+    The API key is a Kubernetes `$(VAR)` reference, expanded from the container's env;
+    any other `$(` is escaped as `$$(`, so that Kubernetes passes it as written."""
+    argv = [arg.replace("$(", "$$(") for arg in launch_argv(spec, rec)[1:]]
     if spec.api_key_env:
         argv += ["--api-key", f"$({spec.api_key_env})"]
     return argv
@@ -394,7 +395,8 @@ def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path,
         rec = max(group, key=lambda r: r.batch)  # an adaptive pool is sized for the largest
         script = out_dir / rec.script_name
         script.write_text(launch_script(spec, rec, group))
-        script.chmod(0o755)
+        # Executable by whoever the umask lets read it: the script holds the study's env.
+        script.chmod(script.stat().st_mode | (script.stat().st_mode & 0o444) >> 2)
         (out_dir / args_name(rec)).write_text(json.dumps(container_args(spec, rec), indent=1)
                                               + "\n")
         config = out_dir / config_name(rec)
