@@ -121,3 +121,52 @@ def test_the_report_escapes_the_model_name(keyed_study):
     index = (tmp / "out" / "report" / "report.html").read_text()
     assert "<script>alert(1)</script>" not in index
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in index
+
+
+LOCAL_RAY = """
+import os, subprocess, sys
+from treetune.study.runner import _Ray
+from treetune.study.spec import load_study
+
+session = _Ray(load_study("studies/demo.yaml", {"workers": 1}))
+ray = session.ray
+try:
+    token = os.environ.get("RAY_AUTH_TOKEN", "")
+    print("mode", os.environ.get("RAY_AUTH_MODE"), "token", len(token))
+    print("task", ray.get(ray.remote(lambda: 41 + 1).remote()))
+    gcs = ray.get_runtime_context().gcs_address
+    # Another user on the network: Ray's GCS listens on every interface.
+    intruder = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    done = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={gcs!r})"],
+                          env=intruder, capture_output=True, text=True, timeout=120)
+    print("intruder", done.returncode, done.stderr.strip().splitlines()[-1:])
+finally:
+    session.shutdown()
+print("after", os.environ.get("RAY_AUTH_MODE"), os.environ.get("RAY_AUTH_TOKEN"))
+"""
+
+
+@pytest.mark.parametrize("mode", [None, "disabled"])
+def test_a_local_ray_takes_a_token_of_its_own_unless_the_user_chose_a_mode(tmp_path, mode):
+    """Ray 2.60's GCS and raylets listen on every interface; with authentication disabled
+    (treetune's default before), a process on another machine joined the study's cluster,
+    ran code in it and read the API key from its environment (a helper's audit). The token
+    lives in the run's environment only: nothing is written to ~/.ray."""
+    with short_ray_dir() as ray_dir:
+        env = {k: v for k, v in {**os.environ, **ray_env(ray_dir)}.items()
+               if not k.startswith("RAY_AUTH")} | {"HOME": str(tmp_path)}
+        if mode:
+            env["RAY_AUTH_MODE"] = mode
+        done = subprocess.run([sys.executable, "-c", LOCAL_RAY], env=env, capture_output=True,
+                              text=True, timeout=300, cwd=Path(treetune.__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "task 42" in lines
+    if mode is None:
+        assert "mode token token 64" in lines
+        assert next(x for x in lines if x.startswith("intruder")).startswith("intruder 1")
+        assert "Failed to connect" in done.stdout
+    else:
+        assert "mode disabled token 0" in lines
+    assert lines[-1] == f"after {mode} None"
+    assert not (tmp_path / ".ray").exists()

@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import secrets
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -82,6 +84,17 @@ class _Ray:
     """Ray for the duration of a study: local unless an address is given."""
 
     def __init__(self, spec: StudySpec) -> None:
+        self.token_set = False
+        if not spec.ray_address and "RAY_AUTH_MODE" not in os.environ \
+                and "ray" not in sys.modules:
+            # Ray's GCS and raylets listen on every interface (Ray 2.60 has no loopback-only
+            # bind): without authentication anyone who reaches this machine could run code
+            # in the study's workers and read its secrets. A token only this run holds, in
+            # the environment its Ray processes inherit (none written to ~/.ray); set before
+            # Ray is imported, which reads its mode then.
+            os.environ["RAY_AUTH_MODE"] = "token"
+            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+            self.token_set = True
         import ray
 
         self.ray = ray
@@ -114,6 +127,9 @@ class _Ray:
     def shutdown(self) -> None:
         if self.started_here:
             self.ray.shutdown()
+        if self.token_set:
+            for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+                os.environ.pop(name, None)
 
 
 def _placement(ray: Any, spec: StudySpec) -> Placement:

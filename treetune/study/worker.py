@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 EXIT_GRACE_S = 5.0
 MAX_ATTEMPTS = 2  # a server that crashes mid-benchmark is retried once on a fresh server
 START_LOG_LINES = 2000  # enough of a server's log to hold its whole start-up
+RAY_TOKEN = "RAY_AUTH_TOKEN"
 # A study's servers keep no prefix cache. Its cells send each prompt of a set many times
 # (a cell cycles through them; every cell of a server sends the same ones), and SGLang's
 # radix cache, on by default, would then skip nearly every prefill after the first cell:
@@ -134,7 +135,8 @@ class LaunchWorker:
         config, key = result.config, config_key(result.config)
         log_path = self.logs / log_name(key, launch_index, attempt)
         keep_earlier(log_path)  # a launch interrupted or lost before, now redone
-        env = {**os.environ, **self.spec.env}
+        # Ray's token stays with Ray: the server needs none of it.
+        env = {k: v for k, v in os.environ.items() if k != RAY_TOKEN} | self.spec.env
         api_key = self.api_key()
         adaptive = None
         if isinstance(config, AdaptiveConfig):  # the server reads it on this node
