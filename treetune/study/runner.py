@@ -101,7 +101,10 @@ class _Ray:
         self.started_here = False
         if ray.is_initialized():
             return
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        if not spec.ray_address:
+            # Ray imported before (in-process callers): Ray's default would write a token
+            # to ~/.ray. A cluster's driver finds the cluster's token as Ray does.
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False,
                                       configure_logging=False)
         if spec.ray_address:
