@@ -19,6 +19,7 @@ from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.table import Table
 
+from treetune import stopping
 from treetune.backends.sglang import NGRAM, SPEC_DEFAULT_MAX_RUNNING, parse_method_tree
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.errors import TreetuneError
@@ -470,14 +471,20 @@ def search(study: Path | None = None, **options: Any) -> None:
                   f"{escape(spec.host)}, reachable from other machines: anyone who can "
                   "reach this host can use them (set api_key_env to require a key)",
                   highlight=False)
-    outcome = _run_with_progress(spec, run_study)  # SIGTERM stops it as Ctrl-C does
+    restore = stopping.install()  # SIGTERM stops it as Ctrl-C does
+    try:
+        outcome = _run_with_progress(spec, run_study)
+        if outcome.baseline is not None:
+            recs = outcome.recommendations
+            # Another objective's picks beside throughput's, from the same launches.
+            note = (objective_note(recs, recommend(spec, outcome.results, outcome.baseline,
+                                                   objective=Objective.THROUGHPUT))
+                    if spec.objective is not Objective.THROUGHPUT else None)
+            with stopping.held():  # the outputs agree with each other: written whole
+                write_outputs(spec, recs, spec.output_dir, note)
+    finally:
+        restore()
     if outcome.baseline is not None:
-        recs = outcome.recommendations
-        # Another objective's picks beside throughput's, from the same launches.
-        note = (objective_note(recs, recommend(spec, outcome.results, outcome.baseline,
-                                               objective=Objective.THROUGHPUT))
-                if spec.objective is not Objective.THROUGHPUT else None)
-        write_outputs(spec, recs, spec.output_dir, note)
         _print_outcome(spec, outcome, recs, advice(recs))
         if note:
             out.print(f"[bold]objective:[/bold] {escape(note)}")
@@ -749,7 +756,13 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args or os.environ.get("TREETUNE_DEBUG") == "1"
     args = [a for a in args if a != "--debug"]
     try:
-        app(args, prog_name="treetune", standalone_mode=False)
+        # Without standalone mode Typer returns an exit code instead of exiting: 130 for a
+        # Ctrl-C (or SIGTERM) that reached it, which it caught.
+        code = app(args, prog_name="treetune", standalone_mode=False)
+        if isinstance(code, int) and code:
+            if code == 130:
+                err.print("aborted")
+            sys.exit(code)
     except TreetuneError as exc:
         if debug:
             raise

@@ -209,8 +209,13 @@ def test_sigkill_of_the_search_leaves_no_server_and_a_rerun_redoes_the_stale_lau
     running = launch_trials(spec, TrialState.RUNNING)
     assert running, "the killed search left its running launches marked running"
     stale = {t.user_attrs["config"] for t in running}
-    resumed = run_study(spec.replace(ray_address=ray_cluster))  # see the Ctrl-C test
+    notes: list[str] = []
+    resumed = run_study(spec.replace(ray_address=ray_cluster),  # see the Ctrl-C test
+                        lambda p: notes.extend(n for n in p.notes if n not in notes))
     assert resumed.stale_redone == len(running)
+    # Said once above the progress line (it was a passing message, overwritten at once).
+    assert f"{len(running)} launch(es) of an earlier run were left unfinished (its search " \
+        "was killed): redoing them" in notes
     assert_each_config_measured_once(spec, resumed, 4)
     assert stale <= {config_key(r.config) for r in resumed.results}
     # Each redone launch's server logged afresh; the killed one's log is kept beside it.
@@ -220,3 +225,37 @@ def test_sigkill_of_the_search_leaves_no_server_and_a_rerun_redoes_the_stale_lau
         log = spec.output_dir / "logs" / log_name(key)
         assert log.is_file() and log.with_name(log.name.replace(".log", ".earlier.log")
                                                 ).is_file(), sorted(log.parent.iterdir())
+
+
+@pytest.mark.parametrize("delay", [0.3, 2.0], ids=["checks", "ray-starting"])
+def test_ctrl_c_while_the_search_starts_exits_130_and_leaves_no_ray_behind(
+        tmp_path, delay, ray_tmpdir):
+    """Stopped at start-up, the search exited 0 without a word (Typer returned 130 and it
+    was dropped), and stopped inside ray.init it left Ray's agents running (a helper's
+    audit). Ray's start is now held: the stop comes once Ray is up, and takes it down."""
+    from studykit import dir_holders
+
+    path = write_study(tmp_path, budget={"launches": 2})
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "treetune", "search", "--study",
+                                 str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        assert proc.stdout is not None
+        banner = proc.stdout.readline().decode()
+        assert banner.startswith("study "), banner
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    text = err.decode()
+    assert proc.returncode == 130, text[-2000:]
+    assert ("aborted" in text or "rerun the same command" in text) and "Traceback" not in text
+    assert wait_until(lambda: not dir_holders(ray_tmpdir), 20), dir_holders(ray_tmpdir)

@@ -9,12 +9,12 @@ import os
 import secrets
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from treetune import stopping
 from treetune.backends import BackendFacts
 from treetune.config import BASELINE, TreeConfig
 from treetune.errors import TreetuneError
@@ -318,24 +318,12 @@ def run_study(spec: StudySpec, on_progress: Callable[[Progress], None] | None = 
     SIGTERM stops it as Ctrl-C does: servers stopped, storage consistent, `interrupted` set.
     """
     check_study(spec)  # bad input is refused before anything is written or started
-    previous = _stop_on_sigterm()
+    restore = stopping.install()
     try:
         with study_lock(spec):
             return _run(spec, on_progress, store)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def _stop_on_sigterm() -> Any:
-    """Make SIGTERM raise KeyboardInterrupt (main thread only); returns the old handler."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, _interrupt)
+        restore()
 
 
 class _Others:
@@ -415,7 +403,9 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     progress = Progress(budget=spec.budget.launches, launches_done=len(launched))
     notify = on_progress or (lambda p: None)
     if stale:
-        progress.message = f"{stale} launch(es) of an earlier run were stale: redoing them"
+        # Said above the progress line: the message line is overwritten by the next one.
+        progress.notes.append(f"{stale} launch(es) of an earlier run were left unfinished "
+                              "(its search was killed): redoing them")
     in_flight: dict[Any, _Launch] = {}  # Ray object ref -> launch under way
     reschedules: dict[str, int] = {}
     deadline = (time.monotonic() + spec.budget.wall_time_s) if spec.budget.wall_time_s else None
@@ -438,12 +428,17 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     if failed_base is not None and not failed_base.ok:
         raise TreetuneError(f"the baseline launch failed: {failed_base.reason}; fix the "
                             "server setup and start a new study")
-    ray_session = _Ray(spec)
-    _stop_on_sigterm()  # ray.init installs its own SIGTERM handler, which just exits
-    ray = ray_session.ray
+    ray_session: _Ray | None = None
     interrupted = False
     pool: _Pool | None = None
     try:
+        # A stop while Ray starts waits for it: Ray is then shut down whole (stopped
+        # midway, ray.init left its agents running).
+        with stopping.held():
+            ray_session = _Ray(spec)
+            # ray.init installs its own SIGTERM handler, which just exits.
+            stopping.install((signal.SIGTERM,))
+        ray = ray_session.ray
         placement = _placement(ray, spec)
         store.check_gpu_type(placement.gpu_type)
         pool = _Pool(ray, spec, placement)
@@ -474,6 +469,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
             progress.notes.append(unpinned)
         notify(progress)
         while True:
+            stopping.check()  # a stop Python dropped on the way (see treetune.stopping)
             if others is not None and others.follow(planner, progress):
                 spent = False
                 progress.launches_done = planner.launches
@@ -580,6 +576,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                 notify(progress)
     except KeyboardInterrupt:
         interrupted = True
+        stopping.clear()
     finally:
         for launch in in_flight.values():
             store.abandon(launch.trial, store.launches, "interrupted")
@@ -595,9 +592,11 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         # the parent-death signal): asking its GCS to free each worker first would wait a
         # minute per call when a SIGTERM to the process group (`timeout`, a job
         # scheduler) has stopped the GCS already.
-        if pool is not None and not (interrupted and ray_session.started_here):
+        if pool is not None and not (interrupted and ray_session is not None
+                                     and ray_session.started_here):
             pool.shutdown()
-        ray_session.shutdown()
+        if ray_session is not None:
+            ray_session.shutdown()
     if planner is None:  # interrupted before the search began: nothing new to report
         raise KeyboardInterrupt
     if others is not None:
