@@ -1359,3 +1359,20 @@ def test_where_no_tree_is_confirmed_the_one_its_launches_can_prove_is_measured_a
     assert all(v.plausible and not v.confirmed for v in verdicts.values())
     assert verdicts[edgy].mean > verdicts[safe].mean
     remeasures(planner, (safe, both(safe, 110.0, 110.0)))
+
+
+def test_a_resumed_study_tells_the_batch_studies_the_trees_measured_before_its_baseline():
+    """Trees that finished before an interrupted baseline waited in memory for it and were
+    lost with the search: the resumed study's per-batch studies (TPE's, GPSampler's,
+    optuna-dashboard's) never held them (a helper's audit)."""
+    spec = one_dataset_study()
+    store = StudyStore(spec, storage=optuna.storages.InMemoryStorage())
+    chain = TreeConfig(3, 1, 4)
+    base, tree = launch(BASELINE, 100.0, (99, 100, 101)), launch(chain, 110.0, (109, 110, 111))
+    assert store.told() == set()
+    Planner(spec, store, load_space("narrow"), [base, tree])
+    assert store.told() == {"3,1,4"}
+    trials = store.batch_studies[1].get_trials(deepcopy=False)
+    assert len(trials) == 1 and trials[0].value == pytest.approx(1.1, abs=0.01)
+    Planner(spec, store, load_space("narrow"), [base, tree])  # resumed again: told once
+    assert len(store.batch_studies[1].get_trials(deepcopy=False)) == 1

@@ -33,6 +33,8 @@ class TrialStore(Protocol):
 
     def abandon(self, trial: optuna.trial.Trial, study: optuna.Study, reason: str) -> None: ...
 
+    def told(self) -> set[str]: ...
+
 
 def knob_distributions(space: SearchSpace) -> dict[str, BaseDistribution]:
     def dist(values: tuple[int, ...]) -> BaseDistribution:
@@ -125,6 +127,10 @@ class BatchStudies:
     def abandon(self, trials: list[Waiting], reason: str) -> None:
         for batch, trial, _ in trials:
             self.store.abandon(trial, self.store.batch_studies[batch], reason)
+
+    def told(self) -> set[str]:
+        """The configs (keys) some batch study holds a measurement of."""
+        return self.store.told()
 
     def abandon_all(self, reason: str) -> None:
         for waiting in self.parked.values():

@@ -90,6 +90,9 @@ class MethodStudies:
         for part in self.parts.values():
             part.abandon_all(reason)
 
+    def told(self) -> set[str]:
+        return set().union(*(part.told() for part in self.parts.values()))
+
 
 @dataclass(frozen=True)
 class MethodSearch:

@@ -192,7 +192,21 @@ class Planner:
             self.studies, self.strategy = search.studies, search.strategy  # type: ignore[assignment]
             self.strategy_name = search.strategy_name
             self.note = "; ".join(n for n in (search.note, without) if n)
+        self._tell_untold()
         self._plan_adaptive()  # a resumed study may be ready for them
+
+    def _tell_untold(self) -> None:
+        """A resumed study's trees that no batch study holds: measured before a baseline
+        that was then interrupted, they waited in `pending`, in memory, and were lost with
+        it (TPE, GPSampler, the optimization-history figure and optuna-dashboard never saw
+        them). With a shared database another search may hold its own in wait: only a
+        study of one search (SQLite) tells them here."""
+        if not self.launched or not self.spec.storage_url.startswith("sqlite"):
+            return
+        told = self.studies.told()
+        self.pending += [(result, None) for key, result in self.results.items()
+                         if isinstance(result.config, TreeConfig) and key not in told]
+        self._tell_pending()
 
     # ---- state ------------------------------------------------------------------------
     @property

@@ -207,6 +207,13 @@ class StudyStore:
         view.batch_studies = self.method_studies[method]
         return view
 
+    def told(self) -> set[str]:
+        """The configs (keys) this store's batch studies hold a measurement of."""
+        return {str(t.user_attrs[CONFIG_ATTR]) for study in self.batch_studies.values()
+                for t in study.get_trials(deepcopy=False,
+                                          states=(optuna.trial.TrialState.COMPLETE,))
+                if CONFIG_ATTR in t.user_attrs}
+
     # ---- launches ---------------------------------------------------------------------
     def results(self) -> list[LaunchResult]:
         """Every finished launch, measured or failed, oldest first."""
