@@ -161,3 +161,26 @@ def test_recommendations_json_the_report_and_the_notebook_agree_exactly(small_st
         for batch, cell in zip(batches, row.group(1).split(" | "), strict=True):
             shown_trees[workload, batch] = cell.split(", worst")[0]
     assert shown_trees == written
+
+
+@pytest.mark.slow
+@pytest.mark.no_ray
+def test_the_compare_notebook_advises_nothing_before_a_baseline(tmp_path):
+    """A search stopped before its baseline was measured: every cell of the table is empty,
+    and the notebook said "One pool: no speculation serves every batch size" (a helper's
+    audit); the report says no baseline has been measured yet, and so does it now."""
+    from synthetic import launch
+
+    from treetune.config import TreeConfig
+    from treetune.study.spec import SPEC_COPY, load_study
+    from treetune.study.storage import StudyStore
+
+    spec = load_study(None, {"name": "early", "model": "m", "draft": "d", "batch": [1, 32],
+                             "datasets": ["humaneval"], "output": str(tmp_path / "out")})
+    spec.save(spec.output_dir / SPEC_COPY)
+    store = StudyStore(spec)
+    tree = launch(TreeConfig(3, 1, 4), {1: {"humaneval": 110.0}, 32: {"humaneval": 900.0}})
+    store.finish_launch(store.begin_launch(tree.config, ()), tree)
+    nb = execute("compare-workloads.ipynb", spec.output_dir)
+    assert "no baseline has been measured" in printed(nb)
+    assert "One pool" not in printed(nb) and "Two pools" not in printed(nb)
