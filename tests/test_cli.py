@@ -484,3 +484,21 @@ def test_a_storage_password_is_neither_shown_nor_written(capsys, tmp_path):
     assert spec.to_dict()["storage"] == "postgresql://tt@127.0.0.1:1/studies"
     assert url_without_password("sqlite:////a/b.db") == "sqlite:////a/b.db"
     assert shown_url("postgresql://tt@h/db") == "postgresql://tt@h/db"
+
+
+def test_a_stray_study_file_after_a_list_of_numbers_is_named_with_the_option_it_wants(capsys):
+    """`search --batch 1 32 study.yaml` took the file for a batch size: "Input should be a
+    valid integer", naming neither (a helper's audit)."""
+    assert expand_multi_values(["search", "--batch", "1", "32", "s.yaml", "--rates", "2"]) == [
+        "search", "--batch", "1", "--batch", "32", "s.yaml", "--rates", "2"]
+    assert expand_multi_values(["predict", "--tree", "3,4,8", "5,1,6"]) == [
+        "predict", "--tree", "3,4,8", "--tree", "5,1,6"]
+    code, _, err = run_cli(capsys, "search", "--batch", "1", "32", "studies/demo.yaml")
+    assert code == 2 and "unexpected extra argument" in err
+    assert "a study file is given as --study studies/demo.yaml" in " ".join(err.split())
+
+
+@pytest.mark.parametrize("command", [[], ["search"], ["predict"]])
+def test_dash_h_is_help(capsys, command):
+    code, out, _ = run_cli(capsys, *command, "-h")
+    assert code == 0 and "Usage: treetune" in out

@@ -97,7 +97,7 @@ SAMPLES = {
     "--batch": ("1", "16"), "--rates": ("2", "8.5"), "--slo-ttft-ms": ("2000",),
     "--slo-tpot-ms": ("40",), "--objective": ("goodput",), "--draft": ("org/draft",),
     "--algorithm": ("EAGLE",), "--methods": ("EAGLE", "NEXTN"),
-    "--sglang-version": ("0.5.3",), "--tp": ("2",), "--space": ("narrow",),
+    "--sglang-version": ("0.5.13",), "--tp": ("2",), "--space": ("narrow",),
     "--budget-launches": ("7",), "--budget-time": ("600",), "--tolerance": ("0.05",),
     "--backend": ("emulator",), "--profile": ("qwen3-coder-next-h200",),
     "--time-scale": ("4",), "--ray-address": ("127.0.0.1:6379",), "--workers": ("3",),
@@ -130,7 +130,7 @@ def test_every_option_sets_its_field(capsys, monkeypatch, tmp_path):
     assert spec.dataset_names == ["humaneval", "mt-bench"] and spec.batch == (1, 16)
     assert spec.rates == (2.0, 8.5)
     assert (spec.slo.ttft_ms, spec.slo.tpot_ms, spec.objective) == (2000.0, 40.0, "goodput")
-    assert (spec.sglang_version, spec.tp, spec.space) == ("0.5.3", 2, "narrow")
+    assert (spec.sglang_version, spec.tp, spec.space) == ("0.5.13", 2, "narrow")
     assert (spec.budget.launches, spec.budget.wall_time_s, spec.tolerance) == (7, 600.0, 0.05)
     assert spec.backend.kind == "emulator" and spec.backend.profile == "qwen3-coder-next-h200"
     assert spec.backend.time_scale == 4.0

@@ -46,6 +46,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
@@ -719,14 +720,23 @@ def expand_multi_values(argv: list[str]) -> list[str]:
     take one value)."""
     result: list[str] = []
     current: str | None = None
+    numbers = False  # the list's first value is a number
+    options = multi_value_options()
     for arg in argv:
         if arg.startswith("-") and not _is_number(arg):
             name = arg.split("=", 1)[0]
-            current = name if name in multi_value_options() else None
+            current = name if name in options else None
+            numbers = "=" in arg and _is_number(arg.split("=", 1)[1])
             result.append(arg)
-        elif current is not None and result and result[-1] != current:
+        elif current is not None and result and result[-1] == current:
+            numbers = _is_number(arg)  # the list's first value
+            result.append(arg)
+        elif current is not None and (_is_number(arg) or not numbers):
             result += [current, arg]
         else:
+            # A word that is no number ends a list of numbers: `--batch 1 32 study.yaml`
+            # is a stray study file (click names it), not a batch size.
+            current = None
             result.append(arg)
     return result
 
@@ -781,7 +791,11 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit(getattr(exc, "exit_code", 2))      # was printed, no error to add
             commands = getattr(typer.main.get_command(app), "commands", {})
             where = f"treetune {args[0]}" if args and args[0] in commands else "treetune"
-            err.print(f"[bold red]error:[/bold red] {escape(exc.format_message())} (see "
+            message = exc.format_message()
+            stray = [a for a in args if a.endswith((".yaml", ".yml")) and a in message]
+            if stray and "--study" not in args and "unexpected extra argument" in message:
+                message += f"; a study file is given as --study {stray[0]}"
+            err.print(f"[bold red]error:[/bold red] {escape(message)} (see "
                       f"{where} --help)", highlight=False)
             sys.exit(getattr(exc, "exit_code", 2))
         if debug:
