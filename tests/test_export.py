@@ -129,7 +129,7 @@ def test_no_speculation_recommendations_export_without_speculative_flags(tmp_pat
 
 def test_pools_readme_names_both_scripts_and_ports_behind_one_router_each(tmp_path):
     out = written(tmp_path)
-    pools = (out / "POOLS.md").read_text()
+    pools = (out / "POOLS.md").read_text().split("## humaneval alone")[0]  # the mixed's
     for script in ["launch/mixed-batch1.sh", "launch/mixed-batch32.sh"]:
         assert script in pools
     commands = [shlex.split(line) for line in pools.splitlines()
@@ -144,6 +144,30 @@ def test_pools_readme_names_both_scripts_and_ports_behind_one_router_each(tmp_pa
         f"http://127.0.0.1:{port}" for port in ports]
     assert len({r[r.index("--port") + 1] for r in routers}) == 2
     assert len({r[r.index("--prometheus-port") + 1] for r in routers}) == 2
+
+
+def test_a_dataset_served_alone_whose_batch_sizes_want_different_trees_has_its_pools(
+        tmp_path):
+    """humaneval alone wants (3,4,8) at batch 1 and (5,1,6) at batch 32 (its advice is
+    `pools` in recommendations.yaml), sharegpt alone (3,4,8) at both: POOLS.md gave the
+    mixed traffic's pools only (a helper's audit)."""
+    out = written(tmp_path)
+    recs = yaml.safe_load((out / "recommendations.yaml").read_text())
+    kinds = {r["workload"]: r["kind"] for r in recs["recommendations"]}
+    assert kinds == {"mixed": "pools", "humaneval": "pools", "sharegpt": "static"}
+    mixed, alone = (out / "POOLS.md").read_text().split("## humaneval alone")
+    assert "sharegpt" not in alone and "sharegpt" not in mixed
+    for script in ["launch/humaneval-batch1.sh", "launch/humaneval-batch32.sh"]:
+        assert script in alone and script not in mixed
+    servers = [shlex.split(line) for line in (mixed + alone).splitlines()
+               if line.startswith("python -m sglang.launch_server --model-path")]
+    routers = [shlex.split(line) for line in alone.splitlines()
+               if line.startswith("python -m sglang_router.launch_router")]
+    ports = [c[c.index("--port") + 1] for c in servers]
+    assert len(ports) == 4 and len(set(ports)) == 4  # every pool its own ports
+    assert [r[r.index("--worker-urls") + 1] for r in routers] == [
+        f"http://127.0.0.1:{port}" for port in ports[2:]]
+    assert "| 3 | 1 | (3,4,8) | `launch/humaneval-batch1.sh` |" in alone
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "10.1.2.3"])

@@ -207,37 +207,79 @@ class Pool:
         return ROUTER_METRICS_PORT_BASE + self.index
 
 
-def pools(recs: list[Recommendation]) -> list[Pool]:
-    """One pool per distinct mixed-workload tree, ordered by batch size."""
+def pools(recs: list[Recommendation], workload: str = MIXED, first: int = 1) -> list[Pool]:
+    """One pool per distinct tree of `workload`, ordered by batch size, numbered from
+    `first` (so that every pool of POOLS.md has ports of its own)."""
     groups: dict[ServerConfig, list[Recommendation]] = {}
-    for rec in sorted((r for r in recs if r.workload == MIXED), key=lambda r: r.batch):
+    for rec in sorted((r for r in recs if r.workload == workload), key=lambda r: r.batch):
         groups.setdefault(rec.config, []).append(rec)
     return [Pool(i, config, tuple(r.batch for r in members), members[-1])
-            for i, (config, members) in enumerate(groups.items(), start=1)]
+            for i, (config, members) in enumerate(groups.items(), start=first)]
+
+
+def pooled_workloads(spec: StudySpec, recs: list[Recommendation]) -> dict[str, list[Pool]]:
+    """The workloads whose batch sizes want different trees (the mixed traffic first, then
+    each dataset alone), with their pools, numbered on through the file."""
+    out: dict[str, list[Pool]] = {}
+    first = 1
+    for workload in (MIXED, *spec.dataset_names):
+        found = pools(recs, workload, first)
+        if len(found) > 1:
+            out[workload] = found
+            first += len(found)
+    return out
 
 
 def pools_readme(spec: StudySpec, recs: list[Recommendation]) -> str | None:
-    """POOLS.md: how to run one pool per tree behind the SGLang router; None when one tree
-    serves every batch size."""
-    advice = pools_advice(recs)
-    if advice is None:
+    """POOLS.md: how to run one pool per tree behind the SGLang router, for the mixed
+    traffic and for each dataset served alone whose batch sizes want different trees;
+    None when one tree serves every batch size of every workload."""
+    workloads = pooled_workloads(spec, recs)
+    if not workloads:
         return None
-    found = pools(recs)
     key = key_word(spec.api_key_env) if spec.api_key_env else None
     worker_host = _reachable(spec.host)
-    out = [f"# Server pools for study '{spec.name}'", "",
-           f"treetune advice: {advice}.", "",
-           "| pool | batch sizes | tree | launch script | server port | router port |",
+    out = [f"# Server pools for study '{spec.name}'", ""]
+    for n, (workload, found) in enumerate(workloads.items()):
+        if workload == MIXED:
+            out += [f"treetune advice: {pools_advice(recs)}.", ""]
+        else:
+            trees = ", ".join(f"batch {b}: {p.config}" for p in found for b in p.batches)
+            out += [f"## {workload} alone", "",
+                    f"Where {workload}'s traffic is served on its own, its batch sizes want "
+                    f"different trees ({trees}). These pools are numbered on from the "
+                    "ones above, so that every pool has ports of its own.", ""]
+        out += _pools_section(spec, found, key, worker_host, first=n == 0,
+                              sub="##" if workload == MIXED else "###")
+    out += [f"The routers listen on {spec.host}, the study's host, as its servers do"
+            + (": only this machine reaches them; to serve others, give the study a "
+               "non-loopback `host` (`--host`) and an API key (`api_key_env`)."
+               if is_loopback(spec.host) else ".")]
+    if key:
+        out += ["", f"The API key stays in `{spec.api_key_env}`; the routers pass it to the "
+                "workers."]
+    return "\n".join(out) + "\n"
+
+
+def _pools_section(spec: StudySpec, found: list[Pool], key: str | None, worker_host: str,
+                   first: bool, sub: str) -> list[str]:
+    """One workload's pools: the table, the servers' commands and the routers' (under
+    headings of level `sub`); the explanations in the first section only."""
+    out = ["| pool | batch sizes | tree | launch script | server port | router port |",
            "|---|---|---|---|---|---|"]
     for p in found:
         out.append(f"| {p.index} | {', '.join(map(str, p.batches))} | {p.config} | "
                    f"`{p.rec.script_name}` | {p.port} | {p.router_port} |")
-    out += ["", "Every pool loads the same target and draft checkpoints; only the speculative "
-            "flags and the batch sizing differ. Each needs its own GPU group (TP "
-            f"{spec.tp}): on a shared host give each command its own `CUDA_VISIBLE_DEVICES`.",
-            "", "## Start the servers", "",
-            "Each command is its pool's launch script with `--port` changed; run each in its "
-            "own terminal or service unit:", "", "```sh"]
+    if first:
+        out += ["", "Every pool loads the same target and draft checkpoints; only the "
+                "speculative flags and the batch sizing differ. Each needs its own GPU group "
+                f"(TP {spec.tp}): on a shared host give each command its own "
+                "`CUDA_VISIBLE_DEVICES`."]
+    out += ["", f"{sub} Start the servers", ""]
+    if first:
+        out += ["Each command is its pool's launch script with `--port` changed; run each in "
+                "its own terminal or service unit:", ""]
+    out.append("```sh")
     out += [f"export {k}={shell_line([v])}" for k, v in sorted(spec.env.items())]
     for p in found:
         command = shell_line(launch_argv(spec, p.rec, port=p.port))
@@ -252,14 +294,16 @@ def pools_readme(spec: StudySpec, recs: list[Recommendation]) -> str | None:
         out += [f"{shell_line([*command, config_name(p.rec)])} --port {p.port}"
                 + (f" --api-key {key}" if key else "") for p, command in with_files]
         out.append("```")
-    out += ["", "## Put the router in front", "",
-            "The SGLang router (`pip install sglang-router`) balances requests over the "
-            "workers it is given (`--policy` `cache_aware`, the default, `round_robin`, "
-            "`random`, `power_of_two`; newer releases add `manual`, sticky per "
-            "`X-SMG-Routing-Key` header). No policy looks at how many requests a client keeps "
-            "in flight, so one router over both pools would mix the traffic each tree was "
-            "chosen for. Run one router per pool, and let each client, or the proxy in front, "
-            "pick the endpoint that matches its concurrency:", "", "```sh"]
+    out += ["", f"{sub} Put the router in front", ""]
+    if first:
+        out += ["The SGLang router (`pip install sglang-router`) balances requests over the "
+                "workers it is given (`--policy` `cache_aware`, the default, `round_robin`, "
+                "`random`, `power_of_two`; newer releases add `manual`, sticky per "
+                "`X-SMG-Routing-Key` header). No policy looks at how many requests a client "
+                "keeps in flight, so one router over both pools would mix the traffic each "
+                "tree was chosen for. Run one router per pool, and let each client, or the "
+                "proxy in front, pick the endpoint that matches its concurrency:", ""]
+    out.append("```sh")
     for p in found:
         router = ["python", "-m", "sglang_router.launch_router",
                   "--worker-urls", f"http://{worker_host}:{p.port}",
@@ -267,18 +311,12 @@ def pools_readme(spec: StudySpec, recs: list[Recommendation]) -> str | None:
                   "--prometheus-port", str(p.metrics_port)]
         out += [f"# pool {p.index}: traffic at batch {', '.join(map(str, p.batches))}",
                 shell_line(router) + (f" --api-key {key}" if key else "")]
-    out += ["```", "",
-            "Add replicas to a pool by listing their URLs after its router's `--worker-urls`. "
-            "Concurrency between the measured batch sizes was not measured: send it to the "
-            "nearer pool, or add the batch size to the study.", "",
-            f"The routers listen on {spec.host}, the study's host, as its servers do"
-            + (": only this machine reaches them; to serve others, give the study a "
-               "non-loopback `host` (`--host`) and an API key (`api_key_env`)."
-               if is_loopback(spec.host) else ".")]
-    if key:
-        out += ["", f"The API key stays in `{spec.api_key_env}`; the routers pass it to the "
-                "workers."]
-    return "\n".join(out) + "\n"
+    out.append("```")
+    if first:
+        out += ["", "Add replicas to a pool by listing their URLs after its router's "
+                "`--worker-urls`. Concurrency between the measured batch sizes was not "
+                "measured: send it to the nearer pool, or add the batch size to the study."]
+    return [*out, ""]
 
 
 def _reachable(host: str) -> str:
