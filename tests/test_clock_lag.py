@@ -519,10 +519,14 @@ def test_a_server_that_counts_no_verify_calls_is_not_measured_again_for_them(cou
     async def measure() -> CellResult:
         return cells.pop(0)
 
+    from treetune.backends.sglang import SGLANG_API
+
     result, warning = asyncio.run(measure_watched(measure, 0.05, CLOCK_LAG_HINT, 20.0,
                                                   speculative=True,
-                                                  counts_verify=counts_verify))
+                                                  counts_verify=counts_verify,
+                                                  api=SGLANG_API))
     assert 2 - len(cells) == measured and result.accept_length is None
     assert warning is not None
-    assert warning.startswith("the server's metrics have no speculative verify counter") \
+    assert warning.startswith("the server's metrics have no sglang:spec_verify_calls_total "
+                              "(SGLang counts them from 0.5.13 on): no accept length") \
         is not counts

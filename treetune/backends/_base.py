@@ -60,6 +60,8 @@ class ServerApi:
     prompt_tokens: str | None = None  # counter: prompt tokens prefilled (another sign of work)
     clock_lag_hint: str = ("give the load generator a CPU to itself: run fewer workers at "
                            "once (--workers) or the study on a less busy machine")
+    # Why a server may show no verify counter at all (its engine's releases before it).
+    verify_calls_hint: str = ""
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,11 @@ class LaunchSpec:
     attention_backend: str | None = None
     mem_fraction_static: float | None = None
     enable_metrics: bool = True
+    # False for a study's servers: a cell sends each prompt of its set many times, and
+    # every cell of a server the same ones, where a prefix cache would skip nearly every
+    # prefill after the first cell (no production server sees that, and neither the model
+    # search nor the emulator prices it). Production commands keep the engine's default.
+    prefix_cache: bool = True
     # (flag, value): None for a bare flag, a tuple for a flag of several values.
     extra_flags: tuple[tuple[str, str | tuple[str, ...] | None], ...] = field(
         default_factory=tuple)

@@ -78,6 +78,7 @@ CUDA_GRAPH_FLAG_SPLIT = (0, 5, 14)
 CONFIG_FILE_SINCE = (0, 5, 3)
 # With speculation on and --max-running-requests unset, SGLang caps running requests here.
 SPEC_DEFAULT_MAX_RUNNING = 48
+NO_PREFIX_CACHE = "--disable-radix-cache"
 SGLANG_IMPORT_TIMEOUT_S = 60.0  # importing sglang pulls in torch: seconds, not minutes
 EMULATOR_HINT = "or run on the emulator: --profile NAME (see `treetune profiles`)"
 
@@ -125,6 +126,8 @@ SGLANG_API = ServerApi(
     running="sglang:num_running_reqs",
     queued="sglang:num_queue_reqs",
     prompt_tokens="sglang:prompt_tokens_total",
+    # The wheels' metrics_collector.py: first in 0.5.13.
+    verify_calls_hint="SGLang counts them from 0.5.13 on",
     info_keys=("version", "attention_backend", "max_running_requests", "speculative_algorithm",
                "speculative_num_steps", "speculative_eagle_topk",
                "speculative_num_draft_tokens", "tp_size", ADAPTIVE_INFO_KEY),
@@ -316,6 +319,8 @@ def server_args(
         args += ["--mem-fraction-static", f"{spec.mem_fraction_static:g}"]
     if spec.enable_metrics:
         args.append("--enable-metrics")
+    if not spec.prefix_cache and NO_PREFIX_CACHE not in (name for name, _ in spec.extra_flags):
+        args.append(NO_PREFIX_CACHE)  # SGLang's radix cache is on by default
     for name, value in (*spec.extra_flags, *flags):
         args += ([name] if value is None else [name, *value] if isinstance(value, tuple)
                  else [name, value])

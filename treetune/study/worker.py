@@ -17,7 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from treetune.backends import BackendFacts, LaunchContext, gather_facts, server_facts
+from treetune.backends import (
+    BackendFacts,
+    LaunchContext,
+    ServerApi,
+    gather_facts,
+    server_facts,
+)
 from treetune.config import AdaptiveConfig, Baseline, ServerConfig
 from treetune.results import CellResult, LaunchResult, config_from_key, config_key
 from treetune.study.spec import StudySpec
@@ -32,12 +38,6 @@ EXIT_GRACE_S = 5.0
 MAX_ATTEMPTS = 2  # a server that crashes mid-benchmark is retried once on a fresh server
 START_LOG_LINES = 2000  # enough of a server's log to hold its whole start-up
 RAY_TOKEN = "RAY_AUTH_TOKEN"
-# A study's servers keep no prefix cache. Its cells send each prompt of a set many times
-# (a cell cycles through them; every cell of a server sends the same ones), and SGLang's
-# radix cache, on by default, would then skip nearly every prefill after the first cell:
-# a prefill-free steady state no production server sees, and not the one the model search
-# and the emulator price. Production commands (the export) keep SGLang's default.
-NO_PREFIX_CACHE = "--disable-radix-cache"
 
 
 def launch_command(spec: StudySpec, config: ServerConfig,
@@ -47,9 +47,8 @@ def launch_command(spec: StudySpec, config: ServerConfig,
     """The server command of the study's backend for one launch attempt (`launch_index`:
     how many launches of this config came before; `adaptive_config_path`: an adaptive
     server's JSON config file, already written)."""
-    launch = spec.launch_spec(port=port)
-    if NO_PREFIX_CACHE not in spec.server_flags:
-        flags = (*flags, (NO_PREFIX_CACHE, None))
+    # A study's servers keep no prefix cache (LaunchSpec.prefix_cache).
+    launch = dataclasses.replace(spec.launch_spec(port=port), prefix_cache=False)
     if api_key:
         flags = (*flags, ("--api-key", api_key))
     launch = dataclasses.replace(launch, extra_flags=(*launch.extra_flags, *flags),
@@ -230,7 +229,8 @@ class LaunchWorker:
                     measure, m.max_clock_lag_s, spec.backend.api.clock_lag_hint,
                     await client.time_scale(), closed_loop=not is_rate,
                     speculative=not isinstance(result.config, Baseline),
-                    counts_verify=functools.partial(counts_verify_calls, client))
+                    counts_verify=functools.partial(counts_verify_calls, client),
+                    api=spec.backend.api)
             if warning and warning not in result.warnings:
                 result.warnings.append(warning)
             (result.rate_cells if is_rate else result.cells).append(cell)
@@ -257,8 +257,8 @@ def command_flags(argv: list[str]) -> list[tuple[str, str | None]]:
 async def measure_watched(measure: Callable[[], Awaitable[CellResult]], max_lag_s: float,
                           hint: str, time_scale: float = 1.0, *, speculative: bool = False,
                           closed_loop: bool = False,
-                          counts_verify: Callable[[], Awaitable[bool]] | None = None
-                          ) -> tuple[CellResult, str | None]:
+                          counts_verify: Callable[[], Awaitable[bool]] | None = None,
+                          api: ServerApi | None = None) -> tuple[CellResult, str | None]:
     """A cell measured by `measure`, and measured once more if its server's clock, or the
     load generator's own timers, lagged more than `max_lag_s` behind schedule, or if a
     `speculative` server delivered tokens in the window without one verify call counted
@@ -272,8 +272,8 @@ async def measure_watched(measure: Callable[[], Awaitable[CellResult]], max_lag_
     cell = await measure()
     lags, empty = _lags(cell, max_lag_s), _empty(cell, closed_loop)
     if not lags and not empty and _no_accept(cell, speculative) and counts_verify is not None \
-            and not await counts_verify():
-        return cell, NO_VERIFY_COUNTER  # measuring again would count none either
+            and api is not None and not await counts_verify():
+        return cell, no_verify_counter(api)  # measuring again would count none either
     if not lags and not _no_accept(cell, speculative) and not empty:
         return cell, None
     first = cell
@@ -299,10 +299,11 @@ async def measure_watched(measure: Callable[[], Awaitable[CellResult]], max_lag_
     return cell, None
 
 
-NO_VERIFY_COUNTER = (
-    "the server's metrics have no speculative verify counter (SGLang has "
-    "sglang:spec_verify_calls_total from 0.5.13 on): no accept length was measured, and the "
-    "search fits throughput alone")
+def no_verify_counter(api: ServerApi) -> str:
+    """The warning for a server whose metrics count no verify calls."""
+    hint = f" ({api.verify_calls_hint})" if api.verify_calls_hint else ""
+    return (f"the server's metrics have no {api.verify_calls}{hint}: no accept length was "
+            "measured, and the search fits throughput alone")
 
 
 def _lag_warning(first: CellResult, second: CellResult, max_lag_s: float, hint: str,
