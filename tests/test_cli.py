@@ -484,6 +484,14 @@ def test_a_storage_password_is_neither_shown_nor_written(capsys, tmp_path):
     assert spec.to_dict()["storage"] == "postgresql://tt@127.0.0.1:1/studies"
     assert url_without_password("sqlite:////a/b.db") == "sqlite:////a/b.db"
     assert shown_url("postgresql://tt@h/db") == "postgresql://tt@h/db"
+    # In the query (libpq reads it there too), unencoded '@' in it, a URL that does not parse.
+    assert shown_url("postgresql://u@h/d?password=pw&sslmode=require") == (
+        "postgresql://u@h/d?password=***&sslmode=require")
+    assert url_without_password("postgresql://u@h/d?password=pw&sslmode=require") == (
+        "postgresql://u@h/d?sslmode=require")
+    assert shown_url("postgresql://u:p@ss@db/x") == "postgresql://u:***@db/x"
+    assert url_without_password("postgresql://u:p@ss@db/x") == "postgresql://u@db/x"
+    assert shown_url("postgresql://u:pw@h:54x/d") == "postgresql://u:***@h:54x/d"
 
 
 def test_a_stray_study_file_after_a_list_of_numbers_is_named_with_the_option_it_wants(capsys):

@@ -13,7 +13,7 @@ import yaml
 from synthetic import BASE, NARROW, WIDE, launch, spec
 
 from treetune.backends.sglang import config_mapping, supports_config_file
-from treetune.config import TreeConfig
+from treetune.config import BASELINE, TreeConfig
 from treetune.study.export import write_outputs
 from treetune.study.recommend import recommend
 
@@ -99,10 +99,10 @@ def test_args_json_is_the_launch_scripts_argv_after_the_program(tmp_path):
         name = script.name.removesuffix(".sh")
         args = json.loads((out / "launch" / f"{name}.args.json").read_text())
         assert all(isinstance(a, str) for a in args)
-        # Kubernetes expands $(VAR) in args and passes $$( as $(: the model path, which
+        # Kubernetes expands $(VAR) in args and passes $$ as $: the model path, which
         # holds "$(touch pwned)", reaches the server as the script gives it.
         assert "/models/My Model $$(touch pwned)" in args
-        assert ["python", *(a.replace("$$(", "$(") for a in args)] == script_argv(out, name)
+        assert ["python", *(a.replace("$$", "$") for a in args)] == script_argv(out, name)
 
 
 @pytest.mark.parametrize(("umask", "mode"), [(0o077, 0o700), (0o022, 0o755)])
@@ -110,13 +110,32 @@ def test_launch_scripts_are_executable_as_far_as_the_umask_lets_them_be_read(
         tmp_path, umask, mode):
     """They hold the study's env; forced to 0755 they were readable by all whatever the
     umask (a helper's audit)."""
+    written(tmp_path)  # an earlier run's scripts, at this test process's umask
     old = os.umask(umask)
     try:
-        out = written(tmp_path)
+        out = written(tmp_path)  # the rerun's mode is its own umask's
     finally:
         os.umask(old)
     scripts = list((out / "launch").glob("*.sh"))
     assert scripts and {s.stat().st_mode & 0o777 for s in scripts} == {mode}
+
+
+def test_pools_readme_of_a_dataset_alone_when_the_mixed_traffic_has_one_tree(tmp_path):
+    """The file began with the dataset's section and spoke of pools "above" (a review)."""
+    base = launch(BASELINE, {1: {"sharegpt": 100, "humaneval": 100},
+                             32: {"sharegpt": 1000, "humaneval": 1000}})
+    wide = launch(TreeConfig(3, 4, 8), {1: {"sharegpt": 150, "humaneval": 125},
+                                        32: {"sharegpt": 1300, "humaneval": 1030}})
+    narrow = launch(TreeConfig(5, 1, 6), {1: {"sharegpt": 110, "humaneval": 130},
+                                          32: {"sharegpt": 1100, "humaneval": 1020}})
+    out = written(tmp_path, results=(base, wide, narrow))
+    kinds = {r["workload"]: r["kind"] for r in yaml.safe_load(
+        (out / "recommendations.yaml").read_text())["recommendations"]}
+    assert kinds == {"mixed": "static", "humaneval": "pools", "sharegpt": "static"}
+    pools = (out / "POOLS.md").read_text()
+    assert "The mixed traffic is served by one tree at every batch size" in pools
+    assert "## humaneval alone" in pools and "above" not in pools
+    assert "| 1 | 1 | (5,1,6) | `launch/humaneval-batch1.sh` |" in pools
 
 
 def test_no_speculation_recommendations_export_without_speculative_flags(tmp_path):

@@ -1376,3 +1376,18 @@ def test_a_resumed_study_tells_the_batch_studies_the_trees_measured_before_its_b
     assert len(trials) == 1 and trials[0].value == pytest.approx(1.1, abs=0.01)
     Planner(spec, store, load_space("narrow"), [base, tree])  # resumed again: told once
     assert len(store.batch_studies[1].get_trials(deepcopy=False)) == 1
+
+
+def test_a_study_made_before_its_servers_ran_without_a_prefix_cache_is_known_as_such():
+    """Resumed, an older SGLang study would compare launches with the radix cache on and
+    off: the study records how its servers run, and the search says so when they differ."""
+    from treetune.backends.emulator import EMULATOR_API
+    from treetune.backends.sglang import SGLANG_API
+    from treetune.study.storage import NO_PREFIX_CACHE_ATTR
+
+    spec = one_dataset_study()
+    store = StudyStore(spec, storage=optuna.storages.InMemoryStorage())
+    assert not store.cached_prefixes  # made now: its servers keep no prefix cache
+    store.launches.set_user_attr(NO_PREFIX_CACHE_ATTR, False)  # as an older study reads
+    assert store.cached_prefixes
+    assert SGLANG_API.prefix_cache and not EMULATOR_API.prefix_cache

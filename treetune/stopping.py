@@ -1,9 +1,11 @@
 """Ctrl-C and SIGTERM for a search: both stop it as KeyboardInterrupt, raised at once or,
 inside `held()` (Ray starting, the outputs being written), when the held part ends, so
-that it is never left half done. Python drops a KeyboardInterrupt raised inside a weakref
+that it is never left half done; a second stop is raised at once, held or not (a part that
+hangs can still be stopped). Python drops a KeyboardInterrupt raised inside a weakref
 callback or a `__del__` (it prints "Exception ignored in ..."): the stop stays asked for
 until it is handled (`clear()`), and `check()` raises it again where the search can take
-it."""
+it. A signal ignored when the command started (a background job of a script) stays
+ignored."""
 
 from __future__ import annotations
 
@@ -20,10 +22,11 @@ _held = 0  # depth of held() blocks
 
 
 def handler(signum: int, frame: object) -> None:
-    """The signal handler: ask for the stop, and raise it unless it is held."""
+    """The signal handler: ask for the stop, and raise it unless it is held and the
+    first."""
     global _asked
-    _asked = True
-    if not _held:
+    again, _asked = _asked, True
+    if not _held or again:
         raise KeyboardInterrupt
 
 
@@ -32,7 +35,8 @@ def install(signals: tuple[signal.Signals, ...] = SIGNALS) -> Callable[[], None]
     what puts the previous handlers back."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    previous: dict[signal.Signals, Any] = {s: signal.signal(s, handler) for s in signals}
+    previous: dict[signal.Signals, Any] = {
+        s: signal.signal(s, handler) for s in signals if signal.getsignal(s) != signal.SIG_IGN}
 
     def restore() -> None:
         for sig, old in previous.items():

@@ -227,9 +227,11 @@ def test_sigkill_of_the_search_leaves_no_server_and_a_rerun_redoes_the_stale_lau
                                                 ).is_file(), sorted(log.parent.iterdir())
 
 
-@pytest.mark.parametrize("delay", [0.3, 2.0], ids=["checks", "ray-starting"])
+@pytest.mark.parametrize(("sig", "delay"), [(signal.SIGINT, 0.3), (signal.SIGINT, 2.0),
+                                            (signal.SIGTERM, 2.0)],
+                         ids=["checks", "ray-starting", "sigterm-ray-starting"])
 def test_ctrl_c_while_the_search_starts_exits_130_and_leaves_no_ray_behind(
-        tmp_path, delay, ray_tmpdir):
+        tmp_path, sig, delay, ray_tmpdir):
     """Stopped at start-up, the search exited 0 without a word (Typer returned 130 and it
     was dropped), and stopped inside ray.init it left Ray's agents running (a helper's
     audit). Ray's start is now held: the stop comes once Ray is up, and takes it down."""
@@ -249,7 +251,7 @@ def test_ctrl_c_while_the_search_starts_exits_130_and_leaves_no_ray_behind(
         banner = proc.stdout.readline().decode()
         assert banner.startswith("study "), banner
         time.sleep(delay)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)  # SIGTERM inside ray.init met Ray's own handler: exit 15
         _out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

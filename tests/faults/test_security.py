@@ -125,6 +125,8 @@ def test_the_report_escapes_the_model_name(keyed_study):
 
 LOCAL_RAY = """
 import os, subprocess, sys
+if os.environ.get("IMPORT_RAY_FIRST"):
+    import ray  # an in-process caller: Ray read its mode already
 from treetune.study.runner import _Ray
 from treetune.study.spec import load_study
 
@@ -146,17 +148,22 @@ print("after", os.environ.get("RAY_AUTH_MODE"), os.environ.get("RAY_AUTH_TOKEN")
 """
 
 
-@pytest.mark.parametrize("mode", [None, "disabled"])
-def test_a_local_ray_takes_a_token_of_its_own_unless_the_user_chose_a_mode(tmp_path, mode):
+@pytest.mark.parametrize(("mode", "first"), [(None, False), (None, True), ("disabled", False)],
+                         ids=["fresh", "ray-imported-first", "disabled-by-the-user"])
+def test_a_local_ray_takes_a_token_of_its_own_unless_the_user_chose_a_mode(tmp_path, mode,
+                                                                          first):
     """Ray 2.60's GCS and raylets listen on every interface; with authentication disabled
     (treetune's default before), a process on another machine joined the study's cluster,
     ran code in it and read the API key from its environment (a helper's audit). The token
-    lives in the run's environment only: nothing is written to ~/.ray."""
+    lives in the run's environment only: nothing is written to ~/.ray, and the environment
+    is as it was afterwards."""
     with short_ray_dir() as ray_dir:
         env = {k: v for k, v in {**os.environ, **ray_env(ray_dir)}.items()
                if not k.startswith("RAY_AUTH")} | {"HOME": str(tmp_path)}
         if mode:
             env["RAY_AUTH_MODE"] = mode
+        if first:
+            env["IMPORT_RAY_FIRST"] = "1"
         done = subprocess.run([sys.executable, "-c", LOCAL_RAY], env=env, capture_output=True,
                               text=True, timeout=300, cwd=Path(treetune.__file__).parents[1])
     assert done.returncode == 0, done.stderr[-3000:]

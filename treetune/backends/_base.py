@@ -62,6 +62,9 @@ class ServerApi:
                            "once (--workers) or the study on a less busy machine")
     # Why a server may show no verify counter at all (its engine's releases before it).
     verify_calls_hint: str = ""
+    # Whether the engine keeps a prefix cache (which a study's servers run without:
+    # LaunchSpec.prefix_cache); the emulator keeps none.
+    prefix_cache: bool = False
 
 
 @dataclass(frozen=True)

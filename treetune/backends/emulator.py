@@ -42,7 +42,8 @@ CLOCK_LAG_HINT = ("run fewer workers at once (--workers), or lower backend.time_
 # The emulator answers SGLang's API, and says in server_info that it is the emulator.
 EMULATOR_API = dataclasses.replace(SGLANG_API,
                                    info_keys=(*SGLANG_API.info_keys, EMULATOR_INFO_KEY),
-                                   clock_lag=CLOCK_LAG_METRIC, clock_lag_hint=CLOCK_LAG_HINT)
+                                   clock_lag=CLOCK_LAG_METRIC, clock_lag_hint=CLOCK_LAG_HINT,
+                                   prefix_cache=False)
 
 
 @dataclass(frozen=True)

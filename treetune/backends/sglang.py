@@ -128,6 +128,7 @@ SGLANG_API = ServerApi(
     prompt_tokens="sglang:prompt_tokens_total",
     # The wheels' metrics_collector.py: first in 0.5.13.
     verify_calls_hint="SGLang counts them from 0.5.13 on",
+    prefix_cache=True,
     info_keys=("version", "attention_backend", "max_running_requests", "speculative_algorithm",
                "speculative_num_steps", "speculative_eagle_topk",
                "speculative_num_draft_tokens", "tp_size", ADAPTIVE_INFO_KEY),

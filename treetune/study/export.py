@@ -178,8 +178,9 @@ def config_file(spec: StudySpec, rec: Recommendation) -> str | None:
 def container_args(spec: StudySpec, rec: Recommendation) -> list[str]:
     """The launch script's argv after the program (`python`), for a container spec's args.
     The API key is a Kubernetes `$(VAR)` reference, expanded from the container's env;
-    any other `$(` is escaped as `$$(`, so that Kubernetes passes it as written."""
-    argv = [arg.replace("$(", "$$(") for arg in launch_argv(spec, rec)[1:]]
+    every other `$` is written `$$`, which Kubernetes passes on as one `$` (a `$(VAR)` in a
+    path would be expanded, a `$$` halved)."""
+    argv = [arg.replace("$", "$$") for arg in launch_argv(spec, rec)[1:]]
     if spec.api_key_env:
         argv += ["--api-key", f"$({spec.api_key_env})"]
     return argv
@@ -245,10 +246,14 @@ def pools_readme(spec: StudySpec, recs: list[Recommendation]) -> str | None:
             out += [f"treetune advice: {pools_advice(recs)}.", ""]
         else:
             trees = ", ".join(f"batch {b}: {p.config}" for p in found for b in p.batches)
+            if n == 0:  # the mixed traffic is served by one tree (its launch scripts)
+                out += ["The mixed traffic is served by one tree at every batch size; a "
+                        "dataset served alone below is not.", ""]
             out += [f"## {workload} alone", "",
                     f"Where {workload}'s traffic is served on its own, its batch sizes want "
-                    f"different trees ({trees}). These pools are numbered on from the "
-                    "ones above, so that every pool has ports of its own.", ""]
+                    f"different trees ({trees})."
+                    + (" These pools are numbered on from the ones above, so that every "
+                       "pool has ports of its own." if n else ""), ""]
         out += _pools_section(spec, found, key, worker_host, first=n == 0,
                               sub="##" if workload == MIXED else "###")
     out += [f"The routers listen on {spec.host}, the study's host, as its servers do"
@@ -432,6 +437,7 @@ def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path,
     for group in groups.values():
         rec = max(group, key=lambda r: r.batch)  # an adaptive pool is sized for the largest
         script = out_dir / rec.script_name
+        script.unlink(missing_ok=True)  # made afresh: an earlier run's mode is not kept
         script.write_text(launch_script(spec, rec, group))
         # Executable by whoever the umask lets read it: the script holds the study's env.
         script.chmod(script.stat().st_mode | (script.stat().st_mode & 0o444) >> 2)

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from treetune import stopping
@@ -84,55 +85,123 @@ class _Ray:
     """Ray for the duration of a study: local unless an address is given."""
 
     def __init__(self, spec: StudySpec) -> None:
-        self.token_set = False
-        if not spec.ray_address and "RAY_AUTH_MODE" not in os.environ \
-                and "ray" not in sys.modules:
-            # Ray's GCS and raylets listen on every interface (Ray 2.60 has no loopback-only
-            # bind): without authentication anyone who reaches this machine could run code
-            # in the study's workers and read its secrets. A token only this run holds, in
-            # the environment its Ray processes inherit (none written to ~/.ray); set before
-            # Ray is imported, which reads its mode then.
-            os.environ["RAY_AUTH_MODE"] = "token"
-            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-            self.token_set = True
+        imported = "ray" in sys.modules
         import ray
 
         self.ray = ray
         self.started_here = False
+        self.saved_env: dict[str, str | None] = {}  # what _authenticate changed
         if ray.is_initialized():
             return
-        if not spec.ray_address:
-            # Ray imported before (in-process callers): Ray's default would write a token
-            # to ~/.ray. A cluster's driver finds the cluster's token as Ray does.
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        local = spec.ray_address in (None, "", "local")
+        self._authenticate(local, imported)
         kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False,
                                       configure_logging=False)
-        if spec.ray_address:
-            try:
-                ray.init(address=spec.ray_address, **kwargs)
-            except Exception as exc:
-                raise TreetuneError(f"cannot reach the Ray cluster at {spec.ray_address}: "
-                                    f"{exc}") from None
-        else:
-            workers = spec.workers or 1
-            gpu = spec.backend.gpu_resource
-            # Ray finds real GPUs itself; a backend's own resource is declared here.
-            resources = None if gpu == RAY_GPU else {gpu: float(workers * spec.tp)}
-            temp = os.environ.get("TREETUNE_RAY_TMPDIR")
-            # Workers at the driver's niceness (Ray's default adds 15): they launch the
-            # servers and measure them, and must not get the CPU after everything else on
-            # the machine.
-            ray.init(num_cpus=workers + 1, resources=resources,
-                     _system_config={"worker_niceness": 0},
-                     **({"_temp_dir": temp} if temp else {}), **kwargs)
+        try:
+            with _own_sigterm(ray):
+                if not local:
+                    try:
+                        ray.init(address=spec.ray_address, **kwargs)
+                    except Exception as exc:
+                        raise TreetuneError(f"cannot reach the Ray cluster at "
+                                            f"{spec.ray_address}: {exc}") from None
+                else:
+                    workers = spec.workers or 1
+                    gpu = spec.backend.gpu_resource
+                    # Ray finds real GPUs itself; a backend's own resource is declared here.
+                    resources = None if gpu == RAY_GPU else {gpu: float(workers * spec.tp)}
+                    temp = os.environ.get("TREETUNE_RAY_TMPDIR")
+                    # Workers at the driver's niceness (Ray's default adds 15): they launch
+                    # the servers and measure them, and must not get the CPU after
+                    # everything else on the machine.
+                    ray.init(num_cpus=workers + 1, resources=resources,
+                             _system_config={"worker_niceness": 0},
+                             **({"_temp_dir": temp} if temp else {}), **kwargs)
+        except BaseException:
+            # Failed or stopped midway: what ray.init started goes (its agents outlived an
+            # interrupted start), and the environment is as it was.
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            self._restore_env()
+            raise
         self.started_here = True
+
+    def _authenticate(self, local: bool, imported: bool) -> None:
+        """Ray's authentication for this study, unless RAY_AUTH_MODE says the user's.
+
+        A local cluster: Ray's GCS and raylets listen on every interface (Ray 2.60 has no
+        loopback-only bind), so without authentication anyone who reaches this machine
+        could run code in the study's workers and read their environment: token mode, with
+        the user's RAY_AUTH_TOKEN or one made for the run, in the environment its Ray
+        processes inherit (nothing written to ~/.ray, as Ray's own default would). A
+        cluster to join: token mode when a token is at hand where Ray looks for one (for an
+        explicit address Ray never turns it on itself)."""
+        if "RAY_AUTH_MODE" in os.environ:
+            return
+        if not local:
+            if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or (
+                    Path.home() / ".ray" / "auth_token").is_file():
+                self._set_env("RAY_AUTH_MODE", "token")
+            return
+        if imported and not _refresh_ray_config(check_only=True):
+            # Ray read its mode when imported, and cannot be told again: as the tests run.
+            self._set_env("RAY_AUTH_MODE", "disabled")
+            return
+        self._set_env("RAY_AUTH_MODE", "token")
+        if not os.environ.get("RAY_AUTH_TOKEN"):
+            self._set_env("RAY_AUTH_TOKEN", secrets.token_hex(32))
+        _refresh_ray_config()
+
+    def _set_env(self, name: str, value: str) -> None:
+        self.saved_env.setdefault(name, os.environ.get(name))
+        os.environ[name] = value
+
+    def _restore_env(self) -> None:
+        for name, value in self.saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if self.saved_env:
+            self.saved_env = {}
+            _refresh_ray_config()
 
     def shutdown(self) -> None:
         if self.started_here:
             self.ray.shutdown()
-        if self.token_set:
-            for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
-                os.environ.pop(name, None)
+        self._restore_env()
+
+
+@contextlib.contextmanager
+def _own_sigterm(ray: Any) -> Iterator[None]:
+    """ray.init installs, for its length and after, a SIGTERM handler that just exits: a
+    SIGTERM while Ray starts then left its agents running (a start stopped midway is not
+    Ray's to clean up). Ours stays in place instead (`treetune.stopping`: the stop waits
+    for the start, and Ray is then shut down whole). Ray's installer is
+    `ray._private.utils.set_sigterm_handler`; where a Ray has none, Ray's handler stands."""
+    utils = getattr(getattr(ray, "_private", None), "utils", None)
+    original = getattr(utils, "set_sigterm_handler", None)
+    if original is None:
+        yield
+        return
+    utils.set_sigterm_handler = lambda handler: None  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = original  # type: ignore[union-attr]
+
+
+def _refresh_ray_config(check_only: bool = False) -> bool:
+    """Make Ray read its authentication settings from the environment again, as Ray does
+    when it turns token authentication on itself (`authentication_token_setup`); whether
+    this Ray can (`check_only`: only say)."""
+    try:
+        from ray._raylet import Config
+    except ImportError:
+        return False
+    if not check_only:
+        Config.initialize("")
+    return True
 
 
 def _placement(ray: Any, spec: StudySpec) -> Placement:
@@ -324,6 +393,7 @@ def run_study(spec: StudySpec, on_progress: Callable[[Progress], None] | None = 
             return _run(spec, on_progress, store)
     finally:
         restore()
+        stopping.clear()  # a stop that ended the study is not the next one's
 
 
 class _Others:
@@ -402,6 +472,11 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     known = {s.trial_id for s in finished}  # the launches the planner counts, by trial id
     progress = Progress(budget=spec.budget.launches, launches_done=len(launched))
     notify = on_progress or (lambda p: None)
+    if launched and store.cached_prefixes and spec.backend.api.prefix_cache:
+        progress.notes.append(
+            "this study's earlier launches ran with the server's prefix cache on (treetune "
+            "before 2026-12-04), its new ones without: their prefills differ, so they do not "
+            "compare alike; start a new study (--name or --output) to measure them alike")
     if stale:
         # Said above the progress line: the message line is overwritten by the next one.
         progress.notes.append(f"{stale} launch(es) of an earlier run were left unfinished "
@@ -435,7 +510,10 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         # A stop while Ray starts waits for it: Ray is then shut down whole (stopped
         # midway, ray.init left its agents running).
         with stopping.held():
-            ray_session = _Ray(spec)
+            try:
+                ray_session = _Ray(spec)
+            except SystemExit:  # Ray's own SIGTERM handler, in place while ray.init runs
+                raise KeyboardInterrupt from None
             # ray.init installs its own SIGTERM handler, which just exits.
             stopping.install((signal.SIGTERM,))
         ray = ray_session.ray

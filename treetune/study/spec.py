@@ -368,9 +368,9 @@ class StudySpec:
             if not re.fullmatch(ENV_NAME, name):
                 raise FieldError(f"env.{name}", f"env: {name!r} is not an environment "
                                  "variable name (letters, digits and '_', not first a digit)")
-            if any(unicodedata.category(c) == "Cc" for c in value):
+            if any(unicodedata.category(c) == "Cc" and c != "\t" for c in value):
                 raise FieldError(f"env.{name}", f"env: {name}'s value holds a control "
-                                 "character (a newline, a tab, ...): give it on one line")
+                                 "character (a newline, ...): give it on one line")
         for flag in self.server_flags:
             if not flag.startswith("--"):
                 raise FieldError("server_flags", f"server_flags: '{flag}' must start with '--'")
@@ -608,8 +608,13 @@ class StudySpec:
         dump_yaml(self.to_dict(), path)
 
 
-def _parsed_with_password(url: str) -> Any:
-    """`url` as SQLAlchemy reads it, when it holds a password; else None."""
+# user:password@ in a URL SQLAlchemy cannot read, the password up to the last '@' (one
+# written unencoded may hold '@' itself).
+_PASSWORD_PART = re.compile(r"(://[^:/@]*):[^/]*@")
+
+
+def _parsed(url: str) -> Any:
+    """`url` as SQLAlchemy reads it; None when it cannot."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
@@ -617,21 +622,33 @@ def _parsed_with_password(url: str) -> Any:
         parsed = make_url(url)
     except (ArgumentError, ValueError):
         return None
-    return parsed if parsed.password is not None else None
+    # An '@' left in the host: the password held one, unencoded, and was cut short there.
+    return None if "@" in (parsed.host or "") else parsed
 
 
 def shown_url(url: str) -> str:
-    """A storage URL as it may be printed: its password, if any, as ***."""
-    parsed = _parsed_with_password(url)
-    return url if parsed is None else parsed.render_as_string(hide_password=True)
+    """A storage URL as it may be printed: its password, if any, as *** (in the URL's
+    user part or its query)."""
+    parsed = _parsed(url)
+    if parsed is None:
+        return _PASSWORD_PART.sub(r"\1:***@", url)
+    if "password" in parsed.query:
+        parsed = parsed.update_query_dict({"password": "***"})
+    if parsed.password is None and parsed.query.get("password") != "***":
+        return url
+    return parsed.render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
 
 
 def url_without_password(url: str) -> str:
     """A storage URL as it may be written to a file: without its password, which the
     database's client then takes from its own place (PostgreSQL: PGPASSWORD, ~/.pgpass)."""
-    parsed = _parsed_with_password(url)
-    return url if parsed is None else parsed._replace(password=None).render_as_string(
-        hide_password=False)
+    parsed = _parsed(url)
+    if parsed is None:
+        return _PASSWORD_PART.sub(r"\1@", url)
+    if parsed.password is None and "password" not in parsed.query:
+        return url
+    return parsed._replace(password=None).difference_update_query(
+        ["password"]).render_as_string(hide_password=False)
 
 
 def _fields(cls: type[Any]) -> Iterator[tuple[dataclasses.Field[Any], Any]]:

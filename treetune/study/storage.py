@@ -38,6 +38,9 @@ RECOMMENDATIONS_ATTR = "recommendations"  # what the search decided, as recommen
 STRATEGY_ATTR = "strategy"
 CONFIG_ATTR = "config"
 FINGERPRINT_ATTR = "spec_fingerprint"
+# Set on studies whose servers run without a prefix cache (LaunchSpec.prefix_cache), as
+# every study made since; an older study's launches ran with the engine's cache on.
+NO_PREFIX_CACHE_ATTR = "no_prefix_cache"
 SPEC_ATTR = "spec"
 INDEX_ATTR = "launch_index"  # launches of a config before this one
 DRIVER_ATTR = "driver"  # the search that runs a launch or asked a proposal
@@ -170,12 +173,14 @@ class StudyStore:
             self.launches.set_user_attr(SPEC_ATTR, spec.to_dict())  # readable from the URL
             self.launches.set_user_attr("datasets", spec.dataset_names)
             self.launches.set_user_attr("batch", list(spec.batch))
+            self.launches.set_user_attr(NO_PREFIX_CACHE_ATTR, True)
         elif stored != spec.fingerprint():
             changed = _changes(self.launches.user_attrs.get(SPEC_ATTR), spec) or (
                 "no field reads back as changed: it was stored by another treetune version, "
                 "or its stored spec no longer loads")
             raise TreetuneError(
-                f"study '{spec.name}' in {url} was created with a different spec ({changed}"
+                f"study '{spec.name}' in {shown_url(url)} was created with a different spec "
+                f"({changed}"
                 "); refusing to mix results. Start a new study with another --name or "
                 "--output, or delete the old storage."
             )
@@ -206,6 +211,11 @@ class StudyStore:
         view = copy.copy(self)
         view.batch_studies = self.method_studies[method]
         return view
+
+    @property
+    def cached_prefixes(self) -> bool:
+        """Whether this study was made before its servers ran without a prefix cache."""
+        return not self.launches.user_attrs.get(NO_PREFIX_CACHE_ATTR, False)
 
     def told(self) -> set[str]:
         """The configs (keys) this store's batch studies hold a measurement of."""
