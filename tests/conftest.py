@@ -62,9 +62,9 @@ def _the_suite_leaves_nothing_in_tmp(tmp_path_factory: pytest.TempPathFactory,
 
 def _heavy(item: pytest.Item) -> bool:
     """Marked slow (unless also `no_ray`), or starting Ray: through the session's cluster,
-    or asking for a Ray temp dir of its own. Fault tests all get one (tests/faults/
-    conftest.py), for its check that no process outlives them; only those that ask for it
-    themselves, or are marked slow, start Ray."""
+    or asking for a Ray temp dir of its own. Fault tests all get one
+    (`_fault_tests_own_ray_dir`), for its check that no process outlives them; only those
+    that ask for it themselves, or are marked slow, start Ray."""
     if item.get_closest_marker("slow") and not item.get_closest_marker("no_ray"):
         return True
     info = getattr(item, "_fixtureinfo", None)
@@ -308,6 +308,18 @@ def ray_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         left = release_ray_dir(path)
         end_processes([holder.pid for holder in left])
         assert not left, "processes outlived the test:\n" + "\n".join(map(str, left))
+
+
+@pytest.fixture(autouse=True)
+def _fault_tests_own_ray_dir(request: pytest.FixtureRequest) -> None:
+    """Fault tests (tests/faults/) provoke real faults: emulator fault switches, signals,
+    killed processes. Each gets its own short Ray temp dir and must leave no process
+    behind (`ray_tmpdir` checks that after every test). Asked for here, by path: an
+    autouse fixture in tests/faults/conftest.py was not applied to the second fault module
+    of `pytest tests/faults/a.py tests/b.py tests/faults/c.py`, whose tests then started
+    Ray in /tmp/ray."""
+    if "faults" in request.path.parts:
+        request.getfixturevalue("ray_tmpdir")
 
 
 @pytest.fixture(scope="session")
