@@ -485,6 +485,7 @@ def search(study: Path | None = None, **options: Any) -> None:
                 write_outputs(spec, recs, spec.output_dir, note)
     finally:
         restore()
+        stopping.clear()  # raised if it was asked for: not the next command's (in-process)
     if outcome.baseline is not None:
         _print_outcome(spec, outcome, recs, advice(recs))
         if note:
