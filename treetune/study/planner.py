@@ -201,7 +201,7 @@ class Planner:
         it (TPE, GPSampler, the optimization-history figure and optuna-dashboard never saw
         them). With a shared database another search may hold its own in wait: only a
         study of one search (SQLite) tells them here."""
-        if not self.launched or not self.spec.storage_url.startswith("sqlite"):
+        if not self.launched or self.spec.shared_storage:
             return
         told = self.studies.told()
         self.pending += [(result, None) for key, result in self.results.items()

@@ -8,7 +8,6 @@ import fcntl
 import os
 import secrets
 import signal
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -85,7 +84,6 @@ class _Ray:
     """Ray for the duration of a study: local unless an address is given."""
 
     def __init__(self, spec: StudySpec) -> None:
-        imported = "ray" in sys.modules
         import ray
 
         self.ray = ray
@@ -94,7 +92,7 @@ class _Ray:
         if ray.is_initialized():
             return
         local = spec.ray_address in (None, "", "local")
-        self._authenticate(local, imported)
+        self._authenticate(local)
         kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False,
                                       configure_logging=False)
         try:
@@ -126,7 +124,7 @@ class _Ray:
             raise
         self.started_here = True
 
-    def _authenticate(self, local: bool, imported: bool) -> None:
+    def _authenticate(self, local: bool) -> None:
         """Ray's authentication for this study, unless RAY_AUTH_MODE says the user's.
 
         A local cluster: Ray's GCS and raylets listen on every interface (Ray 2.60 has no
@@ -143,14 +141,15 @@ class _Ray:
                     Path.home() / ".ray" / "auth_token").is_file():
                 self._set_env("RAY_AUTH_MODE", "token")
             return
-        if imported and not _refresh_ray_config(check_only=True):
+        config = _ray_config()
+        if config is None:
             # Ray read its mode when imported, and cannot be told again: as the tests run.
             self._set_env("RAY_AUTH_MODE", "disabled")
             return
         self._set_env("RAY_AUTH_MODE", "token")
         if not os.environ.get("RAY_AUTH_TOKEN"):
             self._set_env("RAY_AUTH_TOKEN", secrets.token_hex(32))
-        _refresh_ray_config()
+        config.initialize("")
 
     def _set_env(self, name: str, value: str) -> None:
         self.saved_env.setdefault(name, os.environ.get(name))
@@ -162,9 +161,9 @@ class _Ray:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        if self.saved_env:
-            self.saved_env = {}
-            _refresh_ray_config()
+        if self.saved_env and (config := _ray_config()) is not None:
+            config.initialize("")
+        self.saved_env = {}
 
     def shutdown(self) -> None:
         if self.started_here:
@@ -191,17 +190,16 @@ def _own_sigterm(ray: Any) -> Iterator[None]:
         utils.set_sigterm_handler = original  # type: ignore[union-attr]
 
 
-def _refresh_ray_config(check_only: bool = False) -> bool:
-    """Make Ray read its authentication settings from the environment again, as Ray does
-    when it turns token authentication on itself (`authentication_token_setup`); whether
-    this Ray can (`check_only`: only say)."""
+def _ray_config() -> Any:
+    """Ray's config, whose `initialize("")` makes Ray read its authentication settings
+    from the environment again (Ray reads them when imported), as Ray does when it turns
+    token authentication on itself (`authentication_token_setup`); None where this Ray has
+    none to call."""
     try:
         from ray._raylet import Config
     except ImportError:
-        return False
-    if not check_only:
-        Config.initialize("")
-    return True
+        return None
+    return Config
 
 
 def _placement(ray: Any, spec: StudySpec) -> Placement:
@@ -360,7 +358,7 @@ def study_lock(spec: StudySpec) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            shared = ("" if spec.storage_url.startswith("sqlite") else
+            shared = ("" if not spec.shared_storage else
                       "; searches that share a database storage each need an --output of "
                       "their own")
             raise TreetuneError(
@@ -458,7 +456,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     space = load_space(spec.space)
     spec.save(spec.output_dir / SPEC_COPY)  # what `treetune report` reads back
     claims = Claims.of(store.storage, spec.name)
-    shared = not spec.storage_url.startswith("sqlite")
+    shared = spec.shared_storage
     # With SQLite the output folder's lock proves this the study's only search: whatever
     # an earlier one left running is stale. Sharing a database, only what a search that
     # stopped beating left running is (found as the search goes).
@@ -514,7 +512,8 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                 ray_session = _Ray(spec)
             except SystemExit:  # Ray's own SIGTERM handler, in place while ray.init runs
                 raise KeyboardInterrupt from None
-            # ray.init installs its own SIGTERM handler, which just exits.
+            # Where ray.init installed its own SIGTERM handler (which just exits: a Ray
+            # without the installer _own_sigterm keeps out), ours again.
             stopping.install((signal.SIGTERM,))
         ray = ray_session.ray
         placement = _placement(ray, spec)

@@ -502,6 +502,12 @@ class StudySpec:
         return self.storage or f"sqlite:///{(self.output_dir / 'study.db').resolve()}"
 
     @property
+    def shared_storage(self) -> bool:
+        """Whether the storage is a database server that several searches of the study may
+        share (SQLite serves one machine, one search: its folder's lock)."""
+        return not self.storage_url.startswith("sqlite")
+
+    @property
     def max_batch(self) -> int:
         return max(self.batch)
 
@@ -632,10 +638,10 @@ def shown_url(url: str) -> str:
     parsed = _parsed(url)
     if parsed is None:
         return _PASSWORD_PART.sub(r"\1:***@", url)
+    if parsed.password is None and "password" not in parsed.query:
+        return url
     if "password" in parsed.query:
         parsed = parsed.update_query_dict({"password": "***"})
-    if parsed.password is None and parsed.query.get("password") != "***":
-        return url
     return parsed.render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
 
 
