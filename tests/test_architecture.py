@@ -176,6 +176,9 @@ class ToyBackend:
         return Deployment(["toy-serve", "--model", launch.model_path,
                            "--tree", getattr(config, "label", lambda: "none")()])
 
+    def reads_config_file(self, launch: LaunchSpec) -> bool:
+        return False
+
     def check(self, launch: LaunchSpec, datasets: list[str], env: Mapping[str, str],
               local: bool) -> None:
         if self.checked_marker:

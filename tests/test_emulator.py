@@ -861,3 +861,34 @@ def test_an_sglang_before_0_5_13_shows_no_verify_counter_and_a_study_sees_it(ver
                     SGLANG_API.verify_calls in names)
 
     assert asyncio.run(main()) == (True, counts, counts)
+
+
+def test_a_config_file_is_read_as_sglang_reads_it(tmp_path):
+    """`--config FILE.yaml` (SGLang >= 0.5.3): each key a long flag, a store-true flag's
+    `true` the bare flag and `false` nothing, a list its items; the command line wins."""
+    config = tmp_path / "flags.yaml"
+    config.write_text("api-key: 'true'\nenable-metrics: true\nspeculative-adaptive: false\n"
+                      "max-running-requests: 8\nmem-fraction-static: 0.7\n"
+                      "cuda-graph-max-bs-decode: [16]\n")
+    settings = parse([*SPEC_ARGS, "--config", str(config), "--max-running-requests", "4"])
+    assert settings.api_key == "true"  # quoted in YAML, a key stays text
+    assert settings.enable_metrics and settings.adaptive is None
+    assert settings.max_running_requests == 4 and settings.mem_fraction_static == 0.7
+    assert settings.cuda_graph_max_bs == 16
+    assert "config" not in settings.raw_args
+
+
+@pytest.mark.parametrize(("name", "text", "extra", "message"), [
+    ("flags.json", "{}", [], "must be YAML format, got: .json"),
+    ("flags.yaml", "- a\n", [], "must contain a dictionary"),
+    ("flags.yaml", "a: [\n", [], "cannot read config file"),
+    ("missing.yaml", None, [], "cannot read config file"),
+    ("flags.yaml", "api-key: k\n", ["--emulate-version", "0.5.2"], "unrecognized arguments"),
+    ("flags.yaml", "api-key: k\n", ["--config", "other.yaml"], "Only one allowed"),
+])
+def test_a_config_file_sglang_would_refuse_is_refused(tmp_path, name, text, extra, message):
+    config = tmp_path / name
+    if text is not None:
+        config.write_text(text)
+    with pytest.raises(LaunchError, match=message):
+        parse([*SPEC_ARGS, *extra, "--config", str(config)])

@@ -8,6 +8,7 @@ import re
 import secrets
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -59,14 +60,44 @@ def keyed_study(tmp_path_factory):
     path.write_text(yaml.safe_dump(study))
     with short_ray_dir() as ray_dir:  # removed once both commands are done
         env = {**os.environ, "TT_TEST_API_KEY": key, **ray_env(ray_dir)}
-        run = [subprocess.run([sys.executable, "-m", "treetune", *args], capture_output=True,
-                              text=True, timeout=300, env=env, cwd=tmp)
-               for args in (["search", "--study", str(path)], ["report", str(tmp / "out")])]
-    return tmp, key, run
+        with CommandLines() as seen:  # what `ps` shows other users while the search runs
+            search = subprocess.run([sys.executable, "-m", "treetune", "search", "--study",
+                                     str(path)], capture_output=True, text=True, timeout=300,
+                                    env=env, cwd=tmp)
+        report = subprocess.run([sys.executable, "-m", "treetune", "report", str(tmp / "out")],
+                                capture_output=True, text=True, timeout=300, env=env, cwd=tmp)
+    return tmp, key, [search, report], seen.lines
+
+
+class CommandLines:
+    """Every process's command line on this machine, read from /proc every 20 ms (as `ps`
+    does) while the block runs: each distinct one, as its arguments."""
+
+    def __init__(self) -> None:
+        self.lines: set[tuple[str, ...]] = set()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> CommandLines:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.02):
+            for entry in Path("/proc").glob("[0-9]*/cmdline"):
+                try:
+                    raw = entry.read_bytes()
+                except OSError:  # the process ended
+                    continue
+                self.lines.add(tuple(raw.decode(errors="replace").split("\0")))
 
 
 def test_the_api_key_reaches_the_servers_and_the_load_generator(keyed_study):
-    tmp, _key, (search, _report) = keyed_study
+    tmp, _key, (search, _report), _seen = keyed_study
     assert search.returncode == 0, search.stderr[-3000:]
     # The emulator refuses unauthenticated requests (401), so measured cells prove the
     # load generator sent the key; each server logged it, redacted.
@@ -79,7 +110,7 @@ def test_the_api_key_reaches_the_servers_and_the_load_generator(keyed_study):
 def test_the_api_key_is_in_no_log_storage_report_script_or_output(keyed_study):
     from treetune.server import secret_forms
 
-    tmp, key, runs = keyed_study
+    tmp, key, runs, _seen = keyed_study
     forms = secret_forms(key)
     assert b"\\\\q" in b"".join(forms)  # the repr's doubled backslash among them
     leaks = [str(p) for p in (tmp / "out").rglob("*")
@@ -91,14 +122,29 @@ def test_the_api_key_is_in_no_log_storage_report_script_or_output(keyed_study):
         assert '--api-key "${TT_TEST_API_KEY:?' in script.read_text()
 
 
+def test_no_command_line_shows_the_api_key(keyed_study):
+    """Every user of a machine can read its processes' command lines: each server took
+    its key from a file only this user can read, removed once the server had started."""
+    from treetune.server import secret_forms
+
+    _tmp, key, _runs, seen = keyed_study
+    forms = [form.decode() for form in secret_forms(key)]
+    servers = [argv for argv in seen if "treetune.emulator" in argv]
+    assert len(servers) >= 3, servers  # three configs, three servers
+    assert not [argv for argv in seen if any(form in " ".join(argv) for form in forms)]
+    files = [Path(argv[argv.index("--config") + 1]) for argv in servers]
+    assert all(path.name == "api-key.yaml" for path in files)
+    assert not [path for path in files if path.exists() or path.parent.exists()]
+
+
 def test_a_non_loopback_host_is_warned_about(keyed_study):
-    _tmp, _key, (search, _report) = keyed_study
+    _tmp, _key, (search, _report), _seen = keyed_study
     warning = [line for line in search.stderr.splitlines() if "warning:" in line]
     assert warning and "0.0.0.0" in warning[0] and "reachable from other machines" in warning[0]
 
 
 def test_launch_scripts_of_a_hostile_model_path_execute_nothing_injected(keyed_study):
-    tmp, _key, _runs = keyed_study
+    tmp, _key, _runs, _seen = keyed_study
     stub = tmp / "bin"
     stub.mkdir(exist_ok=True)
     (stub / "python").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
@@ -116,7 +162,7 @@ def test_launch_scripts_of_a_hostile_model_path_execute_nothing_injected(keyed_s
 
 
 def test_the_report_escapes_the_model_name(keyed_study):
-    tmp, _key, (_search, report) = keyed_study
+    tmp, _key, (_search, report), _seen = keyed_study
     assert report.returncode == 0, report.stderr[-2000:]
     index = (tmp / "out" / "report" / "report.html").read_text()
     assert "<script>alert(1)</script>" not in index

@@ -153,6 +153,13 @@ class Backend(Protocol):
         """What a user pastes into production for `config` (never with secrets)."""
         ...
 
+    def reads_config_file(self, launch: LaunchSpec) -> bool:
+        """Whether a server started as `launch` says reads `--config FILE.yaml`, a mapping
+        of its long flags (SGLang's `launch_server --config`). A study's servers then take
+        their API key from a private file of that kind, not from their command line, which
+        every user of the machine can read (`ps`)."""
+        ...
+
     def check(self, launch: LaunchSpec, datasets: list[str], env: Mapping[str, str],
               local: bool) -> None:
         """Refuse, with a TreetuneError saying what to do, what cannot work before Ray or

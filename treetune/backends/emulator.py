@@ -19,7 +19,14 @@ from treetune.backends._base import (
     ServerApi,
     register,
 )
-from treetune.backends.sglang import SGLANG_API, profile_method, server_args, sglang_deployment
+from treetune.backends.sglang import (
+    SGLANG_API,
+    profile_method,
+    server_args,
+    sglang_deployment,
+    supports_config_file,
+    version_of,
+)
 from treetune.config import ServerConfig
 from treetune.errors import FieldError, InvalidTreeError, TreetuneError, for_field
 from treetune.results import config_from_key, config_key
@@ -200,6 +207,10 @@ class EmulatorBackend:
     def deployment(self, launch: LaunchSpec, config: ServerConfig) -> Deployment:
         # What the emulator stands in for is what production runs.
         return sglang_deployment(launch, config)
+
+    def reads_config_file(self, launch: LaunchSpec) -> bool:
+        # As the SGLang release its flags target (the emulator reads one as 0.5.3+ does).
+        return supports_config_file(version_of(launch))
 
     def check(self, launch: LaunchSpec, datasets: list[str], env: Mapping[str, str],
               local: bool) -> None:

@@ -509,6 +509,9 @@ class SGLangBackend:
     def deployment(self, launch: LaunchSpec, config: ServerConfig) -> Deployment:
         return sglang_deployment(launch, config, self.python)
 
+    def reads_config_file(self, launch: LaunchSpec) -> bool:
+        return supports_config_file(version_of(launch))
+
     def check(self, launch: LaunchSpec, datasets: list[str], env: Mapping[str, str],
               local: bool) -> None:
         check_tp(launch, env)

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from treetune.backends import sglang_adaptive
 from treetune.backends._base import parse_version
 from treetune.backends.sglang import (
+    CONFIG_FILE_SINCE,
     DEFAULT_SGLANG_VERSION,
     KNOWN_ALGORITHMS,
     NGRAM,
@@ -33,7 +38,7 @@ EMULATED_SGLANG_VERSION = DEFAULT_SGLANG_VERSION
 
 EMULATOR_KEYS = frozenset({"profile", "world", "time_scale", "load_time", "seed", "noise",
                            "crash_after_requests", "hang_on_startup", "fail_on_startup",
-                           "emulate_version"})
+                           "emulate_version", "config"})
 
 
 class LaunchError(Exception):
@@ -156,12 +161,54 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--trust-remote-code", action="store_true")
     # The emulator keeps no prefix cache: every prompt is prefilled whole, as with this.
     sg.add_argument("--disable-radix-cache", action="store_true")
+    sg.add_argument("--config", default=None,
+                    help="a YAML file of flags, read before the command line's (SGLang >= "
+                    "0.5.3); a study's servers get their API key this way")
     return p
+
+
+def with_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`--config FILE` as SGLang (0.5.3-0.5.23) reads it: a YAML mapping whose every key
+    becomes `--KEY`, a store-true flag's `true` the bare flag (`false`: left out), another
+    boolean `true`/`false`, a list its items, a mapping its JSON, anything else its str();
+    the file's flags go before the command line's, so the command line wins."""
+    if "--config" not in argv:
+        return argv
+    at = argv.index("--config")
+    if argv.count("--config") > 1:
+        raise LaunchError("ValueError: Multiple config files specified! Only one allowed.")
+    if at == len(argv) - 1:
+        raise LaunchError("ValueError: No config file specified after --config flag!")
+    path = Path(argv[at + 1])
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        raise LaunchError(f"ValueError: Config file must be YAML format, got: {path.suffix}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise LaunchError(f"ValueError: cannot read config file {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise LaunchError("ValueError: Config file must contain a dictionary at root level")
+    store_true = {a.dest for a in parser._actions if isinstance(a, argparse._StoreTrueAction)}
+    flags: list[str] = []
+    for key, value in data.items():
+        flag = f"--{key}"
+        if isinstance(value, bool):
+            if str(key).replace("-", "_") not in store_true:
+                flags += [flag, str(value).lower()]
+            elif value:
+                flags.append(flag)
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)] if value else []
+        else:
+            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return [*flags, *argv[:at], *argv[at + 2:]]
 
 
 def parse(argv: list[str]) -> EmulatorSettings:
     """Parse and validate; raises LaunchError with an SGLang-like message."""
     parser = build_parser()
+    read_config = "--config" in argv
+    argv = with_config_file(argv, parser)
     ns, unknown = parser.parse_known_args(argv)
     ignored = [a for a in unknown if a.startswith("--")]
     if (ns.profile is None) == (ns.world is None):
@@ -173,9 +220,12 @@ def parse(argv: list[str]) -> EmulatorSettings:
     if ns.tp_size < 1:
         raise LaunchError(f"--tp-size must be >= 1, got {ns.tp_size}")
     try:
-        parse_version(ns.emulate_version)
+        emulated = parse_version(ns.emulate_version)
     except TreetuneError as exc:
         raise LaunchError(f"--emulate-version: {exc}") from None
+    if read_config and emulated < CONFIG_FILE_SINCE:
+        raise LaunchError("error: unrecognized arguments: --config (SGLang reads config files "
+                          "from 0.5.3)")
     if ns.max_running_requests is not None and ns.max_running_requests < 1:
         raise LaunchError(f"--max-running-requests must be >= 1, got {ns.max_running_requests}")
     adaptive, fallback = _adaptive(ns)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -11,11 +12,14 @@ import json
 import os
 import re
 import socket
+import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from treetune.backends import (
     BackendFacts,
@@ -42,21 +46,47 @@ RAY_TOKEN = "RAY_AUTH_TOKEN"
 
 def launch_command(spec: StudySpec, config: ServerConfig,
                    flags: tuple[tuple[str, str | None], ...], port: int, attempt: int = 0,
-                   api_key: str | None = None, launch_index: int = 0,
+                   key_flags: tuple[tuple[str, str], ...] = (), launch_index: int = 0,
                    adaptive_config_path: str | None = None) -> list[str]:
-    """The server command of the study's backend for one launch attempt (`launch_index`:
-    how many launches of this config came before; `adaptive_config_path`: an adaptive
-    server's JSON config file, already written)."""
+    """The server command of the study's backend for one launch attempt (`key_flags`: how
+    the server gets its API key, `key_flags()`'s; `launch_index`: how many launches of this
+    config came before; `adaptive_config_path`: an adaptive server's JSON config file,
+    already written)."""
     # A study's servers keep no prefix cache (LaunchSpec.prefix_cache).
     launch = dataclasses.replace(spec.launch_spec(port=port), prefix_cache=False)
-    if api_key:
-        flags = (*flags, ("--api-key", api_key))
+    flags = (*flags, *key_flags)
     launch = dataclasses.replace(launch, extra_flags=(*launch.extra_flags, *flags),
                                  adaptive_config_path=adaptive_config_path)
     # Every cell sends at least `batch` requests: a crash fault is drawn within that.
     context = LaunchContext(study_seed=spec.seed, attempt=attempt, launch_index=launch_index,
                             min_requests=sum(spec.batch) * len(spec.datasets))
     return spec.backend.command(launch, config, context)
+
+
+@contextlib.contextmanager
+def key_flags(spec: StudySpec, api_key: str | None) -> Iterator[tuple[tuple[str, str], ...]]:
+    """The flags that give a server its API key, for as long as it is starting. A command
+    line is every local user's to read (`ps`, /proc), so where the server reads config
+    files the key goes in one, readable by this user alone, in a directory of its own
+    removed once the server has started or failed (it reads the file as it parses its
+    flags). Elsewhere (an SGLang before 0.5.3, or a study whose server_flags name a
+    --config of their own: SGLang takes one) the key is on the command line."""
+    if not api_key:
+        yield ()
+        return
+    launch = spec.launch_spec()
+    if (not spec.backend.reads_config_file(launch)
+            or any(flag == "--config" for flag, _ in launch.extra_flags)):
+        yield (("--api-key", api_key),)
+        return
+    with tempfile.TemporaryDirectory(prefix="treetune-key-") as private:  # mode 0700
+        path = Path(private) / "api-key.yaml"
+        # Quoted as YAML needs: a key like `true` or `1e3` stays the text it is.
+        text = yaml.safe_dump({"api-key": api_key}, default_flow_style=False, width=1 << 16)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        yield (("--config", str(path)),)
 
 
 def log_name(key: str, launch_index: int = 0, attempt: int = 0) -> str:
@@ -147,17 +177,18 @@ class LaunchWorker:
         if niced and niced not in result.warnings:
             result.warnings.append(niced)
 
-        def command(port: int) -> list[str]:
-            started.append(launch_command(self.spec, config, result.flags, port, attempt,
-                                          api_key, launch_index, adaptive))
-            return started[-1]
-
         try:
-            server = start_server(
-                command,
-                log_path=log_path, env=env, host=self.spec.host,
-                timeout_s=self.spec.measurement.startup_timeout_s,
-                secrets=(api_key,) if api_key else (), health=self.spec.backend.api.health)
+            with key_flags(self.spec, api_key) as keyed:
+                def command(port: int) -> list[str]:
+                    started.append(launch_command(self.spec, config, result.flags, port,
+                                                  attempt, keyed, launch_index, adaptive))
+                    return started[-1]
+
+                server = start_server(
+                    command,
+                    log_path=log_path, env=env, host=self.spec.host,
+                    timeout_s=self.spec.measurement.startup_timeout_s,
+                    secrets=(api_key,) if api_key else (), health=self.spec.backend.api.health)
         except ServerStartError as exc:
             result.reason = exc.reason
             result.exit_code = exc.exit_code
