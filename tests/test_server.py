@@ -303,3 +303,77 @@ def test_a_server_on_its_way_out_is_waited_for_its_exit_code(tmp_path):
         assert still.exit_code_within(0.2) is None
     finally:
         still.stop(grace_s=0)
+
+
+# A server that prints start-up progress every 20 ms for `loading` seconds, then serves
+# its health route ("serve": 200, "refuse": 503 and an access line per check, as SGLang's
+# HTTP server logs) or goes silent ("silent").
+STARTING = textwrap.dedent("""
+    import http.server, sys, time
+    port, loading, then = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+    end = time.monotonic() + loading
+    while time.monotonic() < end:
+        print(f"Loading safetensors checkpoint shards: {end - time.monotonic():.2f}", flush=True)
+        time.sleep(0.02)
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if then == "serve" else 503)
+            self.end_headers()
+        def log_message(self, *args):
+            print(f'INFO: 127.0.0.1 - "GET {self.path} HTTP/1.1" 503', flush=True)
+    if then == "silent":
+        time.sleep(3600)
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+""")
+# Starts take 2 s; a server silent for a quarter of that (0.5 s, 25 of its progress
+# lines) has stopped starting.
+START_TIMEOUT_S = 2.0
+
+
+def starting(tmp_path: Path, servers: list[ServerProcess], loading_s: float,
+             then: str) -> ServerProcess:
+    port = free_port()
+    server = ServerProcess.start([sys.executable, "-c", STARTING, str(port), str(loading_s),
+                                  then], log_path=tmp_path / "log", port=port)
+    servers.append(server)
+    return server
+
+
+def test_a_server_still_printing_progress_at_the_timeout_is_waited_for(tmp_path, servers):
+    """Loading weights, compiling kernels and capturing CUDA graphs print progress: a large
+    model's first start may outlast any fixed timeout and is no hang."""
+    from treetune.study.worker import slow_start
+
+    server = starting(tmp_path, servers, 2.0 * START_TIMEOUT_S, "serve")
+    server.wait_ready(timeout_s=START_TIMEOUT_S)
+    assert server.ready_after_s is not None and server.ready_after_s > START_TIMEOUT_S
+    assert "startup_timeout_s" in slow_start(server.ready_after_s, START_TIMEOUT_S)
+    assert slow_start(START_TIMEOUT_S / 2, START_TIMEOUT_S) == ""
+
+
+def test_a_start_that_prints_for_ever_is_stopped_at_three_times_the_timeout(tmp_path,
+                                                                            servers):
+    server = starting(tmp_path, servers, 3600, "serve")
+    started = time.monotonic()
+    with pytest.raises(ServerStartError, match="up to 3 times the start-up timeout") as caught:
+        server.wait_ready(timeout_s=START_TIMEOUT_S)
+    assert 3 * START_TIMEOUT_S <= time.monotonic() - started < 3 * START_TIMEOUT_S + 10
+    assert caught.value.exit_code is not None and not alive(server.pid)
+
+
+def test_a_start_whose_log_stops_past_the_timeout_is_stopped(tmp_path, servers):
+    server = starting(tmp_path, servers, 1.5 * START_TIMEOUT_S, "silent")
+    with pytest.raises(ServerStartError, match=r"grew past the start-up timeout \(2 s\), "
+                                               "then stopped"):
+        server.wait_ready(timeout_s=START_TIMEOUT_S)
+    assert not alive(server.pid)
+
+
+def test_its_own_health_checks_in_the_log_are_no_progress(tmp_path, servers):
+    """SGLang's HTTP server logs every request: a server answering 503 to each check
+    grows its log with our own polling, which says nothing of a start."""
+    server = starting(tmp_path, servers, 0, "refuse")
+    with pytest.raises(ServerStartError) as caught:
+        server.wait_ready(timeout_s=START_TIMEOUT_S, poll_s=0.05)
+    assert caught.value.reason == "not healthy after 2 s"
+    assert "GET /health_generate" in (tmp_path / "log").read_text()

@@ -36,6 +36,11 @@ REASON_PATTERNS = (
     re.compile(r"error|exception|killed|abort", re.IGNORECASE),
 )
 MAX_REASON_CHARS = 300
+# A server still writing its log at its start-up timeout is waited for while the log grows
+# (silent for LIVE_LOG_S, or a quarter of the timeout if shorter: stopped), up to
+# STARTUP_STRETCH times the timeout.
+LIVE_LOG_S = 120.0
+STARTUP_STRETCH = 3.0
 GROUP_EXIT_S = 30.0  # how long a stopped server's processes may take to exit
 PROC = Path("/proc")  # where Linux lists processes (`group_members`)
 EXITED_STATES = ("Z", "X")  # a process's state letter once it has exited: zombie, dead
@@ -114,6 +119,7 @@ class ServerProcess:
         self.log_path = log_path
         self.host = host
         self.port = port
+        self.ready_after_s: float | None = None  # how long it took to become healthy
 
     @classmethod
     def start(cls, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None,
@@ -192,12 +198,19 @@ class ServerProcess:
     # ---- lifecycle --------------------------------------------------------------------
     def wait_ready(self, timeout_s: float, poll_s: float = 0.2,
                    health: str = SGLANG_API.health) -> None:
-        """Poll `GET <health>` until it answers 200.
+        """Poll `GET <health>` until it answers 200 (`ready_after_s` then says when).
 
         Raises ServerStartError if the server exits first (with its exit code and the log
-        line that says why), or is not healthy after `timeout_s` (then it is killed).
+        line that says why), or is not healthy after `timeout_s` (then it is killed). A
+        server still writing its log at the timeout is still starting (loading weights,
+        compiling kernels and capturing CUDA graphs all print progress, and a large model's
+        first start can take longer than any fixed timeout): it is waited for while its
+        log keeps growing, up to STARTUP_STRETCH times `timeout_s`.
         """
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        quiet_s = min(LIVE_LOG_S, timeout_s / 4)  # silent this long: not starting any more
+        limit, cap = started + timeout_s, started + STARTUP_STRETCH * timeout_s
+        read, grew_at = 0, started
         url = self.base_url + health
         while True:
             if self._leader_exited():
@@ -205,15 +218,38 @@ class ServerProcess:
                 tail = self.log_tail()
                 raise ServerStartError(failure_reason(tail, code), exit_code=code,
                                        log_tail=tail, log_path=self.log_path)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                code = self.stop(grace_s=0)
-                raise ServerStartError(f"not healthy after {timeout_s:g} s", exit_code=code,
-                                       log_tail=self.log_tail(), log_path=self.log_path)
+            now = time.monotonic()
+            read, progressed = self._log_progress(read, health)
+            if progressed:
+                grew_at = now
+            if now >= limit:
+                if now < cap and now - grew_at < quiet_s:
+                    limit = min(cap, grew_at + quiet_s)
+                else:
+                    code = self.stop(grace_s=0)
+                    waited = now - started if limit > started + timeout_s else None
+                    raise ServerStartError(
+                        not_healthy(timeout_s, waited, at_cap=now >= cap),
+                        exit_code=code, log_tail=self.log_tail(), log_path=self.log_path)
             # SGLang's health check runs a real generation: give it time to answer.
-            if health_status(url, timeout_s=min(remaining, 10.0)) == 200:
+            if health_status(url, timeout_s=min(max(limit - now, poll_s), 10.0)) == 200:
+                self.ready_after_s = time.monotonic() - started
                 return
-            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+            time.sleep(min(poll_s, max(0.0, limit - time.monotonic())))
+
+    def _log_progress(self, offset: int, health: str) -> tuple[int, bool]:
+        """Where the log ends now, and whether it gained a line since `offset` other than
+        an access line for our own health checks (SGLang's HTTP server logs each)."""
+        try:
+            with self.log_path.open("rb") as log:
+                end = log.seek(0, os.SEEK_END)
+                if end <= offset:
+                    return end, False
+                log.seek(max(offset, end - 65536))
+                text = log.read().decode(errors="replace")
+        except FileNotFoundError:
+            return offset, False
+        return end, any(line.strip() and health not in line for line in re.split(r"[\r\n]", text))
 
     def stop(self, grace_s: float = 10) -> int | None:
         """SIGTERM the process group, SIGKILL it after `grace_s`; returns the exit code.
@@ -311,6 +347,19 @@ def failure_reason(log_tail: str, exit_code: int | None) -> str:
 
 def _clip(line: str) -> str:
     return line if len(line) <= MAX_REASON_CHARS else line[: MAX_REASON_CHARS - 3] + "..."
+
+
+def not_healthy(timeout_s: float, waited_s: float | None = None, at_cap: bool = False) -> str:
+    """Why a start was given up: the timeout; or, waited for past it (`waited_s`) while
+    its log grew, the cap or the log's silence."""
+    if waited_s is None:
+        return f"not healthy after {timeout_s:g} s"
+    shown = f"{waited_s:.0f}" if waited_s >= 10 else f"{waited_s:.1f}"
+    if at_cap:
+        return (f"not healthy after {shown} s: still writing its log, it was waited for up to "
+                f"{STARTUP_STRETCH:g} times the start-up timeout ({timeout_s:g} s)")
+    return (f"not healthy after {shown} s: its log grew past the start-up timeout "
+            f"({timeout_s:g} s), then stopped")
 
 
 def start_server(command: Callable[[int], list[str]], *, log_path: Path,

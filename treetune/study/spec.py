@@ -102,7 +102,9 @@ class Measurement:
     duration_s: float = 60.0
     warmup_s: float | None = None  # None: until every request has its first token
     repeats: int = 3  # sub-windows per cell, for the spread of a measurement
-    startup_timeout_s: float = 900.0  # wall seconds a launch may take to become healthy
+    # Wall seconds a launch may take to become healthy (up to 3 times that while its log
+    # shows it still starting: treetune.server.STARTUP_STRETCH).
+    startup_timeout_s: float = 900.0
     arrival: str = "poisson"  # how a rate cell's requests arrive: poisson or fixed (interval)
     max_requests: int = 1000  # requests a rate cell sends at most
     # A cell whose server clock ran later than this behind its schedule, on average (server

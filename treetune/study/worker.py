@@ -89,6 +89,19 @@ def key_flags(spec: StudySpec, api_key: str | None) -> Iterator[tuple[tuple[str,
         yield (("--config", str(path)),)
 
 
+def slow_start(ready_after_s: float | None, timeout_s: float) -> str:
+    """What to tell of a server that became healthy only past its start-up timeout, waited
+    for while its log showed it starting ('' when it was in time)."""
+    from treetune.server import STARTUP_STRETCH
+
+    if ready_after_s is None or ready_after_s <= timeout_s:
+        return ""
+    return (f"the server became healthy only after measurement.startup_timeout_s "
+            f"({timeout_s:g} s), waited for while its log showed it still starting (up to "
+            f"{STARTUP_STRETCH:g} times that): set startup_timeout_s above the start-up time "
+            "its log shows")
+
+
 def log_name(key: str, launch_index: int = 0, attempt: int = 0) -> str:
     """One log per server: `3-4-8.log`, a re-measurement `3-4-8.launch2.log`, a crashed
     launch's replacement server `3-4-8-1.log` (or `3-4-8.launch2-1.log`). An adaptive
@@ -194,6 +207,9 @@ class LaunchWorker:
             result.exit_code = exc.exit_code
             result.log_tail = exc.log_tail
             return False
+        late = slow_start(server.ready_after_s, self.spec.measurement.startup_timeout_s)
+        if late and late not in result.warnings:
+            result.warnings.append(late)
         try:
             _run_coroutine(self._measure(server.base_url, result, api_key,
                                          lambda: server.log_tail(START_LOG_LINES),
