@@ -4,6 +4,7 @@ the shipped table and from a stand-in nvidia-smi."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from treetune.config import BASELINE
 from treetune.errors import TreetuneError
 from treetune.facts import (
     auto_prior,
@@ -25,7 +27,8 @@ from treetune.facts import (
 )
 from treetune.facts.gpus import table_path
 from treetune.facts.models import read_config
-from treetune.perfmodel import load_profile
+from treetune.perfmodel import check_memory, load_profile
+from treetune.perfmodel.profile import SlidingWindow
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 
@@ -190,6 +193,65 @@ def test_an_eagle3_head_counts_its_layer_fc_and_draft_vocabulary_head_not_the_em
     assert f.eagle3 and f.layers == 1 and f.vocab_size == 32000
     assert within(f.total_params, attention + mlp + fc + head, 0.001)
     assert f.kv_bytes_per_token == 2 * 4 * 128 * 2
+
+
+def prior_of(target: str, draft: str, gpu: str, tp: int):
+    return auto_prior(model_facts(fixture(target)), model_facts(draft), gpu_facts(gpu), tp)
+
+
+def eagle3_head(tmp_path: Path, hidden: int, intermediate: int) -> str:
+    """An EAGLE3 head in SpecForge's shape for a target of this width."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "num_hidden_layers": 1, "vocab_size": 129280,
+        "draft_vocab_size": 32000, "torch_dtype": "bfloat16"}))
+    return str(tmp_path)
+
+
+def test_an_mla_target_s_prior_keeps_its_whole_latent_cache_on_every_gpu(tmp_path):
+    """SGLang holds MLA's latent, shared by every head, whole on each tensor-parallel GPU:
+    a prior that split it over 8 GPUs said 64 requests of 32k tokens fit on 8 H200s, where
+    each GPU needs the 147 GB the cache alone takes (a helper's audit)."""
+    prior = prior_of("deepseek-ai/DeepSeek-V3", eagle3_head(tmp_path, 7168, 18432), "H200", 8)
+    assert prior.target.mla is not None and prior.target.kv_replicated
+    assert prior.target.kv_bytes_per_token == 61 * (512 + 64) * 2
+    check = check_memory(prior, BASELINE, 64, tp=8, context_tokens=32768)
+    assert not check.fits and check.required_gb > 140
+
+
+@pytest.mark.parametrize(("target", "window", "layers"), [
+    ("openai/gpt-oss-120b", 128, 18),  # layer_types: every other layer slides
+    ("meta-llama/Llama-4-Scout-17B-16E-Instruct", 8192, 36),  # chunked: 3 of every 4
+])
+def test_layers_sglang_pools_by_their_window_are_priced_at_the_window(tmp_path, target,
+                                                                      window, layers):
+    """SGLang's hybrid sliding-window pool keeps only the window of these layers' cache
+    (configs/model_config.py: is_hybrid_swa_model, get_hybrid_layer_ids)."""
+    hidden = model_facts(fixture(target)).hidden_size
+    prior = prior_of(target, eagle3_head(tmp_path, hidden, 8192), "H100-SXM", 8)
+    assert prior.target.sliding_window == SlidingWindow(window=window, layers=layers)
+    full = dataclasses.replace(prior, target=dataclasses.replace(prior.target,
+                                                                 sliding_window=None))
+    assert (check_memory(prior, BASELINE, 64, tp=8, context_tokens=131072).required_gb
+            < check_memory(full, BASELINE, 64, tp=8, context_tokens=131072).required_gb)
+
+
+def test_gemma3_counts_with_the_defaults_its_config_leaves_out(tmp_path):
+    """google/gemma-3-27b-it's config.json gives no vocab_size and no tie_word_embeddings:
+    transformers takes 262208 and a tied head. Its window layers share SGLang's full-size
+    pool (Gemma 3 is not one of its hybrid sliding-window models)."""
+    f = model_facts(fixture("google/gemma-3-27b-it"))
+    assert f.vocab_size == 262208 and within(f.total_params / 1e9, 27.0, 0.01)
+    assert f.kv_bytes_per_token == 62 * 2 * 16 * 128 * 2 and f.window_layers == 0
+    prior = prior_of("google/gemma-3-27b-it", eagle3_head(tmp_path, 5376, 21504), "H100-SXM", 2)
+    assert prior.target.sliding_window is None
+
+
+def test_a_modelopt_checkpoint_s_quantization_is_read_from_hf_quant_config_json():
+    """NVIDIA's ModelOpt exports keep it beside config.json, where SGLang reads it."""
+    f = model_facts(fixture("nvidia/DeepSeek-V3-0324-FP4"))
+    assert (f.weight_bytes, f.quantization) == (4.5 / 8, "nvfp4 (modelopt)")
 
 
 @pytest.mark.parametrize(("quant", "expected"), [

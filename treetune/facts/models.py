@@ -29,6 +29,20 @@ DTYPE_BYTES = {"float32": 4.0, "float": 4.0, "float16": 2.0, "half": 2.0, "bfloa
 # SGLang keeps the recurrent state of linear-attention (Gated DeltaNet) layers in fp32 by
 # default (server arg mamba_ssm_dtype), whatever the weights' dtype.
 RECURRENT_STATE_BYTES = 4.0
+# Keys that configs of these model types may leave out, at the value transformers then
+# takes (its Gemma3TextConfig: vocab_size 262208, tie_word_embeddings True; Gemma2 and
+# Gemma 256000; the google/gemma-3-27b-it config.json gives neither).
+MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {"vocab_size": 262208, "tie_word_embeddings": True},
+    "gemma3": {"vocab_size": 262208, "tie_word_embeddings": True},
+    "gemma2": {"vocab_size": 256000, "tie_word_embeddings": True},
+    "gemma": {"vocab_size": 256000, "tie_word_embeddings": True},
+}
+# Architectures whose `sliding_attention` layers (layer_types) SGLang 0.5.23 caches in its
+# hybrid sliding-window pool (configs/model_config.py: SWA_SINK_ARCHS, Gemma 4).
+HYBRID_SWA_BY_LAYER_TYPES = frozenset({
+    "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
+    "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"})
 ATTENTION_KINDS = ("full_attention", "attention", "sliding_attention", "chunked_attention")
 LINEAR_KINDS = ("linear_attention", "mamba", "mamba2", "recurrent", "conv")
 
@@ -67,6 +81,14 @@ class ModelFacts:
     target_hidden_size: int = 0  # an EAGLE3 head's: the width of the states it reads
     attention_heads: int = 0  # query heads of a full-attention layer (0: not read)
     kv_heads: int = 0  # its key/value heads (MLA: its heads, sharing one latent)
+    # MLA's latent and its rotary key, per token and layer (0 without MLA): SGLang keeps the
+    # whole latent cache on every tensor-parallel GPU.
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    # Attention layers SGLang caches only the last `window` tokens of (its hybrid
+    # sliding-window pool: gpt-oss's sliding layers, Llama 4's chunked ones); 0: none.
+    window: int = 0
+    window_layers: int = 0
 
     def tp_problem(self, tp: int) -> str:
         """Why SGLang cannot split this model's attention over `tp` GPUs ("" when it can):
@@ -225,7 +247,8 @@ def _count(data: Mapping[str, Any], name: str, path: Path,
     if dtype not in DTYPE_BYTES:
         raise ConfigFileError(path, f"unknown dtype '{dtype}'", "torch_dtype")
     dtype_bytes = DTYPE_BYTES[dtype]
-    weight_bytes, quantization = _weight_bytes(c.get("quantization_config"), dtype_bytes, path)
+    quant = c.get("quantization_config") or _modelopt_sidecar(path)
+    weight_bytes, quantization = _weight_bytes(quant, dtype_bytes, path)
     kv_bytes = kv_cache_bytes or dtype_bytes
     if eagle3:
         return _eagle3(c, name, path, architecture, dtype, weight_bytes, quantization, kv_bytes)
@@ -236,7 +259,8 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
              weight_bytes: float, quantization: str, kv_bytes: float) -> ModelFacts:
     h = c.int("hidden_size", "d_model")
     layers = c.int("num_hidden_layers", "n_layer", "num_layers")
-    vocab = c.int("vocab_size")
+    defaults = MODEL_TYPE_DEFAULTS.get(str(c.get("model_type")), {})
+    vocab = c.int("vocab_size", default=defaults.get("vocab_size"))
     kinds = _layer_kinds(c, layers)
     moe = _moe(c, h, layers)
     attention = _attention_params(c, h, h)
@@ -255,7 +279,8 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
             total += mixer + norms + dense_mlp
             active += mixer + norms + dense_mlp
     embed = vocab * h
-    head = 0 if c.get("tie_word_embeddings", False) else vocab * h
+    tied = c.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))
+    head = 0 if tied else vocab * h
     total += embed + head + h
     active += embed + head + h
     attention_layers = kinds.count("attention")
@@ -269,7 +294,10 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
             c, DTYPE_BYTES[dtype]) if "linear" in kinds else 0.0),
         mla=_is_mla(c), moe=None if moe is None else moe.spec, eagle3=False,
         attention_heads=c.int("num_attention_heads", default=0),
-        kv_heads=c.int("num_key_value_heads", "num_attention_heads", default=0))
+        kv_heads=c.int("num_key_value_heads", "num_attention_heads", default=0),
+        kv_lora_rank=c.int("kv_lora_rank") if _is_mla(c) else 0,
+        rope_dim=c.int("qk_rope_head_dim") if _is_mla(c) else 0,
+        **_windowed(c, architecture, layers))
 
 
 def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
@@ -292,8 +320,7 @@ def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
 
 def _layer_kinds(c: _Config, layers: int) -> list[str]:
     """'attention' or 'linear' per layer. Sliding-window layers count as attention: they
-    hold a KV cache too, bounded by the window, which a profile cannot yet express (so
-    the KV estimate is an upper bound for them)."""
+    hold a KV cache too, bounded by the window where SGLang pools them apart (`_windowed`)."""
     types = c.get("layer_types")
     if isinstance(types, list) and types:
         kinds = []
@@ -310,6 +337,23 @@ def _layer_kinds(c: _Config, layers: int) -> list[str]:
     if interval:  # Qwen3-Next: every interval-th layer is full attention, the rest GDN
         return ["attention" if (i + 1) % interval == 0 else "linear" for i in range(layers)]
     return ["attention"] * layers
+
+
+def _windowed(c: _Config, architecture: str, layers: int) -> dict[str, int]:
+    """The window and the layers SGLang keeps only that much KV cache for: the models its
+    hybrid sliding-window pool serves (`is_hybrid_swa_model` and `get_hybrid_layer_ids`
+    in SGLang 0.5.23's configs/model_config.py). Other models with a window (Gemma 2/3,
+    Mistral) get the full-size pool, so their cache counts in full, as it does here."""
+    if architecture in HYBRID_SWA_BY_LAYER_TYPES:
+        types = c.get("layer_types") or []
+        window = c.int("sliding_window", default=0)
+        count = sum(kind == "sliding_attention" for kind in types[:layers])
+    elif architecture == "Llama4ForConditionalGeneration":  # chunked: 3 of every 4 layers
+        window = c.int("attention_chunk_size", default=0)
+        count = sum((i + 1) % 4 != 0 for i in range(layers))
+    else:
+        return {}
+    return {"window": window, "window_layers": count} if window and count else {}
 
 
 def _is_mla(c: _Config) -> bool:
@@ -435,6 +479,20 @@ QUANT_BITS = {"awq": 4, "gptq": 4, "awq_marlin": 4, "gptq_marlin": 4, "auto-roun
 # fp8 scale per 16).
 MXFP4_BYTES = (4 + 8 / 32) / 8
 NVFP4_BYTES = (4 + 8 / 16) / 8
+
+
+def _modelopt_sidecar(path: Path) -> dict[str, Any] | None:
+    """The quantization of a NVIDIA ModelOpt checkpoint that keeps it beside config.json,
+    in hf_quant_config.json (`{"quantization": {"quant_algo": "NVFP4", ...}}`), as SGLang
+    reads it; None when there is none."""
+    sidecar = path.with_name("hf_quant_config.json")
+    if not sidecar.is_file():
+        return None
+    data = read_config(sidecar)
+    section = data.get("quantization", data)
+    if not isinstance(section, dict):
+        raise ConfigFileError(sidecar, "expected a mapping", "quantization")
+    return {**section, "quant_method": "modelopt"}
 
 
 def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, str]:

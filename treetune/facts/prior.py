@@ -13,6 +13,7 @@ from treetune.facts.gpus import GpuFacts, detect_gpu, gpu_facts
 from treetune.facts.models import ModelFacts, model_facts
 from treetune.perfmodel.prior import NEUTRAL_ACCEPTANCE, neutral_prior
 from treetune.perfmodel.profile import (
+    MLA,
     Calibration,
     Dataset,
     Draft,
@@ -20,6 +21,7 @@ from treetune.perfmodel.profile import (
     MoE,
     Profile,
     ServerDefaults,
+    SlidingWindow,
     Target,
 )
 
@@ -48,6 +50,9 @@ def auto_prior(target: ModelFacts, draft: ModelFacts, gpu: GpuFacts, tp: int,
             weight_bytes=target.weight_bytes,
             state_bytes_per_request=target.state_bytes_per_request,
             vocab_size=target.vocab_size, attention_layers=target.attention_layers,
+            mla=_mla(target),
+            sliding_window=(SlidingWindow(window=target.window, layers=target.window_layers)
+                            if target.window_layers else None),
             moe=None if moe is None else MoE(
                 experts=moe.experts, experts_per_token=moe.experts_per_token,
                 expert_params_m=moe.expert_params / 1e6, layers=moe.layers,
@@ -61,6 +66,15 @@ def auto_prior(target: ModelFacts, draft: ModelFacts, gpu: GpuFacts, tp: int,
         server=ServerDefaults(tp=tp),
     )
     return neutral_prior(profile, list(datasets) or builtin_names())
+
+
+def _mla(target: ModelFacts) -> MLA | None:
+    """The target's latent cache, at the bytes per element its KV bytes were counted in."""
+    if not target.kv_lora_rank:
+        return None
+    elements = target.attention_layers * (target.kv_lora_rank + target.rope_dim)
+    return MLA(kv_lora_rank=target.kv_lora_rank, rope_dim=target.rope_dim,
+               bytes_per_element=target.kv_bytes_per_token / elements)
 
 
 def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = None,
