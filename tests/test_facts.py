@@ -393,7 +393,7 @@ def test_the_peak_follows_the_weights_precision():
     ("NVIDIA H100 NVL", "H100-NVL"), ("NVIDIA H200", "H200"), ("NVIDIA B200", "B200"),
     ("NVIDIA A100-SXM4-40GB", "A100-40GB-SXM"), ("NVIDIA A100 80GB PCIe", "A100-80GB-PCIe"),
     ("NVIDIA L40S", "L40S"), ("AMD Instinct MI300X", "MI300X"), ("h200", "H200"),
-    ("gb200", "GB200"), ("MI325X", "MI325X"),
+    ("gb200", "GB200"), ("MI325X", "MI325X"), ("NVIDIA H20", "H20"), ("NVIDIA H800", "H800"),
 ])
 def test_gpu_names_as_nvidia_smi_and_users_write_them_map_to_the_table(name, key):
     assert gpu_facts(name).name == key
@@ -405,10 +405,11 @@ def test_an_unknown_gpu_names_the_override():
         gpu_facts("NVIDIA RTX 9999")
 
 
-@pytest.mark.parametrize("name", ["NVIDIA L40", "NVIDIA A10", "NVIDIA H20"])
+@pytest.mark.parametrize("name", ["NVIDIA L40", "NVIDIA A10", "NVIDIA L4"])
 def test_a_gpu_whose_name_begins_another_s_is_not_taken_for_it(name):
-    # The L40 has about half the L40S's dense TFLOPs, the A10 and H20 are far slower
-    # than the A100 and H200 their names begin: matched by whole words, never by letters.
+    # The L40 has about half the L40S's dense TFLOPs, the A10 and L4 are far slower than
+    # the A100 and L40S their names begin: matched by whole words, never by letters (the
+    # H20 and the H200 are both in the table, each its own).
     with pytest.raises(TreetuneError, match="is not in treetune's GPU table"):
         gpu_facts(name, "nvidia-smi on node-1")
 
