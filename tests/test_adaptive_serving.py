@@ -346,3 +346,30 @@ def test_a_launch_asking_for_adaptive_steps_records_when_its_server_fell_back(tm
         "logged: speculative_eagle_topk=4 (only topk=1 is supported))"]
     assert chain.server_info["speculative_adaptive"] is True and unlagged(chain.warnings) == []
     assert wait_until(lambda: not server_processes(str(tmp_path)), 5)
+
+
+def test_requests_a_server_refuses_are_told_with_its_reason(tmp_path):
+    """SGLang refuses a prompt whose tokens and max_new_tokens exceed its context length
+    (HTTP 400, `_validate_one_request`); the cell measures the others, and the study
+    says so instead of measuring a workload that is not the dataset's (a helper's audit:
+    the emulator served every prompt)."""
+    from treetune.results import LaunchResult
+    from treetune.study.spec import load_study
+    from treetune.study.worker import LaunchWorker
+
+    # Of humaneval's first 16 requests the 2nd and the 11th ask for more than 370 tokens in
+    # all (prompt and answer), as the emulator counts them: a short cell sends both.
+    spec = load_study(None, small_study(tmp_path, batch=[1], datasets=["humaneval"],
+                                        compare=[], server_flags={"--context-length": "370"}))
+    result = LaunchResult.from_dict(LaunchWorker(spec, 0).run("3,1,4", []))
+    assert result.ok, result.reason
+    (cell,) = result.cells
+    assert cell.errors > 0 and cell.requests > 0
+    assert "exceeds the model's maximum context length of 370 tokens" in cell.error
+    (told,) = [w for w in result.warnings if "failed" in w]
+    many = "s failed and the cell measured the others; the last said: "
+    one = " failed and the cell measured the others; it said: "
+    assert told.startswith(f"humaneval at batch 1: {cell.errors} request"
+                           f"{many if cell.errors > 1 else one}")
+    assert told.endswith(cell.error)
+    assert wait_until(lambda: not server_processes(str(tmp_path)), 5)

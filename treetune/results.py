@@ -96,6 +96,9 @@ class CellResult:
     # non-throughput objective (study/evidence.py `merge`; ms for latencies, None where a
     # launch could not tell), from which the study learns those objectives' launch noise.
     launch_metrics: tuple[dict[str, float | None], ...] = field(default=(), hash=False)
+    # The last failed request's error, one line ("" when none failed): a real server refuses
+    # what the emulator might not (a prompt over its context length: HTTP 400).
+    error: str = ""
 
     @property
     def label(self) -> str:

@@ -104,6 +104,10 @@ class EmulatorSettings:
     # speculative arguments as SGLang resolves them (what /server_info reports).
     method: str | None = None
     speculative: dict[str, object] = field(default_factory=dict)
+    # --context-length: a request whose prompt and max_new_tokens exceed it is refused
+    # (None: no limit, the emulator knows no model's); --allow-auto-truncate cuts it instead.
+    context_length: int | None = None
+    allow_auto_truncate: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--cuda-graph-max-bs-decode", type=int, default=None)
     sg.add_argument("--cuda-graph-max-bs-prefill", type=int, default=None)
     sg.add_argument("--api-key", default=None)
+    sg.add_argument("--context-length", type=int, default=None)
+    sg.add_argument("--allow-auto-truncate", action="store_true")
     sg.add_argument("--trust-remote-code", action="store_true")
     # The emulator keeps no prefix cache: every prompt is prefilled whole, as with this.
     sg.add_argument("--disable-radix-cache", action="store_true")
@@ -226,6 +232,8 @@ def parse(argv: list[str]) -> EmulatorSettings:
     if read_config and emulated < CONFIG_FILE_SINCE:
         raise LaunchError("error: unrecognized arguments: --config (SGLang reads config files "
                           "from 0.5.3)")
+    if ns.context_length is not None and ns.context_length < 1:
+        raise LaunchError(f"--context-length must be >= 1, got {ns.context_length}")
     if ns.max_running_requests is not None and ns.max_running_requests < 1:
         raise LaunchError(f"--max-running-requests must be >= 1, got {ns.max_running_requests}")
     adaptive, fallback = _adaptive(ns)
@@ -256,6 +264,8 @@ def parse(argv: list[str]) -> EmulatorSettings:
         cuda_graph_max_bs=ns.cuda_graph_max_bs_decode or ns.cuda_graph_max_bs,
         served_model_name=ns.served_model_name or ns.model_path,
         api_key=ns.api_key,
+        context_length=ns.context_length,
+        allow_auto_truncate=ns.allow_auto_truncate,
         time_scale=ns.time_scale,
         load_time=ns.load_time,
         seed=ns.seed,

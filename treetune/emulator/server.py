@@ -249,7 +249,32 @@ class EmulatedServer:
         if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 0:
             raise web.HTTPBadRequest(
                 text=f"max_new_tokens must be an integer >= 0, got {max_new!r}")
+        prompt_tokens, max_new = self._within_context(prompt_tokens, max_new)
         return self.engine.new_request(dataset, prompt_tokens, max_new, bool(ignore_eos))
+
+    def _within_context(self, prompt_tokens: int, max_new: int) -> tuple[int, int]:
+        """A request against --context-length, as SGLang's tokenizer manager takes it
+        (`_validate_one_request`): refused with its message, or cut with
+        --allow-auto-truncate."""
+        limit, cut = self.settings.context_length, self.settings.allow_auto_truncate
+        if limit is None:
+            return prompt_tokens, max_new
+        if prompt_tokens >= limit:
+            if not cut:
+                raise web.HTTPBadRequest(text=(
+                    f"The input ({prompt_tokens} tokens) is longer than the model's context "
+                    f"length ({limit} tokens)."))
+            prompt_tokens = limit
+        if prompt_tokens + max_new > limit:
+            if not cut:
+                raise web.HTTPBadRequest(text=(
+                    "Requested token count exceeds the model's maximum context length of "
+                    f"{limit} tokens. You requested a total of {prompt_tokens + max_new} "
+                    f"tokens: {prompt_tokens} tokens from the input messages and {max_new} "
+                    "tokens for the completion. Please reduce the number of tokens in the "
+                    "input messages or the completion to fit within the limit."))
+            max_new = max(0, limit - prompt_tokens)
+        return prompt_tokens, max_new
 
     @contextlib.asynccontextmanager
     async def _client_may_leave(self, req: Request) -> AsyncIterator[None]:

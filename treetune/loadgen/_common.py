@@ -236,7 +236,8 @@ def cell_result(dataset: str, record: Record, window: tuple[float, float], scale
         duration_s=length,
         ttft=latency.ttft,
         tpot=latency.tpot,
-        errors=sum(1 for t in record.errors if t < end),
+        errors=(failed := sum(1 for t in record.errors if t < end)),
+        error=first_line(record.last_error) if failed and record.last_error else "",
         repeats=tuple(float(x) for x in per_repeat / (length / repeats)),
         rate=rate,
         arrival=arrival,
@@ -249,6 +250,12 @@ def cell_result(dataset: str, record: Record, window: tuple[float, float], scale
         clock_lag_s=clock_lag(api, counters),
         client_lag_s=client_lag(record, window, scale),
     )
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """An error's message on one line, at most `limit` characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def accept_length(api: ServerApi, counters: Counters) -> float | None:

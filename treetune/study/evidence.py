@@ -125,6 +125,7 @@ def _merge_cell(cell: CellResult, same: list[CellResult]) -> CellResult:
         output_tokens=sum(c.output_tokens for c in same),
         duration_s=sum(c.duration_s for c in same),
         errors=sum(c.errors for c in same),
+        error=next((c.error for c in reversed(same) if c.error), ""),
         unfinished=sum(c.unfinished for c in same),
         repeats=tuple(v for c in same for v in c.repeats),
         launch_tok_s=per_launch,

@@ -278,8 +278,9 @@ class LaunchWorker:
                     speculative=not isinstance(result.config, Baseline),
                     counts_verify=functools.partial(counts_verify_calls, client),
                     api=spec.backend.api)
-            if warning and warning not in result.warnings:
-                result.warnings.append(warning)
+            for note in (warning, failed_requests(cell)):
+                if note and note not in result.warnings:
+                    result.warnings.append(note)
             (result.rate_cells if is_rate else result.cells).append(cell)
 
     def _launch_warnings(self, info: dict[str, Any], log: Callable[[], str],
@@ -288,6 +289,17 @@ class LaunchWorker:
         if check is None:
             return []
         return check(command_flags(command), info, log())
+
+
+def failed_requests(cell: CellResult) -> str:
+    """What to tell of a cell some of whose requests failed ('' when none did): it
+    measured the others, so its prompts are not the dataset's."""
+    if not cell.errors:
+        return ""
+    many = cell.errors > 1
+    return (f"{cell.label}: {cell.errors} request{'s' if many else ''} failed and the cell "
+            f"measured the others; {'the last' if many else 'it'} said: "
+            f"{cell.error or 'nothing'}")
 
 
 def command_flags(argv: list[str]) -> list[tuple[str, str | None]]:
