@@ -113,10 +113,35 @@ def test_time_scale_is_1_on_a_server_without_an_emulator_block(monkeypatch):
 
 
 def test_metrics_are_sglang_samples_summed_over_label_sets(tree_url):
+    import httpx
+
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 8}}
+    assert httpx.post(f"{tree_url}/generate", json=body, timeout=30).status_code == 200
     metrics = call(tree_url, lambda c: c.metrics())
     for name in ("sglang:generation_tokens_total", "sglang:spec_verify_calls_total",
                  "sglang:num_running_reqs", "sglang:time_to_first_token_seconds_count"):
         assert isinstance(metrics[name], float), name
+
+
+def test_the_emulator_s_counters_have_no_series_until_their_first_count():
+    """As SGLang's: a fresh server's /metrics has their HELP and TYPE lines only, so a
+    reader must take a missing series as none counted yet (a helper's audit)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from treetune.emulator.metrics import ServerMetrics
+
+    def samples(metrics: ServerMetrics) -> dict[str, list[float]]:
+        return {f.name: [s.value for s in f.samples]
+                for f in text_string_to_metric_families(metrics.render().decode())}
+
+    metrics = ServerMetrics("m")
+    fresh = samples(metrics)
+    assert fresh["sglang:generation_tokens"] == fresh["sglang:spec_verify_calls"] == []
+    assert fresh["sglang:num_running_reqs"] == [0.0]
+    metrics.finished(prompt_tokens=5, generated=8, verify_calls=3)
+    counted = samples(metrics)
+    assert (counted["sglang:generation_tokens"], counted["sglang:spec_verify_calls"]) == (
+        [8.0], [3.0])
 
 
 def test_health_and_flush_cache_succeed_on_an_idle_server(tree_url):

@@ -48,10 +48,13 @@ class ServerMetrics:
             model_name)
         self._accept_rate = gauge("spec_accept_rate", "Accepted share of drafted steps.").labels(
             model_name)
-        self._verify = counter("spec_verify_calls", "Speculative verify calls.").labels(
-            model_name) if counts_verify_calls else None
-        self._generation = counter("generation_tokens", "Generated tokens.").labels(model_name)
-        self._prompt = counter("prompt_tokens", "Prefilled prompt tokens.").labels(model_name)
+        # SGLang's counters have no series until their first count (only their HELP and
+        # TYPE lines): a reader must take a missing series as none counted yet.
+        self._model_name = model_name
+        self._verify = counter("spec_verify_calls", "Speculative verify calls.") \
+            if counts_verify_calls else None
+        self._generation = counter("generation_tokens", "Generated tokens.")
+        self._prompt = counter("prompt_tokens", "Prefilled prompt tokens.")
         self._ttft = hist("time_to_first_token_seconds", "Time to first token.").labels(model_name)
         self._itl = hist("inter_token_latency_seconds", "Inter-token latency.").labels(model_name)
         self._e2e = hist("e2e_request_latency_seconds", "End-to-end latency.").labels(model_name)
@@ -73,10 +76,10 @@ class ServerMetrics:
 
     def finished(self, prompt_tokens: int, generated: int, verify_calls: int) -> None:
         """One request ended (finished or aborted): its counts, as SGLang adds them."""
-        self._prompt.inc(prompt_tokens)
-        self._generation.inc(generated)
+        self._prompt.labels(self._model_name).inc(prompt_tokens)
+        self._generation.labels(self._model_name).inc(generated)
         if verify_calls and self._verify is not None:
-            self._verify.inc(verify_calls)
+            self._verify.labels(self._model_name).inc(verify_calls)
 
     def ttft(self, seconds: float) -> None:
         self._ttft.observe(seconds)

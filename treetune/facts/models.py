@@ -347,7 +347,7 @@ def _windowed(c: _Config, architecture: str, layers: int) -> dict[str, int]:
     if architecture in HYBRID_SWA_BY_LAYER_TYPES:
         types = c.get("layer_types") or []
         window = c.int("sliding_window", default=0)
-        count = sum(kind == "sliding_attention" for kind in types[:layers])
+        count = sum(layer == "sliding_attention" for layer in types[:layers])
     elif architecture == "Llama4ForConditionalGeneration":  # chunked: 3 of every 4 layers
         window = c.int("attention_chunk_size", default=0)
         count = sum((i + 1) % 4 != 0 for i in range(layers))
