@@ -1426,3 +1426,18 @@ def test_the_api_key_is_a_flag_where_no_file_can_carry_it(over):
 
     with key_flags(load_study("studies/demo.yaml", over), "k") as flags:
         assert flags == (("--api-key", "k"),)
+
+
+def test_an_api_key_starting_with_a_dash_is_refused_before_any_server(tmp_path, monkeypatch):
+    """SGLang's parser takes `--api-key -x...` for a flag, on the command line and from a
+    config file alike: every server would fail to start (a helper's audit; about 1 in 64
+    keys from secrets.token_urlsafe)."""
+    from treetune.study.worker import LaunchWorker
+
+    spec = load_study("studies/demo.yaml", {"api_key_env": "TT_DASH_KEY",
+                                             "output": str(tmp_path / "out")})
+    monkeypatch.setenv("TT_DASH_KEY", "-k3y")
+    with pytest.raises(RuntimeError, match="starts with '-'"):
+        LaunchWorker(spec, 0).ready()
+    monkeypatch.setenv("TT_DASH_KEY", "k3y-")
+    assert LaunchWorker(spec, 0).ready().startswith("worker-0@")

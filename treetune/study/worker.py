@@ -237,6 +237,10 @@ class LaunchWorker:
         if not value:
             raise RuntimeError(f"api_key_env: the environment variable {name} is not set on "
                                f"{socket.gethostname()}")
+        if value.startswith("-"):  # --api-key -x: argparse takes -x for an option
+            raise RuntimeError(f"api_key_env: the key in {name} starts with '-', which SGLang "
+                               "reads as a flag and so refuses to start: use a key that "
+                               "does not")
         return value
 
     async def _measure(self, base_url: str, result: LaunchResult, api_key: str | None,
