@@ -451,6 +451,15 @@ def test_nvidia_smi_is_asked_about_the_devices_the_worker_was_given(tmp_path):
     assert (bin_dir / "args").read_text().split()[-1] == "--id=2,3"
 
 
+def test_mig_instances_are_not_taken_for_whole_gpus(tmp_path):
+    """nvidia-smi names the parent GPU: a 1g.10gb slice of an A100 would be priced with
+    the whole A100's 80 GB and 2 TB/s (a helper's audit)."""
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "NVIDIA A100-SXM4-80GB, 81920 MiB\n")
+    env = {"PATH": str(bin_dir), "CUDA_VISIBLE_DEVICES": "MIG-4f8c1d2e-0b6a-5f3e-9c7d-1a2b3c4d5e6f"}
+    with pytest.raises(TreetuneError, match=r"are MIG instances \(MIG-4f8c.*--prior FILE"):
+        detect_gpu(env)
+
+
 def test_an_unknown_gpu_from_nvidia_smi_names_the_override(tmp_path):
     bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "NVIDIA Future GPU, 1000 MiB\n")
     with pytest.raises(TreetuneError, match=r"GPU 'NVIDIA Future GPU' \(nvidia-smi on .*"

@@ -154,6 +154,13 @@ def _lists_no_gpu(tool: str, said: str, otherwise: str) -> TreetuneError:
 def _nvidia_smi(program: str, env: Mapping[str, str]) -> list[SeenGpu]:
     argv = list(NVIDIA_SMI_QUERY)
     visible = _visible(env, ("CUDA_VISIBLE_DEVICES",))
+    if visible and "MIG-" in visible:
+        # A MIG instance has a share of its GPU's memory, bandwidth and SMs; the table
+        # describes whole GPUs, and nvidia-smi's --query-gpu the parent GPU.
+        raise TreetuneError(
+            f"the GPUs on {socket.gethostname()} are MIG instances ({visible}), which treetune"
+            "'s GPU table cannot describe (each has only a share of its GPU's memory and "
+            "bandwidth): write a profile for them and give it with --prior FILE")
     if visible:  # nvidia-smi takes the same indices or UUIDs
         argv.append(f"--id={visible}")
     output = _run(program, argv, env)
