@@ -1393,41 +1393,6 @@ def test_a_study_made_before_its_servers_ran_without_a_prefix_cache_is_known_as_
     assert SGLANG_API.prefix_cache and not EMULATOR_API.prefix_cache
 
 
-@pytest.mark.parametrize("key", ["tt-s3cret", "true", "1e3", "a: b # c", "x\\y'\"z", "null"])
-def test_a_server_takes_its_api_key_from_a_private_file(key):
-    """A command line is every local user's to read (`ps`): where the server reads config
-    files, its key is in one only this user can read, removed after the start."""
-    from pathlib import Path
-
-    from treetune.emulator.args import build_parser, with_config_file
-    from treetune.study.worker import key_flags, launch_command
-
-    spec = load_study("studies/demo.yaml")
-    with key_flags(spec, key) as flags:
-        argv = launch_command(spec, TreeConfig(3, 1, 4), (), 30000, key_flags=flags)
-        path = Path(argv[argv.index("--config") + 1])
-        assert key not in " ".join(argv)
-        assert path.stat().st_mode & 0o777 == 0o600
-        assert path.parent.stat().st_mode & 0o777 == 0o700
-        # As SGLang and the emulator read it back: the key, text, whatever it looks like.
-        parsed = build_parser().parse_known_args(with_config_file(argv[3:], build_parser()))
-        assert parsed[0].api_key == key
-    assert not path.parent.exists()
-    with key_flags(spec, None) as flags:
-        assert flags == ()
-
-
-@pytest.mark.parametrize("over", [{"sglang_version": "0.5.2"},
-                                  {"server_flags": {"--config": "mine.yaml"}}])
-def test_the_api_key_is_a_flag_where_no_file_can_carry_it(over):
-    """SGLang before 0.5.3 reads no config file, and takes only one: a study with its own
-    keeps the key on the command line."""
-    from treetune.study.worker import key_flags
-
-    with key_flags(load_study("studies/demo.yaml", over), "k") as flags:
-        assert flags == (("--api-key", "k"),)
-
-
 def test_an_api_key_starting_with_a_dash_is_refused_before_any_server(tmp_path, monkeypatch):
     """SGLang's parser takes `--api-key -x...` for a flag, on the command line and from a
     config file alike: every server would fail to start (a helper's audit; about 1 in 64

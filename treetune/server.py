@@ -197,7 +197,8 @@ class ServerProcess:
 
     # ---- lifecycle --------------------------------------------------------------------
     def wait_ready(self, timeout_s: float, poll_s: float = 0.2,
-                   health: str = SGLANG_API.health) -> None:
+                   health: str = SGLANG_API.health,
+                   health_log: tuple[str, ...] = SGLANG_API.health_log) -> None:
         """Poll `GET <health>` until it answers 200 (`ready_after_s` then says when).
 
         Raises ServerStartError if the server exits first (with its exit code and the log
@@ -205,7 +206,8 @@ class ServerProcess:
         server still writing its log at the timeout is still starting (loading weights,
         compiling kernels and capturing CUDA graphs all print progress, and a large model's
         first start can take longer than any fixed timeout): it is waited for while its
-        log keeps growing, up to STARTUP_STRETCH times `timeout_s`.
+        log keeps growing, up to STARTUP_STRETCH times `timeout_s` (lines about its
+        health checks, the route's access lines and `health_log`'s, do not count).
         """
         started = time.monotonic()
         quiet_s = min(LIVE_LOG_S, timeout_s / 4)  # silent this long: not starting any more
@@ -219,7 +221,7 @@ class ServerProcess:
                 raise ServerStartError(failure_reason(tail, code), exit_code=code,
                                        log_tail=tail, log_path=self.log_path)
             now = time.monotonic()
-            read, progressed = self._log_progress(read, health)
+            read, progressed = self._log_progress(read, (health, *health_log))
             if progressed:
                 grew_at = now
             if now >= limit:
@@ -237,9 +239,10 @@ class ServerProcess:
                 return
             time.sleep(min(poll_s, max(0.0, limit - time.monotonic())))
 
-    def _log_progress(self, offset: int, health: str) -> tuple[int, bool]:
+    def _log_progress(self, offset: int, checks: tuple[str, ...]) -> tuple[int, bool]:
         """Where the log ends now, and whether it gained a line since `offset` other than
-        an access line for our own health checks (SGLang's HTTP server logs each)."""
+        one about our own health checks (holding one of `checks`: SGLang's HTTP server
+        logs each request, and each check that timed out)."""
         try:
             with self.log_path.open("rb") as log:
                 end = log.seek(0, os.SEEK_END)
@@ -249,7 +252,8 @@ class ServerProcess:
                 text = log.read().decode(errors="replace")
         except FileNotFoundError:
             return offset, False
-        return end, any(line.strip() and health not in line for line in re.split(r"[\r\n]", text))
+        return end, any(line.strip() and not any(mark in line for mark in checks)
+                        for line in re.split(r"[\r\n]", text))
 
     def stop(self, grace_s: float = 10) -> int | None:
         """SIGTERM the process group, SIGKILL it after `grace_s`; returns the exit code.
@@ -320,14 +324,27 @@ def secret_forms(secret: str) -> list[bytes]:
 
 
 def _copy_redacted(source: IO[bytes], log_path: Path, secrets: tuple[str, ...]) -> None:
-    """Copy the server's output to its log line by line, each secret replaced by ***."""
+    """Copy the server's output to its log line by line, each secret replaced by ***. A
+    line ends at a carriage return too: a progress bar redraws itself with one, and each
+    redraw is start-up progress (`ServerProcess.wait_ready`); a key holds neither."""
     encoded = [form for s in secrets for form in secret_forms(s)]
+    pending = b""
     with source, log_path.open("ab") as log:
-        for line in source:
-            for secret in encoded:
-                line = line.replace(secret, b"***")
-            log.write(line)
-            log.flush()
+        while chunk := source.read1(65536):  # type: ignore[attr-defined]
+            pending += chunk
+            end = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
+            if end:
+                log.write(_redacted(pending[:end], encoded))
+                log.flush()
+                pending = pending[end:]
+        if pending:
+            log.write(_redacted(pending, encoded))
+
+
+def _redacted(data: bytes, secrets: list[bytes]) -> bytes:
+    for secret in secrets:
+        data = data.replace(secret, b"***")
+    return data
 
 
 def failure_reason(log_tail: str, exit_code: int | None) -> str:
@@ -366,7 +383,8 @@ def start_server(command: Callable[[int], list[str]], *, log_path: Path,
                  env: dict[str, str] | None = None, host: str = "127.0.0.1",
                  timeout_s: float, port: int | None = None, retries: int = 3,
                  poll_s: float = 0.2, secrets: tuple[str, ...] = (),
-                 health: str = SGLANG_API.health) -> ServerProcess:
+                 health: str = SGLANG_API.health,
+                 health_log: tuple[str, ...] = SGLANG_API.health_log) -> ServerProcess:
     """Start `command(port)` and wait until it is healthy.
 
     If the port turns out to be taken (the server exits with "address already in use"),
@@ -378,7 +396,7 @@ def start_server(command: Callable[[int], list[str]], *, log_path: Path,
         server = ServerProcess.start(command(port), log_path=log_path, env=env, host=host,
                                      port=port, secrets=secrets)
         try:
-            server.wait_ready(timeout_s, poll_s=poll_s, health=health)
+            server.wait_ready(timeout_s, poll_s=poll_s, health=health, health_log=health_log)
             return server
         except ServerStartError as exc:
             if not exc.port_in_use or attempt == retries:

@@ -65,6 +65,10 @@ class ServerApi:
     # Whether the engine keeps a prefix cache (which a study's servers run without:
     # LaunchSpec.prefix_cache); the emulator keeps none.
     prefix_cache: bool = False
+    # What the server logs about health checks that failed: no sign of a start going on
+    # (a server still writing its log at its start-up timeout is waited for), as the
+    # access lines for the health route are not either.
+    health_log: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,8 @@ SGLANG_API = ServerApi(
     # The wheels' metrics_collector.py: first in 0.5.13.
     verify_calls_hint="SGLang counts them from 0.5.13 on",
     prefix_cache=True,
+    # http_server.py (0.5.23) logs this for each /health_generate that times out.
+    health_log=("Health check failed",),
     info_keys=("version", "attention_backend", "max_running_requests", "speculative_algorithm",
                "speculative_num_steps", "speculative_eagle_topk",
                "speculative_num_draft_tokens", "tp_size", ADAPTIVE_INFO_KEY),

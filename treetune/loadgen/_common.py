@@ -66,7 +66,8 @@ class Record:
 
     workers: int
     streams: list[Stream] = field(default_factory=list)
-    errors: list[float] = field(default_factory=list)  # wall times of failed requests
+    # Failed requests: the wall time of each, and its error.
+    errors: list[tuple[float, BaseException]] = field(default_factory=list)
     last_error: BaseException | None = None
     failures_in_a_row: int = 0
     started: set[int] = field(default_factory=set)  # workers that received a token
@@ -82,7 +83,7 @@ class Record:
                 self.all_started.set()
 
     def failure(self, exc: BaseException) -> None:
-        self.errors.append(time.monotonic())
+        self.errors.append((time.monotonic(), exc))
         self.last_error = exc
         self.failures_in_a_row += 1
         # Every worker's last requests failed with no token in between: nothing works.
@@ -236,8 +237,8 @@ def cell_result(dataset: str, record: Record, window: tuple[float, float], scale
         duration_s=length,
         ttft=latency.ttft,
         tpot=latency.tpot,
-        errors=(failed := sum(1 for t in record.errors if t < end)),
-        error=first_line(record.last_error) if failed and record.last_error else "",
+        errors=len(failed := [exc for t, exc in record.errors if t < end]),
+        error=first_line(failed[-1]) if failed else "",
         repeats=tuple(float(x) for x in per_repeat / (length / repeats)),
         rate=rate,
         arrival=arrival,

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -12,14 +11,11 @@ import json
 import os
 import re
 import socket
-import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import yaml
 
 from treetune.backends import (
     BackendFacts,
@@ -30,6 +26,7 @@ from treetune.backends import (
 )
 from treetune.config import AdaptiveConfig, Baseline, ServerConfig
 from treetune.results import CellResult, LaunchResult, config_from_key, config_key
+from treetune.study.keys import key_handoff
 from treetune.study.spec import StudySpec
 
 if TYPE_CHECKING:
@@ -49,7 +46,7 @@ def launch_command(spec: StudySpec, config: ServerConfig,
                    key_flags: tuple[tuple[str, str], ...] = (), launch_index: int = 0,
                    adaptive_config_path: str | None = None) -> list[str]:
     """The server command of the study's backend for one launch attempt (`key_flags`: how
-    the server gets its API key, `key_flags()`'s; `launch_index`: how many launches of this
+    the server gets its API key, `keys.key_handoff`'s; `launch_index`: how many launches of this
     config came before; `adaptive_config_path`: an adaptive server's JSON config file,
     already written)."""
     # A study's servers keep no prefix cache (LaunchSpec.prefix_cache).
@@ -61,32 +58,6 @@ def launch_command(spec: StudySpec, config: ServerConfig,
     context = LaunchContext(study_seed=spec.seed, attempt=attempt, launch_index=launch_index,
                             min_requests=sum(spec.batch) * len(spec.datasets))
     return spec.backend.command(launch, config, context)
-
-
-@contextlib.contextmanager
-def key_flags(spec: StudySpec, api_key: str | None) -> Iterator[tuple[tuple[str, str], ...]]:
-    """The flags that give a server its API key, for as long as it is starting. A command
-    line is every local user's to read (`ps`, /proc), so where the server reads config
-    files the key goes in one, readable by this user alone, in a directory of its own
-    removed once the server has started or failed (it reads the file as it parses its
-    flags). Elsewhere (an SGLang before 0.5.3, or a study whose server_flags name a
-    --config of their own: SGLang takes one) the key is on the command line."""
-    if not api_key:
-        yield ()
-        return
-    launch = spec.launch_spec()
-    if (not spec.backend.reads_config_file(launch)
-            or any(flag == "--config" for flag, _ in launch.extra_flags)):
-        yield (("--api-key", api_key),)
-        return
-    with tempfile.TemporaryDirectory(prefix="treetune-key-") as private:  # mode 0700
-        path = Path(private) / "api-key.yaml"
-        # Quoted as YAML needs: a key like `true` or `1e3` stays the text it is.
-        text = yaml.safe_dump({"api-key": api_key}, default_flow_style=False, width=1 << 16)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        yield (("--config", str(path)),)
 
 
 def slow_start(ready_after_s: float | None, timeout_s: float) -> str:
@@ -191,17 +162,20 @@ class LaunchWorker:
             result.warnings.append(niced)
 
         try:
-            with key_flags(self.spec, api_key) as keyed:
+            with key_handoff(self.spec, api_key) as keyed:
                 def command(port: int) -> list[str]:
+                    keyed.arm()  # for the server about to start with these flags
                     started.append(launch_command(self.spec, config, result.flags, port,
-                                                  attempt, keyed, launch_index, adaptive))
+                                                  attempt, keyed.flags, launch_index,
+                                                  adaptive))
                     return started[-1]
 
                 server = start_server(
                     command,
                     log_path=log_path, env=env, host=self.spec.host,
                     timeout_s=self.spec.measurement.startup_timeout_s,
-                    secrets=(api_key,) if api_key else (), health=self.spec.backend.api.health)
+                    secrets=(api_key,) if api_key else (), health=self.spec.backend.api.health,
+                    health_log=self.spec.backend.api.health_log)
         except ServerStartError as exc:
             result.reason = exc.reason
             result.exit_code = exc.exit_code
