@@ -272,3 +272,49 @@ def test_a_point_of_a_dataset_the_profile_lacks_and_an_entry_the_file_has_not_ar
     code, _, err = run_cli(capsys, "calibrate", "-p", "qwen3-8b-h100", "--measurements",
                            str(csv), "--starts", "0", "-o", out)
     assert code == 2 and "--starts must be >= 1" in err
+
+
+def test_the_measurements_file_is_never_the_output(capsys, tmp_path):
+    data = write(tmp_path, "points.yaml", {"points": speedup_points()})
+    before = Path(data).read_text()
+    code, _, err = run_cli(capsys, "calibrate", "-p", "qwen3-30b-a3b-h100", "--measurements",
+                           data, "-o", data)
+    assert code == 2 and "is the measurements file" in err
+    assert Path(data).read_text() == before
+
+
+def test_points_the_fit_misses_by_more_than_noise_are_warned_about(capsys, tmp_path):
+    """Two measurements of one cell that contradict each other: no profile fits both, and
+    a profile written without a word would be used as if it did (a helper's audit)."""
+    rows = "steps,topk,draft_tokens,batch,dataset,speedup\n"
+    rows += "".join(f"{t[0]},{t[1]},{t[2]},{b},mt-bench,{true_speedup(t, b, 'mt-bench'):.4f}\n"
+                    for t, b in CELLS)
+    good = write(tmp_path, "good.csv", rows)
+    bad = write(tmp_path, "bad.csv", rows + "3,4,8,1,mt-bench,0.6\n")
+    for data, warned in ((good, False), (bad, True)):
+        code, _, err = run_cli(capsys, "calibrate", "-p", "qwen3-30b-a3b-h100",
+                               "--measurements", data, "-o", str(tmp_path / "fit.yaml"),
+                               "--starts", "2")
+        assert code == 0, err
+        text = " ".join(err.split())
+        assert ("misses 2 of the 4 points by more than 10% (worst: (3,4,8) at batch 1 on "
+                "mt-bench" in text) == warned, text
+
+
+def test_a_dataset_with_measured_per_position_acceptance_keeps_it_and_says_so(capsys,
+                                                                             tmp_path):
+    """Its top-1 per position overrides top1, which no point can then move: fitting it
+    only reported it as undetermined by too few points (a helper's audit)."""
+    prior = load_profile("qwen3-8b-h100")
+    assert prior.datasets["sharegpt"].acceptance.top1_by_position
+    rows = [dict(steps=3, topk=1, draft_tokens=4, batch=1, dataset="sharegpt", speedup=1.5)]
+    points = load_measurements(write(tmp_path, "sg.yaml", rows))
+    names = [p.name for p in free_parameters(prior, points)]
+    assert "datasets.sharegpt.acceptance.top1" not in names
+    assert "datasets.sharegpt.acceptance.rank_mass" in names
+    code, _, err = run_cli(capsys, "calibrate", "-p", "qwen3-8b-h100", "--measurements",
+                           str(tmp_path / "sg.yaml"), "-o", str(tmp_path / "fit.yaml"),
+                           "--starts", "1")
+    assert code == 0, err
+    assert "per draft position (top1_by_position, measured): it is kept as given" in " ".join(
+        err.split())

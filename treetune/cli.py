@@ -336,14 +336,28 @@ def calibrate(
     the profile's values (named in a warning).
     """
     from treetune.perfmodel.calibrate import calibrate as fit
-    from treetune.perfmodel.calibrate import free_parameters, load_measurements
+    from treetune.perfmodel.calibrate import (
+        free_parameters,
+        load_measurements,
+        per_position,
+        poor_fit,
+    )
 
     writable(output)
+    if output.resolve() == measurements.resolve():
+        raise TreetuneError(f"--output {output} is the measurements file: the profile would "
+                            "replace the points; write it elsewhere")
     if starts < 1:
         raise TreetuneError(f"--starts must be >= 1, got {starts}")
     base = load_profile(profile)
     points = load_measurements(measurements, entry, list(base.datasets))
     params = free_parameters(base, points)
+    given = sorted({m.dataset for m in points if per_position(base, m.dataset)})
+    if given:
+        err.print(f"note: {escape(base.name)} gives the top-1 acceptance of "
+                  f"{escape(', '.join(given))} per draft position (top1_by_position, "
+                  "measured): it is kept as given, and only the rank mass is fitted there; "
+                  "remove top1_by_position from the profile to fit its acceptance")
     ratio_only = sum(m.baseline_tok_s is None for m in points)
     if ratio_only == len(points):
         err.print("note: no point has a baseline throughput: speedups fix ratios of costs, "
@@ -377,6 +391,8 @@ def calibrate(
     base_text = "n/a (speedups only)" if base_max is None else f"{base_max:.1%}"
     out.print(f"max speedup error {result.max_speedup_error:.3f}, "
               f"max baseline error {base_text}")
+    if misses := poor_fit(result.points):
+        err.print(f"[yellow]warning:[/] {escape(misses)}")
     kept = f", {len(result.kept)} parameters kept as given" if result.kept else ""
     note = (f"Calibrated to {Path(measurements).name}"
             f"{f' ({entry})' if entry else ''}: {len(points)} points, max speedup error "

@@ -396,12 +396,45 @@ def free_parameters(
             raise TreetuneError(f"cannot fit '{name}': not a calibration parameter")
         params.append(Parameter(f"calibration.{name}", *CALIBRATION_BOUNDS[name]))
     for dataset in sorted({m.dataset for m in measurements}):
-        profile.dataset(dataset)  # a measured dataset must exist in the profile
+        given = per_position(profile, dataset)  # a measured dataset must exist in the profile
         for name in dataset_fit:
             if name not in DATASET_BOUNDS:
                 raise TreetuneError(f"cannot fit '{name}': not a dataset parameter")
+            if given and name == "acceptance.top1":
+                continue  # the measured per-position top-1 overrides it: no point moves it
             params.append(Parameter(f"datasets.{dataset}.{name}", *DATASET_BOUNDS[name]))
     return params
+
+
+# A fitted point further off than this (relative) is more than measurement noise explains
+# (a few percent on a GPU server).
+POOR_FIT = 0.10
+
+
+def poor_fit(points: Sequence[PointError]) -> str:
+    """Why the fit does not describe its points ('' when it does): the points it misses by
+    more than POOR_FIT, the worst named."""
+    off = [(abs(e.speedup_error) / e.measurement.speedup, e) for e in points
+           if abs(e.speedup_error) > POOR_FIT * e.measurement.speedup]
+    off += [(abs(e.predicted_accept / e.measurement.accept_length - 1), e) for e in points
+            if e.measurement.accept_length is not None
+            and abs(e.predicted_accept / e.measurement.accept_length - 1) > POOR_FIT]
+    if not off:
+        return ""
+    share, worst = max(off, key=lambda pair: pair[0])
+    m = worst.measurement
+    count = len({id(e) for _, e in off})
+    return (f"the fitted profile misses {count} of the {len(points)} points by more than "
+            f"{POOR_FIT:.0%} (worst: {m.config.label()} at batch {m.batch} on {m.dataset}, "
+            f"{share:.0%} off): more than measurement noise explains. The profile's model "
+            "cannot express these points, or they contradict each other (two measurements "
+            "of one cell?); check them before using the profile")
+
+
+def per_position(profile: Profile, dataset: str) -> bool:
+    """Whether the profile gives `dataset`'s top-1 acceptance per draft position
+    (`top1_by_position`, measured), which overrides `top1` and its decay."""
+    return bool(profile.dataset(dataset).acceptance.top1_by_position)
 
 
 def get_value(profile: Profile, name: str) -> float:
