@@ -3,6 +3,7 @@ that reaches the server and the load generator and nothing else, escaped report 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -223,3 +224,55 @@ def test_a_local_ray_takes_a_token_of_its_own_unless_the_user_chose_a_mode(tmp_p
         assert "mode disabled token 0" in lines
     assert lines[-1] == f"after {mode} None"
     assert not (tmp_path / ".ray").exists()
+
+
+HEAD = """
+import os, sys
+from treetune.study.runner import _Ray
+from treetune.study.spec import load_study
+
+session = _Ray(load_study("studies/demo.yaml", {"workers": 1}))
+try:
+    print(session.ray.get_runtime_context().gcs_address, os.environ["RAY_AUTH_TOKEN"],
+          flush=True)
+    sys.stdin.readline()  # until the test is done with it
+finally:
+    session.shutdown()
+"""
+JOIN = """
+import os, sys
+from treetune.study.runner import _Ray
+from treetune.study.spec import load_study
+
+session = _Ray(load_study("studies/demo.yaml", {"workers": 1, "ray_address": sys.argv[1]}))
+try:
+    print("mode", os.environ.get("RAY_AUTH_MODE"))
+    print("task", session.ray.get(session.ray.remote(lambda: 41 + 1).remote()))
+finally:
+    session.shutdown()
+"""
+
+
+def test_a_cluster_with_token_authentication_is_joined_with_the_token_at_hand(tmp_path):
+    """Joining --ray-address, token mode is asked for when a token is where Ray looks;
+    Ray had read its mode when imported, so the join was refused for a missing token
+    (a helper's audit)."""
+    with short_ray_dir() as ray_dir:
+        env = {k: v for k, v in {**os.environ, **ray_env(ray_dir)}.items()
+               if not k.startswith("RAY_AUTH")} | {"HOME": str(tmp_path)}
+        cwd = Path(treetune.__file__).parents[1]
+        head = subprocess.Popen([sys.executable, "-c", HEAD], env=env, cwd=cwd, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL)
+        try:
+            assert head.stdout is not None and head.stdin is not None
+            address, token = head.stdout.readline().split()
+            done = subprocess.run([sys.executable, "-c", JOIN, address],
+                                  env={**env, "RAY_AUTH_TOKEN": token}, cwd=cwd,
+                                  capture_output=True, text=True, timeout=300)
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                head.stdin.close()  # type: ignore[union-attr]
+            head.wait(timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mode token" in done.stdout and "task 42" in done.stdout

@@ -136,12 +136,14 @@ class _Ray:
         explicit address Ray never turns it on itself)."""
         if "RAY_AUTH_MODE" in os.environ:
             return
+        config = _ray_config()
         if not local:
             if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or (
                     Path.home() / ".ray" / "auth_token").is_file():
                 self._set_env("RAY_AUTH_MODE", "token")
+                if config is not None:  # Ray read its mode when imported: read it again
+                    config.initialize("")
             return
-        config = _ray_config()
         if config is None:
             # Ray read its mode when imported, and cannot be told again: as the tests run.
             self._set_env("RAY_AUTH_MODE", "disabled")
