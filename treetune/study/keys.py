@@ -66,11 +66,12 @@ def key_handoff(spec: StudySpec, api_key: str | None) -> Iterator[KeyHandoff]:
             yield KeyHandoff((("--config", str(path)),), pipe)
 
 
-def sweep_stale(root: str | None = None) -> None:
-    """Remove this user's key directories of workers no longer running (a killed worker
-    leaves an empty pipe in one: nothing of the key, but a directory in the temp dir)."""
-    for folder in Path(root or tempfile.gettempdir()).glob(f"{DIR_PREFIX}*-*"):
-        pid = folder.name.removeprefix(DIR_PREFIX).split("-", 1)[0]
+def sweep_stale(root: str | None = None, prefix: str = DIR_PREFIX) -> None:
+    """Remove this user's directories named `prefix` + pid of workers no longer running (a
+    killed worker leaves an empty pipe in its key directory: nothing of the key, but a
+    directory in the temp dir)."""
+    for folder in Path(root or tempfile.gettempdir()).glob(f"{prefix}*-*"):
+        pid = folder.name.removeprefix(prefix).split("-", 1)[0]
         with contextlib.suppress(OSError):
             if not pid.isdigit() or folder.stat().st_uid != os.getuid():
                 continue

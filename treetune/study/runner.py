@@ -4,10 +4,12 @@ workers in parallel until the budget is spent; every result is stored as it arri
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import secrets
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from typing import Any
 from treetune import stopping
 from treetune.backends import BackendFacts
 from treetune.config import BASELINE, TreeConfig
+from treetune.datasets import load_datasets
 from treetune.errors import TreetuneError
 from treetune.results import LaunchResult, config_from_key, config_key
 from treetune.space import SearchSpace, load_space
@@ -36,6 +39,7 @@ from treetune.study.preflight import check_study
 from treetune.study.recommend import MIXED, Recommendation
 from treetune.study.spec import SPEC_COPY, StudySpec
 from treetune.study.storage import StudyStore, check_writable
+from treetune.study.worker import SHIPPED_LOGS, store_logs
 
 RESOURCE_TIMEOUT_S = 120.0  # how long to wait for Ray to place the workers
 LOCK_FILE = ".treetune.lock"
@@ -223,7 +227,13 @@ class _Pool:
     def __init__(self, ray: Any, spec: StudySpec, placement: Placement) -> None:
         from treetune.study.worker import LaunchWorker
 
-        self.ray, self.spec, self.placement = ray, spec, placement
+        # The workers' copy names the output folder absolutely: a worker on this host may
+        # run from another folder (a node started by `ray start` elsewhere).
+        self.ray, self.placement = ray, placement
+        self.spec = dataclasses.replace(spec, output=str(spec.output_dir.resolve()))
+        # Loaded here, once: every worker measures the same prompts, wherever its node is
+        # and whatever files it holds.
+        self.prompts = ray.put(load_datasets(spec.datasets, base_dir=Path(spec.base_dir)))
         gpu = placement.resource
         options: dict[str, Any] = ({"num_gpus": spec.tp} if gpu == RAY_GPU
                                    else {"resources": {gpu: spec.tp}})
@@ -245,7 +255,7 @@ class _Pool:
         group = self.ray.util.placement_group([self.placement.bundle()], strategy=STRATEGY)
         worker = self.actor.options(**self.options, scheduling_strategy=(
             PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0))
-        ).remote(self.spec, self.made)
+        ).remote(self.spec, self.made, self.prompts, socket.gethostname())
         self.made += 1
         self.groups[worker] = group
         return worker
@@ -603,7 +613,10 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                 task = launch.task
                 config = task.config
                 try:
-                    result = LaunchResult.from_dict(ray.get(ref))
+                    data = ray.get(ref)
+                    if shipped := data.pop(SHIPPED_LOGS, None):
+                        store_logs(spec.output_dir / "logs", shipped)
+                    result = LaunchResult.from_dict(data)
                 except ray.exceptions.RayActorError as exc:
                     # The worker process (or its node) died: its server died with it. The
                     # launch is not a result: it is done again on another worker (its claim

@@ -10,7 +10,9 @@ import itertools
 import json
 import os
 import re
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -26,11 +28,12 @@ from treetune.backends import (
 )
 from treetune.config import AdaptiveConfig, Baseline, ServerConfig
 from treetune.results import CellResult, LaunchResult, config_from_key, config_key
-from treetune.study.keys import key_handoff
+from treetune.study.keys import key_handoff, sweep_stale
 from treetune.study.spec import StudySpec
 
 if TYPE_CHECKING:
     from treetune.client import ServerClient
+    from treetune.datasets import PromptSet
 
 # How long a server that stopped answering mid-benchmark gets to finish exiting, so that
 # the launch's reason says how it ended (a crash closes its sockets before its process is
@@ -39,6 +42,11 @@ EXIT_GRACE_S = 5.0
 MAX_ATTEMPTS = 2  # a server that crashes mid-benchmark is retried once on a fresh server
 START_LOG_LINES = 2000  # enough of a server's log to hold its whole start-up
 RAY_TOKEN = "RAY_AUTH_TOKEN"
+# A worker on another host than the driver hands its launch's logs back under this key of
+# the result (the driver stores them: `store_logs`), each at most this long (its end).
+SHIPPED_LOGS = "shipped_logs"
+LOGS_PREFIX = "treetune-logs-"  # then the worker's pid (`keys.sweep_stale`)
+MAX_SHIPPED_BYTES = 32 * 1024 * 1024
 
 
 def launch_command(spec: StudySpec, config: ServerConfig,
@@ -58,6 +66,26 @@ def launch_command(spec: StudySpec, config: ServerConfig,
     context = LaunchContext(study_seed=spec.seed, attempt=attempt, launch_index=launch_index,
                             min_requests=sum(spec.batch) * len(spec.datasets))
     return spec.backend.command(launch, config, context)
+
+
+def store_logs(folder: Path, shipped: dict[str, str]) -> None:
+    """Write the logs a worker on another host handed back into the driver's `folder`,
+    keeping one already there under its name (`keep_earlier`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in shipped.items():
+        path = folder / Path(name).name  # a name, never a path out of the folder
+        keep_earlier(path)
+        path.write_text(text)
+
+
+def _tail(path: Path, limit: int) -> str:
+    """A file's text, its last `limit` bytes when longer (saying what was left out)."""
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        handle.seek(max(0, size - limit))
+        text = handle.read().decode(errors="replace")
+    return text if size <= limit else (
+        f"[treetune: the first {size - limit} bytes of this log were left out]\n{text}")
 
 
 def slow_start(ready_after_s: float | None, timeout_s: float) -> str:
@@ -102,15 +130,26 @@ def keep_earlier(log_path: Path) -> Path | None:
 
 
 class LaunchWorker:
-    def __init__(self, spec: StudySpec, index: int) -> None:
+    """`prompts`: the study's prompt sets as the driver loaded them (None: loaded here from
+    the study's files); `driver_host`: the host the study runs on. A worker on another host
+    keeps its servers' logs in a temp dir of its own and hands them back with each result
+    (`SHIPPED_LOGS`): a cluster's nodes need not share a filesystem with the driver, whose
+    output folder holds every log."""
+
+    def __init__(self, spec: StudySpec, index: int, prompts: dict[str, PromptSet] | None = None,
+                 driver_host: str | None = None) -> None:
         from treetune.datasets import load_dataset
 
         self.spec = spec
         self.name = f"worker-{index}@{socket.gethostname()}"
-        self.prompts = {d.name: load_dataset(d, base_dir=Path(spec.base_dir))
-                        for d in spec.datasets}
-        self.logs = spec.output_dir / "logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
+        self.prompts = prompts if prompts is not None else {
+            d.name: load_dataset(d, base_dir=Path(spec.base_dir)) for d in spec.datasets}
+        self.remote = driver_host is not None and driver_host != socket.gethostname()
+        self.logs = spec.output_dir / "logs"  # remote: a temp dir per launch (`run`)
+        if self.remote:
+            sweep_stale(prefix=LOGS_PREFIX)  # those of workers killed mid-launch
+        else:
+            self.logs.mkdir(parents=True, exist_ok=True)
 
     def ready(self) -> str:
         """The worker's name, once it can launch: its node must hold the API key too."""
@@ -127,6 +166,19 @@ class LaunchWorker:
         """Launch, measure every cell, stop. A server that crashes mid-benchmark is
         replaced once by a fresh one, which measures only the cells still missing. Never
         raises for a server's failure: the result says what happened, with the log tail."""
+        if not self.remote:
+            return self._run(key, flags, launch_index)
+        self.logs = Path(tempfile.mkdtemp(prefix=f"{LOGS_PREFIX}{os.getpid()}-"))
+        try:
+            data = self._run(key, flags, launch_index)
+            # This launch's files (server logs, adaptive configs), for the driver's logs/.
+            data[SHIPPED_LOGS] = {path.name: _tail(path, MAX_SHIPPED_BYTES)
+                                  for path in sorted(self.logs.iterdir())}
+            return data
+        finally:
+            shutil.rmtree(self.logs, ignore_errors=True)
+
+    def _run(self, key: str, flags: list[list[str]], launch_index: int) -> dict:
         config = config_from_key(key)
         flag_pairs = tuple((str(k), str(v)) for k, v in flags)
         result = LaunchResult(config, flag_pairs, worker=self.name, started_at=time.time())

@@ -1,0 +1,59 @@
+"""Workers on other hosts than the driver: no filesystem is shared, so each worker measures
+the prompts the driver loaded and hands its servers' logs back to the driver's logs/."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+from studykit import small_study
+
+from treetune.results import LaunchResult
+from treetune.study.spec import load_study
+from treetune.study.worker import LOGS_PREFIX, SHIPPED_LOGS, LaunchWorker, store_logs
+
+
+def test_a_worker_on_another_host_hands_its_logs_back_and_keeps_none(tmp_path):
+    """A node's logs went to the node's own `runs/` (relative to wherever `ray start` ran),
+    not to the driver's output folder (a helper's audit of the cluster path)."""
+    data_file = tmp_path / "chat.jsonl"
+    data_file.write_text('{"prompt": "Write a haiku about GPUs."}\n'
+                         '{"prompt": "Explain speculative decoding."}\n')
+    spec = load_study(None, small_study(tmp_path, batch=[1], compare=[],
+                                        datasets=[{"name": "mt-bench", "path": str(data_file)}]))
+    here = LaunchWorker(spec, 0)  # the driver's host: its prompts, from the study's files
+    data_file.unlink()  # the node has no such file
+    worker = LaunchWorker(spec, 1, here.prompts, driver_host=f"not-{socket.gethostname()}")
+    data = worker.run("3,1,4", [])
+    shipped = data.pop(SHIPPED_LOGS)
+    assert LaunchResult.from_dict(data).ok, data["reason"]
+    assert list(shipped) == ["3-1-4.log"] and "fired up" in shipped["3-1-4.log"]
+    assert not list(Path(tempfile.gettempdir()).glob(f"{LOGS_PREFIX}{os.getpid()}-*"))
+    assert not (spec.output_dir / "logs" / "3-1-4.log").exists()
+    store_logs(spec.output_dir / "logs", shipped)
+    store_logs(spec.output_dir / "logs", {"3-1-4.log": "again", "../escape.log": "x"})
+    logs = spec.output_dir / "logs"
+    assert (logs / "3-1-4.log").read_text() == "again"
+    assert "fired up" in (logs / "3-1-4.earlier.log").read_text()
+    assert (logs / "escape.log").exists() and not (spec.output_dir / "escape.log").exists()
+
+
+@pytest.mark.usefixtures("ray_tmpdir")
+def test_a_study_s_remote_workers_logs_land_in_the_driver_s_folder(tmp_path, monkeypatch):
+    """The whole path, through Ray: the workers' host is this machine's, the driver is
+    told another name, so every worker takes itself for remote."""
+    from treetune.study.runner import run_study
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "the-driver")  # this process only
+    spec = load_study(None, small_study(tmp_path, batch=[1], datasets=["humaneval"],
+                                        workers=1, budget={"launches": 2}, compare=[],
+                                        search={"max_launches_per_config": 1}))
+    outcome = run_study(spec)
+    assert [r.ok for r in outcome.results] == [True, True]
+    names = sorted(p.name for p in (spec.output_dir / "logs").iterdir())
+    assert len(names) == 2 and "baseline.log" in names
+    assert all("fired up" in (spec.output_dir / "logs" / n).read_text() for n in names)
+    assert not list(Path("/tmp").glob(f"{LOGS_PREFIX}*"))
