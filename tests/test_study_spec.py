@@ -131,6 +131,17 @@ def test_api_key_env_must_be_a_variable_name(tmp_path):
         load_study(path)
 
 
+@pytest.mark.parametrize("name", ["CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"])
+def test_env_cannot_give_every_server_the_same_gpus(tmp_path, name):
+    """Ray sets the devices per worker; one value in env: for every server overrode it,
+    and two servers on one node shared GPUs (a helper's audit of the cluster path)."""
+    path = tmp_path / "s.yaml"
+    path.write_text(f"model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\n"
+                    f"env: {{{name}: '0,1'}}\n")
+    with pytest.raises(TreetuneError, match=f"env.{name}.*set per worker.*leave it out"):
+        load_study(path)
+
+
 @pytest.mark.parametrize(("flag", "field"), [
     ("--speculative-num-steps", "search space"), ("--port", "free port"), ("--tp", "tp"),
     ("--max-running-requests", "largest batch"), ("--cuda-graph-max-bs", "largest batch"),

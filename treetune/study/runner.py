@@ -492,7 +492,9 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         progress.notes.append(f"{stale} launch(es) of an earlier run were left unfinished "
                               "(its search was killed): redoing them")
     in_flight: dict[Any, _Launch] = {}  # Ray object ref -> launch under way
-    reschedules: dict[str, int] = {}
+    # Per launch (a config's n-th): one whose worker dies more than MAX_RESCHEDULES times
+    # is recorded failed; a config's other launches each get their own tries.
+    reschedules: dict[tuple[str, int], int] = {}
     deadline = (time.monotonic() + spec.budget.wall_time_s) if spec.budget.wall_time_s else None
     planner: Planner | None = None
     others: _Others | None = None
@@ -626,15 +628,16 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                     pool.replace()
                     store.abandon(launch.trial, store.launches,
                                   f"worker died: {_cause(exc)}; rescheduled")
-                    reschedules[task.key] = reschedules.get(task.key, 0) + 1
-                    if reschedules[task.key] <= MAX_RESCHEDULES:
+                    tries = (task.key, task.index)
+                    reschedules[tries] = reschedules.get(tries, 0) + 1
+                    if reschedules[tries] <= MAX_RESCHEDULES:
                         planner.requeue(task)
                         progress.message = f"a worker died running {config}: rescheduled"
                         progress.running = running()
                         notify(progress)
                         continue
                     result = LaunchResult(config, reason=f"its worker died "
-                                          f"{reschedules[task.key]} times: {_cause(exc)}")
+                                          f"{reschedules[tries]} times: {_cause(exc)}")
                     launch.trial = begin(task)
                 except ray.exceptions.RayError as exc:
                     result = LaunchResult(config, reason=f"worker failed: {_cause(exc)}")

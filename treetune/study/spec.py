@@ -61,6 +61,8 @@ MIXED = "mixed"
 # and stand in emitted scripts' comments, so no '/', no leading '.', no space or newline.
 NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]*"  # an environment variable, as a shell exports it
+# The GPUs a process may use: Ray sets them per worker (AMD: HIP, ROCR too).
+DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 SPEC_COPY = "study.yaml"  # the resolved spec, saved in the output folder for readers
 COMMAND_LINE = "command line"  # where a value given as an option comes from
 
@@ -373,6 +375,10 @@ class StudySpec:
             if any(unicodedata.category(c) == "Cc" and c != "\t" for c in value):
                 raise FieldError(f"env.{name}", f"env: {name}'s value holds a control "
                                  "character (a newline, ...): give it on one line")
+            if name in DEVICE_VARIABLES:
+                raise FieldError(f"env.{name}", f"env: {name} is set per worker, to the GPUs "
+                                 "Ray gave it: one value for every server would put several "
+                                 "servers on the same GPUs; leave it out")
         for flag in self.server_flags:
             if not flag.startswith("--"):
                 raise FieldError("server_flags", f"server_flags: '{flag}' must start with '--'")
