@@ -57,3 +57,67 @@ def test_a_study_s_remote_workers_logs_land_in_the_driver_s_folder(tmp_path, mon
     assert len(names) == 2 and "baseline.log" in names
     assert all("fired up" in (spec.output_dir / "logs" / n).read_text() for n in names)
     assert not list(Path("/tmp").glob(f"{LOGS_PREFIX}*"))
+
+
+class _Worker(str):
+    """A worker as a fake Ray holds it: its name, and a `ready` call."""
+
+    @property
+    def ready(self):
+        return type("call", (), {"remote": staticmethod(lambda: self)})
+
+
+class _BusyCluster:
+    """Just the Ray calls _Pool.start makes, on a cluster where only `free` workers can be
+    placed (the others' GPUs are in use): no clock, no cluster."""
+
+    class exceptions:  # as Ray names its module
+        RayError = RuntimeError
+        GetTimeoutError = TimeoutError
+
+    def __init__(self, free: int) -> None:
+        self.free, self.killed = free, []
+        self.util = type("util", (), {"remove_placement_group": staticmethod(lambda g: None)})
+
+    def put(self, value):
+        return value
+
+    def remote(self, cls):
+        return cls
+
+    def wait(self, refs, num_returns, timeout):
+        return refs[:self.free], refs[self.free:]
+
+    def get(self, refs):
+        return [f"{ref}@node" for ref in refs]
+
+    def kill(self, worker):
+        self.killed.append(worker)
+
+
+@pytest.mark.parametrize("free", [4, 2, 0])
+def test_the_pool_starts_with_the_workers_a_busy_cluster_can_place(tmp_path, free):
+    """The pool is sized from the cluster's GPUs, not from those free: with some in use
+    the study ended after 120 s, retiring the workers already placed (a helper's audit)."""
+    from treetune.errors import TreetuneError
+    from treetune.study.placement import Node, Placement
+    from treetune.study.runner import _Pool
+
+    spec = load_study(None, small_study(tmp_path, batch=[1], datasets=["humaneval"], tp=1))
+    placement = Placement(resource="emulated_gpu", tp=1, gpu_type=None,
+                          nodes=(Node(node_id="n", gpus=4.0, gpu_type=None),))
+    ray = _BusyCluster(free)
+    pool = _Pool(ray, spec, placement)
+    made = iter(range(100))
+    pool._spawn = lambda: _Worker(f"worker-{next(made)}")  # type: ignore[method-assign]
+    if free == 0:
+        with pytest.raises(TreetuneError, match="could not place 4 workers"):
+            pool.start(4)
+        assert len(ray.killed) == 4
+        return
+    note = pool.start(4)
+    assert pool.alive == free and len(pool.idle) == free and len(ray.killed) == 4 - free
+    if free == 4:
+        assert note == ""
+    else:
+        assert note.startswith("Ray placed 2 of 4 workers") and note.endswith("runs with 2")

@@ -260,26 +260,36 @@ class _Pool:
         self.groups[worker] = group
         return worker
 
-    def start(self, count: int) -> None:
-        """`count` workers, placed and ready within RESOURCE_TIMEOUT_S."""
+    def start(self, count: int) -> str:
+        """Up to `count` workers, those placed and ready within RESOURCE_TIMEOUT_S (at least
+        one): a shared cluster's GPUs may be partly in use. Returns a note when fewer than
+        `count` could be placed ('' otherwise)."""
         workers = [self._spawn() for _ in range(count)]
+        refs = {w.ready.remote(): w for w in workers}
+        ready, _ = self.ray.wait(list(refs), num_returns=count, timeout=RESOURCE_TIMEOUT_S)
+        placed = [refs[r] for r in ready]
         try:
-            names = self.ray.get([w.ready.remote() for w in workers],
-                                 timeout=RESOURCE_TIMEOUT_S)
-        except self.ray.exceptions.GetTimeoutError:
-            for worker in workers:
-                self.retire(worker)
-            on = f" on {self.placement.gpu_type} nodes" if self.placement.gpu_type else ""
-            raise TreetuneError(f"Ray could not place {count} workers of {self.spec.tp} "
-                                f"{self.spec.backend.gpu_label}{on} within "
-                                f"{RESOURCE_TIMEOUT_S:.0f} s") from None
+            names = self.ray.get(ready)
         except self.ray.exceptions.RayError as exc:
             for worker in workers:
                 self.retire(worker)
             raise TreetuneError(f"a launch worker could not start: {_cause(exc)}") from None
-        self.idle = workers
-        self.alive = len(workers)
-        self.hosts = {w: worker_host(name) for w, name in zip(workers, names, strict=True)}
+        for worker in workers:
+            if worker not in placed:
+                self.retire(worker)
+        on = f" on {self.placement.gpu_type} nodes" if self.placement.gpu_type else ""
+        if not placed:
+            raise TreetuneError(f"Ray could not place {count} workers of {self.spec.tp} "
+                                f"{self.spec.backend.gpu_label}{on} within "
+                                f"{RESOURCE_TIMEOUT_S:.0f} s")
+        self.idle = placed
+        self.alive = len(placed)
+        self.hosts = {w: worker_host(name) for w, name in zip(placed, names, strict=True)}
+        if len(placed) == count:
+            return ""
+        return (f"Ray placed {len(placed)} of {count} workers of {self.spec.tp} "
+                f"{self.spec.backend.gpu_label}{on} within {RESOURCE_TIMEOUT_S:.0f} s (the "
+                f"others' GPUs are in use): the study runs with {len(placed)}")
 
     def retire(self, worker: Any) -> None:
         """A worker gone (dead, or not placed): killed, its GPUs' reservation freed."""
@@ -533,7 +543,8 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         placement = _placement(ray, spec)
         store.check_gpu_type(placement.gpu_type)
         pool = _Pool(ray, spec, placement)
-        pool.start(min(spec.workers or placement.groups, placement.groups))
+        if short := pool.start(min(spec.workers or placement.groups, placement.groups)):
+            progress.notes.append(short)
         # The search's prior comes from a worker: the GPUs and model files servers use.
         planner = Planner(spec, store, space, launched, tp=spec.tp, facts=pool.facts())
 
