@@ -121,3 +121,21 @@ def test_the_pool_starts_with_the_workers_a_busy_cluster_can_place(tmp_path, fre
         assert note == ""
     else:
         assert note.startswith("Ray placed 2 of 4 workers") and note.endswith("runs with 2")
+
+
+def test_a_cluster_worker_runs_the_checks_the_driver_left_to_the_nodes(tmp_path):
+    """On a cluster the driver does not check the engine installed on the nodes (theirs,
+    not its own): no one did, and a node without SGLang failed the baseline's launch and
+    ended the study (a helper's audit). Each worker checks its own node, naming it."""
+    import sys
+
+    from treetune.errors import TreetuneError
+
+    over = {"backend": {"kind": "sglang", "python": sys.executable}}  # has no SGLang
+    here = LaunchWorker(load_study(None, small_study(tmp_path, batch=[1], **over)), 0)
+    assert here.ready()  # on this machine the driver checked it already
+    cluster = load_study(None, small_study(tmp_path, batch=[1], ray_address="head:6379",
+                                           **over))
+    with pytest.raises(TreetuneError, match=f"on {socket.gethostname()}: SGLang is not "
+                                            "installed"):
+        LaunchWorker(cluster, 0).ready()

@@ -27,6 +27,7 @@ from treetune.backends import (
     server_facts,
 )
 from treetune.config import AdaptiveConfig, Baseline, ServerConfig
+from treetune.errors import TreetuneError
 from treetune.results import CellResult, LaunchResult, config_from_key, config_key
 from treetune.study.keys import key_handoff, sweep_stale
 from treetune.study.spec import StudySpec
@@ -152,8 +153,16 @@ class LaunchWorker:
             self.logs.mkdir(parents=True, exist_ok=True)
 
     def ready(self) -> str:
-        """The worker's name, once it can launch: its node must hold the API key too."""
+        """The worker's name, once it can launch: its node must hold the API key too, and
+        on a cluster pass the backend's checks (the driver leaves to the nodes what only
+        they can tell: the engine installed there, the model files they hold)."""
         self.api_key()
+        if self.spec.ray_address not in (None, "", "local"):
+            try:
+                self.spec.backend.check(self.spec.launch_spec(), self.spec.dataset_names,
+                                        {**os.environ, **self.spec.env}, local=True)
+            except TreetuneError as exc:
+                raise TreetuneError(f"on {socket.gethostname()}: {exc}") from None
         return self.name
 
     def facts(self) -> BackendFacts:
