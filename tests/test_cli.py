@@ -373,6 +373,23 @@ def test_a_grid_that_cannot_be_filled_writes_nothing_and_refuses_a_batch_below_o
     assert code == 2 and "--batch 0: batch sizes must be >= 1" in err and not out.exists()
 
 
+def test_a_grid_says_which_trees_memory_leaves_out_and_refuses_to_write_none(capsys, tmp_path):
+    """A study's server holds its largest batch's requests: trees out of memory there are
+    not in the table at any batch size. With none left the table was written empty, exit
+    0 (a helper's audit)."""
+    out = tmp_path / "grid.csv"
+    code, text, err = run_cli(capsys, "grid", "--world", "qwen3-8b-h100", "--batch", "1",
+                              "150", "-o", str(out))
+    assert code == 0, err
+    assert "41 trees" in text
+    assert "2 of the space's trees run out of memory at batch 150 and are left out" in " ".join(
+        text.split())
+    code, _, err = run_cli(capsys, "grid", "--world", "qwen3-8b-h100", "--batch", "1",
+                           "100000", "-o", str(tmp_path / "none.csv"))
+    assert code == 2 and "fits in memory at batch 100000" in " ".join(err.split())
+    assert not (tmp_path / "none.csv").exists()
+
+
 def test_a_grid_of_ngram_trees_is_refused_since_a_replay_table_has_no_method_column(
         capsys, tmp_path):
     out = tmp_path / "grid.csv"

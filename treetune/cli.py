@@ -681,8 +681,9 @@ def grid(
 ) -> None:
     """Write a world's noise-free cells as a replay table (CSV).
 
-    Every tree of the space and the baseline at every batch size and dataset, in the format
-    replay worlds read.
+    Every tree of the space that fits in memory at the largest batch size (a study's
+    server holds that many requests, whatever the cell's batch), and the baseline, at every
+    batch size and dataset, in the format replay worlds read.
     """
     import csv
 
@@ -704,8 +705,14 @@ def grid(
             f"--space {space} holds NGRAM trees, but a replay table replays the world's "
             f"{model.method_name} draft head only: give a space of (steps, topk, "
             "draft_tokens) trees, such as default or bench-speculative")
-    trees = [c for c in tree_space.configs()
+    every = tree_space.configs()
+    trees = [c for c in every
              if check_memory(found.profile, c, max(batch), tp=found.profile.tp).fits]
+    if not trees:
+        raise TreetuneError(
+            f"no tree of --space {space} fits in memory at batch {max(batch)} on "
+            f"{found.profile.name} (a study's server holds the largest batch size's "
+            "requests at once): give smaller batch sizes, or a world with more memory")
     rows = []  # all of them before the file is opened: an error leaves no partial table
     for b in batch:
         for dataset in found.profile.datasets:
@@ -719,8 +726,11 @@ def grid(
         writer.writerow(["steps", "topk", "draft_tokens", "batch", "dataset", "throughput",
                          "accept_length"])
         writer.writerows(rows)
+    dropped = (f" ({len(every) - len(trees)} of the space's trees run out of memory at batch "
+               f"{max(batch)} and are left out)" if len(trees) < len(every) else "")
     out.print(f"wrote {escape(str(output))}: {len(trees)} trees and the baseline at batch "
-              f"{', '.join(map(str, batch))} on {len(found.profile.datasets)} datasets")
+              f"{', '.join(map(str, batch))} on {len(found.profile.datasets)} datasets"
+              f"{dropped}")
 
 
 @functools.cache
