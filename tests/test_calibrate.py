@@ -3,6 +3,7 @@ several studies in one file), names the entry the user wrote when it refuses one
 fits only what the points determine."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -166,7 +167,7 @@ def test_a_refused_point_names_its_key_or_csv_line(tmp_path):
         load_measurements(csv)
     misspelt = write(tmp_path, "misspelt.csv", "steps,topk,draft_tokens,batch,dataset,speedups\n"
                      "3,4,8,1,mt-bench,1.2\n")
-    with pytest.raises(ConfigFileError, match=r"line 2: column 'speedups': unknown key "
+    with pytest.raises(ConfigFileError, match=r"line 1: unknown column 'speedups' "
                        r"\(did you mean 'speedup'\?\)"):
         load_measurements(misspelt)
 
@@ -318,3 +319,28 @@ def test_a_dataset_with_measured_per_position_acceptance_keeps_it_and_says_so(ca
     assert code == 0, err
     assert "per draft position (top1_by_position, measured): it is kept as given" in " ".join(
         err.split())
+
+
+@pytest.mark.parametrize(("header", "message"), [
+    ("steps,topk,draft_tokens,batch,Dataset,speedup",
+     "line 1: unknown column 'Dataset' (did you mean 'dataset'?)"),
+    ("steps,topk,draft_tokens,batch,dataset,speedup,notes", "line 1: unknown column 'notes'"),
+    ("steps,topk,draft_tokens,batch,dataset,speedup,speedup",
+     "line 1: column 'speedup' is given twice"),
+    ("steps\ttopk\tdraft_tokens\tbatch\tdataset\tspeedup",
+     "line 1: the header is one column holding tabs or semicolons"),
+])
+def test_a_csv_header_is_checked_before_its_values(tmp_path, header, message):
+    """A misspelt or extra column was reported as a value that is not a number, and a
+    second column of one name silently replaced the first (a helper's audit)."""
+    sep = "\t" if "\t" in header else ","
+    row = sep.join(["3", "4", "8", "1", "mt-bench", "1.5", "hello"][:header.count(sep) + 1])
+    data = write(tmp_path, "points.csv", f"{header}\n{row}\n")
+    with pytest.raises(ConfigFileError, match=re.escape(message)):
+        load_measurements(data)
+
+
+def test_a_trailing_comma_is_no_column(tmp_path):
+    data = write(tmp_path, "points.csv", "steps,topk,draft_tokens,batch,dataset,speedup,\n"
+                 "3,4,8,1,mt-bench,1.5,\n")
+    assert [m.speedup for m in load_measurements(data)] == [1.5]

@@ -300,10 +300,30 @@ def _measurement(where: _Where, row: _Row) -> Measurement:
                        reported_speedup=speedup)
 
 
+def _csv_header(path: Path, text: str) -> None:
+    """The header names each column once and no other than a point's fields (checked
+    before any value, so that a misspelt or extra column is named as such)."""
+    header = [cell.strip() for cell in next(csv.reader(io.StringIO(text, newline="")), [])]
+    line1 = _Where(path, csv_line=1)
+    if len(header) == 1 and any(sep in header[0] for sep in ("\t", ";")):
+        raise line1.error("the header is one column holding tabs or semicolons: a CSV file "
+                          "separates its columns with commas")
+    fields = [f.name for f in dataclasses.fields(_Row)]
+    for i, name in enumerate(header):
+        if not name:  # a trailing comma (spreadsheets write one): no column
+            continue
+        if name in header[:i]:
+            raise line1.error(f"column '{name}' is given twice")
+        if name not in fields:
+            raise line1.error(f"unknown column '{name}'{closest(name, fields)}; a point's "
+                              f"columns: {', '.join(fields)}")
+
+
 def _csv_rows(path: Path) -> list[tuple[_Where, Any]]:
     numeric_int = {"steps", "topk", "draft_tokens", "batch"}
     rows = []
     text = read_text(path)
+    _csv_header(path, text)
     for line, rec in enumerate(csv.DictReader(io.StringIO(text, newline="")), start=2):
         where = _Where(path, csv_line=line)
         row: dict[str, Any] = {}
@@ -315,6 +335,8 @@ def _csv_rows(path: Path) -> list[tuple[_Where, Any]]:
             if value is None or not value.strip():
                 continue
             key = key.strip()
+            if not key:
+                raise where.error(f"'{value.strip()}' is in a column the header names not")
             try:
                 row[key] = (
                     int(value) if key in numeric_int
