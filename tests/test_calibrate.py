@@ -344,3 +344,26 @@ def test_a_trailing_comma_is_no_column(tmp_path):
     data = write(tmp_path, "points.csv", "steps,topk,draft_tokens,batch,dataset,speedup,\n"
                  "3,4,8,1,mt-bench,1.5,\n")
     assert [m.speedup for m in load_measurements(data)] == [1.5]
+
+
+@pytest.mark.parametrize(("target", "warned"), [("meta-llama/Llama-3.1-70B-Instruct", True),
+                                                ("Qwen3-30B-A3B", False)])
+def test_points_of_another_model_than_the_profile_s_are_warned_about(capsys, tmp_path, target,
+                                                                     warned):
+    data = write(tmp_path, "measurements.yaml", f"""\
+mine:
+  target: {{name: {target}}}
+  runs:
+    - batch: 1
+      tree: [3, 4, 8]
+      results:
+        humaneval: [171.1, 237.9, 1.39]
+""")
+    code, _, err = run_cli(capsys, "calibrate", "-p", "qwen3-30b-a3b-h100", "--entry", "mine",
+                           "--measurements", data, "-o", str(tmp_path / "out.yaml"),
+                           "--starts", "1")
+    assert code == 0, err
+    text = " ".join(err.split())
+    assert (f"the points are of {target}" in text) == warned, text
+    if warned:
+        assert "the profile of Qwen/Qwen3-30B-A3B" in text

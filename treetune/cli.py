@@ -337,10 +337,12 @@ def calibrate(
     """
     from treetune.perfmodel.calibrate import calibrate as fit
     from treetune.perfmodel.calibrate import (
+        declared_target,
         free_parameters,
         load_measurements,
         per_position,
         poor_fit,
+        same_model,
     )
 
     writable(output)
@@ -351,6 +353,13 @@ def calibrate(
         raise TreetuneError(f"--starts must be >= 1, got {starts}")
     base = load_profile(profile)
     points = load_measurements(measurements, entry, list(base.datasets))
+    measured = declared_target(measurements, entry)
+    if measured is not None and not same_model(measured, base.target.name):
+        err.print(f"[yellow]warning:[/] the points are of {escape(measured)} "
+                  f"({escape(str(measurements))}), the profile of "
+                  f"{escape(base.target.name)}: the fit moves this profile's parameters to "
+                  "another model's measurements; give that model's profile (or "
+                  "`treetune prior` of it)")
     params = free_parameters(base, points)
     given = sorted({m.dataset for m in points if per_position(base, m.dataset)})
     if given:

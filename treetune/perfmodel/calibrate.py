@@ -219,6 +219,28 @@ def load_measurements(path: str | Path, entry: str | None = None,
     return _measurements(path, rows, datasets)
 
 
+def declared_target(path: str | Path, entry: str | None = None) -> str | None:
+    """The target model a measurements file says its points are of (the published layout's
+    `target.name`), or None where it says none."""
+    if Path(path).suffix.lower() == ".csv":
+        return None
+    data = load_yaml(Path(path))
+    if isinstance(data, dict) and entry is not None:
+        data = data.get(entry)
+    target = data.get("target") if isinstance(data, dict) else None
+    name = target.get("name") if isinstance(target, dict) else None
+    return str(name) if name else None
+
+
+def same_model(one: str, other: str) -> bool:
+    """Two names of one model: a hub name or its last part (`Qwen/Qwen3-8B`, `Qwen3-8B`),
+    case aside, one perhaps a variant of the other (`Qwen3-30B-A3B-FP8`)."""
+    def short(name: str) -> str:
+        return name.rstrip("/").rsplit("/", 1)[-1].lower()
+    a, b = sorted((short(one), short(other)), key=len)
+    return b.startswith(a)
+
+
 @dataclass(frozen=True)
 class _Where:
     """Where a point sits in its file: a YAML key (whose line errors give) or a CSV line."""
