@@ -370,8 +370,9 @@ def calibrate(
     ratio_only = sum(m.baseline_tok_s is None for m in points)
     if ratio_only == len(points):
         err.print("note: no point has a baseline throughput: speedups fix ratios of costs, "
-                  "not absolute speed, so only what they determine is fitted and baseline "
-                  "throughputs stay as the profile predicts them")
+                  "not absolute speed, so only what they determine is fitted; the fitted "
+                  "costs may still move the predicted baseline throughputs, which no point "
+                  "here checks")
     elif ratio_only:
         err.print(f"note: {ratio_only} of {len(points)} points have no baseline throughput: "
                   "they fit through their speedups (ratios of costs) only")
