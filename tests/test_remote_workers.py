@@ -16,9 +16,10 @@ from treetune.study.spec import load_study
 from treetune.study.worker import LOGS_PREFIX, SHIPPED_LOGS, LaunchWorker, store_logs
 
 
-def test_a_worker_on_another_host_hands_its_logs_back_and_keeps_none(tmp_path):
+def test_a_worker_on_another_host_hands_its_logs_back_and_keeps_none(tmp_path, monkeypatch):
     """A node's logs went to the node's own `runs/` (relative to wherever `ray start` ran),
     not to the driver's output folder (a helper's audit of the cluster path)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its temp dirs, apart
     data_file = tmp_path / "chat.jsonl"
     data_file.write_text('{"prompt": "Write a haiku about GPUs."}\n'
                          '{"prompt": "Explain speculative decoding."}\n')
