@@ -60,6 +60,7 @@ def test_speedup_only_yaml_points_are_accepted_and_fitted(capsys, tmp_path):
                              "--measurements", data, "-o", str(out_path), "--starts", "2")
     assert code == 0, err
     assert "no point has a baseline throughput" in err and "n/a (speedups only)" in out
+    assert load_profile(out_path).name == "fitted"  # the file's, not the base profile's
     fitted = PerfModel(load_profile(out_path))
     for p in speedup_points():
         config = TreeConfig.of(p["steps"], p["topk"], p["draft_tokens"])

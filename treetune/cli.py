@@ -324,7 +324,9 @@ def calibrate(
     entry: Annotated[
         str | None, typer.Option(help="Entry to read when the file holds several studies.")
     ] = None,
-    name: Annotated[str | None, typer.Option(help="Name of the fitted profile.")] = None,
+    name: Annotated[str | None, typer.Option(
+        help="Name of the fitted profile (default: the output file's name without .yaml).")
+    ] = None,
     starts: Annotated[int, typer.Option(help="Optimizer restarts (more is slower, safer).")] = 6,
 ) -> None:
     """Fit a profile's free parameters to measured points and write the fitted profile.
@@ -408,7 +410,7 @@ def calibrate(
             f"{f' ({entry})' if entry else ''}: {len(points)} points, max speedup error "
             f"{result.max_speedup_error:.3f}, max baseline error {base_text}{kept}.")
     fitted = result.profile.replace(
-        name=name or base.name,
+        name=name or output.stem,  # not the base's: a fitted profile is another one
         description=f"{base.description.split(' Calibrated to ')[0]} {note}".strip(),
     )
     fitted.save(output)
