@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -92,7 +93,7 @@ def test_a_worker_killed_mid_start_leaves_no_byte_of_the_key(tmp_path):
     try:
         assert worker.stdout is not None
         path = Path(worker.stdout.readline().strip())
-        assert path.parent.name.startswith(f"{DIR_PREFIX}{worker.pid}-")
+        assert path.parent.name.startswith(f"{DIR_PREFIX}{worker.pid}@{socket.gethostname()}-")
     finally:
         worker.send_signal(signal.SIGKILL)
         worker.wait(timeout=30)
@@ -104,8 +105,25 @@ def test_a_worker_killed_mid_start_leaves_no_byte_of_the_key(tmp_path):
     assert not path.parent.exists()
 
 
-def test_the_sweep_keeps_a_running_worker_s_directory(tmp_path):
-    mine = tmp_path / f"{DIR_PREFIX}{os.getpid()}-abc"
-    mine.mkdir()
+def test_the_sweep_keeps_a_running_worker_s_directory_and_other_hosts(tmp_path):
+    """A temp dir may be shared by several hosts (an HPC cluster's): another host's pids
+    are not this one's to judge (a helper's review)."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    host = socket.gethostname()
+    mine = tmp_path / f"{DIR_PREFIX}{os.getpid()}@{host}-abc"
+    gone = tmp_path / f"{DIR_PREFIX}{dead}@{host}-abc"
+    elsewhere = tmp_path / f"{DIR_PREFIX}{dead}@not-{host}-abc"
+    for folder in (mine, gone, elsewhere):
+        folder.mkdir()
     sweep_stale(str(tmp_path))
-    assert mine.exists()
+    assert mine.exists() and elsewhere.exists() and not gone.exists()
+
+
+def test_a_pipe_armed_twice_before_its_reader_hands_the_key_over_once():
+    """Two starts armed the pipe before a reader came (a first that never read it): the
+    reader got the YAML twice (a helper's review)."""
+    with key_handoff(load_study(DEMO), "k3y") as keyed:
+        keyed.arm()
+        keyed.arm()
+        assert Path(keyed.flags[0][1]).read_bytes() == b"api-key: k3y\n"

@@ -32,7 +32,7 @@ def test_a_worker_on_another_host_hands_its_logs_back_and_keeps_none(tmp_path, m
     shipped = data.pop(SHIPPED_LOGS)
     assert LaunchResult.from_dict(data).ok, data["reason"]
     assert list(shipped) == ["3-1-4.log"] and "fired up" in shipped["3-1-4.log"]
-    assert not list(Path(tempfile.gettempdir()).glob(f"{LOGS_PREFIX}{os.getpid()}-*"))
+    assert not list(Path(tempfile.gettempdir()).glob(f"{LOGS_PREFIX}{os.getpid()}@*"))
     assert not (spec.output_dir / "logs" / "3-1-4.log").exists()
     store_logs(spec.output_dir / "logs", shipped)
     store_logs(spec.output_dir / "logs", {"3-1-4.log": "again", "../escape.log": "x"})
@@ -49,6 +49,7 @@ def test_a_study_s_remote_workers_logs_land_in_the_driver_s_folder(tmp_path, mon
     from treetune.study.runner import run_study
 
     monkeypatch.setattr(socket, "gethostname", lambda: "the-driver")  # this process only
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the workers' temp dirs, apart
     spec = load_study(None, small_study(tmp_path, batch=[1], datasets=["humaneval"],
                                         workers=1, budget={"launches": 2}, compare=[],
                                         search={"max_launches_per_config": 1}))
@@ -57,7 +58,7 @@ def test_a_study_s_remote_workers_logs_land_in_the_driver_s_folder(tmp_path, mon
     names = sorted(p.name for p in (spec.output_dir / "logs").iterdir())
     assert len(names) == 2 and "baseline.log" in names
     assert all("fired up" in (spec.output_dir / "logs" / n).read_text() for n in names)
-    assert not list(Path("/tmp").glob(f"{LOGS_PREFIX}*"))
+    assert not list(tmp_path.glob(f"{LOGS_PREFIX}*"))
 
 
 class _Worker(str):
@@ -76,8 +77,8 @@ class _BusyCluster:
         RayError = RuntimeError
         GetTimeoutError = TimeoutError
 
-    def __init__(self, free: int) -> None:
-        self.free, self.killed = free, []
+    def __init__(self, free: int, broken: int = 0) -> None:
+        self.free, self.broken, self.killed = free, broken, []
         self.util = type("util", (), {"remove_placement_group": staticmethod(lambda g: None)})
 
     def put(self, value):
@@ -89,17 +90,20 @@ class _BusyCluster:
     def wait(self, refs, num_returns, timeout):
         return refs[:self.free], refs[self.free:]
 
-    def get(self, refs):
-        return [f"{ref}@node" for ref in refs]
+    def get(self, ref):
+        if int(ref.rsplit("-", 1)[1]) < self.broken:  # its node failed the checks
+            raise RuntimeError("on node-a: SGLang is not installed for python")
+        return f"{ref}@node"
 
     def kill(self, worker):
         self.killed.append(worker)
 
 
-@pytest.mark.parametrize("free", [4, 2, 0])
-def test_the_pool_starts_with_the_workers_a_busy_cluster_can_place(tmp_path, free):
+@pytest.mark.parametrize(("free", "broken"), [(4, 0), (2, 0), (0, 0), (4, 1), (2, 2)])
+def test_the_pool_starts_with_the_workers_a_busy_cluster_can_place(tmp_path, free, broken):
     """The pool is sized from the cluster's GPUs, not from those free: with some in use
-    the study ended after 120 s, retiring the workers already placed (a helper's audit)."""
+    the study ended after 120 s, retiring the workers already placed (a helper's audit).
+    A node whose checks fail retires its own workers only (a helper's review)."""
     from treetune.errors import TreetuneError
     from treetune.study.placement import Node, Placement
     from treetune.study.runner import _Pool
@@ -107,21 +111,28 @@ def test_the_pool_starts_with_the_workers_a_busy_cluster_can_place(tmp_path, fre
     spec = load_study(None, small_study(tmp_path, batch=[1], datasets=["humaneval"], tp=1))
     placement = Placement(resource="emulated_gpu", tp=1, gpu_type=None,
                           nodes=(Node(node_id="n", gpus=4.0, gpu_type=None),))
-    ray = _BusyCluster(free)
+    ray = _BusyCluster(free, broken)
     pool = _Pool(ray, spec, placement)
     made = iter(range(100))
     pool._spawn = lambda: _Worker(f"worker-{next(made)}")  # type: ignore[method-assign]
-    if free == 0:
-        with pytest.raises(TreetuneError, match="could not place 4 workers"):
+    started = free - broken
+    if started == 0:
+        message = "could not start: on node-a" if broken else "could not place 4 workers"
+        with pytest.raises(TreetuneError, match=message):
             pool.start(4)
         assert len(ray.killed) == 4
         return
     note = pool.start(4)
-    assert pool.alive == free and len(pool.idle) == free and len(ray.killed) == 4 - free
-    if free == 4:
+    assert pool.alive == started and len(pool.idle) == started
+    assert len(ray.killed) == 4 - started
+    if started == 4:
         assert note == ""
-    else:
-        assert note.startswith("Ray placed 2 of 4 workers") and note.endswith("runs with 2")
+    if broken:  # a node's failed check retires its workers, not the study
+        assert note.startswith(f"{broken} launch worker(s) could not start: on node-a")
+    if free < 4:
+        assert f"Ray placed {free} of 4 workers" in note
+    if started < 4:
+        assert note.endswith(f"the study runs with {started}")
 
 
 def test_a_cluster_worker_runs_the_checks_the_driver_left_to_the_nodes(tmp_path):

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -23,7 +24,7 @@ import yaml
 
 from treetune.study.spec import StudySpec
 
-DIR_PREFIX = "treetune-key-"  # then the worker's pid: a dead worker's directory is swept
+DIR_PREFIX = "treetune-key-"  # then the worker's pid and host (`own_dir`): swept once dead
 POLL_S = 0.02  # how often the pipe looks for its reader
 # How long an armed pipe waits, at most, for a reader to take the whole key, once it has
 # one: a server reads its config file whole as it parses its flags.
@@ -60,20 +61,28 @@ def key_handoff(spec: StudySpec, api_key: str | None) -> Iterator[KeyHandoff]:
     sweep_stale()
     # Quoted as YAML needs: a key like `true` or `1e3` stays the text it is.
     text = yaml.safe_dump({"api-key": api_key}, default_flow_style=False, width=1 << 16)
-    with tempfile.TemporaryDirectory(prefix=f"{DIR_PREFIX}{os.getpid()}-") as private:
+    with tempfile.TemporaryDirectory(prefix=own_dir(DIR_PREFIX)) as private:
         path = Path(private) / "api-key.yaml"  # the directory is 0700
         with _KeyPipe(path, text.encode()) as pipe:
             yield KeyHandoff((("--config", str(path)),), pipe)
 
 
+def own_dir(prefix: str) -> str:
+    """The start of a temp dir's name that says whose it is: this process on this host (a
+    temp dir may be shared by several hosts, whose pids are not this one's)."""
+    return f"{prefix}{os.getpid()}@{socket.gethostname()}-"
+
+
 def sweep_stale(root: str | None = None, prefix: str = DIR_PREFIX) -> None:
-    """Remove this user's directories named `prefix` + pid of workers no longer running (a
-    killed worker leaves an empty pipe in its key directory: nothing of the key, but a
-    directory in the temp dir)."""
-    for folder in Path(root or tempfile.gettempdir()).glob(f"{prefix}*-*"):
-        pid = folder.name.removeprefix(prefix).split("-", 1)[0]
+    """Remove this user's directories named `own_dir(prefix)` of processes of this host no
+    longer running (a killed worker leaves an empty pipe in its key directory: nothing of
+    the key, but a directory in the temp dir)."""
+    host = socket.gethostname()
+    for folder in Path(root or tempfile.gettempdir()).glob(f"{prefix}*@*"):
+        pid, _, rest = folder.name.removeprefix(prefix).partition("@")
         with contextlib.suppress(OSError):
-            if not pid.isdigit() or folder.stat().st_uid != os.getuid():
+            if (not pid.isdigit() or not rest.startswith(f"{host}-")
+                    or folder.stat().st_uid != os.getuid()):
                 continue
             try:
                 os.kill(int(pid), 0)
@@ -87,7 +96,7 @@ class _KeyPipe:
 
     def __init__(self, path: Path, data: bytes) -> None:
         self.path, self.data = path, data
-        self._armed = threading.Semaphore(0)
+        self._armed = threading.Event()  # set: hand the key to the next reader
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="key-pipe", daemon=True)
 
@@ -102,12 +111,13 @@ class _KeyPipe:
         self.path.unlink(missing_ok=True)
 
     def arm(self) -> None:
-        self._armed.release()
+        self._armed.set()
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            if not self._armed.acquire(timeout=POLL_S * 5):
+            if not self._armed.wait(timeout=POLL_S * 5):
                 continue
+            self._armed.clear()  # armed twice before a reader came: one handoff
             fd = self._open_for_reader()
             if fd is None:
                 return  # stopped

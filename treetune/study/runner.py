@@ -267,29 +267,35 @@ class _Pool:
         workers = [self._spawn() for _ in range(count)]
         refs = {w.ready.remote(): w for w in workers}
         ready, _ = self.ray.wait(list(refs), num_returns=count, timeout=RESOURCE_TIMEOUT_S)
-        placed = [refs[r] for r in ready]
-        try:
-            names = self.ray.get(ready)
-        except self.ray.exceptions.RayError as exc:
-            for worker in workers:
-                self.retire(worker)
-            raise TreetuneError(f"a launch worker could not start: {_cause(exc)}") from None
+        names: dict[Any, str] = {}
+        failed: list[str] = []  # why workers placed could not start (their node's checks)
+        for ref in ready:
+            try:
+                names[refs[ref]] = self.ray.get(ref)
+            except self.ray.exceptions.RayError as exc:
+                failed.append(_cause(exc))
         for worker in workers:
-            if worker not in placed:
+            if worker not in names:
                 self.retire(worker)
+        if failed and not names:
+            raise TreetuneError(f"a launch worker could not start: {failed[0]}")
         on = f" on {self.placement.gpu_type} nodes" if self.placement.gpu_type else ""
-        if not placed:
+        if not names:
             raise TreetuneError(f"Ray could not place {count} workers of {self.spec.tp} "
                                 f"{self.spec.backend.gpu_label}{on} within "
                                 f"{RESOURCE_TIMEOUT_S:.0f} s")
-        self.idle = placed
-        self.alive = len(placed)
-        self.hosts = {w: worker_host(name) for w, name in zip(placed, names, strict=True)}
-        if len(placed) == count:
-            return ""
-        return (f"Ray placed {len(placed)} of {count} workers of {self.spec.tp} "
-                f"{self.spec.backend.gpu_label}{on} within {RESOURCE_TIMEOUT_S:.0f} s (the "
-                f"others' GPUs are in use): the study runs with {len(placed)}")
+        self.idle = list(names)
+        self.alive = len(names)
+        self.hosts = {w: worker_host(name) for w, name in names.items()}
+        notes = [f"{len(failed)} launch worker(s) could not start: {failed[0]}"] if failed else []
+        unplaced = count - len(ready)
+        if unplaced:
+            notes.append(f"Ray placed {len(ready)} of {count} workers of {self.spec.tp} "
+                         f"{self.spec.backend.gpu_label}{on} within "
+                         f"{RESOURCE_TIMEOUT_S:.0f} s (the others' GPUs are in use)")
+        if notes:
+            notes.append(f"the study runs with {len(names)}")
+        return "; ".join(notes)
 
     def retire(self, worker: Any) -> None:
         """A worker gone (dead, or not placed): killed, its GPUs' reservation freed."""

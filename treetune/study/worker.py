@@ -29,7 +29,7 @@ from treetune.backends import (
 from treetune.config import AdaptiveConfig, Baseline, ServerConfig
 from treetune.errors import TreetuneError
 from treetune.results import CellResult, LaunchResult, config_from_key, config_key
-from treetune.study.keys import key_handoff, sweep_stale
+from treetune.study.keys import key_handoff, own_dir, sweep_stale
 from treetune.study.spec import StudySpec
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ RAY_TOKEN = "RAY_AUTH_TOKEN"
 # A worker on another host than the driver hands its launch's logs back under this key of
 # the result (the driver stores them: `store_logs`), each at most this long (its end).
 SHIPPED_LOGS = "shipped_logs"
-LOGS_PREFIX = "treetune-logs-"  # then the worker's pid (`keys.sweep_stale`)
+LOGS_PREFIX = "treetune-logs-"  # then the worker's pid and host (`keys.own_dir`)
 MAX_SHIPPED_BYTES = 32 * 1024 * 1024
 
 
@@ -75,7 +75,8 @@ def store_logs(folder: Path, shipped: dict[str, str]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for name, text in shipped.items():
         path = folder / Path(name).name  # a name, never a path out of the folder
-        keep_earlier(path)
+        if path.suffix == ".log":  # a config file written again is the same config
+            keep_earlier(path)
         path.write_text(text)
 
 
@@ -177,7 +178,7 @@ class LaunchWorker:
         raises for a server's failure: the result says what happened, with the log tail."""
         if not self.remote:
             return self._run(key, flags, launch_index)
-        self.logs = Path(tempfile.mkdtemp(prefix=f"{LOGS_PREFIX}{os.getpid()}-"))
+        self.logs = Path(tempfile.mkdtemp(prefix=own_dir(LOGS_PREFIX)))
         try:
             data = self._run(key, flags, launch_index)
             # This launch's files (server logs, adaptive configs), for the driver's logs/.
