@@ -49,7 +49,7 @@ def key_handoff(spec: StudySpec, api_key: str | None) -> Iterator[KeyHandoff]:
     """How servers started within the block get `api_key`: a named pipe given as
     `--config`, or, where no config file can carry it (an SGLang before 0.5.3, or a study
     whose server_flags name a --config of their own: SGLang takes one), `--api-key` on the
-    command line. None: no flags."""
+    command line; no key, no flags."""
     if not api_key:
         yield KeyHandoff(())
         return
