@@ -8,6 +8,11 @@ from contextlib import contextmanager
 from treetune.keylines import key_line
 
 
+def clip(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, its end marked "..." when cut."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class TreetuneError(Exception):
     """An error caused by user input or environment, shown without a traceback."""
 

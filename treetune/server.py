@@ -24,7 +24,7 @@ from typing import IO
 
 from treetune.backends.sglang import SGLANG_API
 from treetune.client import health_status
-from treetune.errors import TreetuneError
+from treetune.errors import TreetuneError, clip
 
 LOG_TAIL_LINES = 40
 PORT_IN_USE = re.compile(r"address already in use|port \d+ is (?:already )?in use|EADDRINUSE",
@@ -353,17 +353,13 @@ def failure_reason(log_tail: str, exit_code: int | None) -> str:
     for pattern in REASON_PATTERNS:
         for line in reversed(lines):
             if pattern.search(line):
-                return _clip(line)
+                return clip(line, MAX_REASON_CHARS)
     if exit_code is not None and exit_code < 0:
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-exit_code).name}"
     if lines:
-        return _clip(lines[-1])
+        return clip(lines[-1], MAX_REASON_CHARS)
     return f"exited with code {exit_code} before it was healthy"
-
-
-def _clip(line: str) -> str:
-    return line if len(line) <= MAX_REASON_CHARS else line[: MAX_REASON_CHARS - 3] + "..."
 
 
 def not_healthy(timeout_s: float, waited_s: float | None = None, at_cap: bool = False) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from treetune.datasets._spec import ROLES
-from treetune.errors import ConfigFileError
+from treetune.errors import ConfigFileError, clip
 from treetune.yamlio import closest, decode_utf8
 
 
@@ -111,7 +111,7 @@ def describe(value: Any) -> str:
     if isinstance(value, list):
         return "an empty list" if not value else "a list"
     if isinstance(value, str):
-        return "blank text" if not value.strip() else f"text {_short(value)!r}"
+        return "blank text" if not value.strip() else f"text {clip(value, 40)!r}"
     return f"{type(value).__name__} {value!r}"
 
 
@@ -174,6 +174,3 @@ def _json_lines(path: Path, text: str) -> list[Record]:
         records.append(Record(path, f"line {number}", item))
     return records
 
-
-def _short(text: str, limit: int = 40) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -17,7 +17,7 @@ import numpy as np
 
 from treetune.backends import ServerApi
 from treetune.client import ServerClient, ServerRequestError
-from treetune.errors import TreetuneError
+from treetune.errors import TreetuneError, clip
 from treetune.loadgen.latency import request_latency, summarize
 from treetune.results import CellResult, Slo
 
@@ -68,7 +68,6 @@ class Record:
     streams: list[Stream] = field(default_factory=list)
     # Failed requests: the wall time of each, and its error.
     errors: list[tuple[float, BaseException]] = field(default_factory=list)
-    last_error: BaseException | None = None
     failures_in_a_row: int = 0
     started: set[int] = field(default_factory=set)  # workers that received a token
     all_started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -82,9 +81,12 @@ class Record:
             if len(self.started) == self.workers:
                 self.all_started.set()
 
+    @property
+    def last_error(self) -> BaseException | None:
+        return self.errors[-1][1] if self.errors else None
+
     def failure(self, exc: BaseException) -> None:
         self.errors.append((time.monotonic(), exc))
-        self.last_error = exc
         self.failures_in_a_row += 1
         # Every worker's last requests failed with no token in between: nothing works.
         if self.failures_in_a_row >= max(2 * self.workers, MIN_FAILURES):
@@ -255,8 +257,7 @@ def cell_result(dataset: str, record: Record, window: tuple[float, float], scale
 
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """An error's message on one line, at most `limit` characters."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return clip(" ".join(str(exc).split()) or type(exc).__name__, limit)
 
 
 def accept_length(api: ServerApi, counters: Counters) -> float | None:
