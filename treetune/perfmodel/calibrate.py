@@ -322,10 +322,10 @@ def _measurement(where: _Where, row: _Row) -> Measurement:
                        reported_speedup=speedup)
 
 
-def _csv_header(path: Path, text: str) -> None:
+def _csv_header(path: Path, names: Sequence[str]) -> None:
     """The header names each column once and no other than a point's fields (checked
     before any value, so that a misspelt or extra column is named as such)."""
-    header = [cell.strip() for cell in next(csv.reader(io.StringIO(text, newline="")), [])]
+    header = [name.strip() for name in names]
     line1 = _Where(path, csv_line=1)
     if len(header) == 1 and any(sep in header[0] for sep in ("\t", ";")):
         raise line1.error("the header is one column holding tabs or semicolons: a CSV file "
@@ -344,9 +344,9 @@ def _csv_header(path: Path, text: str) -> None:
 def _csv_rows(path: Path) -> list[tuple[_Where, Any]]:
     numeric_int = {"steps", "topk", "draft_tokens", "batch"}
     rows = []
-    text = read_text(path)
-    _csv_header(path, text)
-    for line, rec in enumerate(csv.DictReader(io.StringIO(text, newline="")), start=2):
+    reader = csv.DictReader(io.StringIO(read_text(path), newline=""))
+    _csv_header(path, reader.fieldnames or [])
+    for line, rec in enumerate(reader, start=2):
         where = _Where(path, csv_line=line)
         row: dict[str, Any] = {}
         for key, value in rec.items():
@@ -458,17 +458,19 @@ POOR_FIT = 0.10
 def poor_fit(points: Sequence[PointError]) -> str:
     """Why the fit does not describe its points ('' when it does): the points it misses by
     more than POOR_FIT, the worst named."""
-    off = [(abs(e.speedup_error) / e.measurement.speedup, e) for e in points
-           if abs(e.speedup_error) > POOR_FIT * e.measurement.speedup]
-    off += [(abs(e.predicted_accept / e.measurement.accept_length - 1), e) for e in points
-            if e.measurement.accept_length is not None
-            and abs(e.predicted_accept / e.measurement.accept_length - 1) > POOR_FIT]
+    off = []  # (the point's worst relative miss, the point), for those past POOR_FIT
+    for e in points:
+        m = e.measurement
+        miss = abs(e.speedup_error) / m.speedup
+        if m.accept_length is not None:
+            miss = max(miss, abs(e.predicted_accept / m.accept_length - 1))
+        if miss > POOR_FIT:
+            off.append((miss, e))
     if not off:
         return ""
     share, worst = max(off, key=lambda pair: pair[0])
     m = worst.measurement
-    count = len({id(e) for _, e in off})
-    return (f"the fitted profile misses {count} of the {len(points)} points by more than "
+    return (f"the fitted profile misses {len(off)} of the {len(points)} points by more than "
             f"{POOR_FIT:.0%} (worst: {m.config.label()} at batch {m.batch} on {m.dataset}, "
             f"{share:.0%} off): more than measurement noise explains. The profile's model "
             "cannot express these points, or they contradict each other (two measurements "
