@@ -39,7 +39,7 @@ from treetune.study.preflight import check_study
 from treetune.study.recommend import MIXED, Recommendation
 from treetune.study.spec import SPEC_COPY, StudySpec
 from treetune.study.storage import StudyStore, check_writable
-from treetune.study.worker import SHIPPED_LOGS, store_logs
+from treetune.study.worker import SHIPPED_LOGS, LaunchWorker, store_logs
 
 RESOURCE_TIMEOUT_S = 120.0  # how long to wait for Ray to place the workers
 LOCK_FILE = ".treetune.lock"
@@ -225,8 +225,6 @@ class _Pool:
     GPUs on one node): idle ones, and replacements for dead ones being placed."""
 
     def __init__(self, ray: Any, spec: StudySpec, placement: Placement) -> None:
-        from treetune.study.worker import LaunchWorker
-
         # The workers' copy names the output folder absolutely: a worker on this host may
         # run from another folder (a node started by `ray start` elsewhere).
         self.ray, self.placement = ray, placement
