@@ -192,3 +192,42 @@ def test_losing_a_node_mid_study_reschedules_its_launch_on_the_pinned_types_othe
         assert not server_processes(marker)
     finally:
         cluster.shutdown()
+
+
+def test_a_node_that_joins_mid_study_takes_the_workers_that_waited_for_gpus(tmp_path):
+    """`workers: 2` on a cluster of one node holding one server: the second worker waits
+    for GPUs (it was retired after 120 s, and a node that joined later was never used),
+    and joins when a node is added mid-study; that node then runs launches of its own."""
+    cluster, nodes = start_cluster(os.environ["TREETUNE_RAY_TMPDIR"], ["H100"])
+    try:
+        spec = load_study(None, small_study(tmp_path, budget={"launches": 5}, workers=2,
+                                            ray_address=cluster.address))
+        notes: list[str] = []
+        done: dict[str, object] = {}
+
+        def search():
+            try:
+                done["outcome"] = run_study(spec, lambda p: notes.extend(
+                    n for n in [*p.notes, p.message] if n not in notes))
+            except BaseException as exc:  # re-raised below, in the test
+                done["error"] = exc
+
+        # The study in a thread: Ray's Cluster.add_node installs signal handlers, which
+        # only the main thread may.
+        thread = threading.Thread(target=search, daemon=True)
+        thread.start()
+        added: list[str] = []
+        if wait_until(lambda: len(list((spec.output_dir / "logs").glob("*.log"))) >= 2
+                      or not thread.is_alive(), 180) and thread.is_alive():
+            added.append(typed_node(cluster, "H100").node_id)
+        thread.join(300)
+        if "error" in done:
+            raise done["error"]  # type: ignore[misc]
+        outcome = done["outcome"]
+        assert added, "the node was never added"
+        assert any("1 wait, and join when Ray places them" in n for n in notes), notes
+        assert any(n.startswith("a worker joined") for n in notes), notes
+        assert all(r.ok for r in outcome.results)
+        assert nodes_used(spec) == {nodes["H100"][0].node_id, added[0]}
+    finally:
+        cluster.shutdown()

@@ -103,7 +103,9 @@ class _BusyCluster:
 def test_the_pool_starts_with_the_workers_a_busy_cluster_can_place(tmp_path, free, broken):
     """The pool is sized from the cluster's GPUs, not from those free: with some in use
     the study ended after 120 s, retiring the workers already placed (a helper's audit).
-    A node whose checks fail retires its own workers only (a helper's review)."""
+    A node whose checks fail retires its own workers only (a helper's review). Those not
+    placed wait for GPUs and join when Ray places them: they were retired, so GPUs freed
+    later (or a node that joined) were never used."""
     from treetune.errors import TreetuneError
     from treetune.study.placement import Node, Placement
     from treetune.study.runner import _Pool
@@ -120,19 +122,54 @@ def test_the_pool_starts_with_the_workers_a_busy_cluster_can_place(tmp_path, fre
         message = "could not start: on node-a" if broken else "could not place 4 workers"
         with pytest.raises(TreetuneError, match=message):
             pool.start(4)
-        assert len(ray.killed) == 4
+        assert len(ray.killed) == 4 and not pool.starting
         return
     note = pool.start(4)
     assert pool.alive == started and len(pool.idle) == started
-    assert len(ray.killed) == 4 - started
+    assert len(ray.killed) == broken and len(pool.starting) == 4 - free
     if started == 4:
         assert note == ""
     if broken:  # a node's failed check retires its workers, not the study
         assert note.startswith(f"{broken} launch worker(s) could not start: on node-a")
     if free < 4:
-        assert f"Ray placed {free} of 4 workers" in note
+        assert f"Ray placed {free} of 4 workers" in note and f"{4 - free} wait" in note
     if started < 4:
         assert note.endswith(f"the study runs with {started}")
+    # The GPUs free up: Ray places the waiting workers, and they join.
+    notes = pool.settle(list(pool.starting))
+    assert pool.alive == free - broken + (4 - free) and not pool.starting
+    assert len(notes) == 4 - free and all("a worker joined" in n for n in notes)
+
+
+def test_a_worker_ray_cannot_place_waits_while_others_work_and_is_given_up_with_none(
+        tmp_path, monkeypatch):
+    """A replacement for a lost node's worker was given up on after 120 s, so the node
+    back (or a new one) was never used. It now waits while the study has workers, said
+    once; with none left it is given up on, and the study ends with its error."""
+    from treetune.study import runner
+    from treetune.study.placement import Node, Placement
+    from treetune.study.runner import _Pool
+
+    spec = load_study(None, small_study(tmp_path, batch=[1], datasets=["humaneval"], tp=1))
+    placement = Placement(resource="emulated_gpu", tp=1, gpu_type=None,
+                          nodes=(Node(node_id="n", gpus=2.0, gpu_type=None),))
+    ray = _BusyCluster(2)
+    pool = _Pool(ray, spec, placement)
+    made = iter(range(100))
+    pool._spawn = lambda: _Worker(f"worker-{next(made)}")  # type: ignore[method-assign]
+    assert pool.start(2) == ""
+    clock = [1000.0]
+    monkeypatch.setattr(runner.time, "monotonic", lambda: clock[0])
+    pool.alive -= 1  # a worker's node was lost
+    pool.replace()
+    assert pool.settle([]) == []  # within its deadline: nothing to say
+    clock[0] += runner.RESOURCE_TIMEOUT_S + 1
+    first = pool.settle([])
+    assert len(first) == 1 and "not placed within" in first[0] and "goes on with 1" in first[0]
+    assert pool.settle([]) == [] and len(pool.starting) == 1 and not ray.killed
+    pool.alive = 0  # the last worker lost too: nothing to go on with
+    assert pool.settle([]) == ["no node could take a replacement worker"]
+    assert not pool.starting and len(ray.killed) == 1
 
 
 def test_a_cluster_worker_runs_the_checks_the_driver_left_to_the_nodes(tmp_path):

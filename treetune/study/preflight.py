@@ -42,7 +42,7 @@ def check_study(spec: StudySpec) -> None:
     if spec.ray_address:
         check_ray_address(spec.ray_address, RAY_CONNECT_TIMEOUT_S)
     spec.backend.check(spec.launch_spec(), spec.dataset_names, {**os.environ, **spec.env},
-                       local=spec.ray_address in (None, "", "local"))
+                       local=spec.local_ray)
 
 
 def check_output_folder(spec: StudySpec) -> None:

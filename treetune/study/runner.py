@@ -95,7 +95,7 @@ class _Ray:
         self.saved_env: dict[str, str | None] = {}  # what _authenticate changed
         if ray.is_initialized():
             return
-        local = spec.ray_address in (None, "", "local")
+        local = spec.local_ray
         self._authenticate(local)
         kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False,
                                       configure_logging=False)
@@ -213,6 +213,15 @@ def _placement(ray: Any, spec: StudySpec) -> Placement:
     return plan_placement(spec, gpu_nodes(ray.nodes(), spec.backend.gpu_resource))
 
 
+def worker_count(spec: StudySpec, placement: Placement) -> int:
+    """The workers a study asks for: `workers`, or one per GPU group the cluster offers. On
+    a cluster, workers beyond the groups it offers now wait for GPUs (an autoscaler's nodes,
+    nodes that join later); on this machine none will come."""
+    if spec.workers is None:
+        return placement.groups
+    return spec.workers if not spec.local_ray else min(spec.workers, placement.groups)
+
+
 def _cause(exc: BaseException) -> str:
     """The one line that says why a Ray call failed (the remote exception's message)."""
     cause = getattr(exc, "cause", None) or exc
@@ -243,7 +252,10 @@ class _Pool:
         self.hosts: dict[Any, str] = {}  # worker -> its host, as its launches name it
         self.idle: list[Any] = []
         self.alive = 0
-        self.starting: dict[Any, tuple[Any, float]] = {}  # ready ref -> (worker, deadline)
+        # Workers waiting for Ray to place them: ready ref -> (worker, deadline); those past
+        # their deadline that the study was told of.
+        self.starting: dict[Any, tuple[Any, float]] = {}
+        self.told: set[Any] = set()
         self.made = 0
 
     def _spawn(self) -> Any:
@@ -259,12 +271,16 @@ class _Pool:
         return worker
 
     def start(self, count: int) -> str:
-        """Up to `count` workers, those placed and ready within RESOURCE_TIMEOUT_S (at least
-        one): a shared cluster's GPUs may be partly in use. Returns a note when fewer than
-        `count` could be placed ('' otherwise)."""
+        """`count` workers, started once those the cluster's GPUs can hold are placed and
+        ready, or RESOURCE_TIMEOUT_S has passed (at least one must be ready). The others
+        wait for GPUs (a shared cluster's in use, a node an autoscaler adds or that joins
+        later) and join the study when Ray places them (`settle`). Returns a note when
+        fewer than `count` started ('' otherwise)."""
         workers = [self._spawn() for _ in range(count)]
         refs = {w.ready.remote(): w for w in workers}
-        ready, _ = self.ray.wait(list(refs), num_returns=count, timeout=RESOURCE_TIMEOUT_S)
+        placeable = max(1, min(count, self.placement.groups))
+        ready, waiting = self.ray.wait(list(refs), num_returns=placeable,
+                                       timeout=RESOURCE_TIMEOUT_S)
         names: dict[Any, str] = {}
         failed: list[str] = []  # why workers placed could not start (their node's checks)
         for ref in ready:
@@ -272,25 +288,28 @@ class _Pool:
                 names[refs[ref]] = self.ray.get(ref)
             except self.ray.exceptions.RayError as exc:
                 failed.append(_cause(exc))
-        for worker in workers:
-            if worker not in names:
-                self.retire(worker)
-        if failed and not names:
-            raise TreetuneError(f"a launch worker could not start: {failed[0]}")
+                self.retire(refs[ref])
         on = f" on {self.placement.gpu_type} nodes" if self.placement.gpu_type else ""
         if not names:
+            for ref in waiting:
+                self.retire(refs[ref])
+            if failed:
+                raise TreetuneError(f"a launch worker could not start: {failed[0]}")
             raise TreetuneError(f"Ray could not place {count} workers of {self.spec.tp} "
                                 f"{self.spec.backend.gpu_label}{on} within "
                                 f"{RESOURCE_TIMEOUT_S:.0f} s")
         self.idle = list(names)
         self.alive = len(names)
         self.hosts = {w: worker_host(name) for w, name in names.items()}
+        deadline = time.monotonic() + RESOURCE_TIMEOUT_S
+        self.starting.update({ref: (refs[ref], deadline) for ref in waiting})
         notes = [f"{len(failed)} launch worker(s) could not start: {failed[0]}"] if failed else []
-        unplaced = count - len(ready)
-        if unplaced:
+        if waiting:
+            self.told.update(waiting)  # said here: not again when their deadline passes
             notes.append(f"Ray placed {len(ready)} of {count} workers of {self.spec.tp} "
                          f"{self.spec.backend.gpu_label}{on} within "
-                         f"{RESOURCE_TIMEOUT_S:.0f} s (the others' GPUs are in use)")
+                         f"{RESOURCE_TIMEOUT_S:.0f} s (the cluster has no free GPUs for the "
+                         f"others yet: {len(waiting)} wait, and join when Ray places them)")
         if notes:
             notes.append(f"the study runs with {len(names)}")
         return "; ".join(notes)
@@ -326,25 +345,34 @@ class _Pool:
         self.starting[worker.ready.remote()] = (worker, time.monotonic() + RESOURCE_TIMEOUT_S)
 
     def settle(self, refs: list[Any]) -> list[str]:
-        """Take in replacements that are ready; give up on those Ray cannot place."""
+        """Take in the waiting workers that are ready. One that Ray has not placed within
+        RESOURCE_TIMEOUT_S keeps waiting while the study has workers to go on with (its
+        node may come back, or a new one join); with none, it is given up on."""
         notes = []
         for ref in refs:
             worker, _ = self.starting.pop(ref)
+            self.told.discard(ref)
             try:
                 self.hosts[worker] = worker_host(self.ray.get(ref))
                 self.idle.append(worker)
                 self.alive += 1
-                notes.append("a replacement worker joined")
+                notes.append(f"a worker joined on {self.hosts[worker] or 'a node'}: the study "
+                             f"runs with {self.alive}")
             except self.ray.exceptions.RayError as exc:
                 self.retire(worker)
-                notes.append(f"a replacement worker failed: {_cause(exc)}")
+                notes.append(f"a worker that joined could not start: {_cause(exc)}")
         now = time.monotonic()
-        for ref, (worker, deadline) in list(self.starting.items()):
-            if now > deadline:
-                del self.starting[ref]
-                self.retire(worker)
-                notes.append("no node could take a replacement worker: going on with "
-                             f"{self.alive}")
+        late = [ref for ref, (_, deadline) in self.starting.items() if now > deadline]
+        if self.alive == 0:
+            for ref in late:
+                self.retire(self.starting.pop(ref)[0])
+                self.told.discard(ref)
+                notes.append("no node could take a replacement worker")
+        elif untold := [ref for ref in late if ref not in self.told]:
+            self.told.update(untold)
+            notes.append(f"{len(untold)} replacement worker(s) not placed within "
+                         f"{RESOURCE_TIMEOUT_S:.0f} s: the study goes on with {self.alive}, "
+                         "and they join when Ray places them (a node back, or a new one)")
         return notes
 
     def facts(self) -> BackendFacts:
@@ -362,6 +390,7 @@ class _Pool:
         for worker in list(self.groups):
             self.retire(worker)
         self.starting.clear()
+        self.told.clear()
 
 
 @contextlib.contextmanager
@@ -547,7 +576,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         placement = _placement(ray, spec)
         store.check_gpu_type(placement.gpu_type)
         pool = _Pool(ray, spec, placement)
-        if short := pool.start(min(spec.workers or placement.groups, placement.groups)):
+        if short := pool.start(worker_count(spec, placement)):
             progress.notes.append(short)
         # The search's prior comes from a worker: the GPUs and model files servers use.
         planner = Planner(spec, store, space, launched, tp=spec.tp, facts=pool.facts())

@@ -284,9 +284,11 @@ class StudySpec:
                              metadata=meta(file_type=dict[str, Any]))
     ray_address: str | None = field(default=None, metadata=meta(
         "--ray-address", "Ray cluster (default: local)."))
-    # GPU groups to use; None: all the cluster offers (local: 1).
+    # GPU groups to use; None: all the cluster offers when the study starts (local: 1). On a
+    # cluster, workers beyond what it offers wait for nodes to come (runner.worker_count).
     workers: int | None = field(default=None, metadata=meta(
-        "--workers", "GPU groups to use in parallel."))
+        "--workers", "GPU groups to use in parallel (default: all the cluster has; on a "
+        "cluster, more wait for nodes that join)."))
     # The GPU type a study runs on, as Ray names a node's GPUs (its accelerator_type:TYPE
     # resource); None: the cluster's only type. Never part of the fingerprint: the type the
     # launches ran on is stored with the study and checked on every run.
@@ -504,6 +506,11 @@ class StudySpec:
     @property
     def output_dir(self) -> Path:
         return Path(self.output or Path("runs") / self.name)
+
+    @property
+    def local_ray(self) -> bool:
+        """Whether the study starts a Ray of its own on this machine (no cluster to join)."""
+        return self.ray_address in (None, "", "local")
 
     @property
     def storage_url(self) -> str:

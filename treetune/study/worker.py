@@ -158,7 +158,7 @@ class LaunchWorker:
         on a cluster pass the backend's checks (the driver leaves to the nodes what only
         they can tell: the engine installed there, the model files they hold)."""
         self.api_key()
-        if self.spec.ray_address not in (None, "", "local"):
+        if not self.spec.local_ray:
             try:
                 self.spec.backend.check(self.spec.launch_spec(), self.spec.dataset_names,
                                         {**os.environ, **self.spec.env}, local=True)
