@@ -163,6 +163,32 @@ def test_a_flag_treetune_sets_itself_is_refused_in_server_flags(tmp_path, flag, 
     assert str(path) in message and "server_flags" in message
 
 
+@pytest.mark.parametrize(("flag", "version", "refused"), [
+    ("--mamba-scheduler-strategy", "0.5.23", "0.5.14 renamed it '--mamba-radix-cache-strategy'"),
+    ("--mamba-scheduler-strategy", "0.5.20", "0.5.14 renamed it"),
+    ("--mamba-scheduler-strategy", "0.5.14", None), ("--mamba-scheduler-strategy", "0.5.9", None),
+    ("--mamba-radix-cache-strategy", "0.5.9", "earlier releases call it "
+                                              "'--mamba-scheduler-strategy'"),
+    ("--mamba-radix-cache-strategy", "0.5.23", None),
+])
+def test_a_flag_the_targeted_sglang_renamed_is_refused_with_its_name_there(
+        tmp_path, flag, version, refused):
+    """studies/methods.yaml passed the published run's --mamba-scheduler-strategy to SGLang
+    0.5.23, whose parser refuses it: every launch of the study would fail (a helper's
+    audit of the emitted commands against the 0.5.23 wheel)."""
+    path = tmp_path / "s.yaml"
+    path.write_text(f"model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\n"
+                    f"sglang_version: '{version}'\nserver_flags:\n  {flag}: extra_buffer\n")
+    if refused is None:
+        assert load_study(path).server_flags == {flag: "extra_buffer"}
+        return
+    with pytest.raises(TreetuneError) as info:
+        load_study(path)
+    message = str(info.value)
+    assert refused in message and f"SGLang {version} has no '{flag}'" in message
+    assert message.startswith(f"{path}, line 6: key 'server_flags'"), message
+
+
 def test_a_server_flag_written_with_its_value_in_the_key_is_refused(tmp_path):
     """`--tp-size=4` as a key would slip past every check of the flag's name."""
     path = tmp_path / "s.yaml"

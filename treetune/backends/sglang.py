@@ -191,6 +191,36 @@ def cuda_graph_flag(sglang_version: str) -> str:
     return "--cuda-graph-max-bs"
 
 
+# Flags SGLang renamed, as the wheels' parsers show: old name -> (new name, the first
+# release with the new name, a release without the old one). 0.5.9's server_args.py knows
+# only --mamba-scheduler-strategy; 0.5.14's has --mamba-radix-cache-strategy and keeps the
+# old name as an alias; 0.5.20's and 0.5.23's arg_groups know only the new one. (The
+# published Qwen3.5-397B EAGLE3-vs-MTP run passed the old name.)
+RENAMED_FLAGS: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] = {
+    "--mamba-scheduler-strategy": ("--mamba-radix-cache-strategy", (0, 5, 14), (0, 5, 20)),
+}
+
+
+def flag_not_in_release(flag: str, sglang_version: str) -> str:
+    """Why `flag` is not a flag of that SGLang release ("" when treetune knows no reason):
+    a name it renamed, before or after the rename. SGLang refuses an unknown flag, so every
+    launch of the study would fail."""
+    version = parse_version(sglang_version)
+    for old, (new, since, gone) in RENAMED_FLAGS.items():
+        if flag == old and version >= gone:
+            return (f"SGLang {sglang_version} has no '{old}': {_release(since)} renamed it "
+                    f"'{new}', and {_release(gone)} has only the new name; write '{new}'")
+        if flag == new and version < since:
+            return (f"SGLang {sglang_version} has no '{new}': it came in {_release(since)}, "
+                    f"and earlier releases call it '{old}'; write '{old}', or give a newer "
+                    "sglang_version")
+    return ""
+
+
+def _release(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
 # ---- draft methods: which algorithm needs what, and which knobs shape its draft ---------
 
 def needs_draft_model(algorithm: str) -> bool:

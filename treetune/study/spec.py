@@ -33,6 +33,7 @@ from treetune.backends.sglang import (
     NGRAM,
     ONE_VALUE_FLAGS,
     SGLangBackend,
+    flag_not_in_release,
     managed_flag,
     method_tree_problem,
     needs_draft_model,
@@ -404,6 +405,9 @@ class StudySpec:
                                  "on this study's adaptive launches (adaptive: true), each "
                                  "with the config it measures; a flag here would launch every "
                                  "server of the study adaptive, with one config")
+            if missing := flag_not_in_release(flag, self.sglang_version):
+                raise FieldError("server_flags", f"server_flags: {missing} (sglang_version is "
+                                 "the release the study's commands are written for)")
             if (managed := managed_flag(flag)) is not None:
                 name, where = managed
                 what = f"'{flag}'" if flag == name else f"'{flag}' (short for '{name}')"
