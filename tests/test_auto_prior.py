@@ -4,6 +4,7 @@ search; when it cannot, auto falls back to TPE and says why in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -11,7 +12,7 @@ import optuna
 import pytest
 import yaml
 from studykit import run_cli, small_study
-from test_facts import ROCM_SMI_MI300X, cache_with, fixture, stand_in_nvidia_smi
+from test_facts import HF, ROCM_SMI_MI300X, cache_with, fixture, stand_in_nvidia_smi
 
 from treetune.errors import TreetuneError
 from treetune.facts import auto_prior, gpu_facts, model_facts
@@ -216,6 +217,52 @@ def test_without_a_config_auto_falls_back_to_tpe_and_says_why_in_one_line(tmp_pa
     assert "\n" not in planner.note
 
 
+HUB_TARGET, HUB_DRAFT = "Qwen/Qwen3-Coder-Next-FP8", "thoughtworks/Qwen3-Coder-Next-Eagle3"
+
+
+def test_models_not_yet_downloaded_leave_tpe_until_sglang_has_fetched_them(tmp_path):
+    """On a fresh node the models are not in the Hugging Face cache until SGLang's first
+    start downloads them: `auto` ran TPE for the whole study. It now asks again after
+    each launch, and the model search takes over once both config.json are there."""
+    from treetune.study.planner import local_facts
+
+    cache = tmp_path / "hub"
+    spec = sglang_study(tmp_path, model=HUB_TARGET, draft=HUB_DRAFT, backend={"gpu": "H200"},
+                        env={"HF_HUB_CACHE": str(cache)})
+    planner = planner_for(spec)
+    assert planner.strategy_name == "tpe" and planner.awaiting_facts
+    assert "the model search takes over once they are here" in planner.note
+    cache_with(cache, HUB_TARGET)  # the baseline's server fetched the target
+    assert planner.adopt_facts(local_facts(spec), tree_launched=False) == ""
+    assert planner.strategy_name == "tpe" and planner.awaiting_facts
+    cache_with(cache, HUB_DRAFT)  # a tree's server fetched the draft head
+    note = planner.adopt_facts(local_facts(spec), tree_launched=True)
+    assert note.startswith("strategy model from launch 1 on (was tpe): the models' "
+                           "config.json are on the node now"), note
+    assert planner.strategy_name == "model" and not planner.awaiting_facts
+    local = planner_for(sglang_study(tmp_path, backend={"gpu": "H200"}))  # the same files
+    fetched, read = planner.strategy.context.prior.target, local.strategy.context.prior.target
+    assert fetched.name == HUB_TARGET and fetched == dataclasses.replace(read, name=HUB_TARGET)
+
+
+def test_facts_missing_for_another_reason_or_after_a_tree_are_not_asked_again(tmp_path):
+    """An unknown GPU is not fetched by a launch: nothing to ask again. A config still
+    missing after a tree's launch (its server loaded the draft) will not come either."""
+    from treetune.study.planner import local_facts
+
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "NVIDIA Z900, 1000 MiB\n")
+    unknown_gpu = sglang_study(tmp_path, env={"PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin"})
+    planner = planner_for(unknown_gpu)
+    assert planner.strategy_name == "tpe" and not planner.awaiting_facts
+    assert "asked again" not in planner.note
+    cache = tmp_path / "hub"
+    spec = sglang_study(tmp_path, model=HUB_TARGET, draft=HUB_DRAFT, backend={"gpu": "H200"},
+                        env={"HF_HUB_CACHE": str(cache)})
+    planner = planner_for(spec)
+    assert planner.adopt_facts(local_facts(spec), tree_launched=True) == ""
+    assert planner.strategy_name == "tpe" and not planner.awaiting_facts
+
+
 def test_an_unknown_gpu_override_is_refused_when_the_study_is_read(tmp_path):
     # A misspelt --gpu is the user's to fix before anything starts; only a GPU the worker
     # sees and the table lacks makes `auto` go without a model (below).
@@ -353,6 +400,49 @@ def test_a_study_on_sglang_gathers_its_prior_on_a_worker_and_runs_the_model_sear
         (r.reason, r.log_tail) for r in outcome.results]
     # Ray gave the worker 4 GPUs: nvidia-smi was asked about those, not the whole node.
     assert (bin_dir / "args").read_text().split()[-1].startswith("--id=")
+
+
+def test_a_study_whose_models_sglang_downloads_switches_to_the_model_search(tmp_path,
+                                                                           ray_cluster):
+    """A fresh GPU node: the models are hub names not yet in its cache. The stand-in SGLang
+    "downloads" each model it is started with into the cache (as SGLang's first start
+    does), and the study goes from TPE to the model search once both are there."""
+    from treetune.study.runner import run_study
+
+    cache = tmp_path / "hub"
+    fake = tmp_path / "fake"
+    (fake / "sglang").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text("")
+    (fake / "sglang" / "launch_server.py").write_text(
+        "import os, pathlib, shutil, sys\n"
+        "from treetune.emulator.__main__ import main\n"
+        f"hf = pathlib.Path({str(HF)!r})\n"
+        "for flag in ('--model-path', '--speculative-draft-model-path'):\n"
+        "    if flag in sys.argv:\n"
+        "        repo = sys.argv[sys.argv.index(flag) + 1]\n"
+        "        folder = pathlib.Path(os.environ['HF_HUB_CACHE']) / ('models--' + "
+        "repo.replace('/', '--'))\n"
+        "        (folder / 'snapshots' / 'c0ffee').mkdir(parents=True, exist_ok=True)\n"
+        "        shutil.copy(hf / repo / 'config.json', folder / 'snapshots' / 'c0ffee')\n"
+        "        (folder / 'refs').mkdir(exist_ok=True)\n"
+        "        (folder / 'refs' / 'main').write_text('c0ffee')\n"
+        "sys.exit(main(['--profile', 'qwen3-coder-next-h200', '--time-scale', '20',"
+        " '--load-time', '10', '--no-noise', *sys.argv[1:]]))\n")
+    spec = sglang_study(
+        tmp_path, name="fetched", model=HUB_TARGET, draft=HUB_DRAFT, budget={"launches": 3},
+        workers=1, compare=[], batch=[1], datasets=["humaneval"], backend={"gpu": "H200"},
+        env={"PYTHONPATH": f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+             "HF_HUB_CACHE": str(cache)}, ray_address=ray_cluster)
+    notes: list[str] = []
+    outcome = run_study(spec, lambda p: notes.extend(n for n in p.notes if n not in notes))
+    assert len(outcome.results) == 3 and all(r.ok for r in outcome.results), [
+        (r.reason, r.log_tail) for r in outcome.results]
+    assert any(n.startswith("strategy tpe: no performance-model prior (no config.json")
+               for n in notes), notes
+    assert "strategy model from launch 3 on (was tpe): the models' config.json are on the " \
+        "node now (SGLang downloaded them), so the performance-model prior could be built" \
+        in notes, notes
+    assert outcome.strategy == "model"
 
 
 def test_facts_that_fail_unexpectedly_leave_the_study_to_tpe_with_the_cause():

@@ -17,6 +17,11 @@ class TreetuneError(Exception):
     """An error caused by user input or environment, shown without a traceback."""
 
 
+class ConfigNotFoundError(TreetuneError):
+    """A model's config.json is not on this machine, or not yet: a server started with the
+    model's hub name downloads it into the local Hugging Face cache."""
+
+
 class InvalidTreeError(TreetuneError, ValueError):
     """A (steps, topk, draft_tokens) triple that SGLang would refuse."""
 

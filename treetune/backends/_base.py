@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 from treetune.config import ServerConfig
-from treetune.errors import FieldError, TreetuneError
+from treetune.errors import ConfigNotFoundError, FieldError, TreetuneError
 
 if TYPE_CHECKING:
     from treetune.perfmodel import Profile
@@ -190,6 +190,9 @@ class BackendFacts:
 
     profile: Profile | None
     why_not: str = ""
+    # Whether they may be there later: a model's config.json not yet on the node, which a
+    # server started with the model's hub name downloads into the local cache.
+    later: bool = False
 
 
 def gather_facts(backend: Backend, launch: LaunchSpec, env: Mapping[str, str]) -> BackendFacts:
@@ -197,6 +200,8 @@ def gather_facts(backend: Backend, launch: LaunchSpec, env: Mapping[str, str]) -
     the search, and a study runs without them."""
     try:
         profile = backend.facts(launch, env)
+    except ConfigNotFoundError as exc:
+        return BackendFacts(None, str(exc), later=True)
     except TreetuneError as exc:
         return BackendFacts(None, str(exc))
     except Exception as exc:  # a model or machine the facts code did not foresee

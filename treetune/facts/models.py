@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from treetune.errors import ConfigFileError, TreetuneError
+from treetune.errors import ConfigFileError, ConfigNotFoundError
 from treetune.yamlio import read_text
 
 DTYPE_BYTES = {"float32": 4.0, "float": 4.0, "float16": 2.0, "half": 2.0, "bfloat16": 2.0,
@@ -156,7 +156,8 @@ def find_config(model: str, env: Mapping[str, str] | None = None) -> Path:
     hint = (f"; put it in a local cache first (e.g. `hf download {model} config.json`) or "
             "pass the model's local directory" if len(parts) == 2 and not path.is_absolute()
             else "")
-    raise TreetuneError(f"no config.json for '{model}': looked in {', '.join(looked)}{hint}")
+    raise ConfigNotFoundError(f"no config.json for '{model}': looked in {', '.join(looked)}"
+                              f"{hint}")
 
 
 def _cached_config(repo: Path) -> Path | None:

@@ -19,6 +19,7 @@ them is unsettled. Adaptive configs are candidates like trees, but no strategy s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -172,8 +173,10 @@ class Planner:
             self.trend_notes()
         self.floor = floor_of(spec.tolerance)
         self.studies = BatchStudies(store, space)
+        if facts is None and not spec.search.prior:
+            facts = local_facts(spec)
         prior, why_not = study_prior(spec, facts)
-        context = SearchContext(
+        self.context = context = SearchContext(
             space=space, studies=self.studies, batches=sorted(spec.batch),
             datasets=spec.dataset_names, tolerance=spec.tolerance, seed=spec.seed,
             is_known=self.is_known, evidence=self.evidence, prior=prior,
@@ -186,6 +189,13 @@ class Planner:
         without = (f"no performance-model prior ({why_not})"
                    if prior is None and why_not and spec.search.strategy == strategies.AUTO
                    else "")
+        # Models not yet on the node: a server started with their hub names downloads them,
+        # and the model search takes over once it can (`adopt_facts`).
+        self.awaiting_facts = (bool(without) and facts is not None and facts.later
+                               and not spec.methods)
+        if self.awaiting_facts:
+            without += ("; asked again after each launch, since SGLang downloads the models "
+                        "when a server starts: the model search takes over once they are here")
         self.note = f"strategy {self.strategy_name}: {without}" if without else ""
         if spec.methods:  # several draft methods: one search each, taking turns
             search = search_methods(spec, store, space, context)
@@ -194,6 +204,27 @@ class Planner:
             self.note = "; ".join(n for n in (search.note, without) if n)
         self._tell_untold()
         self._plan_adaptive()  # a resumed study may be ready for them
+
+    def adopt_facts(self, facts: BackendFacts, tree_launched: bool) -> str:
+        """The backend's facts asked again after a launch (`awaiting_facts`): the model
+        search takes over from TPE once a prior can be built, with every measurement so
+        far (as a resumed study's search starts). Asked until then, or until a tree's
+        launch has fetched the draft too and the facts still fail. Returns a line for the
+        user when the strategy changed ('' otherwise)."""
+        prior, _why_not = study_prior(self.spec, facts)
+        if prior is None:
+            self.awaiting_facts = facts.later and not tree_launched
+            return ""
+        self.awaiting_facts = False
+        context = dataclasses.replace(self.context, prior=prior, prior_why_not="")
+        name = strategies.resolve(strategies.AUTO, context)
+        if name == self.strategy_name:
+            return ""
+        self.context, self.strategy = context, strategies.make(name, context)
+        before, self.strategy_name = self.strategy_name, name
+        return (f"strategy {name} from launch {self.launches + 1} on (was {before}): the "
+                "models' config.json are on the node now (SGLang downloaded them), so the "
+                "performance-model prior could be built")
 
     def _tell_untold(self) -> None:
         """A resumed study's trees that no batch study holds: measured before a baseline

@@ -375,11 +375,12 @@ class _Pool:
                          "and they join when Ray places them (a node back, or a new one)")
         return notes
 
-    def facts(self) -> BackendFacts:
-        """The backend's facts as a worker sees them (the workers are alike: the first
-        idle one is asked)."""
+    def facts(self, worker: Any = None) -> BackendFacts:
+        """The backend's facts as a worker sees them (`worker`, else the first idle one:
+        the workers are alike)."""
         try:
-            return self.ray.get(self.idle[0].facts.remote(), timeout=RESOURCE_TIMEOUT_S)
+            return self.ray.get((worker or self.idle[0]).facts.remote(),
+                                timeout=RESOURCE_TIMEOUT_S)
         except self.ray.exceptions.GetTimeoutError:
             return BackendFacts(None, f"a launch worker took more than "
                                 f"{RESOURCE_TIMEOUT_S:.0f} s to gather them")
@@ -698,6 +699,11 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                                     else f"{config} failed: {result.reason}")
                 if result.ok and result.attempts > 1:
                     progress.message += f" (second server: {result.retried_because})"
+                # The models this launch's server loaded are on its node now.
+                if (result.ok and planner.awaiting_facts and launch.worker in pool.idle
+                        and (note := planner.adopt_facts(pool.facts(launch.worker),
+                                                         isinstance(config, TreeConfig)))):
+                    progress.notes.append(note)
                 if result.ok:  # a launch or a node running apart, named once
                     progress.notes += planner.odd_notes(task.key)
                     progress.notes += planner.node_notes()
