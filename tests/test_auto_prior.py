@@ -336,6 +336,24 @@ def test_an_installed_sglang_that_takes_other_flags_than_the_study_targets_is_re
     assert message.endswith(f"give --sglang-version {installed}")
 
 
+def test_a_server_flag_the_installed_sglang_names_otherwise_is_refused(tmp_path):
+    """A study written for 0.5.14 with its --mamba-scheduler-strategy, on a node whose
+    SGLang is 0.5.20: that parser knows only --mamba-radix-cache-strategy, and every
+    launch would fail after Ray started."""
+    from treetune.study.preflight import check_study
+
+    spec = sglang_study(tmp_path, backend={"gpu": "H200"}, sglang_version="0.5.14",
+                        server_flags={"--mamba-scheduler-strategy": "extra_buffer"},
+                        env=stand_in_sglang(tmp_path, "0.5.20"))
+    with pytest.raises(TreetuneError) as caught:
+        check_study(spec)
+    message = str(caught.value)
+    assert message.startswith(f"SGLang 0.5.20 is installed for {sys.executable}")
+    assert "server_flags: SGLang 0.5.20 has no '--mamba-scheduler-strategy': 0.5.14 " \
+        "renamed it '--mamba-radix-cache-strategy'" in message
+    assert message.endswith("give --sglang-version 0.5.20")
+
+
 def test_a_search_whose_target_is_only_on_the_nodes_leaves_its_tp_to_them(tmp_path):
     from treetune.backends.sglang import check_tp
 

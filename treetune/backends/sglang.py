@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -492,20 +492,26 @@ def check_tp(launch: LaunchSpec, env: Mapping[str, str]) -> None:
         raise TreetuneError(f"tp {launch.tp} (--tp): {refusal}")
 
 
-def check_installed_version(installed: str, targeted: str, python: str) -> None:
+def check_installed_version(installed: str, targeted: str, python: str,
+                            server_flags: Iterable[str] = ()) -> None:
     """The installed SGLang takes the flags the study's commands are written for: a study
     targeting 0.5.23 (the default) on 0.5.13 would pass --cuda-graph-max-bs-decode, which
-    that release's parser refuses, and fail every launch."""
+    that release's parser refuses, and fail every launch; so would a server flag the
+    installed release names otherwise."""
     try:
         parse_version(installed)
     except TreetuneError:
         return  # no release to compare (a stand-in, a source tree): the launch will tell
+    where = (f"SGLang {installed} is installed for {python} (backend.python), and the "
+             f"study's commands are written for SGLang {targeted} (sglang_version)")
     if cuda_graph_flag(installed) != cuda_graph_flag(targeted):
         raise TreetuneError(
-            f"SGLang {installed} is installed for {python} (backend.python), "
-            f"and the study's commands are written for SGLang {targeted} (sglang_version): "
-            f"that release takes {cuda_graph_flag(installed)} where these pass "
+            f"{where}: that release takes {cuda_graph_flag(installed)} where these pass "
             f"{cuda_graph_flag(targeted)}; give --sglang-version {installed}")
+    for flag in server_flags:
+        if missing := flag_not_in_release(flag, installed):
+            raise TreetuneError(f"{where}: server_flags: {missing}, and give "
+                                f"--sglang-version {installed}")
 
 
 @register
@@ -549,7 +555,7 @@ class SGLangBackend:
         check_tp(launch, env)
         if local:  # on a cluster, the nodes' interpreters are theirs
             check_installed_version(check_sglang(self.python, env), version_of(launch),
-                                    self.python)
+                                    self.python, (flag for flag, _ in launch.extra_flags))
 
     def facts(self, launch: LaunchSpec, env: Mapping[str, str]) -> Profile:
         """The auto prior: the target's and draft's config.json (local paths or the local
