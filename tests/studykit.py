@@ -320,3 +320,20 @@ def short_ray_dir() -> Iterator[str]:
         if ray_dir_used(path):
             end_processes([holder.pid for holder in release_ray_dir(path)])
         remove_tree(path)
+
+
+def fake_sglang(root: Path, prelude: str = "") -> dict[str, str]:
+    """A stand-in `sglang` package under `root` whose `python -m sglang.launch_server`
+    runs `prelude` (Python lines) and then treetune's emulator of Qwen3-Coder-Next at time
+    scale 20 with the flags it was given (a real server's command, process lifecycle and
+    HTTP API; this machine has no GPU). Returns the study `env` that puts it first on
+    PYTHONPATH."""
+    package = root / "sglang"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "launch_server.py").write_text(
+        "import sys\n" + prelude +
+        "from treetune.emulator.__main__ import main\n"
+        "sys.exit(main(['--profile', 'qwen3-coder-next-h200', '--time-scale', '20',"
+        " '--load-time', '10', '--no-noise', *sys.argv[1:]]))\n")
+    return {"PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

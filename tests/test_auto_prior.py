@@ -11,7 +11,7 @@ import sys
 import optuna
 import pytest
 import yaml
-from studykit import run_cli, small_study
+from studykit import fake_sglang, run_cli, small_study
 from test_facts import HF, ROCM_SMI_MI300X, cache_with, fixture, stand_in_nvidia_smi
 
 from treetune.errors import TreetuneError
@@ -395,19 +395,11 @@ def test_a_study_on_sglang_gathers_its_prior_on_a_worker_and_runs_the_model_sear
     cluster's 4 GPUs are logical: Ray hands them out as on a GPU node)."""
     from treetune.study.runner import run_study
 
-    fake = tmp_path / "fake"
-    (fake / "sglang").mkdir(parents=True)
-    (fake / "sglang" / "__init__.py").write_text("")
-    (fake / "sglang" / "launch_server.py").write_text(
-        "import sys\n"
-        "from treetune.emulator.__main__ import main\n"
-        "sys.exit(main(['--profile', 'qwen3-coder-next-h200', '--time-scale', '20',"
-        " '--load-time', '10', '--no-noise', *sys.argv[1:]]))\n")
     bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "NVIDIA H200, 143771 MiB\n" * 4)
     spec = sglang_study(
         tmp_path, name="autoprior", budget={"launches": 2}, workers=1, compare=[],
         batch=[1], datasets=["humaneval"],
-        env={"PYTHONPATH": f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        env={**fake_sglang(tmp_path / "fake"),
              "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}, ray_address=ray_cluster)
     notes: list[str] = []
     outcome = run_study(spec, lambda p: notes.extend(n for n in p.notes if n not in notes))
@@ -428,12 +420,8 @@ def test_a_study_whose_models_sglang_downloads_switches_to_the_model_search(tmp_
     from treetune.study.runner import run_study
 
     cache = tmp_path / "hub"
-    fake = tmp_path / "fake"
-    (fake / "sglang").mkdir(parents=True)
-    (fake / "sglang" / "__init__.py").write_text("")
-    (fake / "sglang" / "launch_server.py").write_text(
-        "import os, pathlib, shutil, sys\n"
-        "from treetune.emulator.__main__ import main\n"
+    download = (  # each model the server is started with, into the cache
+        "import os, pathlib, shutil\n"
         f"hf = pathlib.Path({str(HF)!r})\n"
         "for flag in ('--model-path', '--speculative-draft-model-path'):\n"
         "    if flag in sys.argv:\n"
@@ -443,14 +431,12 @@ def test_a_study_whose_models_sglang_downloads_switches_to_the_model_search(tmp_
         "        (folder / 'snapshots' / 'c0ffee').mkdir(parents=True, exist_ok=True)\n"
         "        shutil.copy(hf / repo / 'config.json', folder / 'snapshots' / 'c0ffee')\n"
         "        (folder / 'refs').mkdir(exist_ok=True)\n"
-        "        (folder / 'refs' / 'main').write_text('c0ffee')\n"
-        "sys.exit(main(['--profile', 'qwen3-coder-next-h200', '--time-scale', '20',"
-        " '--load-time', '10', '--no-noise', *sys.argv[1:]]))\n")
+        "        (folder / 'refs' / 'main').write_text('c0ffee')\n")
     spec = sglang_study(
         tmp_path, name="fetched", model=HUB_TARGET, draft=HUB_DRAFT, budget={"launches": 3},
         workers=1, compare=[], batch=[1], datasets=["humaneval"], backend={"gpu": "H200"},
-        env={"PYTHONPATH": f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-             "HF_HUB_CACHE": str(cache)}, ray_address=ray_cluster)
+        env={**fake_sglang(tmp_path / "fake", download), "HF_HUB_CACHE": str(cache)},
+        ray_address=ray_cluster)
     notes: list[str] = []
     outcome = run_study(spec, lambda p: notes.extend(n for n in p.notes if n not in notes))
     assert len(outcome.results) == 3 and all(r.ok for r in outcome.results), [

@@ -4,14 +4,13 @@ Ctrl-C, recommendations, and the SGLang backend running through the same code.""
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 
 import optuna
 import pytest
 from optuna.trial import TrialState
-from studykit import ray_env, short_ray_dir, small_study
+from studykit import fake_sglang, ray_env, short_ray_dir, small_study
 
 from treetune.config import TreeConfig
 from treetune.results import config_key
@@ -131,19 +130,10 @@ def test_the_sglang_backend_runs_the_same_code_pointed_at_the_emulator(tmp_path,
     """`python -m sglang.launch_server` resolves to a stand-in package that execs the
     emulator: command building, process lifecycle, load and storage are the real ones (on
     a Ray cluster whose GPUs are logical: this machine has none)."""
-    fake = tmp_path / "fake"
-    (fake / "sglang").mkdir(parents=True)
-    (fake / "sglang" / "__init__.py").write_text("")
-    (fake / "sglang" / "launch_server.py").write_text(
-        "import os, sys\n"
-        "from treetune.emulator.__main__ import main\n"
-        "sys.exit(main(['--profile', os.environ['FAKE_SGLANG_PROFILE'], '--time-scale', '20',"
-        " '--load-time', '10', '--no-noise', *sys.argv[1:]]))\n")
     study = small_study(tmp_path, name="viasglang", budget={"launches": 2}, workers=1,
                         backend={"kind": "sglang", "python": sys.executable},
-                        env={"PYTHONPATH": f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                             "FAKE_SGLANG_PROFILE": "qwen3-coder-next-h200"},
-                        compare=[], ray_address=ray_cluster)
+                        env=fake_sglang(tmp_path / "fake"), compare=[],
+                        ray_address=ray_cluster)
     spec = load_study(None, study)
     outcome = run_study(spec)
     assert len(outcome.results) == 2 and all(r.ok for r in outcome.results), [
