@@ -225,7 +225,9 @@ def test_a_node_that_joins_mid_study_takes_the_workers_that_waited_for_gpus(tmp_
             raise done["error"]  # type: ignore[misc]
         outcome = done["outcome"]
         assert added, "the node was never added"
-        assert any("1 wait, and join when Ray places them" in n for n in notes), notes
+        assert any(n.startswith("1 of 2 workers wait for nodes (the cluster holds 1 server(s) "
+                                "of 4 emulated GPUs on H100 nodes), and join when Ray places "
+                                "them") for n in notes), notes
         assert any(n.startswith("a worker joined") for n in notes), notes
         assert all(r.ok for r in outcome.results)
         assert nodes_used(spec) == {nodes["H100"][0].node_id, added[0]}

@@ -306,10 +306,14 @@ class _Pool:
         notes = [f"{len(failed)} launch worker(s) could not start: {failed[0]}"] if failed else []
         if waiting:
             self.told.update(waiting)  # said here: not again when their deadline passes
-            notes.append(f"Ray placed {len(ready)} of {count} workers of {self.spec.tp} "
-                         f"{self.spec.backend.gpu_label}{on} within "
-                         f"{RESOURCE_TIMEOUT_S:.0f} s (the cluster has no free GPUs for the "
-                         f"others yet: {len(waiting)} wait, and join when Ray places them)")
+            gpus = f"{self.spec.tp} {self.spec.backend.gpu_label}{on}"
+            notes.append(
+                f"{len(waiting)} of {count} workers wait for nodes (the cluster holds "
+                f"{self.placement.groups} server(s) of {gpus}), and join when Ray places them"
+                if count > self.placement.groups else
+                f"Ray placed {len(ready)} of {count} workers of {gpus} within "
+                f"{RESOURCE_TIMEOUT_S:.0f} s (the others' GPUs are in use): {len(waiting)} "
+                "wait, and join when Ray places them")
         if notes:
             notes.append(f"the study runs with {len(names)}")
         return "; ".join(notes)
