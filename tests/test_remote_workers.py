@@ -168,7 +168,7 @@ def test_a_worker_ray_cannot_place_waits_while_others_work_and_is_given_up_with_
     assert len(first) == 1 and "not placed within" in first[0] and "goes on with 1" in first[0]
     assert pool.settle([]) == [] and len(pool.starting) == 1 and not ray.killed
     pool.alive = 0  # the last worker lost too: nothing to go on with
-    assert pool.settle([]) == ["no node could take a replacement worker"]
+    assert pool.settle([]) == ["no node could take 1 waiting worker(s)"]
     assert not pool.starting and len(ray.killed) == 1
 
 

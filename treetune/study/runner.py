@@ -367,11 +367,11 @@ class _Pool:
                 notes.append(f"a worker that joined could not start: {_cause(exc)}")
         now = time.monotonic()
         late = [ref for ref, (_, deadline) in self.starting.items() if now > deadline]
-        if self.alive == 0:
+        if self.alive == 0 and late:
             for ref in late:
                 self.retire(self.starting.pop(ref)[0])
                 self.told.discard(ref)
-                notes.append("no node could take a replacement worker")
+            notes.append(f"no node could take {len(late)} waiting worker(s)")
         elif untold := [ref for ref in late if ref not in self.told]:
             self.told.update(untold)
             notes.append(f"{len(untold)} replacement worker(s) not placed within "
