@@ -5,6 +5,7 @@ and removed after; without PostgreSQL installed these tests skip, saying so."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -44,11 +45,36 @@ def postgres_bin() -> Path | None:
     return Path(initdb).parent if initdb else None
 
 
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[str]:
-    """The URL of a database on a private PostgreSQL server: its own data dir and port,
-    stopped and removed after the module (as root, the server runs as the `postgres` user:
-    PostgreSQL refuses to run as root)."""
+class PrivatePostgres:
+    """A private PostgreSQL server: its own data dir and port (as root, the server runs as
+    the `postgres` user: PostgreSQL refuses to run as root); `url` names its `studies`
+    database. It can be stopped and started again while a test runs."""
+
+    def __init__(self, programs: Path, folder: str, as_user: list[str]) -> None:
+        self.programs, self.folder, self.as_user = programs, folder, as_user
+        self.data, self.port = f"{folder}/data", free_port()
+        self.url = f"postgresql://treetune@127.0.0.1:{self.port}/studies"
+        subprocess.run([*as_user, str(programs / "initdb"), "-D", self.data, "-U", "treetune",
+                        "--auth=trust", "-E", "UTF8", "--no-sync"],
+                       check=True, capture_output=True, timeout=120)
+
+    def start(self) -> None:
+        options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -c unix_socket_directories="
+                   "'' -c fsync=off -c full_page_writes=off")
+        subprocess.run([*self.as_user, str(self.programs / "pg_ctl"), "-D", self.data, "-l",
+                        f"{self.folder}/server.log", "-w", "-t", "60", "-o", options, "start"],
+                       check=True, capture_output=True, timeout=90)
+
+    def stop(self) -> None:
+        subprocess.run([*self.as_user, str(self.programs / "pg_ctl"), "-D", self.data, "-m",
+                        "fast", "-w", "-t", "60", "stop"], capture_output=True, timeout=90)
+        assert wait_until(lambda: not processes_with(self.data), 30), "PostgreSQL outlived it"
+
+
+@contextlib.contextmanager
+def private_postgres() -> Iterator[PrivatePostgres]:
+    """A PrivatePostgres, started with its `studies` database, stopped and removed after;
+    without PostgreSQL installed the test skips, saying so."""
     programs = postgres_bin()
     if programs is None:
         pytest.skip("PostgreSQL is not installed (no initdb under /usr/lib/postgresql/*/bin "
@@ -65,29 +91,27 @@ def postgres() -> Iterator[str]:
                             "PostgreSQL as")
             shutil.chown(folder, "postgres")
             as_user = ["runuser", "-u", "postgres", "--"]
-        data, port = f"{folder}/data", free_port()
-        subprocess.run([*as_user, str(programs / "initdb"), "-D", data, "-U", "treetune",
-                        "--auth=trust", "-E", "UTF8", "--no-sync"],
-                       check=True, capture_output=True, timeout=120)
-        options = (f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories='' "
-                   "-c fsync=off -c full_page_writes=off")
-        subprocess.run([*as_user, str(programs / "pg_ctl"), "-D", data, "-l",
-                        f"{folder}/server.log", "-w", "-t", "60", "-o", options, "start"],
-                       check=True, capture_output=True, timeout=90)
+        server = PrivatePostgres(programs, folder, as_user)
+        server.start()
         try:
-            admin = sa.create_engine(f"postgresql://treetune@127.0.0.1:{port}/postgres",
+            admin = sa.create_engine(f"postgresql://treetune@127.0.0.1:{server.port}/postgres",
                                      isolation_level="AUTOCOMMIT")
             with admin.connect() as conn:
                 conn.execute(sa.text("CREATE DATABASE studies"))
             admin.dispose()
-            yield f"postgresql://treetune@127.0.0.1:{port}/studies"
+            yield server
         finally:
-            subprocess.run([*as_user, str(programs / "pg_ctl"), "-D", data, "-m", "fast",
-                            "-w", "-t", "60", "stop"], capture_output=True, timeout=90)
-            assert wait_until(lambda: not processes_with(data), 30), "PostgreSQL outlived it"
+            server.stop()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     assert not os.path.exists(folder)
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[str]:
+    """The URL of a database on a private PostgreSQL server, for the module."""
+    with private_postgres() as server:
+        yield server.url
 
 
 def test_claims_raced_on_postgresql_give_each_launch_to_one_search_within_the_budget(
@@ -213,3 +237,44 @@ def test_a_killed_search_sharing_a_study_has_its_running_launch_redone_by_anothe
     for name in (f"{spec.name}:batch-{b}" for b in spec.batch):
         study = optuna.load_study(study_name=name, storage=postgres)
         assert not study.get_trials(states=(TrialState.RUNNING,)), name
+
+
+def test_a_database_stopped_mid_study_is_said_plainly_and_a_rerun_finishes_the_study(
+        tmp_path, ray_cluster, monkeypatch):
+    """The study's PostgreSQL server stopped while launches ran: the search ended with
+    "internal error: StorageInternalError: ... invalid data in the commit", exit 1, and
+    its cleanup stopped at the first storage call (a helper's audit). It now says the
+    storage stopped answering, exit 2, stops its servers; the rerun redoes what ran."""
+    with private_postgres() as server:
+        path = tmp_path / "study.yaml"
+        path.write_text(yaml.safe_dump(small_study(
+            tmp_path, name="lost", budget={"launches": 4}, workers=2, storage=server.url,
+            ray_address=ray_cluster, search={"strategy": "grid",
+                                             "max_launches_per_config": 1})))
+        marker = str(tmp_path)
+        proc = search(path)
+        try:
+            assert wait_until(lambda: len(list((tmp_path / "out" / "logs").glob("*.log"))) >= 3
+                              and server_processes(marker), 120), "no launch after the first"
+            server.stop()
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+            server.start()
+        text = err.decode()
+        assert proc.returncode == 2, text[-3000:]
+        assert f"error: the study storage {server.url} stopped answering (" in text, text
+        assert "rerun the same command once it answers again" in text and "Traceback" not in text
+        assert wait_until(lambda: not server_processes(marker), 30), "a server outlived it"
+        monkeypatch.setenv("TREETUNE_STALE_AFTER_S", "2")  # the stopped search's beat
+        rerun = search(path)
+        _, err = rerun.communicate(timeout=300)
+        assert rerun.returncode == 0, err.decode()[-3000:]
+        launches = optuna.load_study(study_name="lost:launches", storage=server.url)
+        complete = [t.user_attrs["config"] for t in launches.get_trials(
+            states=(TrialState.COMPLETE,))]
+        assert len(complete) == len(set(complete)) == 4, (
+            [(t.number, t.state, t.user_attrs) for t in launches.get_trials()], err.decode())
+        assert not launches.get_trials(states=(TrialState.RUNNING,))

@@ -38,7 +38,7 @@ from treetune.study.planner import Planner, Task
 from treetune.study.preflight import check_study
 from treetune.study.recommend import MIXED, Recommendation
 from treetune.study.spec import SPEC_COPY, StudySpec
-from treetune.study.storage import StudyStore, check_writable
+from treetune.study.storage import STORAGE_ERRORS, StudyStore, check_writable, storage_lost
 from treetune.study.worker import SHIPPED_LOGS, LaunchWorker, store_logs
 
 RESOURCE_TIMEOUT_S = 120.0  # how long to wait for Ray to place the workers
@@ -449,6 +449,8 @@ def run_study(spec: StudySpec, on_progress: Callable[[Progress], None] | None = 
     try:
         with study_lock(spec):
             return _run(spec, on_progress, store)
+    except STORAGE_ERRORS as exc:
+        raise storage_lost(spec.storage_url, exc) from None
     finally:
         restore()
         stopping.clear()  # a stop that ended the study is not the next one's
@@ -727,16 +729,23 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         interrupted = True
         stopping.clear()
     finally:
+        # The storage may be what failed: what it cannot record is found stale by the next
+        # search, and the servers and Ray must go down all the same.
+        quietly = contextlib.suppress(*STORAGE_ERRORS)
         for launch in in_flight.values():
-            store.abandon(launch.trial, store.launches, "interrupted")
+            with quietly:
+                store.abandon(launch.trial, store.launches, "interrupted")
             ray.kill(launch.worker)  # its server dies with it (parent-death signal)
         if planner is not None:
-            planner.abandon("interrupted" if interrupted else "search ended")
+            with quietly:
+                planner.abandon("interrupted" if interrupted else "search ended")
         in_flight.clear()
         if claims is not None:
-            claims.release_all()  # what this search will not finish, another may launch
+            with quietly:
+                claims.release_all()  # what this search will not finish, another may launch
             if others is not None:
-                claims.stop_beating()
+                with quietly:
+                    claims.stop_beating()
         # A local Ray goes down whole with the session (its workers, and their servers by
         # the parent-death signal): asking its GCS to free each worker first would wait a
         # minute per call when a SIGTERM to the process group (`timeout`, a job

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from urllib.parse import quote
 
 import optuna
+import sqlalchemy as sa
 from optuna.distributions import BaseDistribution
 from optuna.trial import TrialState
 
@@ -57,6 +58,33 @@ def default_sampler(seed: int) -> optuna.samplers.BaseSampler:
 
 
 LOCK_WAIT_S = 5.0  # how long a locked SQLite storage is waited for before giving up
+
+# What a study's storage raises when its database stops answering mid-study (its server
+# stopped, the network lost): Optuna's wrapper of a failed commit, and SQLAlchemy's own
+# (Optuna's reads and treetune's claims).
+STORAGE_ERRORS: tuple[type[Exception], ...] = (optuna.exceptions.StorageInternalError,
+                                               sa.exc.DBAPIError)
+
+
+def storage_lost(url: str, exc: BaseException) -> TreetuneError:
+    """The error for a storage that stopped answering: the database's own first line (not
+    Optuna's "invalid data in the commit" guess), never the URL's password."""
+    root, seen = exc, set()
+    while (root.__cause__ or root.__context__) is not None and id(root) not in seen:
+        seen.add(id(root))
+        root = root.__cause__ or root.__context__  # type: ignore[assignment]
+    lines = [line.strip() for line in str(root).splitlines() if line.strip()]
+    cause = lines[0] if lines else type(root).__name__
+    try:
+        password = sa.engine.make_url(url).password
+    except sa.exc.ArgumentError:
+        password = None
+    if password:
+        cause = cause.replace(str(password), "***")
+    return TreetuneError(
+        f"the study storage {shown_url(url)} stopped answering ({cause}): the launches "
+        "finished before are stored; rerun the same command once it answers again (the "
+        "launches left running are redone)")
 
 
 def check_writable(folder: Path) -> None:
