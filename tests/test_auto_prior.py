@@ -259,8 +259,26 @@ def test_facts_missing_for_another_reason_or_after_a_tree_are_not_asked_again(tm
     spec = sglang_study(tmp_path, model=HUB_TARGET, draft=HUB_DRAFT, backend={"gpu": "H200"},
                         env={"HF_HUB_CACHE": str(cache)})
     planner = planner_for(spec)
-    assert planner.adopt_facts(local_facts(spec), tree_launched=True) == ""
+    note = planner.adopt_facts(local_facts(spec), tree_launched=True)
+    assert note.startswith("strategy tpe stays: the models' config.json are not on the node "
+                           f"even after a tree's launch (no config.json for '{HUB_TARGET}'")
     assert planner.strategy_name == "tpe" and not planner.awaiting_facts
+    # Both fetched, but the pair cannot make a prior (a head for another target).
+    planner = planner_for(sglang_study(tmp_path, model=HUB_TARGET, draft="thoughtworks/"
+                                       "Qwen3-8B-Eagle3", backend={"gpu": "H200"},
+                                       env={"HF_HUB_CACHE": str(cache)}))
+    cache_with(cache, HUB_TARGET)
+    cache_with(cache, "thoughtworks/Qwen3-8B-Eagle3")
+    note = planner.adopt_facts(local_facts(planner.spec), tree_launched=True)
+    assert note.startswith("strategy tpe stays: the models are on the node now, but the prior "
+                           "cannot be built (draft 'thoughtworks/Qwen3-8B-Eagle3'"), note
+    assert not planner.awaiting_facts
+    # A local folder without config.json: nothing a server downloads.
+    folder = tmp_path / "a-local-model"
+    folder.mkdir()
+    planner = planner_for(sglang_study(tmp_path, model=str(folder), backend={"gpu": "H200"}))
+    assert planner.strategy_name == "tpe" and not planner.awaiting_facts
+    assert "asked again" not in planner.note and "hf download" not in planner.note
 
 
 def test_an_unknown_gpu_override_is_refused_when_the_study_is_read(tmp_path):
@@ -354,12 +372,27 @@ def test_a_server_flag_the_installed_sglang_names_otherwise_is_refused(tmp_path)
     assert message.endswith("give --sglang-version 0.5.20")
 
 
+@pytest.mark.parametrize(("model", "draft", "refused"), [
+    (TARGET, fixture("thoughtworks/Qwen3-8B-Eagle3"), "is an EAGLE3 head for a target of "
+     "hidden size 4096, but"),
+    (DRAFT, TARGET, "is an EAGLE3 draft head, not a target model: give it as the draft"),
+])
+def test_a_draft_sglang_cannot_serve_with_the_target_is_refused_before_ray(
+        tmp_path, model, draft, refused):
+    """A head trained for another target: the search ran TPE (no prior) and launched trees
+    that SGLang cannot load (a helper's audit); `treetune prior` refused the pair."""
+    from treetune.study.preflight import check_study
+
+    with pytest.raises(TreetuneError, match=refused):
+        check_study(sglang_study(tmp_path, model=model, draft=draft, backend={"gpu": "H200"}))
+
+
 def test_a_search_whose_target_is_only_on_the_nodes_leaves_its_tp_to_them(tmp_path):
-    from treetune.backends.sglang import check_tp
+    from treetune.backends.sglang import check_models
 
     spec = sglang_study(tmp_path, model=str(tmp_path / "on-the-nodes"), tp=3,
                         backend={"gpu": "H200"})
-    check_tp(spec.launch_spec(), {})  # nothing here to say it does not fit
+    check_models(spec.launch_spec(), {})  # nothing here to say it does not fit
 
 
 def test_the_model_strategy_asked_for_without_facts_says_why(tmp_path):

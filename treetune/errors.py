@@ -18,8 +18,12 @@ class TreetuneError(Exception):
 
 
 class ConfigNotFoundError(TreetuneError):
-    """A model's config.json is not on this machine, or not yet: a server started with the
-    model's hub name downloads it into the local Hugging Face cache."""
+    """A model's config.json is not on this machine, or (`fetchable`: the model is a hub
+    name) not yet: a server started with it downloads it into the local cache."""
+
+    def __init__(self, message: str, fetchable: bool = False) -> None:
+        super().__init__(message)
+        self.fetchable = fetchable
 
 
 class InvalidTreeError(TreetuneError, ValueError):

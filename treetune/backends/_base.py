@@ -201,7 +201,7 @@ def gather_facts(backend: Backend, launch: LaunchSpec, env: Mapping[str, str]) -
     try:
         profile = backend.facts(launch, env)
     except ConfigNotFoundError as exc:
-        return BackendFacts(None, str(exc), later=True)
+        return BackendFacts(None, str(exc), later=exc.fetchable)
     except TreetuneError as exc:
         return BackendFacts(None, str(exc))
     except Exception as exc:  # a model or machine the facts code did not foresee

@@ -477,12 +477,13 @@ def check_sglang(python: str, env: Mapping[str, str] | None = None) -> str:
         f"installation (pip install 'treetune[sglang]'), {EMULATOR_HINT}")
 
 
-def check_tp(launch: LaunchSpec, env: Mapping[str, str]) -> None:
-    """The target's attention splits over `launch.tp` GPUs, when its config.json is here to
-    say (a local folder or this machine's Hugging Face cache): else every launch, the
-    baseline's first, would fail at SGLang's assert after Ray started. A target found only
-    on the nodes is left to them."""
+def check_models(launch: LaunchSpec, env: Mapping[str, str]) -> None:
+    """The target's attention splits over `launch.tp` GPUs, and the draft is one SGLang can
+    serve with it, when their config.json are here to say (a local folder or this machine's
+    Hugging Face cache): else every launch (the baseline's, or every tree's) would fail in
+    SGLang after Ray started. Models found only on the nodes are left to them."""
     from treetune.facts import model_facts
+    from treetune.facts.prior import pair_problem
 
     try:
         facts = model_facts(launch.model_path, env)
@@ -490,6 +491,15 @@ def check_tp(launch: LaunchSpec, env: Mapping[str, str]) -> None:
         return
     if refusal := facts.tp_refusal(launch.model_path, launch.tp):
         raise TreetuneError(f"tp {launch.tp} (--tp): {refusal}")
+    draft = launch.draft_model_path
+    if draft is None or not needs_draft_model(launch.algorithm):
+        return
+    try:
+        head = model_facts(draft, env)
+    except TreetuneError:
+        return
+    if problem := pair_problem(launch.model_path, facts, draft, head):
+        raise TreetuneError(problem)
 
 
 def check_installed_version(installed: str, targeted: str, python: str,
@@ -552,7 +562,7 @@ class SGLangBackend:
 
     def check(self, launch: LaunchSpec, datasets: list[str], env: Mapping[str, str],
               local: bool) -> None:
-        check_tp(launch, env)
+        check_models(launch, env)
         if local:  # on a cluster, the nodes' interpreters are theirs
             check_installed_version(check_sglang(self.python, env), version_of(launch),
                                     self.python, (flag for flag, _ in launch.extra_flags))

@@ -145,7 +145,10 @@ def find_config(model: str, env: Mapping[str, str] | None = None) -> Path:
             return path / "config.json"
         looked.append(str(path / "config.json"))
     parts = model.strip("/").split("/")
-    if len(parts) == 2 and not path.is_absolute() and not model.startswith("."):
+    # A hub name: a server started with it downloads the model (a folder here is no name).
+    hub = (len(parts) == 2 and not path.is_absolute() and not model.startswith(".")
+           and not path.is_dir())
+    if hub:
         folder = hub_cache(env) / ("models--" + "--".join(parts))
         found = _cached_config(folder)
         if found is not None:
@@ -154,10 +157,9 @@ def find_config(model: str, env: Mapping[str, str] | None = None) -> Path:
     elif not looked:
         looked.append(str(path / "config.json"))
     hint = (f"; put it in a local cache first (e.g. `hf download {model} config.json`) or "
-            "pass the model's local directory" if len(parts) == 2 and not path.is_absolute()
-            else "")
+            "pass the model's local directory" if hub else "")
     raise ConfigNotFoundError(f"no config.json for '{model}': looked in {', '.join(looked)}"
-                              f"{hint}")
+                              f"{hint}", fetchable=hub)
 
 
 def _cached_config(repo: Path) -> Path | None:

@@ -77,6 +77,20 @@ def _mla(target: ModelFacts) -> MLA | None:
                bytes_per_element=target.kv_bytes_per_token / elements)
 
 
+def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts) -> str:
+    """Why SGLang cannot serve `draft` as the draft of `model` ("" when it can): a target
+    that is itself an EAGLE3 head, or an EAGLE3 head trained for a target of another width
+    (its first layer takes three of the target's hidden states)."""
+    if target.eagle3:
+        return (f"'{model}' ({target.config_path}) is an EAGLE3 draft head, not a target "
+                "model: give it as the draft")
+    if head.eagle3 and head.target_hidden_size != target.hidden_size:
+        return (f"draft '{draft}' ({head.config_path}) is an EAGLE3 head for a target of "
+                f"hidden size {head.target_hidden_size}, but '{model}' has hidden size "
+                f"{target.hidden_size}: give the draft head trained for this target")
+    return ""
+
+
 def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = None,
                 env: Mapping[str, str] | None = None, kv_cache_bytes: float | None = None,
                 datasets: Sequence[str] = (), name: str | None = None) -> Profile:
@@ -89,15 +103,8 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
                             "study has no draft (NEXTN): give --prior NAME_OR_FILE")
     target_facts = model_facts(model, env, kv_cache_bytes)
     draft_facts = model_facts(draft, env, kv_cache_bytes)
-    if target_facts.eagle3:
-        raise TreetuneError(f"'{model}' ({target_facts.config_path}) is an EAGLE3 draft head,"
-                            " not a target model: give it as the draft")
-    if draft_facts.eagle3 and draft_facts.target_hidden_size != target_facts.hidden_size:
-        # Its first layer takes three of the target's hidden states: SGLang cannot load it.
-        raise TreetuneError(
-            f"draft '{draft}' ({draft_facts.config_path}) is an EAGLE3 head for a target of "
-            f"hidden size {draft_facts.target_hidden_size}, but '{model}' has hidden size "
-            f"{target_facts.hidden_size}: give the draft head trained for this target")
+    if problem := pair_problem(model, target_facts, draft, draft_facts):
+        raise TreetuneError(problem)
     if refusal := target_facts.tp_refusal(model, tp):
         raise TreetuneError(f"--tp {tp}: {refusal}")
     gpu_entry = gpu_facts(gpu, "--gpu") if gpu else detect_gpu(env)

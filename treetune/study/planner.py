@@ -210,11 +210,16 @@ class Planner:
         search takes over from TPE once a prior can be built, with every measurement so
         far (as a resumed study's search starts). Asked until then, or until a tree's
         launch has fetched the draft too and the facts still fail. Returns a line for the
-        user when the strategy changed ('' otherwise)."""
-        prior, _why_not = study_prior(self.spec, facts)
+        user when the strategy changed, or when it stays for good ('' otherwise)."""
+        prior, why_not = study_prior(self.spec, facts)
         if prior is None:
             self.awaiting_facts = facts.later and not tree_launched
-            return ""
+            if self.awaiting_facts:
+                return ""
+            return (f"strategy {self.strategy_name} stays: " + (
+                "the models' config.json are not on the node even after a tree's launch"
+                if facts.later else "the models are on the node now, but the prior cannot "
+                "be built") + f" ({why_not})")
         self.awaiting_facts = False
         context = dataclasses.replace(self.context, prior=prior, prior_why_not="")
         name = strategies.resolve(strategies.AUTO, context)
