@@ -188,3 +188,22 @@ def test_a_cluster_worker_runs_the_checks_the_driver_left_to_the_nodes(tmp_path)
     with pytest.raises(TreetuneError, match=f"on {socket.gethostname()}: SGLang is not "
                                             "installed"):
         LaunchWorker(cluster, 0).ready()
+
+
+def test_workers_beyond_what_the_machine_holds_are_said_and_on_a_cluster_asked_for(tmp_path):
+    """`--workers 3` on a node holding one server ran one without a word (a helper's audit
+    of a fresh GPU node); on a cluster the others wait for nodes to join."""
+    from treetune.study.placement import Node, Placement
+    from treetune.study.runner import worker_count
+
+    placement = Placement(resource="GPU", tp=4, gpu_type="H100",
+                          nodes=(Node(node_id="n", gpus=4.0, gpu_type="H100"),))
+    local = load_study(None, small_study(tmp_path, workers=3))
+    count, note = worker_count(local, placement)
+    assert count == 1 and note == ("workers: 3 asked, but this machine holds 1 server(s) of 4 "
+                                   "emulated GPUs at once: the study runs with 1")
+    assert worker_count(load_study(None, small_study(tmp_path, workers=1)), placement) == (1, "")
+    assert worker_count(load_study(None, small_study(tmp_path, workers=None)),
+                        placement) == (1, "")
+    cluster = load_study(None, small_study(tmp_path, workers=3, ray_address="head:6379"))
+    assert worker_count(cluster, placement) == (3, "")

@@ -213,13 +213,16 @@ def _placement(ray: Any, spec: StudySpec) -> Placement:
     return plan_placement(spec, gpu_nodes(ray.nodes(), spec.backend.gpu_resource))
 
 
-def worker_count(spec: StudySpec, placement: Placement) -> int:
+def worker_count(spec: StudySpec, placement: Placement) -> tuple[int, str]:
     """The workers a study asks for: `workers`, or one per GPU group the cluster offers. On
     a cluster, workers beyond the groups it offers now wait for GPUs (an autoscaler's nodes,
-    nodes that join later); on this machine none will come."""
-    if spec.workers is None:
-        return placement.groups
-    return spec.workers if not spec.local_ray else min(spec.workers, placement.groups)
+    nodes that join later); on this machine none will come, and a note says so."""
+    if spec.workers is None or not spec.local_ray or spec.workers <= placement.groups:
+        return spec.workers or placement.groups, ""
+    return placement.groups, (
+        f"workers: {spec.workers} asked, but this machine holds {placement.groups} "
+        f"server(s) of {spec.tp} {spec.backend.gpu_label} at once: the study runs with "
+        f"{placement.groups}")
 
 
 def _cause(exc: BaseException) -> str:
@@ -583,7 +586,10 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         placement = _placement(ray, spec)
         store.check_gpu_type(placement.gpu_type)
         pool = _Pool(ray, spec, placement)
-        if short := pool.start(worker_count(spec, placement)):
+        count, capped = worker_count(spec, placement)
+        if capped:
+            progress.notes.append(capped)
+        if short := pool.start(count):
             progress.notes.append(short)
         # The search's prior comes from a worker: the GPUs and model files servers use.
         planner = Planner(spec, store, space, launched, tp=spec.tp, facts=pool.facts())

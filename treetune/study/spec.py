@@ -235,10 +235,11 @@ class StudySpec:
                                      file_type=str | None))
     datasets: tuple[DatasetSpec, ...] = field(metadata=meta(
         "--datasets", "Datasets: built-in names or .json/.jsonl files, e.g. --datasets "
-        "mt-bench humaneval data/chat.jsonl.",
+        "mt-bench humaneval data/chat.jsonl (required without --study).",
         file_type=list[Any]))  # names, or mappings with a file
     batch: tuple[int, ...] = field(metadata=meta(
-        "--batch", "Batch sizes, e.g. --batch 1 32.", file_type=list[int]))
+        "--batch", "Batch sizes, e.g. --batch 1 32 (required without --study).",
+        file_type=list[int]))
     # Open-loop cells beside the batch sizes: requests arriving at each rate (measurement.
     # arrival), measured and stored (LaunchResult.rate_cells) but not searched over.
     rates: tuple[float, ...] = field(default=(), metadata=meta(
@@ -323,10 +324,14 @@ class StudySpec:
             raise FieldError("name", f"name '{self.name}' may only hold letters, digits, '.', "
                              "'_', '-'")
         if not self.datasets:
-            raise FieldError("datasets", "datasets: give at least one dataset")
+            raise FieldError("datasets", "datasets: give at least one dataset (--datasets "
+                             "mt-bench humaneval, or a study file's `datasets:`)")
         with for_field("space"):
             resolve_space_path(self.space)
-        if not self.batch or any(b < 1 for b in self.batch):
+        if not self.batch:
+            raise FieldError("batch", "batch: give at least one batch size (--batch 1 32, or "
+                             "a study file's `batch:`)")
+        if any(b < 1 for b in self.batch):
             raise FieldError("batch", f"batch sizes must be >= 1, got {list(self.batch)}")
         if len(set(self.batch)) != len(self.batch):  # each would be measured twice a launch
             raise FieldError("batch", f"batch sizes are listed twice: {list(self.batch)}")
@@ -736,7 +741,8 @@ def _either(names: typing.Iterable[str]) -> str:
 # field of a registered backend). `--profile` alone means the emulator, the one backend
 # with a profile.
 BACKEND_OPTIONS = (
-    SpecOption("backend.kind", "--backend", f"{_either(BACKENDS)}.", str),
+    SpecOption("backend.kind", "--backend", f"{_either(BACKENDS)} (default: sglang; "
+               "--profile or --world imply the emulator).", str),
     SpecOption("backend.profile", "--profile", "Emulator profile (implies --backend emulator).",
                str, implies=(("backend.kind", "emulator"),)),
     SpecOption("backend.world", "--world", "Emulate a world instead of a profile: a shipped "
