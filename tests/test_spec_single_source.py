@@ -52,7 +52,10 @@ def test_every_field_with_an_option_is_an_option_of_search_with_its_help():
     assert params["--tp"].help.endswith("(GPUs per server) (default 1).")
     assert params["--budget-launches"].help.endswith("at least 2 (default 30).")
     assert params["--space"].help.endswith("(default 'default').")
-    assert params["--workers"].help == "GPU groups to use in parallel."  # default: None
+    # default None: no "(default None)" added to the field's own words
+    assert params["--workers"].help == ("GPU groups to use in parallel (default: all the "
+                                        "cluster has; on a cluster, more wait for nodes that "
+                                        "join).")
 
 
 def test_search_help_lists_every_option_with_its_help(capsys):
