@@ -144,6 +144,10 @@ def test_no_speculation_recommendations_export_without_speculative_flags(tmp_pat
     config = yaml.safe_load((out / "launch" / "mixed-batch32.config.yaml").read_text())
     assert "--speculative-algorithm" not in args and "speculative-algorithm" not in config
     assert config["max-running-requests"] == 32
+    # Its pool loads no draft: POOLS.md said every pool loads the same target and draft.
+    pools = (out / "POOLS.md").read_text()
+    assert "baseline" in pools.split("### Start the servers")[0]
+    assert "the same target checkpoint" in pools and "draft checkpoints" not in pools
 
 
 def test_pools_readme_names_both_scripts_and_ports_behind_one_router_each(tmp_path):

@@ -276,8 +276,9 @@ def _pools_section(spec: StudySpec, found: list[Pool], key: str | None, worker_h
         out.append(f"| {p.index} | {', '.join(map(str, p.batches))} | {p.config} | "
                    f"`{p.rec.script_name}` | {p.port} | {p.router_port} |")
     if first:
-        out += ["", "Every pool loads the same target and draft checkpoints; only the "
-                "speculative flags and the batch sizing differ. Each needs its own GPU group "
+        out += ["", "Every pool loads the same target checkpoint; only the speculative flags "
+                "(a no-speculation pool has none, and loads no draft) and the batch sizing "
+                "differ. Each needs its own GPU group "
                 f"(TP {spec.tp}): on a shared host give each command its own "
                 "`CUDA_VISIBLE_DEVICES`."]
     out += ["", f"{sub} Start the servers", ""]

@@ -268,8 +268,8 @@ def pools_advice(recs: list[Recommendation]) -> str | None:
     if len(set(mixed.values())) <= 1:
         return None
     parts = ", ".join(f"batch {b}: {c}" for b, c in sorted(mixed.items()))
-    return (f"batch sizes want different trees ({parts}): run separate server pools with the "
-            "same draft head and these launch flags, and route traffic by concurrency")
+    return (f"batch sizes want different trees ({parts}): run separate server pools, each "
+            "with its launch flags, and route traffic by concurrency")
 
 
 def adaptive_advice(recs: list[Recommendation]) -> str | None:
