@@ -482,6 +482,13 @@ def test_a_search_that_pins_no_attention_backend_is_told_when_it_starts(tmp_path
     assert unpinned_attention(bare, chains) is None  # chains only: SGLang serves them alike
     compared = spec(tmp_path, server_flags={}, compare=["3,4,8"])
     assert unpinned_attention(compared, chains) is not None
+    # Resumed, it has launched: "before its first launch" no longer applies (a helper's
+    # audit).
+    resumed = unpinned_attention(bare, trees, resumed=True)
+    assert "before its first launch" not in resumed
+    assert resumed.endswith("this study has launched already: to pin one the GPU runs for "
+                            "every tree in the study's server_flags (e.g. {--attention-backend:"
+                            " fa3} on Hopper), start a new study (--name or --output)")
 
 
 def test_a_storage_password_is_neither_shown_nor_written(capsys, tmp_path):

@@ -613,7 +613,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         if planner.note:
             progress.notes.append(planner.note)
         spaces = [space, *(method_spaces(spec, space).values() if spec.methods else ())]
-        if (unpinned := unpinned_attention(spec, spaces)) is not None:
+        if (unpinned := unpinned_attention(spec, spaces, resumed=bool(launched))) is not None:
             progress.notes.append(unpinned)
         notify(progress)
         while True:
@@ -771,21 +771,25 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                         _decide(planner, store, progress), ended)
 
 
-def unpinned_attention(spec: StudySpec, spaces: Iterable[SearchSpace]) -> str | None:
+def unpinned_attention(spec: StudySpec, spaces: Iterable[SearchSpace],
+                       resumed: bool = False) -> str | None:
     """The word for a study that leaves SGLang to pick its attention backend, said above
     the progress line once the search starts: the pick follows topk, so trees would be
     compared across kernels. None when it pins one, or when every tree it can launch (its
-    `spaces`' and its compared ones) is a chain, all served alike."""
+    `spaces`' and its compared ones) is a chain, all served alike. A `resumed` study has
+    launched already: pinning one now makes a new study."""
     if "--attention-backend" in spec.server_flags:
         return None
     trees = [*spec.compare, *(c for space in spaces for c in space.configs())]
     if not any(isinstance(c, TreeConfig) and c.topk > 1 for c in trees):
         return None
+    pin = ("pin one the GPU runs for every tree in the study's server_flags (e.g. "
+           "{--attention-backend: fa3} on Hopper)")
     return ("no attention backend pinned: SGLang picks one by topk (on Hopper fa3 for "
             "chains, flashinfer or triton for wider trees), so trees may be compared across "
-            "kernels; pin one the GPU runs for every tree in the study's server_flags (e.g. "
-            "{--attention-backend: fa3} on Hopper) before its first launch: pinned later, it "
-            "is a new study")
+            "kernels; " + (f"this study has launched already: to {pin}, start a new study "
+                           "(--name or --output)" if resumed else
+                           f"{pin} before its first launch: pinned later, it is a new study"))
 
 
 def _why_ended(spec: StudySpec, launches: int, deadline: float | None, spent: bool) -> str:
