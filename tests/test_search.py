@@ -183,3 +183,34 @@ def test_a_compared_tree_outside_the_space_is_measured_and_the_search_goes_on(
     outcome = run_study(spec)
     keys = {config_key(r.config) for r in outcome.results}
     assert "5,1,6" in keys and len(keys) == 4 and all(r.ok for r in outcome.results)
+
+
+def test_a_failed_baseline_names_its_log_and_a_rerun_launches_it_again(tmp_path, ray_cluster):
+    """A baseline that failed to start (a download that broke, a token set only since)
+    ended the study with its whole log tail and no log path, and every rerun refused the
+    study for good: "start a new study" (a helper's audit of a fresh GPU node)."""
+    from treetune.errors import TreetuneError
+
+    backend = {"kind": "emulator", "profile": "qwen3-coder-next-h200", "time_scale": 20.0,
+               "load_time_s": 10.0, "noise": False}
+    study = small_study(tmp_path, name="nobase", datasets=["humaneval"], batch=[1],
+                        workers=1, budget={"launches": 3}, compare=[], ray_address=ray_cluster,
+                        backend={**backend, "faults": [{"kind": "startup", "launches": 1,
+                                                        "configs": ["baseline"]}]})
+    with pytest.raises(TreetuneError) as failed:
+        run_study(load_study(None, study))
+    message = str(failed.value)
+    log = tmp_path / "out" / "logs" / "baseline.log"
+    assert message.startswith("the baseline launch failed: ") and log.is_file()
+    assert f"(its server's log: {log}; a rerun launches it again once the server setup is " \
+        "fixed)" in message
+    assert len(message.split("last lines:\n", 1)[1].splitlines()) <= 15
+    notes: list[str] = []
+    spec = load_study(None, study)  # its first launch of the baseline failed only
+    outcome = run_study(spec, lambda p: notes.extend(n for n in p.notes if n not in notes))
+    # The failed launch was a launch: it counts in the budget of 3, beside the two here.
+    assert outcome.baseline is not None and len(outcome.results) == 2 and all(
+        r.ok for r in outcome.results)
+    assert any(n.startswith("the baseline's launch failed in an earlier run (") and
+               n.endswith("): launching it again") for n in notes), notes
+    assert (tmp_path / "out" / "logs" / "baseline.launch2.log").is_file()

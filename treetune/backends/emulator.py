@@ -64,6 +64,9 @@ class Fault:
     probability: float = 1.0  # per launch attempt, drawn from the attempt's seed
     configs: tuple[str, ...] = ()  # config keys ("3,4,8", "baseline"); empty: every tree
     attempts: int | None = None  # only a launch's first N attempts (None: all)
+    # Only a config's first N launches (None: all): a fault a later launch of it no longer
+    # meets (a download that broke once, a token set since).
+    launches: int | None = None
     after_requests: int | None = None  # crash: after this many requests (None: at random
     # within the benchmark)
 
@@ -75,6 +78,8 @@ class Fault:
             raise ValueError(f"fault probability must be in [0, 1], got {self.probability}")
         if self.attempts is not None and self.attempts < 1:
             raise ValueError("fault attempts must be >= 1")
+        if self.launches is not None and self.launches < 1:
+            raise ValueError("fault launches must be >= 1")
         if self.after_requests is not None and (self.kind != "crash" or self.after_requests < 1):
             raise ValueError("fault after_requests must be >= 1, for crash faults only")
         for key in self.configs:
@@ -83,8 +88,10 @@ class Fault:
             except InvalidTreeError as exc:
                 raise ValueError(f"fault configs: {exc}") from None
 
-    def applies(self, config_key: str, attempt: int) -> bool:
+    def applies(self, config_key: str, attempt: int, launch_index: int = 0) -> bool:
         if self.attempts is not None and attempt >= self.attempts:
+            return False
+        if self.launches is not None and launch_index >= self.launches:
             return False
         return config_key in self.configs if self.configs else config_key != "baseline"
 
@@ -193,7 +200,7 @@ class EmulatorBackend:
                                         context.launch_index) ^ 0x5EED)
         for fault in self.faults:
             roll = rng.random()  # drawn for every rule, so one rule's draws never shift another's
-            if not fault.applies(key, attempt) or roll >= fault.probability:
+            if not fault.applies(key, attempt, context.launch_index) or roll >= fault.probability:
                 continue
             if fault.kind == "startup":
                 return ["--fail-on-startup"]

@@ -153,8 +153,11 @@ class Planner:
         self._merge()
         self.in_flight: list[Task] = []
         self.deferred = 0  # re-measurements put off in a row for forecast gains
+        # A baseline whose launch failed in an earlier run (a download that broke, a
+        # token set since) is launched again: nothing can be judged without it.
         self.queue: list[Task] = [Task(c) for c in (BASELINE, *spec.compare)
-                                  if config_key(c) not in self.results]
+                                  if config_key(c) not in self.results
+                                  or (c is BASELINE and self.baseline is None)]
         self.queue += self._adaptive_chains()
         self.tuning: Tuning | None = None  # the adaptive config tuned from the chains
         self.pending: list[tuple[LaunchResult, Proposal | None]] = []

@@ -20,7 +20,7 @@ from treetune import stopping
 from treetune.backends import BackendFacts
 from treetune.config import BASELINE, TreeConfig
 from treetune.datasets import load_datasets
-from treetune.errors import TreetuneError
+from treetune.errors import TreetuneError, clip
 from treetune.results import LaunchResult, config_from_key, config_key
 from treetune.space import SearchSpace, load_space
 from treetune.study.claims import Claim, Claims
@@ -39,11 +39,12 @@ from treetune.study.preflight import check_study
 from treetune.study.recommend import MIXED, Recommendation
 from treetune.study.spec import SPEC_COPY, StudySpec
 from treetune.study.storage import STORAGE_ERRORS, StudyStore, check_writable, storage_lost
-from treetune.study.worker import SHIPPED_LOGS, LaunchWorker, store_logs
+from treetune.study.worker import SHIPPED_LOGS, LaunchWorker, log_name, store_logs
 
 RESOURCE_TIMEOUT_S = 120.0  # how long to wait for Ray to place the workers
 LOCK_FILE = ".treetune.lock"
 MAX_RESCHEDULES = 2  # a launch whose worker dies more often than this is recorded failed
+BASELINE_TAIL_LINES = 15  # of a failed baseline's server log, in the error (all: its log)
 POLL_S = 2.0  # how often a search sharing its storage looks at the other searches' launches
 
 
@@ -566,8 +567,8 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
 
     failed_base = merge_all(launched).get("baseline")
     if failed_base is not None and not failed_base.ok:
-        raise TreetuneError(f"the baseline launch failed: {failed_base.reason}; fix the "
-                            "server setup and start a new study")
+        progress.notes.append(f"the baseline's launch failed in an earlier run "
+                              f"({clip(failed_base.reason, 300)}): launching it again")
     ray_session: _Ray | None = None
     interrupted = False
     pool: _Pool | None = None
@@ -727,8 +728,13 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                     progress.notes.append(f"{config}: {warning}" if first == str(config)
                                           else f"{config}: the same warning as {first}")
                 if config is BASELINE and not result.ok and planner.baseline is None:
-                    raise TreetuneError(f"the baseline launch failed: {result.reason}\n"
-                                        f"{result.log_tail}")
+                    log = spec.output_dir / "logs" / log_name(
+                        task.key, task.index, max(result.attempts - 1, 0))
+                    tail = "\n".join(result.log_tail.splitlines()[-BASELINE_TAIL_LINES:])
+                    raise TreetuneError(
+                        f"the baseline launch failed: {result.reason}\n(its server's log: "
+                        f"{log}; a rerun launches it again once the server setup is fixed)"
+                        + (f"\nlast lines:\n{tail}" if tail else ""))
                 _decide(planner, store, progress)
                 notify(progress)
     except KeyboardInterrupt:
