@@ -69,3 +69,31 @@ def test_an_interrupt_that_reaches_typer_exits_130_with_a_word(capsys, monkeypat
     monkeypatch.setattr(treetune.cli, "shipped_profiles", interrupted)
     code, _out, err = run_cli(capsys, "profiles")
     assert code == 130 and "aborted" in err
+
+
+@pytest.mark.parametrize("route", ["typer", "search"])
+def test_an_interrupt_cut_through_an_exec_of_a_string_still_exits_130(tmp_path, route):
+    """`python -m treetune search` stopped while a module imported (a dataclass or a
+    namedtuple being made: an exec or eval of a string) exited by SIGINT (-2), not 130:
+    CPython 3.11 leaves its "unhandled KeyboardInterrupt" flag set when the interrupt
+    escapes such an exec, even once handled, and checks it at exit under `-m`. Made here
+    without a clock: the command's stop escapes an exec of a string, as there."""
+    import subprocess
+    import sys
+
+    (tmp_path / "stopped.py").write_text(
+        "import sys, treetune.cli as cli\n"
+        "@cli.app.command('stopped')\n"
+        "def stopped():\n"
+        "    exec('raise KeyboardInterrupt')\n"
+        "@cli.app.command('stopped-search')\n"
+        "def stopped_search():\n"
+        "    try:\n"
+        "        exec('raise KeyboardInterrupt')\n"
+        "    except KeyboardInterrupt:\n"
+        "        cli.exit_interrupted()  # as `search` ends an interrupted study\n"
+        f"cli.main([{'stopped' if route == 'typer' else 'stopped-search'!r}])\n")
+    done = subprocess.run([sys.executable, "-m", "stopped"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 130, (done.returncode, done.stderr[-2000:])
+    assert ("aborted" in done.stderr) == (route == "typer")

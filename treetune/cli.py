@@ -12,7 +12,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console, ConsoleDimensions
@@ -523,7 +523,7 @@ def search(study: Path | None = None, **options: Any) -> None:
     if outcome.interrupted:
         err.print("interrupted: servers stopped, results so far are stored; rerun the same "
                   "command to resume")
-        sys.exit(130)
+        exit_interrupted()
     if outcome.baseline is None:
         raise TreetuneError("no baseline was measured, so there is nothing to recommend")
 
@@ -800,6 +800,16 @@ for _info in app.registered_commands:
         _info.help = _reflowed(_info.callback.__doc__)
 
 
+def exit_interrupted() -> NoReturn:
+    """Exit 130: a stop (Ctrl-C, SIGTERM) was handled. Under `python -m treetune`, CPython
+    (3.11 to 3.13) would exit by SIGINT instead when the KeyboardInterrupt had escaped an
+    exec or eval of a string on its way (a dataclass or namedtuple being made in a module
+    whose import the stop cut short): that leaves its "unhandled KeyboardInterrupt" flag
+    set, which the next exec of a string clears."""
+    exec("")
+    sys.exit(130)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = expand_multi_values(list(sys.argv[1:] if argv is None else argv))
     debug = "--debug" in args or os.environ.get("TREETUNE_DEBUG") == "1"
@@ -808,9 +818,10 @@ def main(argv: list[str] | None = None) -> None:
         # Without standalone mode Typer returns an exit code instead of exiting: 130 for a
         # Ctrl-C (or SIGTERM) that reached it, which it caught.
         code = app(args, prog_name="treetune", standalone_mode=False)
+        if code == 130:
+            err.print("aborted")
+            exit_interrupted()
         if isinstance(code, int) and code:
-            if code == 130:
-                err.print("aborted")
             sys.exit(code)
     except TreetuneError as exc:
         if debug:
@@ -819,7 +830,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         err.print("aborted")
-        sys.exit(130)
+        exit_interrupted()
     except Exception as exc:  # click usage errors and the unexpected
         import click
 
