@@ -4,6 +4,7 @@ Ctrl-C, recommendations, and the SGLang backend running through the same code.""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 
@@ -214,3 +215,24 @@ def test_a_failed_baseline_names_its_log_and_a_rerun_launches_it_again(tmp_path,
     assert any(n.startswith("the baseline's launch failed in an earlier run (") and
                n.endswith("): launching it again") for n in notes), notes
     assert (tmp_path / "out" / "logs" / "baseline.launch2.log").is_file()
+
+
+def test_the_progress_line_says_what_each_running_launch_does(tmp_path, ray_cluster,
+                                                              monkeypatch):
+    """A launch on real SGLang takes minutes (loading, then eight cells): the progress line
+    showed only "running baseline" and a clock (a helper's audit of a fresh GPU node). The
+    workers are asked what their launches do: the server starting, then each cell."""
+    from treetune.study import runner
+
+    monkeypatch.setattr(runner, "STAGE_POLL_S", 0.1)
+    spec = load_study(None, small_study(tmp_path, name="stages", budget={"launches": 2},
+                                        workers=1, compare=[], ray_address=ray_cluster))
+    seen: set[tuple[str, str]] = set()
+    outcome = run_study(spec, lambda p: seen.update(p.stages.items()))
+    assert len(outcome.results) == 2 and all(r.ok for r in outcome.results)
+    cells = len(spec.batch) * len(spec.datasets)  # four; asked about once a second here
+    stages = {stage for _key, stage in seen if stage}
+    assert "starting server" in stages, seen
+    assert any(re.fullmatch(rf"cell [1-{cells}]/{cells}: (humaneval|mt-bench) b(1|8)", s)
+               for s in stages), seen
+    assert stages <= {"starting server"} | {s for s in stages if s.startswith("cell ")}, seen

@@ -568,8 +568,9 @@ def _run_with_progress(spec: StudySpec, run_study: Callable[..., StudyOutcome]) 
             bar.console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
         said = len(p.notes)
         best = "  ".join(f"b{b}: {c} {m:.3f}" for b, (c, m) in sorted(p.best.items()))
-        parts = [f"best {best or '-'}", f"running {', '.join(p.running)}" if p.running else "",
-                 p.message]
+        running = ", ".join(f"{key} [{p.stages[key]}]" if p.stages.get(key) else key
+                            for key in p.running)
+        parts = [f"best {best or '-'}", f"running {running}" if running else "", p.message]
         bar.update(task, completed=p.launches_done, refresh=True,
                    description=escape(" | ".join(part for part in parts if part)[:160]))
 

@@ -45,6 +45,7 @@ RESOURCE_TIMEOUT_S = 120.0  # how long to wait for Ray to place the workers
 LOCK_FILE = ".treetune.lock"
 MAX_RESCHEDULES = 2  # a launch whose worker dies more often than this is recorded failed
 BASELINE_TAIL_LINES = 15  # of a failed baseline's server log, in the error (all: its log)
+STAGE_POLL_S = 5.0  # how often the workers are asked what their launches do now
 POLL_S = 2.0  # how often a search sharing its storage looks at the other searches' launches
 
 
@@ -55,6 +56,7 @@ class Progress:
     budget: int | None
     launches_done: int = 0
     running: list[str] = field(default_factory=list)
+    stages: dict[str, str] = field(default_factory=dict)  # running key -> what it does now
     started: float = field(default_factory=time.monotonic)
     best: dict[int, tuple[str, float]] = field(default_factory=dict)  # batch -> (config, mean)
     message: str = ""
@@ -249,7 +251,9 @@ class _Pool:
         options: dict[str, Any] = ({"num_gpus": spec.tp} if gpu == RAY_GPU
                                    else {"resources": {gpu: spec.tp}})
         # Restarts are ours to make: a dead worker's launch is rescheduled, not replayed by Ray.
-        self.options = {**options, "num_cpus": CPUS_PER_SERVER, "max_restarts": 0}
+        # Two calls at once: the progress line asks what a launch does while it runs.
+        self.options = {**options, "num_cpus": CPUS_PER_SERVER, "max_restarts": 0,
+                        "max_concurrency": 2}
         self.actor = ray.remote(LaunchWorker)
         self.groups: dict[Any, Any] = {}  # worker -> its placement group
         self.nodes: dict[Any, str | None] = {}  # worker -> the node its bundle is on
@@ -400,6 +404,37 @@ class _Pool:
             self.retire(worker)
         self.starting.clear()
         self.told.clear()
+
+
+class _Stages:
+    """What each running launch does now (its worker's `stage`: its server starting, the
+    cell it measures), asked every STAGE_POLL_S without waiting on the answers: for the
+    progress line, through launches that take minutes."""
+
+    def __init__(self, ray: Any) -> None:
+        self.ray = ray
+        self.asked: dict[Any, str] = {}  # stage() ref -> its launch's config key
+        self.due = 0.0
+
+    def poll(self, in_flight: dict[Any, _Launch], progress: Progress) -> bool:
+        """Take in the answers come, ask again when due; True when a stage changed."""
+        changed = False
+        if self.asked:
+            ready, _ = self.ray.wait(list(self.asked), num_returns=len(self.asked), timeout=0)
+            for ref in ready:
+                key = self.asked.pop(ref)
+                try:
+                    stage = self.ray.get(ref)
+                except self.ray.exceptions.RayError:
+                    continue  # its worker died: the launch's own result says so
+                if key in progress.running and progress.stages.get(key) != stage:
+                    progress.stages[key] = stage
+                    changed = True
+        if not self.asked and in_flight and time.monotonic() >= self.due:
+            self.due = time.monotonic() + STAGE_POLL_S
+            self.asked = {launch.worker.stage.remote(): launch.task.key
+                          for launch in in_flight.values()}
+        return changed
 
 
 @contextlib.contextmanager
@@ -584,6 +619,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
             # without the installer _own_sigterm keeps out), ours again.
             stopping.install((signal.SIGTERM,))
         ray = ray_session.ray
+        stages = _Stages(ray)
         placement = _placement(ray, spec)
         store.check_gpu_type(placement.gpu_type)
         pool = _Pool(ray, spec, placement)
@@ -665,6 +701,8 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                 break
             waiting = [*in_flight, *pool.starting]
             done, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
+            if stages.poll(in_flight, progress):
+                notify(progress)
             for note in pool.settle([r for r in done if r in pool.starting]):
                 progress.message = note
                 notify(progress)
@@ -672,6 +710,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                 launch = in_flight.pop(ref)
                 task = launch.task
                 config = task.config
+                progress.stages.pop(task.key, None)
                 try:
                     data = ray.get(ref)
                     if shipped := data.pop(SHIPPED_LOGS, None):

@@ -148,6 +148,7 @@ class LaunchWorker:
             d.name: load_dataset(d, base_dir=Path(spec.base_dir)) for d in spec.datasets}
         self.remote = driver_host is not None and driver_host != socket.gethostname()
         self.logs = spec.output_dir / "logs"  # remote: a temp dir per launch (`run`)
+        self.doing = ""  # what the launch under way does now (`stage`)
         if self.remote:
             sweep_stale(prefix=LOGS_PREFIX)  # those of workers killed mid-launch
         else:
@@ -166,6 +167,12 @@ class LaunchWorker:
                 raise TreetuneError(f"on {socket.gethostname()}: {exc}") from None
         return self.name
 
+    def stage(self) -> str:
+        """What the launch under way does now, for the driver's progress line ("" between
+        launches): its server starting, or the cell it measures. Asked while `run` runs: the
+        actor takes two calls at once (`runner._Pool`)."""
+        return self.doing
+
     def facts(self) -> BackendFacts:
         """The backend's hardware and model facts, gathered here: this actor holds the GPUs
         a server runs on, and its node has the model files a server loads."""
@@ -176,6 +183,12 @@ class LaunchWorker:
         """Launch, measure every cell, stop. A server that crashes mid-benchmark is
         replaced once by a fresh one, which measures only the cells still missing. Never
         raises for a server's failure: the result says what happened, with the log tail."""
+        try:
+            return self._run_here(key, flags, launch_index)
+        finally:
+            self.doing = ""
+
+    def _run_here(self, key: str, flags: list[list[str]], launch_index: int) -> dict:
         if not self.remote:
             return self._run(key, flags, launch_index)
         self.logs = Path(tempfile.mkdtemp(prefix=own_dir(LOGS_PREFIX)))
@@ -223,6 +236,7 @@ class LaunchWorker:
         if niced and niced not in result.warnings:
             result.warnings.append(niced)
 
+        self.doing = "starting server" + (f" (attempt {attempt + 1})" if attempt else "")
         try:
             with key_handoff(self.spec, api_key) as keyed:
                 def command(port: int) -> list[str]:
@@ -279,49 +293,59 @@ class LaunchWorker:
                                "does not")
         return value
 
-    async def _measure(self, base_url: str, result: LaunchResult, api_key: str | None,
-                       log: Callable[[], str], command: list[str]) -> None:
+    def _measure(self, base_url: str, result: LaunchResult, api_key: str | None,
+                 log: Callable[[], str], command: list[str]) -> Coroutine[Any, Any, None]:
         """Measure every cell the result does not hold yet, adding each as it is done:
         the batch sizes' closed-loop cells, then the rates' open-loop cells. Before the
         first, the server's info is kept, and the backend says whether the server serves
-        what its `command` asked for (from that info and the start-up `log`)."""
-        from treetune.client import ServerClient
-        from treetune.loadgen import measure_cell, measure_open_cell
+        what its `command` asked for (from that info and the start-up `log`). The coroutine
+        is made here, not by a coroutine method: a class with one is an async actor to Ray,
+        whose calls wait on each other, and `stage` must answer while `run` runs."""
 
-        m, spec = self.spec.measurement, self.spec
-        slo = spec.slo if spec.slo.bounded else None
-        cells = [*((name, batch, False) for batch in sorted(spec.batch) for name in self.prompts),
-                 *((name, rate, True) for rate in sorted(spec.rates) for name in self.prompts)]
-        for name, size, is_rate in cells:
-            done = result.rate_cell(name, size) if is_rate else result.cell(name, int(size))
-            if done is not None:
-                continue  # measured by an earlier server of this launch
-            prompts = self.prompts[name]
-            async with ServerClient(base_url, api_key=api_key, dataset=name,
-                                    api=spec.backend.api) as client:
-                if not result.server_info:
-                    info = await client.server_info()
-                    result.server_info = server_facts(spec.backend.api, info)
-                    result.warnings += self._launch_warnings(info, log, command)
-                if is_rate:
-                    measure = functools.partial(
-                        measure_open_cell, client, prompts, size, duration_s=m.duration_s,
-                        max_requests=m.max_requests, arrival=m.arrival, seed=spec.seed,
-                        repeats=m.repeats, slo=slo)
-                else:
-                    measure = functools.partial(
-                        measure_cell, client, prompts, int(size), duration_s=m.duration_s,
-                        warmup_s=m.warmup_s, repeats=m.repeats, slo=slo)
-                cell, warning = await measure_watched(
-                    measure, m.max_clock_lag_s, spec.backend.api.clock_lag_hint,
-                    await client.time_scale(), closed_loop=not is_rate,
-                    speculative=not isinstance(result.config, Baseline),
-                    counts_verify=functools.partial(counts_verify_calls, client),
-                    api=spec.backend.api)
-            for note in (warning, failed_requests(cell)):
-                if note and note not in result.warnings:
-                    result.warnings.append(note)
-            (result.rate_cells if is_rate else result.cells).append(cell)
+        async def measure_all() -> None:
+            from treetune.client import ServerClient
+            from treetune.loadgen import measure_cell, measure_open_cell
+
+            m, spec = self.spec.measurement, self.spec
+            slo = spec.slo if spec.slo.bounded else None
+            cells = [*((name, batch, False) for batch in sorted(spec.batch)
+                       for name in self.prompts),
+                     *((name, rate, True) for rate in sorted(spec.rates)
+                       for name in self.prompts)]
+            for number, (name, size, is_rate) in enumerate(cells, 1):
+                done = result.rate_cell(name, size) if is_rate else result.cell(name, int(size))
+                if done is not None:
+                    continue  # measured by an earlier server of this launch
+                self.doing = (f"cell {number}/{len(cells)}: {name} "
+                              + (f"at {size:g} req/s" if is_rate else f"b{int(size)}"))
+                prompts = self.prompts[name]
+                async with ServerClient(base_url, api_key=api_key, dataset=name,
+                                        api=spec.backend.api) as client:
+                    if not result.server_info:
+                        info = await client.server_info()
+                        result.server_info = server_facts(spec.backend.api, info)
+                        result.warnings += self._launch_warnings(info, log, command)
+                    if is_rate:
+                        measure = functools.partial(
+                            measure_open_cell, client, prompts, size, duration_s=m.duration_s,
+                            max_requests=m.max_requests, arrival=m.arrival, seed=spec.seed,
+                            repeats=m.repeats, slo=slo)
+                    else:
+                        measure = functools.partial(
+                            measure_cell, client, prompts, int(size), duration_s=m.duration_s,
+                            warmup_s=m.warmup_s, repeats=m.repeats, slo=slo)
+                    cell, warning = await measure_watched(
+                        measure, m.max_clock_lag_s, spec.backend.api.clock_lag_hint,
+                        await client.time_scale(), closed_loop=not is_rate,
+                        speculative=not isinstance(result.config, Baseline),
+                        counts_verify=functools.partial(counts_verify_calls, client),
+                        api=spec.backend.api)
+                for note in (warning, failed_requests(cell)):
+                    if note and note not in result.warnings:
+                        result.warnings.append(note)
+                (result.rate_cells if is_rate else result.cells).append(cell)
+
+        return measure_all()
 
     def _launch_warnings(self, info: dict[str, Any], log: Callable[[], str],
                          command: list[str]) -> list[str]:
