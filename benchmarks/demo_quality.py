@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from treetune.config import TreeConfig
+from treetune.objectives import CellKey
 from treetune.perfmodel import PerfModel, load_profile
 from treetune.space import load_space
 from treetune.study.evidence import speedups
@@ -73,7 +74,8 @@ def measure(out: str, as_json: bool) -> None:
             "fraction_of_best": round(statistics.fmean(true) / best_mean, 4),
         }
     wide = next(r for r in outcome.results if r.config == TreeConfig(3, 4, 8))
-    wide32 = speedups(wide, outcome.baseline, 32, names)
+    wide32 = {cell.dataset: s for cell, s in speedups(
+        wide, outcome.baseline, [CellKey(d, 32) for d in names]).items()}
     report["wide_3_4_8_batch32"] = {d: round(s, 3) for d, s in wide32.items()}
     b1, b32 = report["batch1"], report["batch32"]
     assert isinstance(b1, dict) and isinstance(b32, dict)
