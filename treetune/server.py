@@ -22,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from treetune.backends import ServerApi
 from treetune.backends.sglang import SGLANG_API
 from treetune.client import health_status
 from treetune.errors import TreetuneError, clip
@@ -197,9 +198,8 @@ class ServerProcess:
 
     # ---- lifecycle --------------------------------------------------------------------
     def wait_ready(self, timeout_s: float, poll_s: float = 0.2,
-                   health: str = SGLANG_API.health,
-                   health_log: tuple[str, ...] = SGLANG_API.health_log) -> None:
-        """Poll `GET <health>` until it answers 200 (`ready_after_s` then says when).
+                   api: ServerApi = SGLANG_API) -> None:
+        """Poll `GET <api.health>` until it answers 200 (`ready_after_s` then says when).
 
         Raises ServerStartError if the server exits first (with its exit code and the log
         line that says why), or is not healthy after `timeout_s` (then it is killed). A
@@ -207,13 +207,13 @@ class ServerProcess:
         compiling kernels and capturing CUDA graphs all print progress, and a large model's
         first start can take longer than any fixed timeout): it is waited for while its
         log keeps growing, up to STARTUP_STRETCH times `timeout_s` (lines about its
-        health checks, the route's access lines and `health_log`'s, do not count).
+        health checks, the route's access lines and `api.health_log`'s, do not count).
         """
         started = time.monotonic()
         quiet_s = min(LIVE_LOG_S, timeout_s / 4)  # silent this long: not starting any more
         limit, cap = started + timeout_s, started + STARTUP_STRETCH * timeout_s
         read, grew_at = 0, started
-        url = self.base_url + health
+        url = self.base_url + api.health
         while True:
             if self._leader_exited():
                 code = self._end_group()  # whatever it spawned goes with it
@@ -221,7 +221,7 @@ class ServerProcess:
                 raise ServerStartError(failure_reason(tail, code), exit_code=code,
                                        log_tail=tail, log_path=self.log_path)
             now = time.monotonic()
-            read, progressed = self._log_progress(read, (health, *health_log))
+            read, progressed = self._log_progress(read, (api.health, *api.health_log))
             if progressed:
                 grew_at = now
             if now >= limit:
@@ -379,8 +379,7 @@ def start_server(command: Callable[[int], list[str]], *, log_path: Path,
                  env: dict[str, str] | None = None, host: str = "127.0.0.1",
                  timeout_s: float, port: int | None = None, retries: int = 3,
                  poll_s: float = 0.2, secrets: tuple[str, ...] = (),
-                 health: str = SGLANG_API.health,
-                 health_log: tuple[str, ...] = SGLANG_API.health_log) -> ServerProcess:
+                 api: ServerApi = SGLANG_API) -> ServerProcess:
     """Start `command(port)` and wait until it is healthy.
 
     If the port turns out to be taken (the server exits with "address already in use"),
@@ -392,7 +391,7 @@ def start_server(command: Callable[[int], list[str]], *, log_path: Path,
         server = ServerProcess.start(command(port), log_path=log_path, env=env, host=host,
                                      port=port, secrets=secrets)
         try:
-            server.wait_ready(timeout_s, poll_s=poll_s, health=health, health_log=health_log)
+            server.wait_ready(timeout_s, poll_s=poll_s, api=api)
             return server
         except ServerStartError as exc:
             if not exc.port_in_use or attempt == retries:

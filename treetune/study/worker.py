@@ -250,8 +250,7 @@ class LaunchWorker:
                     command,
                     log_path=log_path, env=env, host=self.spec.host,
                     timeout_s=self.spec.measurement.startup_timeout_s,
-                    secrets=(api_key,) if api_key else (), health=self.spec.backend.api.health,
-                    health_log=self.spec.backend.api.health_log)
+                    secrets=(api_key,) if api_key else (), api=self.spec.backend.api)
         except ServerStartError as exc:
             result.reason = exc.reason
             result.exit_code = exc.exit_code
