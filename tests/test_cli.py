@@ -516,6 +516,19 @@ def test_a_storage_password_is_neither_shown_nor_written(capsys, tmp_path):
     assert shown_url("postgresql://u:p@ss@db/x") == "postgresql://u:***@db/x"
     assert url_without_password("postgresql://u:p@ss@db/x") == "postgresql://u@db/x"
     assert shown_url("postgresql://u:pw@h:54x/d") == "postgresql://u:***@h:54x/d"
+    # A database's own words quoting the password, as the error for a storage that stopped
+    # answering repeats them: in the URL's user part, its query, or a URL that does not
+    # parse (the error took only the first, and only from a URL that parses).
+    from treetune.study.storage import storage_lost
+
+    for url, password in [("postgresql://u:pw-1@h/d", "pw-1"),
+                          ("postgresql://u@h/d?password=pw-2&sslmode=require", "pw-2"),
+                          ("postgresql://u:p@ss3@db/x", "p@ss3")]:
+        try:
+            raise RuntimeError(f"connection refused for u with {password}\n[SQL: select]")
+        except RuntimeError as cause:
+            message = str(storage_lost(url, cause))
+        assert password not in message and "connection refused for u with ***" in message
 
 
 def test_a_stray_study_file_after_a_list_of_numbers_is_named_with_the_option_it_wants(capsys):

@@ -640,7 +640,7 @@ class StudySpec:
 
 # user:password@ in a URL SQLAlchemy cannot read, the password up to the last '@' (one
 # written unencoded may hold '@' itself).
-_PASSWORD_PART = re.compile(r"(://[^:/@]*):[^/]*@")
+_PASSWORD_PART = re.compile(r"(://[^:/@]*):([^/]*)@")
 
 
 def _parsed(url: str) -> Any:
@@ -667,6 +667,17 @@ def shown_url(url: str) -> str:
     if "password" in parsed.query:
         parsed = parsed.update_query_dict({"password": "***"})
     return parsed.render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
+
+
+def password_of(url: str) -> str | None:
+    """A storage URL's password (in its user part or its query), None without one: what
+    no message may show, wherever a database quotes it."""
+    parsed = _parsed(url)
+    if parsed is None:
+        found = _PASSWORD_PART.search(url)
+        return found.group(2) if found else None
+    query = parsed.query.get("password")
+    return parsed.password or (query if isinstance(query, str) else None)
 
 
 def url_without_password(url: str) -> str:

@@ -32,7 +32,7 @@ from treetune.results import LaunchResult, config_key
 from treetune.study.claims import CREATE_TRIES, created_racing
 from treetune.study.evidence import StudyNoise, judge
 from treetune.study.recommend import Recommendation
-from treetune.study.spec import StudySpec, load_study, shown_url
+from treetune.study.spec import StudySpec, load_study, password_of, shown_url
 
 RESULT_ATTR = "launch_result"
 RECOMMENDATIONS_ATTR = "recommendations"  # what the search decided, as recommendations.json
@@ -75,11 +75,7 @@ def storage_lost(url: str, exc: BaseException) -> TreetuneError:
         root = root.__cause__ or root.__context__  # type: ignore[assignment]
     lines = [line.strip() for line in str(root).splitlines() if line.strip()]
     cause = lines[0] if lines else type(root).__name__
-    try:
-        password = sa.engine.make_url(url).password
-    except sa.exc.ArgumentError:
-        password = None
-    if password:
+    if password := password_of(url):
         cause = cause.replace(str(password), "***")
     return TreetuneError(
         f"the study storage {shown_url(url)} stopped answering ({cause}): the launches "
