@@ -245,6 +245,35 @@ def test_models_not_yet_downloaded_leave_tpe_until_sglang_has_fetched_them(tmp_p
     assert fetched.name == HUB_TARGET and fetched == dataclasses.replace(read, name=HUB_TARGET)
 
 
+def test_a_study_of_several_methods_takes_the_model_search_once_the_models_are_fetched(
+        tmp_path):
+    """As a study of one method: each method's search `auto` now resolves otherwise
+    changes, with its trees' measurements so far; NGRAM, which the auto prior does not
+    describe, stays with TPE. Another method's launch fetches nothing of `draft`."""
+    from treetune.study.planner import local_facts
+
+    cache = tmp_path / "hub"
+    spec = sglang_study(tmp_path, model=HUB_TARGET, draft=HUB_DRAFT, backend={"gpu": "H200"},
+                        env={"HF_HUB_CACHE": str(cache)}, methods=["EAGLE3", "NGRAM"])
+    planner = planner_for(spec)
+    assert planner.strategy_name == "tpe" and planner.awaiting_facts
+    assert planner.note.startswith("draft methods EAGLE3 (tpe), NGRAM (tpe): one search each")
+    assert "the model search takes over once they are here" in planner.note
+    cache_with(cache, HUB_TARGET)  # the baseline's server, and an NGRAM tree's
+    assert planner.adopt_facts(local_facts(spec), tree_launched=False) == ""
+    assert planner.awaiting_facts
+    cache_with(cache, HUB_DRAFT)
+    note = planner.adopt_facts(local_facts(spec), tree_launched=True)
+    assert note.startswith("draft methods EAGLE3 (tpe -> model) from launch 1 on: the "
+                           "models' config.json are on the node now"), note
+    assert planner.strategy_name == "model" and not planner.awaiting_facts
+    parts = planner.strategy.parts
+    assert [(p.name, p.strategy_name) for p in parts.values()] == [
+        ("EAGLE3", "model"), ("NGRAM", "tpe")]
+    assert parts[""].strategy.context.prior.target.name == HUB_TARGET
+    assert planner.strategy.propose() is not None  # the turns go on over both
+
+
 def test_facts_missing_for_another_reason_or_after_a_tree_are_not_asked_again(tmp_path):
     """An unknown GPU is not fetched by a launch: nothing to ask again. A config still
     missing after a tree's launch (its server loaded the draft) will not come either."""

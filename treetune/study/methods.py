@@ -114,20 +114,9 @@ def search_methods(spec: StudySpec, store: StudyStore, space: SearchSpace,
     for name in spec.method_names:
         tag = method_tag(spec, name)
         studies[tag] = BatchStudies(store.for_method(tag), spaces[tag])
-        prior, why_not = prior_of(context.prior, context.prior_why_not, name)
-        own = dataclasses.replace(context, space=spaces[tag], studies=studies[tag],
-                                  evidence=_own_evidence(context, tag), prior=prior,
-                                  prior_why_not=why_not)
-        try:
-            chosen = strategies.resolve(spec.search.strategy, own)
-        except TreetuneError as exc:
-            if not tag:
-                raise  # the study's own method: as for a study of one method
-            chosen = FALLBACK
-            fallbacks.append(f"{name} by {FALLBACK} ({exc})")
-        else:
-            if prior is None and context.prior is not None:  # `auto` went without a model
-                fallbacks.append(f"{name} without a model: {why_not}")
+        own, chosen, fallback = _method_search(spec, name, studies[tag], spaces[tag], context)
+        if fallback:
+            fallbacks.append(fallback)
         parts[tag] = MethodPart(name, chosen, strategies.make(chosen, own))
     searched = ", ".join(f"{p.name} ({p.strategy_name})" for p in parts.values())
     note = f"draft methods {searched}: one search each, taking turns"
@@ -135,6 +124,43 @@ def search_methods(spec: StudySpec, store: StudyStore, space: SearchSpace,
         note += "; " + "; ".join(fallbacks)
     return MethodSearch(MethodStudies(studies), MethodsStrategy(parts), parts[""].strategy_name,
                         note)
+
+
+def adopt_prior(spec: StudySpec, search: MethodsStrategy, studies: MethodStudies,
+                space: SearchSpace, context: SearchContext) -> list[str]:
+    """A prior come later (the models downloaded by a launch, `Planner.adopt_facts`): each
+    method whose strategy the study's now resolves to another is searched by that one from
+    here on, with every measurement of its trees so far. Returns 'NAME (OLD -> NEW)' for
+    each method that changed."""
+    spaces = method_spaces(spec, space)
+    changed = []
+    for tag, part in list(search.parts.items()):
+        own, chosen, _ = _method_search(spec, part.name, studies.parts[tag], spaces[tag],
+                                        context)
+        if chosen != part.strategy_name:
+            search.parts[tag] = MethodPart(part.name, chosen, strategies.make(chosen, own))
+            search.exhausted.discard(tag)
+            changed.append(f"{part.name} ({part.strategy_name} -> {chosen})")
+    return changed
+
+
+def _method_search(spec: StudySpec, name: str, studies: BatchStudies, space: SearchSpace,
+                   context: SearchContext) -> tuple[SearchContext, str, str]:
+    """One method's context, the strategy that searches it, and why it falls back ("" if
+    it does not)."""
+    tag = method_tag(spec, name)
+    prior, why_not = prior_of(context.prior, context.prior_why_not, name)
+    own = dataclasses.replace(context, space=space, studies=studies,
+                              evidence=_own_evidence(context, tag), prior=prior,
+                              prior_why_not=why_not)
+    try:
+        return own, strategies.resolve(spec.search.strategy, own), (
+            f"{name} without a model: {why_not}"  # `auto` went without the model search
+            if prior is None and context.prior is not None else "")
+    except TreetuneError as exc:
+        if not tag:
+            raise  # the study's own method: as for a study of one method
+        return own, FALLBACK, f"{name} by {FALLBACK} ({exc})"
 
 
 def _own_evidence(context: SearchContext, tag: str

@@ -35,7 +35,7 @@ from treetune.perfmodel import Profile, load_profile
 from treetune.perfmodel.prior import neutral_prior, with_datasets
 from treetune.results import LaunchResult, config_key
 from treetune.space import SearchSpace
-from treetune.strategies import BatchStudies, Proposal, SearchContext
+from treetune.strategies import BatchStudies, MethodsStrategy, Proposal, SearchContext
 from treetune.study.evidence import (
     Z_INTERVAL,
     Estimates,
@@ -63,7 +63,7 @@ from treetune.study.evidence import (
     study_noise,
     window_spread,
 )
-from treetune.study.methods import search_methods
+from treetune.study.methods import MethodStudies, adopt_prior, search_methods
 from treetune.study.recommend import Recommendation, recommend
 from treetune.study.schedule import Tuning, adaptive_chains, tune
 from treetune.study.spec import StudySpec
@@ -194,8 +194,7 @@ class Planner:
                    else "")
         # Models not yet on the node: a server started with their hub names downloads them,
         # and the model search takes over once it can (`adopt_facts`).
-        self.awaiting_facts = (bool(without) and facts is not None and facts.later
-                               and not spec.methods)
+        self.awaiting_facts = bool(without) and facts is not None and facts.later
         if self.awaiting_facts:
             without += ("; asked again after each launch, since SGLang downloads the models "
                         "when a server starts: the model search takes over once they are here")
@@ -225,14 +224,22 @@ class Planner:
                 "be built") + f" ({why_not})")
         self.awaiting_facts = False
         context = dataclasses.replace(self.context, prior=prior, prior_why_not="")
+        why = ("the models' config.json are on the node now (SGLang downloaded them), so the "
+               "performance-model prior could be built")
+        if isinstance(self.strategy, MethodsStrategy):  # each method's own search
+            assert isinstance(self.studies, MethodStudies)
+            changed = adopt_prior(self.spec, self.strategy, self.studies, context.space,
+                                  context)
+            if changed:
+                self.context, self.strategy_name = context, self.strategy.parts[""].strategy_name
+            return (f"draft methods {', '.join(changed)} from launch {self.launches + 1} on: "
+                    f"{why}" if changed else "")
         name = strategies.resolve(strategies.AUTO, context)
         if name == self.strategy_name:
             return ""
         self.context, self.strategy = context, strategies.make(name, context)
         before, self.strategy_name = self.strategy_name, name
-        return (f"strategy {name} from launch {self.launches + 1} on (was {before}): the "
-                "models' config.json are on the node now (SGLang downloaded them), so the "
-                "performance-model prior could be built")
+        return f"strategy {name} from launch {self.launches + 1} on (was {before}): {why}"
 
     def _tell_untold(self) -> None:
         """A resumed study's trees that no batch study holds: measured before a baseline

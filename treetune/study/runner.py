@@ -751,10 +751,12 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                                     else f"{config} failed: {result.reason}")
                 if result.ok and result.attempts > 1:
                     progress.message += f" (second server: {result.retried_because})"
-                # The models this launch's server loaded are on its node now.
+                # The models this launch's server loaded are on its node now (the draft
+                # with a tree of the study's own method, whose server loads `draft`).
+                own_tree = isinstance(config, TreeConfig) and not config.method
                 if (result.ok and planner.awaiting_facts and launch.worker in pool.idle
                         and (note := planner.adopt_facts(pool.facts(launch.worker),
-                                                         isinstance(config, TreeConfig)))):
+                                                         own_tree))):
                     progress.notes.append(note)
                 if result.ok:  # a launch or a node running apart, named once
                     progress.notes += planner.odd_notes(task.key)
