@@ -15,6 +15,7 @@ from studykit import small_study
 from treetune.config import BASELINE, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.perfmodel import PerfModel
+from treetune.results import LaunchResult
 from treetune.space import load_space
 from treetune.study.claims import Claim, Claims, created_racing
 from treetune.study.offline import Noise, simulate_launch
@@ -196,3 +197,28 @@ def test_a_lost_race_to_create_tables_is_tried_again_and_a_lasting_failure_is_na
     with pytest.raises(TreetuneError, match="driver is not installed"):
         created_racing(told, "cannot open")
     assert len(attempts) == 1
+
+
+def test_a_stale_launchs_logs_are_set_aside_at_once_whether_or_not_it_is_redone(tmp_path):
+    """A launch its killed search never stored kept its log under the launch's own name
+    until the same launch was done again: when the resumed search did not redo it, the
+    logs under launch names and the stored launches differed by one."""
+    from treetune.study.worker import log_name, set_aside
+
+    spec = load_study(None, small_study(tmp_path))
+    store = StudyStore(spec)
+    tree = TreeConfig(3, 4, 8)
+    store.finish_launch(store.begin_launch(tree, (), launch_index=0),
+                        LaunchResult(tree, reason="measured"))
+    store.begin_launch(tree, (), launch_index=1)  # killed while it ran, and its retry
+    logs = spec.output_dir / "logs"
+    logs.mkdir(parents=True)
+    for index, attempt in ((0, 0), (1, 0), (1, 1)):
+        (logs / log_name("3,4,8", index, attempt)).write_text(f"{index}-{attempt}")
+    stale = StudyStore(spec).mark_stale()
+    assert stale == [("3,4,8", 1)]
+    for key, index in stale:
+        set_aside(logs, key, index)
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "3-4-8.launch2-1.earlier.log", "3-4-8.launch2.earlier.log", "3-4-8.log"]
+    assert (logs / "3-4-8.launch2-1.earlier.log").read_text() == "1-1"

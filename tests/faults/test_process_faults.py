@@ -225,6 +225,12 @@ def test_sigkill_of_the_search_leaves_no_server_and_a_rerun_redoes_the_stale_lau
         log = spec.output_dir / "logs" / log_name(key)
         assert log.is_file() and log.with_name(log.name.replace(".log", ".earlier.log")
                                                 ).is_file(), sorted(log.parent.iterdir())
+    # Every log under a launch's own name is a stored launch's, redone or not.
+    stored = {log_name(config_key(s.result.config), s.index or 0, attempt)
+              for s in StudyStore(spec).finished_launches()
+              for attempt in range(max(s.result.attempts, 1))}
+    named = {p.name for p in (spec.output_dir / "logs").glob("*.log") if ".earlier" not in p.name}
+    assert named == stored
 
 
 @pytest.mark.parametrize(("sig", "delay"), [(signal.SIGINT, 0.3), (signal.SIGINT, 2.0),

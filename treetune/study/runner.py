@@ -39,7 +39,7 @@ from treetune.study.preflight import check_study
 from treetune.study.recommend import MIXED, Recommendation
 from treetune.study.spec import SPEC_COPY, StudySpec
 from treetune.study.storage import STORAGE_ERRORS, StudyStore, check_writable, storage_lost
-from treetune.study.worker import SHIPPED_LOGS, LaunchWorker, log_name, store_logs
+from treetune.study.worker import SHIPPED_LOGS, LaunchWorker, log_name, set_aside, store_logs
 
 RESOURCE_TIMEOUT_S = 120.0  # how long to wait for Ray to place the workers
 LOCK_FILE = ".treetune.lock"
@@ -561,7 +561,10 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     # With SQLite the output folder's lock proves this the study's only search: whatever
     # an earlier one left running is stale. Sharing a database, only what a search that
     # stopped beating left running is (found as the search goes).
-    stale = 0 if shared else store.mark_stale()
+    stale_launches = [] if shared else store.mark_stale()
+    for key, index in stale_launches:
+        set_aside(spec.output_dir / "logs", key, index)
+    stale = len(stale_launches)
     finished = store.finished_launches()
     if claims is not None:
         if not shared:

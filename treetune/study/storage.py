@@ -259,19 +259,20 @@ class StudyStore:
         return [StoredLaunch(t._trial_id, _result_of(t), t.user_attrs.get(INDEX_ATTR))
                 for t in _finished(self.launches)]
 
-    def mark_stale(self, driver: str | None = None) -> int:
+    def mark_stale(self, driver: str | None = None) -> list[tuple[str, int]]:
         """Launches (and proposals) left RUNNING by a search that died: failed without a
         result, so they are redone; only those of search `driver` when given (others may
-        be running them). Returns how many launches were stale."""
-        count = 0
+        be running them). Returns the stale launches as (config key, launch index)."""
+        stale = []
         method_studies = (s for per in self.method_studies.values() for s in per.values())
         for study in (self.launches, *self.batch_studies.values(), *method_studies):
             for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
                 if driver is not None and trial.user_attrs.get(DRIVER_ATTR) != driver:
                     continue
                 if self.fail_stale(trial._trial_id) and study is self.launches:
-                    count += 1
-        return count
+                    stale.append((str(trial.user_attrs.get(CONFIG_ATTR)),
+                                  int(trial.user_attrs.get(INDEX_ATTR) or 0)))
+        return stale
 
     def fail_stale(self, trial_id: int) -> bool:
         """One trial of a search that died, failed as stale (False: it had finished)."""

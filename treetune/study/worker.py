@@ -131,6 +131,16 @@ def keep_earlier(log_path: Path) -> Path | None:
     return None  # unreachable: count() never ends
 
 
+def set_aside(folder: Path, key: str, launch_index: int) -> None:
+    """The logs of a launch that will never be stored (its search was killed while it
+    ran), each server's kept as `NAME.earlier.log` at once rather than when the launch is
+    done again: a log under a launch's own name is then always a stored launch's (or one
+    under way), though the search may never redo this one."""
+    for attempt in itertools.count():
+        if keep_earlier(folder / log_name(key, launch_index, attempt)) is None:
+            return
+
+
 class LaunchWorker:
     """`prompts`: the study's prompt sets as the driver loaded them (None: loaded here from
     the study's files); `driver_host`: the host the study runs on. A worker on another host
