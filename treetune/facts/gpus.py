@@ -174,8 +174,10 @@ def _parse_nvidia(line: str) -> SeenGpu:
 
 
 # HIP reads HIP_VISIBLE_DEVICES (what Ray sets on AMD nodes), then CUDA_VISIBLE_DEVICES;
-# ROCR_VISIBLE_DEVICES filters below it. Any of them gives the indices the worker may use.
+# ROCR_VISIBLE_DEVICES filters below it. Any of them gives the indices the worker may use,
+# and each is set per worker (a study's `env` may not set one for every server).
 AMD_VISIBLE = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+DEVICE_VARIABLES = frozenset(AMD_VISIBLE)  # CUDA's is among them
 
 
 def _amd_smi(program: str, env: Mapping[str, str]) -> list[SeenGpu]:

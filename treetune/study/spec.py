@@ -49,6 +49,7 @@ from treetune.errors import (
     TreetuneError,
     for_field,
 )
+from treetune.facts.gpus import DEVICE_VARIABLES
 from treetune.objectives import OBJECTIVES, Criterion, Objective
 from treetune.perfmodel import resolve_profile_path
 from treetune.perfmodel.serving import Shape
@@ -62,8 +63,6 @@ MIXED = "mixed"
 # and stand in emitted scripts' comments, so no '/', no leading '.', no space or newline.
 NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]*"  # an environment variable, as a shell exports it
-# The GPUs a process may use: Ray sets them per worker (AMD: HIP, ROCR too).
-DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 SPEC_COPY = "study.yaml"  # the resolved spec, saved in the output folder for readers
 COMMAND_LINE = "command line"  # where a value given as an option comes from
 
