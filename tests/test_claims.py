@@ -6,22 +6,25 @@ concurrent searches in test_shared_storage.py."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import optuna
 import pytest
 import sqlalchemy as sa
+from optuna.trial import TrialState
 from studykit import small_study
 
 from treetune.config import BASELINE, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.perfmodel import PerfModel
-from treetune.results import LaunchResult
+from treetune.results import LaunchResult, config_key
 from treetune.space import load_space
 from treetune.study.claims import Claim, Claims, created_racing
 from treetune.study.offline import Noise, simulate_launch
 from treetune.study.planner import Planner
 from treetune.study.spec import load_study
-from treetune.study.storage import StudyStore
+from treetune.study.storage import RESULT_ATTR, StudyStore
 
 
 def claims_of(engine, study="s"):
@@ -222,3 +225,28 @@ def test_a_stale_launchs_logs_are_set_aside_at_once_whether_or_not_it_is_redone(
     assert sorted(p.name for p in logs.iterdir()) == [
         "3-4-8.launch2-1.earlier.log", "3-4-8.launch2.earlier.log", "3-4-8.log"]
     assert (logs / "3-4-8.launch2-1.earlier.log").read_text() == "1-1"
+
+
+def test_a_launch_whose_result_was_stored_but_not_its_end_is_kept_not_failed_as_stale(
+        tmp_path):
+    """`finish_launch` writes the result, then the trial's end. A search that died between
+    the two (or lost its database) left a running trial holding its result; failing it as
+    stale made it count as finished all the same (a finished trial with a result), so the
+    launch was neither kept as measured nor redone: a rerun of a study on a PostgreSQL
+    server stopped mid-study stored 3 of its 4 launches (a helper's finding)."""
+    spec = load_study(None, small_study(tmp_path))
+    store = StudyStore(spec)
+    measured, failed, cut = TreeConfig(3, 4, 8), TreeConfig(1, 1, 2), TreeConfig(2, 2, 4)
+    for config, result in ((measured, LaunchResult(config=measured, ok=True)),
+                           (failed, LaunchResult(config=failed, reason="out of memory"))):
+        trial = store.begin_launch(config, (), launch_index=0)
+        store.storage.set_trial_user_attr(trial._trial_id, RESULT_ATTR,
+                                          json.dumps(result.to_dict()))  # the first write
+    store.begin_launch(cut, (), launch_index=0)  # killed while it ran
+    assert StudyStore(spec).mark_stale() == [("2,2,4", 0)]
+    finished = {config_key(s.result.config): s for s in store.finished_launches()}
+    assert set(finished) == {"3,4,8", "1,1,2"}
+    states = {t.user_attrs["config"]: t.state for t in store.launches.get_trials()}
+    assert states == {"3,4,8": TrialState.COMPLETE, "1,1,2": TrialState.FAIL,
+                      "2,2,4": TrialState.FAIL}
+    assert finished["1,1,2"].result.reason == "out of memory"

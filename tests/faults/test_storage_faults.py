@@ -13,6 +13,7 @@ import time
 
 import pytest
 import yaml
+from optuna.trial import TrialState
 from studykit import processes_with, server_processes, small_study, wait_until
 
 from treetune.results import config_key
@@ -215,3 +216,52 @@ def test_a_port_already_in_use_makes_the_worker_choose_another(tmp_path, monkeyp
     assert result.ok and result.attempts == 1, result.reason
     assert {c.dataset for c in result.cells} == {"humaneval"}
     assert wait_until(lambda: not server_processes(str(tmp_path)), 5)
+
+
+def test_storage_lost_between_a_launchs_two_writes_keeps_its_measurement_for_the_rerun(
+        tmp_path, ray_cluster, monkeypatch):
+    """The database stopped after a launch's result was written and before its end: the
+    rerun failed that launch as stale yet counted it as finished (a failed trial holding a
+    result), so the compared tree was neither kept nor redone and the study stored 3 of its
+    4 launches (a stopped PostgreSQL server, 1 run in 22: a helper's finding). The cut is
+    made here without a clock: the result is written, then the storage error raised."""
+    import json
+
+    import sqlalchemy as sa
+
+    from treetune.errors import TreetuneError
+    from treetune.study.storage import RESULT_ATTR
+
+    spec = load_study(None, small_study(tmp_path, budget={"launches": 4},
+                                        ray_address=ray_cluster,
+                                        search={"strategy": "grid",
+                                                "max_launches_per_config": 1}))
+    finish = StudyStore.finish_launch
+
+    def cut_after_the_result(self, trial, result):
+        if config_key(result.config) != "3,4,8":
+            return finish(self, trial, result)
+        trial.set_user_attr(RESULT_ATTR, json.dumps(result.to_dict()))
+        raise sa.exc.OperationalError("COMMIT", {}, ConnectionError(
+            "server closed the connection unexpectedly"))
+
+    monkeypatch.setattr(StudyStore, "finish_launch", cut_after_the_result)
+    with pytest.raises(TreetuneError, match="stopped answering"):
+        run_study(spec)
+    monkeypatch.undo()
+    measured = json.loads(next(
+        t for t in StudyStore(spec).launches.get_trials()
+        if t.user_attrs["config"] == "3,4,8").user_attrs[RESULT_ATTR])
+    notes: list[str] = []
+    outcome = run_study(spec, lambda p: notes.extend(n for n in p.notes if n not in notes))
+    keys = [config_key(r.config) for r in outcome.results]
+    assert len(keys) == len(set(keys)) == 4 and "3,4,8" in keys, keys
+    kept = next(r for r in outcome.results if config_key(r.config) == "3,4,8")
+    assert kept.ok and kept.started_at == measured["started_at"], "measured twice"
+    complete = [t.user_attrs["config"] for t in StudyStore(spec).launches.get_trials(
+        states=(TrialState.COMPLETE,))]
+    assert sorted(complete) == sorted(keys)  # as the stopped-PostgreSQL test counts them
+    # Ended from its stored result: not stale (the others were abandoned as the first
+    # search stopped, its storage still answering them).
+    assert outcome.stale_redone == 0 and not any("left unfinished" in n for n in notes), notes
+    assert not server_processes(str(tmp_path))

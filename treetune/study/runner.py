@@ -514,14 +514,13 @@ class _Others:
         self.due = time.monotonic() + POLL_S
         changed = False
         for driver in self.claims.dead():
-            reaped = self.claims.reap(driver)
-            for _key, _index, trial_id in reaped:
-                if trial_id is not None:
-                    self.store.fail_stale(trial_id)
+            # A launch whose result it stored is not stale (`fail_stale`).
+            stale = sum(trial_id is None or self.store.fail_stale(trial_id)
+                        for _key, _index, trial_id in self.claims.reap(driver))
             self.store.mark_stale(driver)  # its proposals, and a launch not claimed yet
-            self.stale += len(reaped)
-            progress.notes.append(f"a search of this study stopped beating: its "
-                                  f"{len(reaped)} running launch(es) are stale, to be redone")
+            self.stale += stale
+            progress.notes.append("a search of this study stopped beating" + (
+                f": its {stale} running launch(es) are stale, to be redone" if stale else ""))
             changed = True
         # Claims first: a claim seen done has its result stored already (stored, then done).
         running, _ = self.claims.others()

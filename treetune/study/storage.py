@@ -275,8 +275,18 @@ class StudyStore:
         return stale
 
     def fail_stale(self, trial_id: int) -> bool:
-        """One trial of a search that died, failed as stale (False: it had finished)."""
+        """One trial of a search that died, failed as stale (False: it had finished). A
+        launch whose result was stored but not its end (`finish_launch` writes twice: the
+        search died, or lost its database, between the two) was measured: it is ended
+        from that result instead, not redone (False too)."""
         try:
+            trial = self.storage.get_trial(trial_id)
+            if RESULT_ATTR in trial.user_attrs:
+                ok = _result_of(trial).ok
+                self.storage.set_trial_state_values(
+                    trial_id, TrialState.COMPLETE if ok else TrialState.FAIL,
+                    [0.0] if ok else None)  # as `finish_launch` tells it
+                return False
             self.storage.set_trial_user_attr(trial_id, "reason", STALE_REASON)
             self.storage.set_trial_state_values(trial_id, TrialState.FAIL)
         except RuntimeError:  # optuna's UpdateFinishedTrialError
@@ -321,6 +331,8 @@ class StudyStore:
         return trial
 
     def finish_launch(self, trial: optuna.trial.Trial, result: LaunchResult) -> None:
+        """The launch's result, then its end: two writes, so a launch that holds a result
+        but still runs was measured (`fail_stale` ends it from its result)."""
         trial.set_user_attr(RESULT_ATTR, json.dumps(result.to_dict()))
         self.launches.tell(trial, 0.0 if result.ok else None,
                            state=TrialState.COMPLETE if result.ok else TrialState.FAIL)
