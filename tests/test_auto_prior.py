@@ -405,6 +405,9 @@ def test_a_server_flag_the_installed_sglang_names_otherwise_is_refused(tmp_path)
     (TARGET, fixture("thoughtworks/Qwen3-8B-Eagle3"), "is an EAGLE3 head for a target of "
      "hidden size 4096, but"),
     (DRAFT, TARGET, "is an EAGLE3 draft head, not a target model: give it as the draft"),
+    (fixture("Qwen/Qwen3-30B-A3B-FP8"), fixture("Qwen/Qwen3-8B"), r"draft '.*Qwen3-8B' \(.*"
+     r"config.json\) is a plain model \(Qwen3ForCausalLM\), not an EAGLE3 draft head .*"
+     r"or draft with this model as STANDALONE \(algorithm: STANDALONE\)"),
 ])
 def test_a_draft_sglang_cannot_serve_with_the_target_is_refused_before_ray(
         tmp_path, model, draft, refused):
@@ -414,6 +417,23 @@ def test_a_draft_sglang_cannot_serve_with_the_target_is_refused_before_ray(
 
     with pytest.raises(TreetuneError, match=refused):
         check_study(sglang_study(tmp_path, model=model, draft=draft, backend={"gpu": "H200"}))
+
+
+def test_a_plain_model_is_a_draft_for_standalone_and_each_methods_draft_is_checked(tmp_path):
+    """SGLang 0.5.23 loads a plain model given as an EAGLE3 head, then fails to start
+    (its class has no set_embed or hot_token_id): refused before Ray. STANDALONE drafts
+    with a plain model of the target's tokenizer, as it should; in a study of several
+    methods, each method's draft is checked for its method."""
+    from treetune.backends.sglang import check_models
+
+    target, plain = fixture("Qwen/Qwen3-30B-A3B-FP8"), fixture("Qwen/Qwen3-8B")
+    head = fixture("sgl-project/qwen3-30B-A3B-eagle3")
+    check_models(sglang_study(tmp_path, model=target, draft=plain, algorithm="STANDALONE",
+                              backend={"gpu": "H200"}).launch_spec(), {})
+    with pytest.raises(TreetuneError, match=r"^EAGLE3: draft '.*Qwen3-8B' .* is a plain "):
+        check_models(sglang_study(tmp_path, model=target, draft=head, backend={"gpu": "H200"},
+                                  methods=["STANDALONE", {"name": "EAGLE3", "draft": plain}],
+                                  algorithm="STANDALONE").launch_spec(), {})
 
 
 def test_a_search_whose_target_is_only_on_the_nodes_leaves_its_tp_to_them(tmp_path):

@@ -491,15 +491,15 @@ def check_models(launch: LaunchSpec, env: Mapping[str, str]) -> None:
         return
     if refusal := facts.tp_refusal(launch.model_path, launch.tp):
         raise TreetuneError(f"tp {launch.tp} (--tp): {refusal}")
-    draft = launch.draft_model_path
-    if draft is None or not needs_draft_model(launch.algorithm):
-        return
-    try:
-        head = model_facts(draft, env)
-    except TreetuneError:
-        return
-    if problem := pair_problem(launch.model_path, facts, draft, head):
-        raise TreetuneError(problem)
+    for algorithm, draft in ((launch.algorithm, launch.draft_model_path), *launch.methods):
+        if draft is None or not needs_draft_model(algorithm):
+            continue
+        try:
+            head = model_facts(draft, env)
+        except TreetuneError:
+            continue
+        if problem := pair_problem(launch.model_path, facts, draft, head, algorithm):
+            raise TreetuneError(f"{algorithm}: {problem}" if launch.methods else problem)
 
 
 def check_installed_version(installed: str, targeted: str, python: str,

@@ -77,13 +77,23 @@ def _mla(target: ModelFacts) -> MLA | None:
                bytes_per_element=target.kv_bytes_per_token / elements)
 
 
-def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts) -> str:
-    """Why SGLang cannot serve `draft` as the draft of `model` ("" when it can): a target
-    that is itself an EAGLE3 head, or an EAGLE3 head trained for a target of another width
-    (its first layer takes three of the target's hidden states)."""
+def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
+                 algorithm: str = "EAGLE3") -> str:
+    """Why SGLang cannot serve `draft` as the draft of `model` by `algorithm` ("" when it
+    can): a target that is itself an EAGLE3 head, a plain model given as an EAGLE3 head,
+    or an EAGLE3 head trained for a target of another width (its first layer takes three
+    of the target's hidden states)."""
     if target.eagle3:
         return (f"'{model}' ({target.config_path}) is an EAGLE3 draft head, not a target "
                 "model: give it as the draft")
+    if algorithm == "EAGLE3" and not head.eagle3:
+        # SGLang 0.5.23 loads the whole model as the draft, then fails in the draft
+        # worker's set-up (no set_embed or hot_token_id on a plain model's class).
+        return (f"draft '{draft}' ({head.config_path}) is a plain model ({head.architecture})"
+                ", not an EAGLE3 draft head (an Eagle3 architecture such as "
+                "LlamaForCausalLMEagle3, trained on the target's hidden states): SGLang "
+                "loads both models and then fails to start. Give the target's EAGLE3 head, "
+                "or draft with this model as STANDALONE (algorithm: STANDALONE)")
     if head.eagle3 and head.target_hidden_size != target.hidden_size:
         return (f"draft '{draft}' ({head.config_path}) is an EAGLE3 head for a target of "
                 f"hidden size {head.target_hidden_size}, but '{model}' has hidden size "
