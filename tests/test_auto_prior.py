@@ -146,6 +146,19 @@ def test_a_prior_from_a_config_json_path_is_named_after_its_folder_with_exact_co
     assert data["target"]["kv_bytes_per_token"] == 147456
 
 
+def test_treetune_prior_prices_a_plain_draft_as_standalone_and_refuses_it_as_eagle3(capsys):
+    args = ("prior", "--model", fixture("Qwen/Qwen3-30B-A3B-FP8"), "--draft",
+            fixture("Qwen/Qwen3-8B"), "--gpu", "H200")
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and "is a plain model (Qwen3ForCausalLM)" in err, err
+    code, stdout, err = run_cli(capsys, *args, "--algorithm", "standalone")
+    assert code == 0, err
+    assert yaml.safe_load(stdout)["draft"]["layers"] == 36
+    code, _, err = run_cli(capsys, *args, "--algorithm", "NGRAM")
+    assert code == 2 and "--algorithm 'NGRAM' is not one that drafts with --draft (EAGLE3, " \
+        "EAGLE, STANDALONE)" in err, err
+
+
 def test_treetune_prior_without_a_config_names_where_it_looked(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     code, _, err = run_cli(capsys, "prior", "--model", "Org/Not-Here", "--draft", DRAFT,
@@ -407,7 +420,8 @@ def test_a_server_flag_the_installed_sglang_names_otherwise_is_refused(tmp_path)
     (DRAFT, TARGET, "is an EAGLE3 draft head, not a target model: give it as the draft"),
     (fixture("Qwen/Qwen3-30B-A3B-FP8"), fixture("Qwen/Qwen3-8B"), r"draft '.*Qwen3-8B' \(.*"
      r"config.json\) is a plain model \(Qwen3ForCausalLM\), not an EAGLE3 draft head .*"
-     r"or draft with this model as STANDALONE \(algorithm: STANDALONE\)"),
+     r"or draft with this model as STANDALONE \(a study's algorithm: STANDALONE, "
+     r"--algorithm STANDALONE\)"),
 ])
 def test_a_draft_sglang_cannot_serve_with_the_target_is_refused_before_ray(
         tmp_path, model, draft, refused):
@@ -428,8 +442,12 @@ def test_a_plain_model_is_a_draft_for_standalone_and_each_methods_draft_is_check
 
     target, plain = fixture("Qwen/Qwen3-30B-A3B-FP8"), fixture("Qwen/Qwen3-8B")
     head = fixture("sgl-project/qwen3-30B-A3B-eagle3")
-    check_models(sglang_study(tmp_path, model=target, draft=plain, algorithm="STANDALONE",
-                              backend={"gpu": "H200"}).launch_spec(), {})
+    standalone = sglang_study(tmp_path, model=target, draft=plain, algorithm="STANDALONE",
+                              backend={"gpu": "H200"})
+    check_models(standalone.launch_spec(), {})
+    planner = planner_for(standalone)  # the auto prior is built, the plain draft priced
+    assert planner.strategy_name == "model", planner.note
+    assert planner.strategy.context.prior.draft.layers == 36
     with pytest.raises(TreetuneError, match=r"^EAGLE3: draft '.*Qwen3-8B' .* is a plain "):
         check_models(sglang_study(tmp_path, model=target, draft=head, backend={"gpu": "H200"},
                                   methods=["STANDALONE", {"name": "EAGLE3", "draft": plain}],

@@ -434,6 +434,10 @@ def prior(
         help="SGLang's --kv-cache-dtype, when the server stores the KV cache in another "
         "dtype than the model's (e.g. fp8_e4m3).")] = None,
     name: Annotated[str | None, typer.Option(help="The profile's name.")] = None,
+    algorithm: Annotated[str, typer.Option(
+        help="The draft method the draft runs by (SGLang's --speculative-algorithm): "
+        "EAGLE3 (an EAGLE3 head), EAGLE or STANDALONE (a small model of the target's "
+        "tokenizer).")] = "EAGLE3",
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the profile "
                                                 "here (default: print it).")] = None,
 ) -> None:
@@ -447,11 +451,15 @@ def prior(
     """
     import yaml
 
-    from treetune.backends.sglang import KV_CACHE_BYTES
+    from treetune.backends.sglang import ALGORITHMS, KV_CACHE_BYTES, needs_draft_model
     from treetune.facts import build_prior
 
     if tp < 1:
         raise TreetuneError(f"--tp must be >= 1, got {tp}")
+    drafted = [a for a in ALGORITHMS if needs_draft_model(a)]
+    if algorithm.upper() not in drafted:
+        raise TreetuneError(f"--algorithm '{algorithm}' is not one that drafts with --draft "
+                            f"({', '.join(drafted)})")
     if output is not None:
         writable(output)
     kv_bytes = None
@@ -461,7 +469,7 @@ def prior(
                                 f"{', '.join(KV_CACHE_BYTES)}")
         kv_bytes = KV_CACHE_BYTES[kv_cache_dtype]
     profile = build_prior(model, draft, tp, gpu, kv_cache_bytes=kv_bytes,
-                          datasets=datasets or (), name=name)
+                          datasets=datasets or (), name=name, algorithm=algorithm.upper())
     t = profile.target
     err.print(f"{escape(t.name)}: {t.total_params_b:.2f}B parameters ({t.active_params_b:.2f}B "
               f"active), {t.kv_bytes_per_token:.0f} KV bytes per token; draft "

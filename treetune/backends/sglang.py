@@ -574,7 +574,8 @@ class SGLangBackend:
         from treetune.facts import build_prior
 
         return build_prior(launch.model_path, launch.draft_model_path, tp=launch.tp,
-                           gpu=self.gpu, env=env, kv_cache_bytes=kv_cache_bytes(launch))
+                           gpu=self.gpu, env=env, kv_cache_bytes=kv_cache_bytes(launch),
+                           algorithm=launch.algorithm)
 
     def describe(self) -> str:
         return self.kind

@@ -93,7 +93,8 @@ def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
                 ", not an EAGLE3 draft head (an Eagle3 architecture such as "
                 "LlamaForCausalLMEagle3, trained on the target's hidden states): SGLang "
                 "loads both models and then fails to start. Give the target's EAGLE3 head, "
-                "or draft with this model as STANDALONE (algorithm: STANDALONE)")
+                "or draft with this model as STANDALONE (a study's algorithm: STANDALONE, "
+                "--algorithm STANDALONE)")
     if head.eagle3 and head.target_hidden_size != target.hidden_size:
         return (f"draft '{draft}' ({head.config_path}) is an EAGLE3 head for a target of "
                 f"hidden size {head.target_hidden_size}, but '{model}' has hidden size "
@@ -103,17 +104,18 @@ def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
 
 def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = None,
                 env: Mapping[str, str] | None = None, kv_cache_bytes: float | None = None,
-                datasets: Sequence[str] = (), name: str | None = None) -> Profile:
+                datasets: Sequence[str] = (), name: str | None = None,
+                algorithm: str = "EAGLE3") -> Profile:
     """The auto prior of `model` + `draft` on `tp` GPUs: config.json files from local
     directories or the local Hugging Face cache, the GPU named by `gpu` or else the one the
-    node's GPU tool (nvidia-smi, amd-smi, rocm-smi) shows this process. Raises
-    TreetuneError saying what is missing."""
+    node's GPU tool (nvidia-smi, amd-smi, rocm-smi) shows this process; `algorithm`: the
+    draft method `draft` runs by. Raises TreetuneError saying what is missing."""
     if draft is None:
         raise TreetuneError("the auto prior needs a draft model's config.json, and this "
                             "study has no draft (NEXTN): give --prior NAME_OR_FILE")
     target_facts = model_facts(model, env, kv_cache_bytes)
     draft_facts = model_facts(draft, env, kv_cache_bytes)
-    if problem := pair_problem(model, target_facts, draft, draft_facts):
+    if problem := pair_problem(model, target_facts, draft, draft_facts, algorithm):
         raise TreetuneError(problem)
     if refusal := target_facts.tp_refusal(model, tp):
         raise TreetuneError(f"--tp {tp}: {refusal}")
