@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from treetune.config import BASELINE
-from treetune.errors import TreetuneError
+from treetune.errors import FieldError, TreetuneError
 from treetune.facts import (
     auto_prior,
     detect_gpu,
@@ -359,7 +359,7 @@ def test_a_local_directory_without_config_json_is_named(tmp_path):
 # ---- GPUs --------------------------------------------------------------------------------
 
 REQUIRED_GPUS = ("A100-40GB-SXM", "A100-80GB-SXM", "H100-SXM", "H100-PCIe", "H100-NVL", "H200",
-                 "B200", "GB200", "L40S", "MI300X", "MI325X")
+                 "B200", "B300", "GB200", "L40S", "MI300X", "MI325X", "MI355X")
 
 
 def test_the_gpu_table_holds_every_required_gpu_with_every_fact():
@@ -394,6 +394,7 @@ def test_the_peak_follows_the_weights_precision():
     ("NVIDIA A100-SXM4-40GB", "A100-40GB-SXM"), ("NVIDIA A100 80GB PCIe", "A100-80GB-PCIe"),
     ("NVIDIA L40S", "L40S"), ("AMD Instinct MI300X", "MI300X"), ("h200", "H200"),
     ("gb200", "GB200"), ("MI325X", "MI325X"), ("NVIDIA H20", "H20"), ("NVIDIA H800", "H800"),
+    ("NVIDIA B300 SXM6 AC", "B300"), ("AMD Instinct MI355X", "MI355X"),
 ])
 def test_gpu_names_as_nvidia_smi_and_users_write_them_map_to_the_table(name, key):
     assert gpu_facts(name).name == key
@@ -564,3 +565,70 @@ def test_a_config_of_a_shape_the_counting_does_not_know_is_a_one_line_error():
     with pytest.raises(TreetuneError, match=r"z\.json: cannot count this model "
                        r"\(ZeroDivisionError.*--prior"):
         facts_from_config(data, "z", Path("z.json"))
+
+
+QWEN3_8B = read_config(HF / "Qwen/Qwen3-8B/config.json")
+
+
+def unquantized(quant: dict) -> int:
+    data = {**QWEN3_8B, "quantization_config": quant}
+    return facts_from_config(data, "q", Path("q.json")).unquantized_params
+
+
+def test_what_a_quantized_checkpoint_keeps_unquantized_is_counted_as_each_scheme_says():
+    """Priced at the quantized width, an FP8 Qwen3-30B-A3B's bf16 head and routers were
+    read 9% short per pass, gpt-oss's bf16 attention and head 43% short (a helper's audit
+    of SGLang 0.5.23's quantization code)."""
+    h, vocab, layers = 4096, 151936, 36
+    head, norms = vocab * h, (2 * layers + 1) * h
+    mlp = layers * 3 * h * 12288
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert unquantized({}) == 0
+    assert unquantized(fp8) == head + norms  # SGLang quantizes the linear layers only
+    one = unquantized({**fp8, "modules_to_not_convert": ["lm_head", "model.layers.0.self_attn"]})
+    every = unquantized({**fp8, "ignored_layers": ["self_attn"]})
+    attention = one - head - norms
+    assert attention > 0 and every == head + norms + layers * attention
+    assert unquantized({**fp8, "modules_to_not_convert": ["model.layers.0.mlp.gate"]}) \
+        == head + norms  # a router, already kept: no MLP of a dense model
+    ct = {"quant_method": "compressed-tensors", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}}}
+    assert unquantized(ct) == head + norms
+    assert unquantized({**ct, "ignore": ["lm_head", "re:.*mlp.down_proj"]}) == head + norms + mlp
+    assert unquantized({**ct, "config_groups": {"g": {
+        "targets": ["Linear", "lm_head"], "weights": {"num_bits": 8, "type": "float"}}}}) == norms
+    modelopt = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    assert unquantized(modelopt) == norms  # ModelOpt quantizes the head unless excluded
+    assert unquantized({**modelopt, "exclude_modules": ["lm_head", "model.layers.*.self_attn"]}
+                       ) == every
+    awq = {"quant_method": "awq", "bits": 4}
+    assert unquantized(awq) == head + norms and unquantized({**awq, "lm_head": True}) == norms
+    gptq = {"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*self_attn.*": {}}}
+    assert unquantized(gptq) == every
+    gpt_oss = model_facts(fixture("openai/gpt-oss-120b"))  # mxfp4: the experts only
+    moe = gpt_oss.moe
+    routed = moe.layers * moe.experts * moe.expert_params
+    assert gpt_oss.unquantized_params == gpt_oss.total_params - routed - \
+        gpt_oss.vocab_size * gpt_oss.hidden_size
+
+
+def test_the_auto_prior_reads_and_holds_the_unquantized_parts_at_their_width():
+    profile = prior_of(fixture("openai/gpt-oss-120b"), fixture("thoughtworks/Qwen3-8B-Eagle3"),
+                       "H200", 1)
+    t = profile.target
+    assert t.unquantized_bytes == 2.0 and t.unquantized_params_b > 1.5
+    bulk = t.always_read_params * t.weight_bytes
+    assert t.weight_bytes_of(t.always_read_params) / bulk > 2.5  # mostly bf16 but experts
+    from treetune.perfmodel.cost import CostModel
+
+    bulk_only = dataclasses.replace(profile, target=dataclasses.replace(
+        t, unquantized_params_b=0.0))
+    data = next(iter(profile.datasets.values()))
+    step, priced_short = (CostModel(p).target_pass(1, 1, data) for p in (profile, bulk_only))
+    extra = t.unquantized_params_b * 1e9 * (2 - t.weight_bytes) / (
+        profile.hardware.bandwidth_tb_s * 1e12 * profile.calibration.weight_bandwidth_eff)
+    assert step - priced_short == pytest.approx(extra, rel=0.01)  # weight-bound at batch 1
+    held, short = (check_memory(p, BASELINE, 1).required_gb for p in (profile, bulk_only))
+    assert held - short == pytest.approx(t.unquantized_params_b * (2 - t.weight_bytes), 0.01)
+    with pytest.raises(FieldError, match=r"must be in 0\.\.2\.1\d* \(the parameters every pass"):
+        dataclasses.replace(t, unquantized_params_b=t.total_params_b)

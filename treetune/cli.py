@@ -426,8 +426,9 @@ def prior(
     gpu: Annotated[str | None, typer.Option(
         help="The GPU, by its name in treetune's GPU table (A100-40GB-SXM, A100-80GB-SXM, "
         "A100-40GB-PCIe, A100-80GB-PCIe, H100-SXM, H100-PCIe, H100-NVL, H800, H20, H200, "
-        "H200-NVL, B200, GB200, L40S, MI300X, MI325X) or as nvidia-smi or amd-smi prints it; "
-        "default: what nvidia-smi (on AMD nodes amd-smi, else rocm-smi) shows here.")] = None,
+        "H200-NVL, B200, B300, GB200, L40S, MI300X, MI325X, MI355X) or as nvidia-smi or "
+        "amd-smi prints it; default: what nvidia-smi (on AMD nodes amd-smi, else rocm-smi) "
+        "shows here.")] = None,
     datasets: Annotated[list[str] | None, typer.Option(
         help="Datasets the profile holds, all neutral (default: the built-in ones).")] = None,
     kv_cache_dtype: Annotated[str | None, typer.Option(

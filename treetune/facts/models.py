@@ -14,8 +14,10 @@ shared, so it is not counted.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +91,10 @@ class ModelFacts:
     # sliding-window pool: gpt-oss's sliding layers, Llama 4's chunked ones); 0: none.
     window: int = 0
     window_layers: int = 0
+    # Of a quantized checkpoint, the parameters left at the config's dtype (`_Unquantized`)
+    # but the embedding: each pass reads them all. The embedding (kept too) is priced as
+    # the quantized bulk, as a pass reads only a few of its rows, not all of it.
+    unquantized_params: int = 0
 
     def tp_problem(self, tp: int) -> str:
         """Why SGLang cannot split this model's attention over `tp` GPUs ("" when it can):
@@ -255,11 +261,14 @@ def _count(data: Mapping[str, Any], name: str, path: Path,
     kv_bytes = kv_cache_bytes or dtype_bytes
     if eagle3:
         return _eagle3(c, name, path, architecture, dtype, weight_bytes, quantization, kv_bytes)
-    return _decoder(c, name, path, architecture, dtype, weight_bytes, quantization, kv_bytes)
+    kept = _Unquantized.of(quant if weight_bytes < dtype_bytes else None)
+    return _decoder(c, name, path, architecture, dtype, weight_bytes, quantization, kv_bytes,
+                    kept)
 
 
 def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
-             weight_bytes: float, quantization: str, kv_bytes: float) -> ModelFacts:
+             weight_bytes: float, quantization: str, kv_bytes: float,
+             kept: _Unquantized | None = None) -> ModelFacts:
     h = c.int("hidden_size", "d_model")
     layers = c.int("num_hidden_layers", "n_layer", "num_layers")
     defaults = MODEL_TYPE_DEFAULTS.get(str(c.get("model_type")), {})
@@ -270,22 +279,32 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
     linear = _linear_attention_params(c, h) if "linear" in kinds else 0
     # Gated (SwiGLU) MLPs; Llama 4's dense layers have their own, wider size.
     dense_mlp = 3 * h * c.int("intermediate_size_mlp", "intermediate_size", default=0)
-    total = active = 0
+    total = active = routed = unquantized = 0
     for i, mixer_type in enumerate(kinds):
         mixer = attention if mixer_type == "attention" else linear
         norms = 2 * h
+        if kept is not None:
+            unquantized += norms + mixer * kept.layer(i, mixer_type)
         if moe is not None and i in moe.layers:
             total += mixer + norms + moe.router + moe.shared + moe.spec.experts * moe.expert
             active += mixer + norms + moe.router + moe.shared + (
                 moe.spec.experts_per_token * moe.expert)
+            routed += moe.spec.experts * moe.expert
+            if kept is not None:
+                unquantized += moe.router + moe.shared * kept.layer(i, "shared")
         else:
             total += mixer + norms + dense_mlp
             active += mixer + norms + dense_mlp
+            if kept is not None:
+                unquantized += dense_mlp * kept.layer(i, "mlp")
     embed = vocab * h
     tied = c.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))
     head = 0 if tied else vocab * h
     total += embed + head + h
     active += embed + head + h
+    if kept is not None:  # the embedding aside: a pass gathers a few of its rows
+        unquantized = (total - routed - embed if kept.all_but_experts
+                       else unquantized + h + head * kept.head)
     attention_layers = kinds.count("attention")
     return ModelFacts(
         name=name, config_path=str(path), architecture=architecture, total_params=total,
@@ -300,7 +319,7 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         kv_heads=c.int("num_key_value_heads", "num_attention_heads", default=0),
         kv_lora_rank=c.int("kv_lora_rank") if _is_mla(c) else 0,
         rope_dim=c.int("qk_rope_head_dim") if _is_mla(c) else 0,
-        **_windowed(c, architecture, layers))
+        unquantized_params=unquantized, **_windowed(c, architecture, layers))
 
 
 def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
@@ -482,6 +501,78 @@ QUANT_BITS = {"awq": 4, "gptq": 4, "awq_marlin": 4, "gptq_marlin": 4, "auto-roun
 # fp8 scale per 16).
 MXFP4_BYTES = (4 + 8 / 32) / 8
 NVFP4_BYTES = (4 + 8 / 16) / 8
+
+
+# A layer's parts, by a module name SGLang gives one of them (of layer {i}): what a
+# quantization_config's list of modules left out is matched against.
+MODULE_NAMES = {
+    "attention": ("model.layers.{i}.self_attn.o_proj",),
+    "linear": ("model.layers.{i}.linear_attn.out_proj",),
+    "mlp": ("model.layers.{i}.mlp.down_proj",),
+    "shared": ("model.layers.{i}.mlp.shared_expert.down_proj",
+               "model.layers.{i}.mlp.shared_experts.down_proj"),
+}
+
+
+@dataclass(frozen=True)
+class _Unquantized:
+    """What a quantized checkpoint keeps at its config's dtype, as SGLang 0.5.23 loads it:
+    the norms and routers always; the head unless the scheme quantizes it (ModelOpt and
+    compressed-tensors when they name it, AWQ and GPTQ with `lm_head: true`); mxfp4 every
+    layer but the routed experts; and each layer part whose module name the config's list
+    of modules left out matches (fp8's `modules_to_not_convert` or `ignored_layers`,
+    compressed-tensors' and ModelOpt's `ignore`, ModelOpt's `exclude_modules`, AWQ's
+    `modules_to_not_convert`, GPTQ's `dynamic` entries starting '-:')."""
+
+    patterns: tuple[str, ...] = ()
+    head: bool = True
+    all_but_experts: bool = False
+
+    @classmethod
+    def of(cls, quant: Any) -> _Unquantized | None:
+        if not isinstance(quant, dict):
+            return None
+        method = str(quant.get("quant_method", "")).lower()
+        listed: list[str] = []
+        for key in ("modules_to_not_convert", "ignored_layers", "ignore", "exclude_modules"):
+            if isinstance(quant.get(key), list):
+                listed += [str(m) for m in quant[key]]
+        dynamic = quant.get("dynamic")
+        if isinstance(dynamic, dict):
+            listed += ["re:" + str(k)[2:] for k in dynamic if str(k).startswith("-:")]
+        named_head = any(_matches(m, "lm_head") for m in listed)
+        if method == "modelopt":
+            head = named_head
+        elif method == "compressed-tensors":
+            targets = [str(t) for g in (quant.get("config_groups") or {}).values()
+                       if isinstance(g, dict) for t in g.get("targets") or ()]
+            head = named_head or not any(_matches(t, "lm_head") for t in targets)
+        elif method in ("awq", "awq_marlin", "gptq", "gptq_marlin"):
+            head = named_head or not quant.get("lm_head", False)
+        else:
+            head = True
+        return cls(tuple(listed), head, all_but_experts=method == "mxfp4")
+
+    def layer(self, i: int, part: str) -> int:
+        """1 when part `part` of layer `i` is kept unquantized, else 0."""
+        names = [n.format(i=i) for n in MODULE_NAMES[part]]
+        return int(self.all_but_experts or any(_matches(p, n) for p in self.patterns
+                                               for n in names))
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Whether a module list's entry names module `name`: 're:' a regular expression (as
+    compressed-tensors and GPTQ write them), a glob with '*' (ModelOpt), else a dotted
+    part of the name (fp8, AWQ: 'lm_head', 'self_attn', 'model.layers.0.mlp')."""
+    if pattern.startswith("re:"):
+        try:
+            return re.match(pattern[3:], name) is not None
+        except re.error:
+            return False
+    if "*" in pattern or "?" in pattern:  # a module, or any module within it
+        return (fnmatch.fnmatchcase(name, pattern)
+                or fnmatch.fnmatchcase(name, pattern.rstrip(".") + ".*"))
+    return f".{pattern.strip('.')}." in f".{name}."
 
 
 def _modelopt_sidecar(path: Path) -> dict[str, Any] | None:

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from treetune.datasets import builtin_names
 from treetune.errors import TreetuneError
 from treetune.facts.gpus import GpuFacts, detect_gpu, gpu_facts
-from treetune.facts.models import ModelFacts, model_facts
+from treetune.facts.models import DTYPE_BYTES, ModelFacts, model_facts
 from treetune.perfmodel.prior import NEUTRAL_ACCEPTANCE, neutral_prior
 from treetune.perfmodel.profile import (
     MLA,
@@ -48,6 +48,8 @@ def auto_prior(target: ModelFacts, draft: ModelFacts, gpu: GpuFacts, tp: int,
             active_params_b=target.active_params / 1e9, layers=target.layers,
             hidden_size=target.hidden_size, kv_bytes_per_token=target.kv_bytes_per_token,
             weight_bytes=target.weight_bytes,
+            unquantized_params_b=target.unquantized_params / 1e9,
+            unquantized_bytes=DTYPE_BYTES[target.dtype],
             state_bytes_per_request=target.state_bytes_per_request,
             vocab_size=target.vocab_size, attention_layers=target.attention_layers,
             mla=_mla(target),

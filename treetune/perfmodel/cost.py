@@ -99,7 +99,7 @@ class CostModel:
             params += distinct_experts(routed, t.moe.experts, t.moe.experts_per_token) * (
                 t.expert_params
             )
-        weight_s = params * t.weight_bytes / (self.bandwidth * c.weight_bandwidth_eff)
+        weight_s = t.weight_bytes_of(params) / (self.bandwidth * c.weight_bandwidth_eff)
         # Linear-attention layers read each request's recurrent state once and, to roll back
         # rejected drafts, write one state per processed token (a tree node forks the state).
         state = t.state_bytes_per_request * (2 if prefill else 1 + tokens_per_request)

@@ -44,7 +44,7 @@ def check_memory(
     t, server = profile.target, profile.server
     draft = method if isinstance(method, Method) else profile.method(method)
     available = profile.hardware.memory_gb * GB * fraction
-    weights = t.total_params_b * 1e9 * t.weight_bytes / tp
+    weights = t.weight_bytes_of(t.total_params_b * 1e9) / tp
     slots = max(server.reserve_context_tokens, context_tokens or 0)
     in_flight = max_running_requests
     draft_kv_per_token = 0.0

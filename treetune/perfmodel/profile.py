@@ -103,12 +103,22 @@ class Target:
     moe: MoE | None = None
     mla: MLA | None = None
     sliding_window: SlidingWindow | None = None
+    # Of a quantized checkpoint, the parameters it keeps at `unquantized_bytes` (the head,
+    # norms and routers, layers its quantization_config leaves out; mxfp4: all but the
+    # routed experts), all among those every pass reads. The auto prior leaves the
+    # embedding out: a pass gathers a few of its rows (priced as the quantized bulk).
+    unquantized_params_b: float = 0.0
+    unquantized_bytes: float = 2.0
 
     def __post_init__(self) -> None:
         _positive(self, "total_params_b", "active_params_b", "layers", "hidden_size",
-                  "weight_bytes")
+                  "weight_bytes", "unquantized_bytes")
         if self.active_params_b > self.total_params_b:
             raise ValueError("active_params_b cannot exceed total_params_b")
+        if not 0 <= self.unquantized_params_b * 1e9 <= self.always_read_params * 1.000001:
+            raise FieldError("unquantized_params_b", (
+                f"must be in 0..{self.always_read_params / 1e9:g} (the parameters every "
+                f"pass reads), got {self.unquantized_params_b:g}"))
         if self.attention_layers is not None and not 0 < self.attention_layers <= self.layers:
             raise FieldError("attention_layers", f"must be in 1..layers ({self.layers}), "
                              f"got {self.attention_layers}")
@@ -160,6 +170,12 @@ class Target:
     def lm_head_params(self) -> float:
         """The output head: vocabulary x hidden size (what an MTP draft pass scores with)."""
         return float(self.vocab_size * self.hidden_size)
+
+    def weight_bytes_of(self, params: float) -> float:
+        """Bytes of `params` weights (the whole model's, or what a pass reads): the
+        unquantized ones, always among them, at their own width."""
+        unquantized = self.unquantized_params_b * 1e9
+        return (params - unquantized) * self.weight_bytes + unquantized * self.unquantized_bytes
 
     @property
     def always_read_params(self) -> float:
