@@ -189,6 +189,41 @@ def test_a_flag_the_targeted_sglang_renamed_is_refused_with_its_name_there(
     assert message.startswith(f"{path}, line 6: key 'server_flags'"), message
 
 
+@pytest.mark.parametrize(("flags", "extra", "refused"), [
+    ({"--enable-ep-moe": None}, "", "'--enable-ep-moe' is no flag of SGLang since 0.5.9 "
+     "(0.5.3 refused it): write --ep-size N"),
+    ({"--enable-deepep-moe": None}, "", "write --moe-a2a-backend deepep"),
+    ({"--nnodes": 2}, "", "'--nnodes' makes a server that spans nodes"),
+    ({"--node-rank": 1}, "", "'--node-rank' makes a server that spans nodes"),
+    ({"--nccl-init-addr": "10.0.0.1:5000"}, "", "one rendezvous address"),
+    ({"--pp-size": 2}, "", "pipeline parallelism needs tp x pp GPUs per server"),
+    ({"--pipeline-parallel-size": 2}, "", "never EAGLE3 or STANDALONE"),
+    ({"--dp-size": 2}, "", "'--dp-size' starts that many replicas of tp GPUs each"),
+    ({"--dp": 2}, "", "'--dp' starts that many replicas"),  # SGLang takes the prefix
+    ({"--enable-dp-attention": None, "--dp-size": 2}, "algorithm: STANDALONE\n",
+     "SGLang 0.5.23 refuses STANDALONE drafting with data-parallel attention"),
+    ({"--enable-dp-attention": None, "--dp-size": 2, "--ep-size": 4}, "", None),
+    ({"--nnodes": 1, "--node-rank": 0, "--pp-size": 1, "--dp-size": 1}, "", None),
+])
+def test_parallelism_flags_that_would_fail_every_launch_are_refused_before_ray(
+        tmp_path, flags, extra, refused):
+    """Each server gets the tp GPUs Ray gave its worker, on one node: with these SGLang
+    wanted more GPUs than it could see, waited for nodes no one started, or refused the
+    draft, and every launch failed after Ray started (a helper's audit of 0.5.23)."""
+    path = tmp_path / "s.yaml"
+    lines = "".join(f"  {flag}: {'null' if value is None else repr(value)}\n"
+                    for flag, value in flags.items())
+    path.write_text(f"model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\n{extra}"
+                    f"server_flags:\n{lines}")
+    if refused is None:
+        assert set(load_study(path).server_flags) == set(flags)
+        return
+    with pytest.raises(TreetuneError) as info:
+        load_study(path)
+    message = str(info.value)
+    assert refused in message and "key 'server_flags'" in message, message
+
+
 def test_a_server_flag_written_with_its_value_in_the_key_is_refused(tmp_path):
     """`--tp-size=4` as a key would slip past every check of the flag's name."""
     path = tmp_path / "s.yaml"

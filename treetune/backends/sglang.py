@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -174,6 +174,65 @@ def managed_flag(flag: str) -> tuple[str, str] | None:
         if len(flag) >= 4 and name.startswith(flag):
             return name, where
     return None
+
+
+# SGLang's own names for one parallelism flag (an alias, or a prefix its parser takes).
+_PARALLEL_NAMES = {
+    "--nnodes": ("--nnodes",), "--node-rank": ("--node-rank",),
+    "--dist-init-addr": ("--dist-init-addr", "--nccl-init-addr"),
+    "--pp-size": ("--pp-size", "--pipeline-parallel-size"),
+    "--dp-size": ("--dp-size", "--data-parallel-size"),
+    "--enable-dp-attention": ("--enable-dp-attention",),
+    "--attn-dp-size": ("--attn-dp-size", "--attention-data-parallel-size"),
+}
+# Flags SGLang dropped (0.5.3 refused them, 0.5.9 has none), with what replaced them.
+DROPPED_FLAGS = {
+    "--enable-ep-moe": "--ep-size N (the tp size, for every expert on its own GPU group)",
+    "--enable-deepep-moe": "--moe-a2a-backend deepep",
+}
+_ONE_NODE = ("treetune runs each server on the tp GPUs Ray gives its worker, on one node, "
+             "several servers at a time")
+
+
+def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str]) -> str:
+    """Why a study's server flags would make SGLang (0.5.23) fail every launch, or use
+    GPUs its worker was not given ("" when none): a flag SGLang dropped; a server spanning
+    nodes; pipeline parallelism (tp x pp GPUs, and no EAGLE3 or STANDALONE draft with it);
+    data-parallel replicas (tp x dp GPUs); STANDALONE with attention data parallelism.
+    Expert parallelism and attention data parallelism live within the tp GPUs: allowed."""
+    def given(name: str) -> str | None:
+        """The flag of `flags` that is SGLang's `name` (an alias, or a prefix of one)."""
+        return next((flag for flag in flags for n in _PARALLEL_NAMES.get(name, (name,))
+                     if flag == n or (len(flag) >= 4 and n.startswith(flag))), None)
+
+    def above(name: str, limit: int) -> str | None:
+        flag = given(name)
+        try:
+            return flag if flag is not None and int(str(flags[flag])) > limit else None
+        except ValueError:
+            return None  # SGLang's parser says what is wrong with the value
+
+    for dropped, instead in DROPPED_FLAGS.items():
+        if given(dropped):
+            return (f"'{dropped}' is no flag of SGLang since 0.5.9 (0.5.3 refused it): "
+                    f"write {instead}")
+    if flag := above("--nnodes", 1) or above("--node-rank", 0) or given("--dist-init-addr"):
+        return (f"'{flag}' makes a server that spans nodes, or gives every server of the "
+                f"study one rendezvous address: {_ONE_NODE}; tune on one node (tp up to its "
+                "GPUs)")
+    if flag := above("--pp-size", 1):
+        return (f"'{flag}': pipeline parallelism needs tp x pp GPUs per server, where "
+                f"{_ONE_NODE}; and SGLang 0.5.23 drafts with it only by EAGLE or NEXTN "
+                "(SGLANG_ENABLE_PP_SPEC=1), never EAGLE3 or STANDALONE. Leave it out")
+    attention_dp = given("--enable-dp-attention") or above("--attn-dp-size", 1)
+    if (flag := above("--dp-size", 1)) and not attention_dp:
+        return (f"'{flag}' starts that many replicas of tp GPUs each, where {_ONE_NODE}: a "
+                "study measures one replica (leave it out; `workers` runs servers side by "
+                "side), or add --enable-dp-attention for data-parallel attention within tp")
+    if attention_dp and "STANDALONE" in algorithms:
+        return (f"'{attention_dp}': SGLang 0.5.23 refuses STANDALONE drafting with "
+                "data-parallel attention; leave it out, or draft by EAGLE3")
+    return ""
 
 
 def version_of(launch: LaunchSpec) -> str:

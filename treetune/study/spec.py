@@ -37,6 +37,7 @@ from treetune.backends.sglang import (
     managed_flag,
     method_tree_problem,
     needs_draft_model,
+    parallel_flag_problem,
     parse_method_tree,
 )
 from treetune.backends.sglang_adaptive import SLOT_CONFIG_SINCE, unsupported_reason
@@ -418,6 +419,8 @@ class StudySpec:
                 raise FieldError("server_flags", f"server_flags: {what} is set by treetune "
                                  f"for every launch ({where}); given here too, it would "
                                  "override that (the last value wins)")
+        if problem := parallel_flag_problem(self.server_flags, self.method_names):
+            raise FieldError("server_flags", f"server_flags: {problem}")
 
     def _check_objective(self) -> None:
         if not isinstance(self.objective, Objective):
