@@ -235,6 +235,32 @@ def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str])
     return ""
 
 
+def tp_priced(flags: Mapping[str, Any]) -> str:
+    """The word for a model search whose auto prior prices the study's servers as tensor
+    parallel when its server flags ask for expert parallelism or data-parallel attention
+    ("" when they do not): a step is as slow as its busiest expert rank, experts move by
+    all-to-all, and attention is replicated; the search's learned correction has to make
+    up for it."""
+    def above_one(*names: str) -> str | None:
+        for flag in flags:
+            if flag in names and str(flags[flag]).isdigit() and int(str(flags[flag])) > 1:
+                return flag
+        return None
+
+    used = [f for f in (above_one("--ep-size", "--expert-parallel-size", "--ep"),
+                        next((f for f in flags if f == "--enable-dp-attention"), None),
+                        above_one("--attn-dp-size", "--attention-data-parallel-size"),
+                        next((f for f in flags if f == "--moe-a2a-backend"
+                              and flags[f] not in (None, "none")), None)) if f]
+    if not used:
+        return ""
+    return (f"server_flags {', '.join(used)}: the auto prior prices the servers as tensor "
+            "parallel (experts and attention split over tp, all-reduces), not as expert "
+            "parallel or with data-parallel attention; the search corrects it from the "
+            "launches, but its first proposals may be off (at small batches most: the "
+            "busiest expert rank sets the pace)")
+
+
 def version_of(launch: LaunchSpec) -> str:
     return launch.engine_version or DEFAULT_SGLANG_VERSION
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from treetune import stopping
 from treetune.backends import BackendFacts
+from treetune.backends.sglang import tp_priced
 from treetune.config import BASELINE, TreeConfig
 from treetune.datasets import load_datasets
 from treetune.errors import TreetuneError, clip
@@ -654,6 +655,9 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         spaces = [space, *(method_spaces(spec, space).values() if spec.methods else ())]
         if (unpinned := unpinned_attention(spec, spaces, resumed=bool(launched))) is not None:
             progress.notes.append(unpinned)
+        if (planner.strategy_name == "model" and not spec.search.prior
+                and (priced := tp_priced(spec.server_flags))):
+            progress.notes.append(priced)
         notify(progress)
         while True:
             stopping.check()  # a stop Python dropped on the way (see treetune.stopping)
