@@ -454,6 +454,26 @@ def test_a_plain_model_is_a_draft_for_standalone_and_each_methods_draft_is_check
                                   algorithm="STANDALONE").launch_spec(), {})
 
 
+def test_a_method_with_another_draft_than_the_auto_priors_is_not_priced_with_it(tmp_path):
+    """The auto prior is built from the study's own draft: a STANDALONE study's plain
+    8B priced the EAGLE3 method's trees as if the 8B drafted them (a review's finding)."""
+    target, plain = fixture("Qwen/Qwen3-30B-A3B-FP8"), fixture("Qwen/Qwen3-8B")
+    head = fixture("sgl-project/qwen3-30B-A3B-eagle3")
+    planner = planner_for(sglang_study(
+        tmp_path, model=target, draft=plain, algorithm="STANDALONE", backend={"gpu": "H200"},
+        methods=["STANDALONE", {"name": "EAGLE3", "draft": head}]))
+    parts = {p.name: p.strategy_name for p in planner.strategy.parts.values()}
+    assert parts == {"STANDALONE": "tpe", "EAGLE3": "tpe"}, planner.note
+    assert (f"EAGLE3 without a model: the auto prior was built for STANDALONE's draft "
+            f"'{plain}', not EAGLE3's '{head}'") in planner.note
+    # The head as the study's own draft: EAGLE3 gets the model search.
+    planner = planner_for(sglang_study(
+        tmp_path, model=target, draft=head, backend={"gpu": "H200"},
+        methods=["EAGLE3", {"name": "STANDALONE", "draft": plain}]))
+    assert {p.name: p.strategy_name for p in planner.strategy.parts.values()} == {
+        "EAGLE3": "model", "STANDALONE": "tpe"}
+
+
 def test_a_search_whose_target_is_only_on_the_nodes_leaves_its_tp_to_them(tmp_path):
     from treetune.backends.sglang import check_models
 

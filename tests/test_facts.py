@@ -605,11 +605,35 @@ def test_what_a_quantized_checkpoint_keeps_unquantized_is_counted_as_each_scheme
     assert unquantized(awq) == head + norms and unquantized({**awq, "lm_head": True}) == norms
     gptq = {"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*self_attn.*": {}}}
     assert unquantized(gptq) == every
+    # A tied head reads the embedding whole, at its width (a review's finding).
+    tied = facts_from_config({**QWEN3_8B, "tie_word_embeddings": True,
+                              "quantization_config": fp8}, "q", Path("q.json"))
+    assert tied.unquantized_params == head + norms
+    # ModelOpt's nested form, as in a config.json (the sidecar's is flattened on reading).
+    nested = {"quant_method": "modelopt", "quantization": {
+        "quant_algo": "NVFP4", "exclude_modules": ["lm_head"]}}
+    assert unquantized(nested) == head + norms
     gpt_oss = model_facts(fixture("openai/gpt-oss-120b"))  # mxfp4: the experts only
     moe = gpt_oss.moe
     routed = moe.layers * moe.experts * moe.expert_params
     assert gpt_oss.unquantized_params == gpt_oss.total_params - routed - \
         gpt_oss.vocab_size * gpt_oss.hidden_size
+
+
+def test_a_multimodal_llama4s_module_names_are_matched_with_their_prefix():
+    """Llama 4 calls its MLPs feed_forward, under `language_model.` in the checkpoint."""
+    data = read_config(HF / "meta-llama/Llama-4-Maverick-17B-128E-Instruct/config.json")
+
+    def kept(*listed: str) -> int:
+        quant = {"quant_method": "fp8", "modules_to_not_convert": ["lm_head", *listed]}
+        return facts_from_config({**data, "quantization_config": quant}, "q",
+                                 Path("q.json")).unquantized_params
+
+    base = kept()
+    attention = kept("language_model.model.layers.*.self_attn")
+    dense = kept("re:.*feed_forward.down_proj")
+    assert attention > base + 1e9 and dense > base + 1e9  # 48 layers; 24 dense MLPs
+    assert kept("language_model.model.layers.0.self_attn") - base == (attention - base) / 48
 
 
 def test_the_auto_prior_reads_and_holds_the_unquantized_parts_at_their_width():

@@ -302,9 +302,10 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
     head = 0 if tied else vocab * h
     total += embed + head + h
     active += embed + head + h
-    if kept is not None:  # the embedding aside: a pass gathers a few of its rows
-        unquantized = (total - routed - embed if kept.all_but_experts
-                       else unquantized + h + head * kept.head)
+    if kept is not None:  # the embedding aside (a pass gathers a few of its rows), but
+        # for a tied head: the head reads it whole, at the embedding's width
+        unquantized = (total - routed - (embed if head else 0) if kept.all_but_experts
+                       else unquantized + h + (head or embed) * kept.head)
     attention_layers = kinds.count("attention")
     return ModelFacts(
         name=name, config_path=str(path), architecture=architecture, total_params=total,
@@ -505,12 +506,14 @@ NVFP4_BYTES = (4 + 8 / 16) / 8
 
 # A layer's parts, by a module name SGLang gives one of them (of layer {i}): what a
 # quantization_config's list of modules left out is matched against.
+# Llama 4 names its MLPs `feed_forward`; multimodal checkpoints prefix `language_model.`.
 MODULE_NAMES = {
     "attention": ("model.layers.{i}.self_attn.o_proj",),
     "linear": ("model.layers.{i}.linear_attn.out_proj",),
-    "mlp": ("model.layers.{i}.mlp.down_proj",),
+    "mlp": ("model.layers.{i}.mlp.down_proj", "model.layers.{i}.feed_forward.down_proj"),
     "shared": ("model.layers.{i}.mlp.shared_expert.down_proj",
-               "model.layers.{i}.mlp.shared_experts.down_proj"),
+               "model.layers.{i}.mlp.shared_experts.down_proj",
+               "model.layers.{i}.feed_forward.shared_expert.down_proj"),
 }
 
 
@@ -532,6 +535,8 @@ class _Unquantized:
     def of(cls, quant: Any) -> _Unquantized | None:
         if not isinstance(quant, dict):
             return None
+        if isinstance(quant.get("quantization"), dict):  # ModelOpt's nested form
+            quant = {**quant, **quant["quantization"]}
         method = str(quant.get("quant_method", "")).lower()
         listed: list[str] = []
         for key in ("modules_to_not_convert", "ignored_layers", "ignore", "exclude_modules"):
@@ -555,7 +560,8 @@ class _Unquantized:
 
     def layer(self, i: int, part: str) -> int:
         """1 when part `part` of layer `i` is kept unquantized, else 0."""
-        names = [n.format(i=i) for n in MODULE_NAMES[part]]
+        names = [prefix + n.format(i=i) for n in MODULE_NAMES[part]
+                 for prefix in ("", "language_model.")]
         return int(self.all_but_experts or any(_matches(p, n) for p in self.patterns
                                                for n in names))
 

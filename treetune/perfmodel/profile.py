@@ -429,6 +429,9 @@ class Profile:
         data = _plain(dataclasses.asdict(self))
         if not data.get("methods"):
             data.pop("methods", None)  # profiles of one draft head stay as they were
+        if not self.target.unquantized_params_b:  # nor do those of one weight width
+            data["target"].pop("unquantized_params_b")
+            data["target"].pop("unquantized_bytes")
         return {"name": data.pop("name"), "description": data.pop("description"), **data}
 
     def save(self, path: str | Path) -> None:

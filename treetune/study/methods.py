@@ -101,6 +101,27 @@ class MethodSearch:
     strategy_name: str  # the study's own method's (a registered name)
     note: str  # which strategy searches which method, and why one fell back
 
+    def adopt(self, spec: StudySpec, space: SearchSpace, context: SearchContext) -> list[str]:
+        """A prior come later (the models downloaded by a launch, `Planner.adopt_facts`):
+        each method whose strategy the study's now resolves to another is searched by that
+        one from here on, with every measurement of its trees so far. Returns 'NAME (OLD ->
+        NEW)' for each method that changed."""
+        spaces = method_spaces(spec, space)
+        changed = []
+        for tag, part in list(self.strategy.parts.items()):
+            own, chosen, _ = _method_search(spec, part.name, self.studies.parts[tag],
+                                            spaces[tag], context)
+            if chosen != part.strategy_name:
+                self.strategy.parts[tag] = MethodPart(part.name, chosen,
+                                                      strategies.make(chosen, own))
+                self.strategy.exhausted.discard(tag)
+                changed.append(f"{part.name} ({part.strategy_name} -> {chosen})")
+        return changed
+
+    @property
+    def own_strategy_name(self) -> str:
+        return self.strategy.parts[""].strategy_name
+
 
 def search_methods(spec: StudySpec, store: StudyStore, space: SearchSpace,
                    context: SearchContext) -> MethodSearch:
@@ -126,30 +147,18 @@ def search_methods(spec: StudySpec, store: StudyStore, space: SearchSpace,
                         note)
 
 
-def adopt_prior(spec: StudySpec, search: MethodsStrategy, studies: MethodStudies,
-                space: SearchSpace, context: SearchContext) -> list[str]:
-    """A prior come later (the models downloaded by a launch, `Planner.adopt_facts`): each
-    method whose strategy the study's now resolves to another is searched by that one from
-    here on, with every measurement of its trees so far. Returns 'NAME (OLD -> NEW)' for
-    each method that changed."""
-    spaces = method_spaces(spec, space)
-    changed = []
-    for tag, part in list(search.parts.items()):
-        own, chosen, _ = _method_search(spec, part.name, studies.parts[tag], spaces[tag],
-                                        context)
-        if chosen != part.strategy_name:
-            search.parts[tag] = MethodPart(part.name, chosen, strategies.make(chosen, own))
-            search.exhausted.discard(tag)
-            changed.append(f"{part.name} ({part.strategy_name} -> {chosen})")
-    return changed
-
-
 def _method_search(spec: StudySpec, name: str, studies: BatchStudies, space: SearchSpace,
                    context: SearchContext) -> tuple[SearchContext, str, str]:
     """One method's context, the strategy that searches it, and why it falls back ("" if
     it does not)."""
     tag = method_tag(spec, name)
     prior, why_not = prior_of(context.prior, context.prior_why_not, name)
+    built_for = spec.method_draft(spec.algorithm)
+    if (prior is not None and not spec.search.prior and tag
+            and spec.method_draft(name) not in (None, built_for)):
+        # The auto prior knows the study's own draft only (`spec.draft`).
+        prior, why_not = None, (f"the auto prior was built for {spec.algorithm}'s draft "
+                                f"'{built_for}', not {name}'s '{spec.method_draft(name)}'")
     own = dataclasses.replace(context, space=space, studies=studies,
                               evidence=_own_evidence(context, tag), prior=prior,
                               prior_why_not=why_not)

@@ -35,7 +35,7 @@ from treetune.perfmodel import Profile, load_profile
 from treetune.perfmodel.prior import neutral_prior, with_datasets
 from treetune.results import LaunchResult, config_key
 from treetune.space import SearchSpace
-from treetune.strategies import BatchStudies, MethodsStrategy, Proposal, SearchContext
+from treetune.strategies import BatchStudies, Proposal, SearchContext
 from treetune.study.evidence import (
     Z_INTERVAL,
     Estimates,
@@ -63,7 +63,7 @@ from treetune.study.evidence import (
     study_noise,
     window_spread,
 )
-from treetune.study.methods import MethodStudies, adopt_prior, search_methods
+from treetune.study.methods import MethodSearch, search_methods
 from treetune.study.recommend import Recommendation, recommend
 from treetune.study.schedule import Tuning, adaptive_chains, tune
 from treetune.study.spec import StudySpec
@@ -199,8 +199,9 @@ class Planner:
             without += ("; asked again after each launch, since SGLang downloads the models "
                         "when a server starts: the model search takes over once they are here")
         self.note = f"strategy {self.strategy_name}: {without}" if without else ""
+        self.method_search: MethodSearch | None = None
         if spec.methods:  # several draft methods: one search each, taking turns
-            search = search_methods(spec, store, space, context)
+            self.method_search = search = search_methods(spec, store, space, context)
             self.studies, self.strategy = search.studies, search.strategy  # type: ignore[assignment]
             self.strategy_name = search.strategy_name
             self.note = "; ".join(n for n in (search.note, without) if n)
@@ -226,12 +227,11 @@ class Planner:
         context = dataclasses.replace(self.context, prior=prior, prior_why_not="")
         why = ("the models' config.json are on the node now (SGLang downloaded them), so the "
                "performance-model prior could be built")
-        if isinstance(self.strategy, MethodsStrategy):  # each method's own search
-            assert isinstance(self.studies, MethodStudies)
-            changed = adopt_prior(self.spec, self.strategy, self.studies, context.space,
-                                  context)
+        if self.method_search is not None:  # each method's own search
+            changed = self.method_search.adopt(self.spec, context.space, context)
             if changed:
-                self.context, self.strategy_name = context, self.strategy.parts[""].strategy_name
+                self.context = context
+                self.strategy_name = self.method_search.own_strategy_name
             return (f"draft methods {', '.join(changed)} from launch {self.launches + 1} on: "
                     f"{why}" if changed else "")
         name = strategies.resolve(strategies.AUTO, context)

@@ -563,7 +563,8 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     # stopped beating left running is (found as the search goes).
     stale_launches = [] if shared else store.mark_stale()
     for key, index in stale_launches:
-        set_aside(spec.output_dir / "logs", key, index)
+        if key:  # else it never started a server
+            set_aside(spec.output_dir / "logs", key, index)
     stale = len(stale_launches)
     finished = store.finished_launches()
     if claims is not None:

@@ -261,8 +261,10 @@ class StudyStore:
 
     def mark_stale(self, driver: str | None = None) -> list[tuple[str, int]]:
         """Launches (and proposals) left RUNNING by a search that died: failed without a
-        result, so they are redone; only those of search `driver` when given (others may
-        be running them). Returns the stale launches as (config key, launch index)."""
+        result, so they are redone (a launch that holds its result is ended from it,
+        `fail_stale`); only those of search `driver` when given (others may be running
+        them). Returns the stale launches as (config key, launch index), the key "" for
+        one whose config was never written."""
         stale = []
         method_studies = (s for per in self.method_studies.values() for s in per.values())
         for study in (self.launches, *self.batch_studies.values(), *method_studies):
@@ -270,7 +272,7 @@ class StudyStore:
                 if driver is not None and trial.user_attrs.get(DRIVER_ATTR) != driver:
                     continue
                 if self.fail_stale(trial._trial_id) and study is self.launches:
-                    stale.append((str(trial.user_attrs.get(CONFIG_ATTR)),
+                    stale.append((str(trial.user_attrs.get(CONFIG_ATTR) or ""),
                                   int(trial.user_attrs.get(INDEX_ATTR) or 0)))
         return stale
 
