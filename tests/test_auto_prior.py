@@ -538,11 +538,15 @@ def test_a_study_on_sglang_gathers_its_prior_on_a_worker_and_runs_the_model_sear
     assert (bin_dir / "args").read_text().split()[-1].startswith("--id=")
 
 
+@pytest.mark.parametrize("methods", [None, ["EAGLE3", "NGRAM"]], ids=["one", "methods"])
 def test_a_study_whose_models_sglang_downloads_switches_to_the_model_search(tmp_path,
-                                                                           ray_cluster):
+                                                                           ray_cluster,
+                                                                           methods):
     """A fresh GPU node: the models are hub names not yet in its cache. The stand-in SGLang
     "downloads" each model it is started with into the cache (as SGLang's first start
-    does), and the study goes from TPE to the model search once both are there."""
+    does), and the study goes from TPE to the model search once both are there. With
+    several methods, the EAGLE3 tree's launch fetches the draft and NGRAM's turn comes
+    after (two launches: the emulated profile describes no NGRAM)."""
     from treetune.study.runner import run_study
 
     cache = tmp_path / "hub"
@@ -559,19 +563,20 @@ def test_a_study_whose_models_sglang_downloads_switches_to_the_model_search(tmp_
         "        (folder / 'refs').mkdir(exist_ok=True)\n"
         "        (folder / 'refs' / 'main').write_text('c0ffee')\n")
     spec = sglang_study(
-        tmp_path, name="fetched", model=HUB_TARGET, draft=HUB_DRAFT, budget={"launches": 3},
+        tmp_path, name="fetched", model=HUB_TARGET, draft=HUB_DRAFT,
+        budget={"launches": 2 if methods else 3},
         workers=1, compare=[], batch=[1], datasets=["humaneval"], backend={"gpu": "H200"},
         env={**fake_sglang(tmp_path / "fake", download), "HF_HUB_CACHE": str(cache)},
-        ray_address=ray_cluster)
+        ray_address=ray_cluster, **({"methods": methods} if methods else {}))
     notes: list[str] = []
     outcome = run_study(spec, lambda p: notes.extend(n for n in p.notes if n not in notes))
-    assert len(outcome.results) == 3 and all(r.ok for r in outcome.results), [
-        (r.reason, r.log_tail) for r in outcome.results]
-    assert any(n.startswith("strategy tpe: no performance-model prior (no config.json")
-               for n in notes), notes
-    assert "strategy model from launch 3 on (was tpe): the models' config.json are on the " \
-        "node now (SGLang downloaded them), so the performance-model prior could be built" \
-        in notes, notes
+    assert len(outcome.results) == spec.budget.launches and all(
+        r.ok for r in outcome.results), [(r.reason, r.log_tail) for r in outcome.results]
+    assert any("no performance-model prior (no config.json" in n for n in notes), notes
+    switched = ("draft methods EAGLE3 (tpe -> model) from launch 3 on" if methods else
+                "strategy model from launch 3 on (was tpe)")
+    assert f"{switched}: the models' config.json are on the node now (SGLang downloaded " \
+        "them), so the performance-model prior could be built" in notes, notes
     assert outcome.strategy == "model"
 
 
