@@ -464,8 +464,8 @@ def test_a_method_with_another_draft_than_the_auto_priors_is_not_priced_with_it(
         methods=["STANDALONE", {"name": "EAGLE3", "draft": head}]))
     parts = {p.name: p.strategy_name for p in planner.strategy.parts.values()}
     assert parts == {"STANDALONE": "tpe", "EAGLE3": "tpe"}, planner.note
-    assert (f"EAGLE3 without a model: the auto prior was built for STANDALONE's draft "
-            f"'{plain}', not EAGLE3's '{head}'") in planner.note
+    assert (f"EAGLE3 without a model: the prior's draft is STANDALONE's '{plain}', not "
+            f"EAGLE3's '{head}'") in planner.note
     # The head as the study's own draft: EAGLE3 gets the model search.
     planner = planner_for(sglang_study(
         tmp_path, model=target, draft=head, backend={"gpu": "H200"},
@@ -527,10 +527,10 @@ def test_a_study_on_sglang_gathers_its_prior_on_a_worker_and_runs_the_model_sear
     # the auto prior prices its expert parallelism as tensor parallelism.
     assert outcome.strategy == "model" and [n for n in notes if "no attention backend pinned"
                                             not in n] == [
-        "server_flags --ep-size: the auto prior prices the servers as tensor parallel "
-        "(experts and attention split over tp, all-reduces), not as expert parallel or with "
-        "data-parallel attention; the search corrects it from the launches, but its first "
-        "proposals may be off (at small batches most: the busiest expert rank sets the "
+        "server_flags --ep-size: the performance model prices the servers as tensor "
+        "parallel (experts and attention split over tp, all-reduces), not as expert parallel "
+        "or with data-parallel attention; the search corrects it from the launches, but its "
+        "first proposals may be off (at small batches most: the busiest expert rank sets the "
         "pace)"], notes
     assert len(outcome.results) == 2 and all(r.ok for r in outcome.results), [
         (r.reason, r.log_tail) for r in outcome.results]
@@ -567,7 +567,8 @@ def test_a_study_whose_models_sglang_downloads_switches_to_the_model_search(tmp_
         budget={"launches": 2 if methods else 3},
         workers=1, compare=[], batch=[1], datasets=["humaneval"], backend={"gpu": "H200"},
         env={**fake_sglang(tmp_path / "fake", download), "HF_HUB_CACHE": str(cache)},
-        ray_address=ray_cluster, **({"methods": methods} if methods else {}))
+        ray_address=ray_cluster, server_flags={"--ep-size": 4},
+        **({"methods": methods} if methods else {}))
     notes: list[str] = []
     outcome = run_study(spec, lambda p: notes.extend(n for n in p.notes if n not in notes))
     assert len(outcome.results) == spec.budget.launches and all(
@@ -575,8 +576,13 @@ def test_a_study_whose_models_sglang_downloads_switches_to_the_model_search(tmp_
     assert any("no performance-model prior (no config.json" in n for n in notes), notes
     switched = ("draft methods EAGLE3 (tpe -> model) from launch 3 on" if methods else
                 "strategy model from launch 3 on (was tpe)")
-    assert f"{switched}: the models' config.json are on the node now (SGLang downloaded " \
-        "them), so the performance-model prior could be built" in notes, notes
+    switch = (f"{switched}: the models' config.json are on the node now (SGLang "
+              "downloaded them), so the performance-model prior could be built")
+    assert switch in notes, notes
+    # Said once the model search runs: at the switch, not at the start under TPE.
+    priced = [i for i, n in enumerate(notes) if n.startswith("server_flags --ep-size: the "
+                                                             "performance model prices")]
+    assert priced == [notes.index(switch) + 1], notes
     assert outcome.strategy == "model"
 
 

@@ -204,6 +204,16 @@ def test_a_flag_the_targeted_sglang_renamed_is_refused_with_its_name_there(
      "SGLang 0.5.23 refuses STANDALONE drafting with data-parallel attention"),
     ({"--enable-dp-attention": None, "--dp-size": 2, "--ep-size": 4}, "", None),
     ({"--nnodes": 1, "--node-rank": 0, "--pp-size": 1, "--dp-size": 1}, "", None),
+    # A review's cases: a one-value list is the value; --dp-size beside --attn-dp-size
+    # above 1 still counts replicas; --enable-dp-attention alone does nothing in 0.5.23;
+    # a dropped flag is named only by its whole name (--enable-ep is --enable-eplb's prefix).
+    ({"--dp-size": [2]}, "", "'--dp-size' starts that many replicas"),
+    ({"--enable-dp-attention": None, "--dp-size": 2, "--attn-dp-size": 2}, "",
+     "'--dp-size' starts that many replicas"),
+    ({"--enable-dp-attention": None}, "algorithm: STANDALONE\n", None),
+    ({"--attn-dp-size": 2}, "algorithm: STANDALONE\n", "'--attn-dp-size': SGLang 0.5.23 "
+     "refuses STANDALONE"),
+    ({"--enable-ep": None}, "", None),
 ])
 def test_parallelism_flags_that_would_fail_every_launch_are_refused_before_ray(
         tmp_path, flags, extra, refused):

@@ -184,6 +184,8 @@ _PARALLEL_NAMES = {
     "--dp-size": ("--dp-size", "--data-parallel-size"),
     "--enable-dp-attention": ("--enable-dp-attention",),
     "--attn-dp-size": ("--attn-dp-size", "--attention-data-parallel-size"),
+    "--ep-size": ("--ep-size", "--expert-parallel-size", "--ep"),
+    "--moe-a2a-backend": ("--moe-a2a-backend",),
 }
 # Flags SGLang dropped (0.5.3 refused them, 0.5.9 has none), with what replaced them.
 DROPPED_FLAGS = {
@@ -194,70 +196,98 @@ _ONE_NODE = ("treetune runs each server on the tp GPUs Ray gives its worker, on 
              "several servers at a time")
 
 
+class _ParallelFlags:
+    """A study's server flags as SGLang reads its parallelism flags: by their names, their
+    aliases, or a prefix of one (its parser takes unambiguous abbreviations)."""
+
+    def __init__(self, flags: Mapping[str, Any]) -> None:
+        self.flags = flags
+
+    def given(self, name: str) -> str | None:
+        """The flag that is SGLang's `name`."""
+        return next((flag for flag in self.flags for n in _PARALLEL_NAMES.get(name, (name,))
+                     if flag == n or (len(flag) >= 4 and n.startswith(flag))), None)
+
+    def above(self, name: str, limit: int) -> str | None:
+        """The flag that is `name`, when its value is a number above `limit`."""
+        flag = self.given(name)
+        if flag is None:
+            return None
+        value = self.flags[flag]
+        if isinstance(value, list) and len(value) == 1:  # one value, as the command has it
+            value = value[0]
+        try:
+            return flag if int(str(value)) > limit else None
+        except ValueError:
+            return None  # SGLang's parser says what is wrong with the value
+
+    @property
+    def attention_dp(self) -> str | None:
+        """The flag that turns data-parallel attention on: --attn-dp-size above 1, or
+        --enable-dp-attention with --dp-size above 1 (0.5.23 turns that dp size into the
+        attention's; alone, it does nothing)."""
+        if flag := self.above("--attn-dp-size", 1):
+            return flag
+        enabled = self.given("--enable-dp-attention")
+        return enabled if enabled and self.above("--dp-size", 1) else None
+
+    @property
+    def replicas(self) -> str | None:
+        """--dp-size above 1 that starts replicas of tp GPUs each: without
+        --enable-dp-attention, or beside an --attn-dp-size above 1 (then both count)."""
+        flag = self.above("--dp-size", 1)
+        converted = self.given("--enable-dp-attention") and not self.above("--attn-dp-size", 1)
+        return flag if flag and not converted else None
+
+
 def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str]) -> str:
     """Why a study's server flags would make SGLang (0.5.23) fail every launch, or use
     GPUs its worker was not given ("" when none): a flag SGLang dropped; a server spanning
     nodes; pipeline parallelism (tp x pp GPUs, and no EAGLE3 or STANDALONE draft with it);
     data-parallel replicas (tp x dp GPUs); STANDALONE with attention data parallelism.
     Expert parallelism and attention data parallelism live within the tp GPUs: allowed."""
-    def given(name: str) -> str | None:
-        """The flag of `flags` that is SGLang's `name` (an alias, or a prefix of one)."""
-        return next((flag for flag in flags for n in _PARALLEL_NAMES.get(name, (name,))
-                     if flag == n or (len(flag) >= 4 and n.startswith(flag))), None)
-
-    def above(name: str, limit: int) -> str | None:
-        flag = given(name)
-        try:
-            return flag if flag is not None and int(str(flags[flag])) > limit else None
-        except ValueError:
-            return None  # SGLang's parser says what is wrong with the value
-
+    parallel = _ParallelFlags(flags)
     for dropped, instead in DROPPED_FLAGS.items():
-        if given(dropped):
+        if dropped in flags:  # by its whole name: a prefix may be another flag's now
             return (f"'{dropped}' is no flag of SGLang since 0.5.9 (0.5.3 refused it): "
                     f"write {instead}")
-    if flag := above("--nnodes", 1) or above("--node-rank", 0) or given("--dist-init-addr"):
+    if flag := (parallel.above("--nnodes", 1) or parallel.above("--node-rank", 0)
+                or parallel.given("--dist-init-addr")):
         return (f"'{flag}' makes a server that spans nodes, or gives every server of the "
                 f"study one rendezvous address: {_ONE_NODE}; tune on one node (tp up to its "
                 "GPUs)")
-    if flag := above("--pp-size", 1):
+    if flag := parallel.above("--pp-size", 1):
         return (f"'{flag}': pipeline parallelism needs tp x pp GPUs per server, where "
                 f"{_ONE_NODE}; and SGLang 0.5.23 drafts with it only by EAGLE or NEXTN "
                 "(SGLANG_ENABLE_PP_SPEC=1), never EAGLE3 or STANDALONE. Leave it out")
-    attention_dp = given("--enable-dp-attention") or above("--attn-dp-size", 1)
-    if (flag := above("--dp-size", 1)) and not attention_dp:
+    if flag := parallel.replicas:
         return (f"'{flag}' starts that many replicas of tp GPUs each, where {_ONE_NODE}: a "
                 "study measures one replica (leave it out; `workers` runs servers side by "
-                "side), or add --enable-dp-attention for data-parallel attention within tp")
-    if attention_dp and "STANDALONE" in algorithms:
-        return (f"'{attention_dp}': SGLang 0.5.23 refuses STANDALONE drafting with "
-                "data-parallel attention; leave it out, or draft by EAGLE3")
+                "side), or give --enable-dp-attention alone for data-parallel attention "
+                "within tp")
+    if (flag := parallel.attention_dp) and "STANDALONE" in algorithms:
+        return (f"'{flag}': SGLang 0.5.23 refuses STANDALONE drafting with data-parallel "
+                "attention; leave it out, or draft by EAGLE3")
     return ""
 
 
 def tp_priced(flags: Mapping[str, Any]) -> str:
-    """The word for a model search whose auto prior prices the study's servers as tensor
-    parallel when its server flags ask for expert parallelism or data-parallel attention
-    ("" when they do not): a step is as slow as its busiest expert rank, experts move by
-    all-to-all, and attention is replicated; the search's learned correction has to make
-    up for it."""
-    def above_one(*names: str) -> str | None:
-        for flag in flags:
-            if flag in names and str(flags[flag]).isdigit() and int(str(flags[flag])) > 1:
-                return flag
-        return None
-
-    used = [f for f in (above_one("--ep-size", "--expert-parallel-size", "--ep"),
-                        next((f for f in flags if f == "--enable-dp-attention"), None),
-                        above_one("--attn-dp-size", "--attention-data-parallel-size"),
-                        next((f for f in flags if f == "--moe-a2a-backend"
-                              and flags[f] not in (None, "none")), None)) if f]
+    """The word for a model search when the study's server flags ask for expert
+    parallelism or data-parallel attention ("" when they do not): its performance model
+    prices the servers as tensor parallel, where a step is as slow as its busiest expert
+    rank, experts move by all-to-all, and attention is replicated; the search's learned
+    correction has to make up for it."""
+    parallel = _ParallelFlags(flags)
+    backend = parallel.given("--moe-a2a-backend")
+    used = [f for f in (parallel.above("--ep-size", 1), parallel.attention_dp,
+                        backend if backend and flags[backend] not in (None, "none") else None)
+            if f]
     if not used:
         return ""
-    return (f"server_flags {', '.join(used)}: the auto prior prices the servers as tensor "
-            "parallel (experts and attention split over tp, all-reduces), not as expert "
-            "parallel or with data-parallel attention; the search corrects it from the "
-            "launches, but its first proposals may be off (at small batches most: the "
+    return (f"server_flags {', '.join(used)}: the performance model prices the servers as "
+            "tensor parallel (experts and attention split over tp, all-reduces), not as "
+            "expert parallel or with data-parallel attention; the search corrects it from "
+            "the launches, but its first proposals may be off (at small batches most: the "
             "busiest expert rank sets the pace)")
 
 

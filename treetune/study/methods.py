@@ -21,6 +21,7 @@ from treetune.config import TreeConfig
 from treetune.errors import TreetuneError
 from treetune.perfmodel import Profile
 from treetune.perfmodel.prior import method_prior
+from treetune.perfmodel.profile import DEFAULT_METHOD
 from treetune.results import LaunchResult
 from treetune.space import SearchSpace, load_space
 from treetune.strategies import BatchStudies, MethodPart, MethodsStrategy, SearchContext
@@ -153,12 +154,16 @@ def _method_search(spec: StudySpec, name: str, studies: BatchStudies, space: Sea
     it does not)."""
     tag = method_tag(spec, name)
     prior, why_not = prior_of(context.prior, context.prior_why_not, name)
-    built_for = spec.method_draft(spec.algorithm)
-    if (prior is not None and not spec.search.prior and tag
-            and spec.method_draft(name) not in (None, built_for)):
-        # The auto prior knows the study's own draft only (`spec.draft`).
-        prior, why_not = None, (f"the auto prior was built for {spec.algorithm}'s draft "
-                                f"'{built_for}', not {name}'s '{spec.method_draft(name)}'")
+    own_draft, draft = spec.method_draft(spec.algorithm), spec.method_draft(name)
+    if (prior is not None and tag and draft is not None and own_draft is not None
+            and profile_method(name) == DEFAULT_METHOD
+            and context.prior is not None and context.prior.draft is not None
+            and _same_draft(context.prior.draft.name, own_draft)
+            and not _same_draft(draft, own_draft)):
+        # The prior's draft head is the study's own draft (an auto prior is built from
+        # it): another method's draft would be priced as that one.
+        prior, why_not = None, (f"the prior's draft is {spec.algorithm}'s '{own_draft}', "
+                                f"not {name}'s '{draft}'")
     own = dataclasses.replace(context, space=space, studies=studies,
                               evidence=_own_evidence(context, tag), prior=prior,
                               prior_why_not=why_not)
@@ -170,6 +175,12 @@ def _method_search(spec: StudySpec, name: str, studies: BatchStudies, space: Sea
         if not tag:
             raise  # the study's own method: as for a study of one method
         return own, FALLBACK, f"{name} by {FALLBACK} ({exc})"
+
+
+def _same_draft(one: str, other: str) -> bool:
+    """Two names of one draft model, as a study or a profile writes them (a trailing '/'
+    aside)."""
+    return one.rstrip("/") == other.rstrip("/")
 
 
 def _own_evidence(context: SearchContext, tag: str

@@ -261,6 +261,12 @@ class Planner:
         return result if result and result.ok else None
 
     @property
+    def uses_model(self) -> bool:
+        """Whether the model search proposes (for the study's own method, or another's)."""
+        parts = self.method_search.strategy.parts.values() if self.method_search else ()
+        return self.strategy_name == "model" or any(p.strategy_name == "model" for p in parts)
+
+    @property
     def launches(self) -> int:
         return len(self.launched)
 

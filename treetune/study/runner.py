@@ -656,9 +656,10 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         spaces = [space, *(method_spaces(spec, space).values() if spec.methods else ())]
         if (unpinned := unpinned_attention(spec, spaces, resumed=bool(launched))) is not None:
             progress.notes.append(unpinned)
-        if (planner.strategy_name == "model" and not spec.search.prior
-                and (priced := tp_priced(spec.server_flags))):
+        priced = tp_priced(spec.server_flags)  # said once the model search runs
+        if priced and planner.uses_model:
             progress.notes.append(priced)
+            priced = ""
         notify(progress)
         while True:
             stopping.check()  # a stop Python dropped on the way (see treetune.stopping)
@@ -765,6 +766,9 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                         and (note := planner.adopt_facts(pool.facts(launch.worker),
                                                          own_tree))):
                     progress.notes.append(note)
+                    if priced and planner.uses_model:
+                        progress.notes.append(priced)
+                        priced = ""
                 if result.ok:  # a launch or a node running apart, named once
                     progress.notes += planner.odd_notes(task.key)
                     progress.notes += planner.node_notes()
