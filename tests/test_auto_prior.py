@@ -37,6 +37,9 @@ def test_treetune_prior_writes_a_profile_that_loads_and_predicts(capsys, tmp_pat
     assert code == 0, err
     profile = load_profile(out)
     assert profile.tp == 4 and profile.hardware.gpu == "H200"
+    # FP8 weights, but its head, norms and routers in bf16: said beside the counts.
+    assert "3.87B active, 0.36B of them at 2 bytes (left unquantized) and the rest at 1)" \
+        in err, err
     assert profile.target.attention_layers == 12 and profile.target.weight_bytes == 1.0
     assert set(profile.datasets) >= {"mt-bench", "humaneval", "swebench-verified"}
     assert "wrote" in err

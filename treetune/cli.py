@@ -472,8 +472,11 @@ def prior(
     profile = build_prior(model, draft, tp, gpu, kv_cache_bytes=kv_bytes,
                           datasets=datasets or (), name=name, algorithm=algorithm.upper())
     t = profile.target
+    kept = (f", {t.unquantized_params_b:.2f}B of them at {t.unquantized_bytes:g} bytes (left "
+            f"unquantized) and the rest at {t.weight_bytes:g}" if t.unquantized_params_b
+            else "")
     err.print(f"{escape(t.name)}: {t.total_params_b:.2f}B parameters ({t.active_params_b:.2f}B "
-              f"active), {t.kv_bytes_per_token:.0f} KV bytes per token; draft "
+              f"active{kept}), {t.kv_bytes_per_token:.0f} KV bytes per token; draft "
               f"{profile.draft.params_m:.0f}M; {tp} x {escape(profile.hardware.gpu)}",
               highlight=False)
     if output is None:
