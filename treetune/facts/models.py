@@ -279,7 +279,7 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
     linear = _linear_attention_params(c, h) if "linear" in kinds else 0
     # Gated (SwiGLU) MLPs; Llama 4's dense layers have their own, wider size.
     dense_mlp = 3 * h * c.int("intermediate_size_mlp", "intermediate_size", default=0)
-    total = active = routed = unquantized = 0
+    total = active = unquantized = 0
     for i, mixer_type in enumerate(kinds):
         mixer = attention if mixer_type == "attention" else linear
         norms = 2 * h
@@ -289,7 +289,6 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
             total += mixer + norms + moe.router + moe.shared + moe.spec.experts * moe.expert
             active += mixer + norms + moe.router + moe.shared + (
                 moe.spec.experts_per_token * moe.expert)
-            routed += moe.spec.experts * moe.expert
             if kept is not None:
                 unquantized += moe.router + moe.shared * kept.layer(i, "shared")
         else:
@@ -304,8 +303,7 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
     active += embed + head + h
     if kept is not None:  # the embedding aside (a pass gathers a few of its rows), but
         # for a tied head: the head reads it whole, at the embedding's width
-        unquantized = (total - routed - (embed if head else 0) if kept.all_but_experts
-                       else unquantized + h + (head or embed) * kept.head)
+        unquantized += h + (head or embed) * kept.head
     attention_layers = kinds.count("attention")
     return ModelFacts(
         name=name, config_path=str(path), architecture=architecture, total_params=total,
