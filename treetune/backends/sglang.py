@@ -164,19 +164,24 @@ MANAGED_FLAGS = {
 ONE_VALUE_FLAGS = ("--attention-backend", "--mem-fraction-static", "--kv-cache-dtype")
 
 
+def abbreviates(flag: str, name: str) -> bool:
+    """Whether SGLang's parser reads `flag` as its flag `name`: the name itself, or a
+    prefix of it (argparse takes an unambiguous abbreviation)."""
+    return flag == name or (len(flag) >= 4 and name.startswith(flag))
+
+
 def managed_flag(flag: str) -> tuple[str, str] | None:
     """The flag treetune sets itself that `flag` would set too (the flag, or one it
-    abbreviates: SGLang's parser takes an unambiguous prefix), with where a study says
-    its value; None for a flag of the user's own."""
+    abbreviates), with where a study says its value; None for a flag of the user's own."""
     if flag in MANAGED_FLAGS:
         return flag, MANAGED_FLAGS[flag]
     for name, where in MANAGED_FLAGS.items():
-        if len(flag) >= 4 and name.startswith(flag):
+        if abbreviates(flag, name):
             return name, where
     return None
 
 
-# SGLang's own names for one parallelism flag (an alias, or a prefix its parser takes).
+# SGLang's own names for one parallelism flag (its aliases; `abbreviates` takes prefixes).
 _PARALLEL_NAMES = {
     "--nnodes": ("--nnodes",), "--node-rank": ("--node-rank",),
     "--dist-init-addr": ("--dist-init-addr", "--nccl-init-addr"),
@@ -206,7 +211,7 @@ class _ParallelFlags:
     def given(self, name: str) -> str | None:
         """The flag that is SGLang's `name`."""
         return next((flag for flag in self.flags for n in _PARALLEL_NAMES.get(name, (name,))
-                     if flag == n or (len(flag) >= 4 and n.startswith(flag))), None)
+                     if abbreviates(flag, n)), None)
 
     def above(self, name: str, limit: int) -> str | None:
         """The flag that is `name`, when its value is a number above `limit`."""
