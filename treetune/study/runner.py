@@ -656,10 +656,16 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         spaces = [space, *(method_spaces(spec, space).values() if spec.methods else ())]
         if (unpinned := unpinned_attention(spec, spaces, resumed=bool(launched))) is not None:
             progress.notes.append(unpinned)
-        priced = tp_priced(spec.server_flags)  # said once the model search runs
-        if priced and planner.uses_model:
-            progress.notes.append(priced)
-            priced = ""
+        priced = tp_priced(spec.server_flags)
+
+        def tell_priced() -> None:
+            """Said once the model search runs: at the start, or when it takes over."""
+            nonlocal priced
+            if priced and planner is not None and planner.uses_model:
+                progress.notes.append(priced)
+                priced = ""
+
+        tell_priced()
         notify(progress)
         while True:
             stopping.check()  # a stop Python dropped on the way (see treetune.stopping)
@@ -708,7 +714,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                                         "results so far are stored: rerun to resume")
                 break
             waiting = [*in_flight, *pool.starting]
-            done, _ = ray.wait(waiting, num_returns=1, timeout=min(1.0, STAGE_POLL_S))
+            done, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
             if stages.poll(in_flight, progress):
                 notify(progress)
             for note in pool.settle([r for r in done if r in pool.starting]):
@@ -766,9 +772,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                         and (note := planner.adopt_facts(pool.facts(launch.worker),
                                                          own_tree))):
                     progress.notes.append(note)
-                    if priced and planner.uses_model:
-                        progress.notes.append(priced)
-                        priced = ""
+                    tell_priced()
                 if result.ok:  # a launch or a node running apart, named once
                     progress.notes += planner.odd_notes(task.key)
                     progress.notes += planner.node_notes()
