@@ -714,7 +714,8 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                                         "results so far are stored: rerun to resume")
                 break
             waiting = [*in_flight, *pool.starting]
-            done, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
+            # Never longer than the stage poll (a test makes it 0.1 s to see stages).
+            done, _ = ray.wait(waiting, num_returns=1, timeout=min(1.0, STAGE_POLL_S))
             if stages.poll(in_flight, progress):
                 notify(progress)
             for note in pool.settle([r for r in done if r in pool.starting]):
