@@ -444,17 +444,46 @@ def test_a_plain_model_is_a_draft_for_standalone_and_each_methods_draft_is_check
     from treetune.backends.sglang import check_models
 
     target, plain = fixture("Qwen/Qwen3-30B-A3B-FP8"), fixture("Qwen/Qwen3-8B")
-    head = fixture("sgl-project/qwen3-30B-A3B-eagle3")
     standalone = sglang_study(tmp_path, model=target, draft=plain, algorithm="STANDALONE",
                               backend={"gpu": "H200"})
     check_models(standalone.launch_spec(), {})
     planner = planner_for(standalone)  # the auto prior is built, the plain draft priced
     assert planner.strategy_name == "model", planner.note
     assert planner.strategy.context.prior.draft.layers == 36
-    with pytest.raises(TreetuneError, match=r"^EAGLE3: draft '.*Qwen3-8B' .* is a plain "):
-        check_models(sglang_study(tmp_path, model=target, draft=head, backend={"gpu": "H200"},
-                                  methods=["STANDALONE", {"name": "EAGLE3", "draft": plain}],
-                                  algorithm="STANDALONE").launch_spec(), {})
+    with pytest.raises(TreetuneError, match=r"^EAGLE3: draft '.*Qwen3-Coder-Next' .* is a "
+                       "plain "):
+        check_models(sglang_study(
+            tmp_path, model=target, draft=plain, backend={"gpu": "H200"},
+            methods=["STANDALONE", {"name": "EAGLE3", "draft": fixture("Qwen/Qwen3-Coder-Next")}],
+            algorithm="STANDALONE").launch_spec(), {})
+
+
+@pytest.mark.parametrize("of_methods", [False, True])
+def test_an_eagle3_head_as_a_standalone_draft_is_refused_before_ray(tmp_path, of_methods):
+    """SGLang 0.5.23 loads an EAGLE3 head as a STANDALONE draft, gives it no hidden states
+    of the target and fails while capturing CUDA graphs, after loading both models (a
+    helper's trace): the study's own method, or one of its methods, refused here; and
+    `treetune prior --algorithm STANDALONE` refuses the pair."""
+    from treetune.backends.sglang import check_models
+    from treetune.facts import build_prior
+
+    target, head = fixture("Qwen/Qwen3-30B-A3B-FP8"), fixture("sgl-project/qwen3-30B-A3B-eagle3")
+    other = fixture("thoughtworks/Qwen3-8B-Eagle3")  # a head, for a target of another width
+    if of_methods:
+        spec = sglang_study(tmp_path, model=target, draft=head, backend={"gpu": "H200"},
+                            methods=["EAGLE3", {"name": "STANDALONE", "draft": other}])
+        prefix, shown = "STANDALONE: ", "Qwen3-8B-Eagle3"
+    else:
+        spec = sglang_study(tmp_path, model=target, draft=head, algorithm="STANDALONE",
+                            backend={"gpu": "H200"})
+        prefix, shown = "", "qwen3-30B-A3B-eagle3"
+    with pytest.raises(TreetuneError, match=rf"^{prefix}draft '.*{shown}' \(.*config\.json\) "
+                       r"is an EAGLE3 draft head \(LlamaForCausalLMEagle3\), not a standalone "
+                       r"model: .* Draft with this head as EAGLE3, or give STANDALONE a small "
+                       r"plain model"):
+        check_models(spec.launch_spec(), {})
+    with pytest.raises(TreetuneError, match="is an EAGLE3 draft head"):
+        build_prior(target, head, tp=1, gpu="H200", algorithm="STANDALONE")
 
 
 def test_a_method_with_another_draft_than_the_auto_priors_is_not_priced_with_it(tmp_path):

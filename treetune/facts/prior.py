@@ -83,8 +83,8 @@ def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
                  algorithm: str = "EAGLE3") -> str:
     """Why SGLang cannot serve `draft` as the draft of `model` by `algorithm` ("" when it
     can): a target that is itself an EAGLE3 head, a plain model given as an EAGLE3 head,
-    or an EAGLE3 head trained for a target of another width (its first layer takes three
-    of the target's hidden states)."""
+    an EAGLE3 head given as a STANDALONE draft, or an EAGLE3 head trained for a target of
+    another width (its first layer takes three of the target's hidden states)."""
     if target.eagle3:
         return (f"'{model}' ({target.config_path}) is an EAGLE3 draft head, not a target "
                 "model: give it as the draft")
@@ -97,6 +97,15 @@ def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
                 "loads both models and then fails to start. Give the target's EAGLE3 head, "
                 "or draft with this model as STANDALONE (a study's algorithm: STANDALONE, "
                 "--algorithm STANDALONE)")
+    if algorithm == "STANDALONE" and head.eagle3:
+        # SGLang 0.5.23 loads it as the draft model, gives it no hidden states of the
+        # target, and fails in its forward while capturing CUDA graphs.
+        return (f"draft '{draft}' ({head.config_path}) is an EAGLE3 draft head "
+                f"({head.architecture}), not a standalone model: STANDALONE runs the draft "
+                "alone, without the target's hidden states, embedding and token map that "
+                "the head needs, so SGLang loads both models and then fails to start. Draft "
+                "with this head as EAGLE3, or give STANDALONE a small plain model of the "
+                "target's tokenizer ({name: STANDALONE, draft: PATH})")
     if head.eagle3 and head.target_hidden_size != target.hidden_size:
         return (f"draft '{draft}' ({head.config_path}) is an EAGLE3 head for a target of "
                 f"hidden size {head.target_hidden_size}, but '{model}' has hidden size "
