@@ -4,6 +4,7 @@ and judged by the benchmark; the search sees only their facts."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import statistics
 
@@ -104,6 +105,37 @@ def test_moe_dispatch_makes_the_wide_tree_regress_further_at_batch_32():
                                                                  "terminal-bench") - 0.05
     assert speedup(truth, WIDE, 1, "humaneval") == pytest.approx(
         speedup(own, WIDE, 1, "humaneval"), rel=0.02)  # batch 1 barely dispatches
+
+
+def test_the_busiest_expert_rank_reads_more_than_its_share_until_every_expert_is_touched():
+    from treetune.perfmodel.cost import distinct_experts
+    from treetune.worlds._world import ExpertParallel
+
+    busiest = ExpertParallel.busiest
+    # One GPU holds every expert: its count is the mean's.
+    assert busiest(7.0, 512, 10, 1) == pytest.approx(distinct_experts(7.0, 512, 10))
+    ratios = [4 * busiest(n, 512, 10, 4) / distinct_experts(n, 512, 10)
+              for n in (1, 8, 64, 512, 4096)]
+    assert 1.5 < ratios[0] < 1.9  # 10 experts over 4 GPUs: 2.5 each on average, ~4 at most
+    assert all(a > b for a, b in itertools.pairwise(ratios))
+    assert ratios[-1] == pytest.approx(1.0, abs=1e-3)  # every expert touched on every GPU
+    assert busiest(0.0, 512, 10, 4) == 0.0
+
+
+def test_expert_parallel_slows_small_batches_most_and_lifts_wide_trees():
+    world = load_world("expert-parallel")
+    truth, own = world.model(), PerfModel(world.facts)
+    assert world.facts == world.profile  # the prior is told tensor parallelism's facts
+
+    def slowdown(config, batch):
+        return own.throughput(config, batch, "mt-bench") / truth.throughput(config, batch,
+                                                                              "mt-bench")
+
+    assert slowdown(BASELINE, 8) > 1.05 and slowdown(BASELINE, 64) < slowdown(BASELINE, 8)
+    # A wide tree touches more experts a pass: the busiest GPU's excess matters less to it.
+    wide = TreeConfig(5, 8, 32)
+    assert slowdown(wide, 32) < slowdown(BASELINE, 32) - 0.05
+    assert speedup(truth, wide, 32, "mt-bench") > speedup(own, wide, 32, "mt-bench") + 0.03
 
 
 def test_acceptance_shape_is_a_plateau_then_a_drop_with_a_dataset_rank_two_share():
@@ -518,12 +550,27 @@ def test_a_node_slower_on_every_launch_is_named_once_and_alike_nodes_are_not(tmp
     assert "slower than the other nodes on the same configs" in notes[0]
 
 
-def test_moe_dispatch_on_a_dense_model_s_world_is_refused(tmp_path):
+@pytest.mark.parametrize("effect", ["moe_dispatch: {per_token_us: 0.9, exponent: 1.6, "
+                                    "saturation_ms: 6}", "expert_parallel: {ranks: 2}"])
+def test_an_moe_effect_on_a_dense_model_s_world_is_refused(tmp_path, effect):
     path = tmp_path / "dense.yaml"
-    path.write_text("name: d\nprofile: qwen3-8b-h100\neffects:\n"
-                    "  moe_dispatch: {per_token_us: 0.9, exponent: 1.6, saturation_ms: 6}\n")
-    with pytest.raises(ConfigFileError, match=r"key 'effects.moe_dispatch': moe_dispatch is "
+    path.write_text(f"name: d\nprofile: qwen3-8b-h100\neffects:\n  {effect}\n")
+    key = effect.split(":")[0]
+    with pytest.raises(ConfigFileError, match=rf"key 'effects.{key}': {key} is "
                        r"an MoE model's cost, and profile 'qwen3-8b-h100' is of a dense"):
+        load_world(path)
+
+
+@pytest.mark.parametrize(("ranks", "said"), [
+    (3, r"key 'effects.expert_parallel': 512 experts do not split evenly over 3 GPUs"),
+    (1, r"key 'effects.expert_parallel': expert_parallel.ranks must be >= 2"),
+])
+def test_expert_parallel_over_ranks_that_cannot_hold_the_experts_is_refused(
+        tmp_path, ranks, said):
+    path = tmp_path / "ep.yaml"
+    path.write_text(f"name: e\nprofile: qwen3-coder-next-h200\neffects:\n"
+                    f"  expert_parallel: {{ranks: {ranks}}}\n")
+    with pytest.raises(ConfigFileError, match=said):
         load_world(path)
 
 
