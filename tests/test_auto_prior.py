@@ -5,6 +5,7 @@ search; when it cannot, auto falls back to TPE and says why in one line."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -484,6 +485,39 @@ def test_an_eagle3_head_as_a_standalone_draft_is_refused_before_ray(tmp_path, of
         check_models(spec.launch_spec(), {})
     with pytest.raises(TreetuneError, match="is an EAGLE3 draft head"):
         build_prior(target, head, tp=1, gpu="H200", algorithm="STANDALONE")
+
+
+@pytest.mark.parametrize(("tp", "flags", "refused"), [
+    (8, {}, r"^tp 8 \(--tp\): SGLang cannot serve '.*' on 8 GPUs: its 28 attention heads do "
+     r"not split evenly over 8 GPUs .* tp sizes that fit: 1, 2, 4$"),
+    (8, {"--attn-dp-size": 2}, None),
+    (8, {"--attn-dp-size": ["8"]}, None),  # a launch spec's one-value tuple is its value
+    (8, {"--enable-dp-attention": None, "--dp-size": 2}, None),
+    (8, {"--enable-dp-attention": None}, r"on 8 GPUs: its 28"),  # alone: one group in 0.5.23
+    (16, {"--attn-dp-size": 2}, r"^tp 16 \(--tp\): SGLang cannot serve '.*' on 16 GPUs in 2 "
+     r"data-parallel attention groups of 8: its 28 attention heads do not split evenly over "
+     r"8 GPUs .* attention group sizes \(tp / attention dp\) that fit: 1, 2, 4$"),
+])
+def test_attention_heads_split_over_the_attention_groups_with_data_parallel_attention(
+        tmp_path, tp, flags, refused):
+    """SGLang 0.5.23 splits a Qwen3 MoE's attention over tp / the attention's data-parallel
+    groups (`attn_tp_size`): 28 heads and 4 KV heads at tp 8 in 2 groups of 4 serve (a
+    helper's trace; Qwen2-57B-A14B's counts), and were refused as if split over all 8."""
+    from treetune.backends.sglang import check_models
+
+    config = json.loads((HF / "Qwen/Qwen3-30B-A3B-FP8/config.json").read_text())
+    config.update(num_attention_heads=28, num_key_value_heads=4)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    spec = sglang_study(tmp_path, model=str(model), draft=fixture(
+        "sgl-project/qwen3-30B-A3B-eagle3"), tp=tp, server_flags=flags, backend={"gpu": "H200"})
+    if refused is None:
+        check_models(spec.launch_spec(), {})
+        assert planner_for(spec).strategy_name == "model"  # the auto prior is built
+        return
+    with pytest.raises(TreetuneError, match=refused):
+        check_models(spec.launch_spec(), {})
 
 
 def test_a_method_with_another_draft_than_the_auto_priors_is_not_priced_with_it(tmp_path):

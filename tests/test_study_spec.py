@@ -202,7 +202,13 @@ def test_a_flag_the_targeted_sglang_renamed_is_refused_with_its_name_there(
     ({"--dp": 2}, "", "'--dp' starts that many replicas"),  # SGLang takes the prefix
     ({"--enable-dp-attention": None, "--dp-size": 2}, "algorithm: STANDALONE\n",
      "SGLang 0.5.23 refuses STANDALONE drafting with data-parallel attention"),
-    ({"--enable-dp-attention": None, "--dp-size": 2, "--ep-size": 4}, "", None),
+    ({"--enable-dp-attention": None, "--dp-size": 2, "--ep-size": 4}, "tp: 4\n", None),
+    # SGLang asserts tp is a multiple of the attention's data-parallel groups.
+    ({"--attn-dp-size": 3}, "tp: 4\n", "'--attn-dp-size': 3 data-parallel attention groups "
+     "do not divide tp 4"),
+    ({"--enable-dp-attention": None, "--dp-size": 2}, "", "2 data-parallel attention "
+     "groups do not divide tp 1"),
+    ({"--attn-dp-size": ["2"]}, "tp: 2\n", None),
     ({"--nnodes": 1, "--node-rank": 0, "--pp-size": 1, "--dp-size": 1}, "", None),
     # A review's cases: a one-value list is the value; --dp-size beside --attn-dp-size
     # above 1 still counts replicas; --enable-dp-attention alone does nothing in 0.5.23;

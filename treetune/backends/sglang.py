@@ -213,18 +213,25 @@ class _ParallelFlags:
         return next((flag for flag in self.flags for n in _PARALLEL_NAMES.get(name, (name,))
                      if abbreviates(flag, n)), None)
 
-    def above(self, name: str, limit: int) -> str | None:
-        """The flag that is `name`, when its value is a number above `limit`."""
+    def number(self, name: str) -> int | None:
+        """The whole-number value of the flag that is `name` (None: not given, or not a
+        number, which SGLang's parser will say)."""
         flag = self.given(name)
         if flag is None:
             return None
         value = self.flags[flag]
-        if isinstance(value, list) and len(value) == 1:  # one value, as the command has it
+        # One value, as the command has it: a study's list, or a launch spec's tuple.
+        if isinstance(value, list | tuple) and len(value) == 1:
             value = value[0]
         try:
-            return flag if int(str(value)) > limit else None
+            return int(str(value))
         except ValueError:
-            return None  # SGLang's parser says what is wrong with the value
+            return None
+
+    def above(self, name: str, limit: int) -> str | None:
+        """The flag that is `name`, when its value is a number above `limit`."""
+        value = self.number(name)
+        return self.given(name) if value is not None and value > limit else None
 
     @property
     def attention_dp(self) -> str | None:
@@ -237,6 +244,16 @@ class _ParallelFlags:
         return enabled if enabled and self.above("--dp-size", 1) else None
 
     @property
+    def attention_dp_size(self) -> int:
+        """How many data-parallel groups the attention runs in (1: none): --attn-dp-size,
+        or --dp-size given with --enable-dp-attention."""
+        if self.above("--attn-dp-size", 1):
+            return self.number("--attn-dp-size") or 1
+        if self.attention_dp:
+            return self.number("--dp-size") or 1
+        return 1
+
+    @property
     def replicas(self) -> str | None:
         """--dp-size above 1 that starts replicas of tp GPUs each: without
         --enable-dp-attention, or beside an --attn-dp-size above 1 (then both count)."""
@@ -245,11 +262,19 @@ class _ParallelFlags:
         return flag if flag and not converted else None
 
 
-def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str]) -> str:
+def attention_dp_size(flags: Mapping[str, Any]) -> int:
+    """The attention's data-parallel size the server flags ask for (1: none). SGLang
+    0.5.23 splits attention heads over tp / this (`attn_tp_size`), not over tp."""
+    return _ParallelFlags(flags).attention_dp_size
+
+
+def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
+                          tp: int = 1) -> str:
     """Why a study's server flags would make SGLang (0.5.23) fail every launch, or use
     GPUs its worker was not given ("" when none): a flag SGLang dropped; a server spanning
     nodes; pipeline parallelism (tp x pp GPUs, and no EAGLE3 or STANDALONE draft with it);
-    data-parallel replicas (tp x dp GPUs); STANDALONE with attention data parallelism.
+    data-parallel replicas (tp x dp GPUs); STANDALONE with attention data parallelism, or
+    an attention data-parallel size that does not divide `tp`.
     Expert parallelism and attention data parallelism live within the tp GPUs: allowed."""
     parallel = _ParallelFlags(flags)
     for dropped, instead in DROPPED_FLAGS.items():
@@ -273,6 +298,10 @@ def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str])
     if (flag := parallel.attention_dp) and "STANDALONE" in algorithms:
         return (f"'{flag}': SGLang 0.5.23 refuses STANDALONE drafting with data-parallel "
                 "attention; leave it out, or draft by EAGLE3")
+    if flag and tp % parallel.attention_dp_size:
+        return (f"'{flag}': {parallel.attention_dp_size} data-parallel attention groups do "
+                f"not divide tp {tp} (SGLang 0.5.23 asserts tp is a multiple of them): give "
+                "a divisor of tp")
     return ""
 
 
@@ -609,7 +638,8 @@ def check_models(launch: LaunchSpec, env: Mapping[str, str]) -> None:
         facts = model_facts(launch.model_path, env)
     except TreetuneError:
         return
-    if refusal := facts.tp_refusal(launch.model_path, launch.tp):
+    groups = attention_dp_size(dict(launch.extra_flags))
+    if refusal := facts.tp_refusal(launch.model_path, launch.tp, groups):
         raise TreetuneError(f"tp {launch.tp} (--tp): {refusal}")
     for algorithm, draft in ((launch.algorithm, launch.draft_model_path), *launch.methods):
         if draft is None or not needs_draft_model(algorithm):
@@ -695,7 +725,8 @@ class SGLangBackend:
 
         return build_prior(launch.model_path, launch.draft_model_path, tp=launch.tp,
                            gpu=self.gpu, env=env, kv_cache_bytes=kv_cache_bytes(launch),
-                           algorithm=launch.algorithm)
+                           algorithm=launch.algorithm,
+                           attention_dp=attention_dp_size(dict(launch.extra_flags)))
 
     def describe(self) -> str:
         return self.kind

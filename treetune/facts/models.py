@@ -109,9 +109,21 @@ class ModelFacts:
                     "to them")
         return ""
 
-    def tp_refusal(self, model: str, tp: int) -> str:
+    def tp_refusal(self, model: str, tp: int, attention_dp: int = 1) -> str:
         """Why `model` (these facts') cannot be served on `tp` GPUs, with the sizes that fit;
-        "" when it can."""
+        "" when it can. With `attention_dp` data-parallel attention groups, the attention
+        splits over tp / attention_dp GPUs (SGLang's attn_tp_size, which the attention
+        layers of Qwen3, the MoE models and DeepSeek check; Llama's and Qwen2's check tp,
+        not caught here)."""
+        if attention_dp > 1 and tp % attention_dp == 0:
+            problem = self.tp_problem(tp // attention_dp)
+            if not problem:
+                return ""
+            fits = [t for t in (1, 2, 4, 8, 16) if t <= tp and not self.tp_problem(t)]
+            return (f"SGLang cannot serve '{model}' on {tp} GPUs in {attention_dp} "
+                    f"data-parallel attention groups of {tp // attention_dp}: {problem} "
+                    f"({self.config_path}); attention group sizes (tp / attention dp) that "
+                    f"fit: {', '.join(map(str, fits)) or 'none'}")
         problem = self.tp_problem(tp)
         if not problem:
             return ""

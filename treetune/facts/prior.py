@@ -116,11 +116,12 @@ def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
 def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = None,
                 env: Mapping[str, str] | None = None, kv_cache_bytes: float | None = None,
                 datasets: Sequence[str] = (), name: str | None = None,
-                algorithm: str = "EAGLE3") -> Profile:
+                algorithm: str = "EAGLE3", attention_dp: int = 1) -> Profile:
     """The auto prior of `model` + `draft` on `tp` GPUs: config.json files from local
     directories or the local Hugging Face cache, the GPU named by `gpu` or else the one the
     node's GPU tool (nvidia-smi, amd-smi, rocm-smi) shows this process; `algorithm`: the
-    draft method `draft` runs by. Raises TreetuneError saying what is missing."""
+    draft method `draft` runs by; `attention_dp`: the attention's data-parallel groups (its
+    heads split over tp / that). Raises TreetuneError saying what is missing."""
     if draft is None:
         raise TreetuneError("the auto prior needs a draft model's config.json, and this "
                             "study has no draft (NEXTN): give --prior NAME_OR_FILE")
@@ -128,7 +129,7 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
     draft_facts = model_facts(draft, env, kv_cache_bytes)
     if problem := pair_problem(model, target_facts, draft, draft_facts, algorithm):
         raise TreetuneError(problem)
-    if refusal := target_facts.tp_refusal(model, tp):
+    if refusal := target_facts.tp_refusal(model, tp, attention_dp):
         raise TreetuneError(f"--tp {tp}: {refusal}")
     gpu_entry = gpu_facts(gpu, "--gpu") if gpu else detect_gpu(env)
     return auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets, name)

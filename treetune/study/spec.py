@@ -419,7 +419,7 @@ class StudySpec:
                 raise FieldError("server_flags", f"server_flags: {what} is set by treetune "
                                  f"for every launch ({where}); given here too, it would "
                                  "override that (the last value wins)")
-        if problem := parallel_flag_problem(self.server_flags, self.method_names):
+        if problem := parallel_flag_problem(self.server_flags, self.method_names, self.tp):
             raise FieldError("server_flags", f"server_flags: {problem}")
 
     def _check_objective(self) -> None:
