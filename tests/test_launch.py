@@ -98,3 +98,65 @@ def test_expert_parallel_and_attention_dp_servers_are_said_to_be_priced_as_tp(fl
     else:
         assert word.startswith(f"server_flags {named}: the performance model prices the "
                                "servers as tensor parallel"), word
+
+
+DEEPEP = {"--moe-a2a-backend": "deepep"}
+CAP = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
+
+
+@pytest.mark.parametrize(("flags", "env", "tp", "batch", "widest", "said"), [
+    ({}, {}, 8, 256, {"EAGLE3": 8}, None),
+    ({"--moe-a2a-backend": "none"}, {}, 8, 256, {"EAGLE3": 8}, None),
+    # DeepEP with attention DP over all 8 GPUs: 32 requests a GPU, 8 tokens each.
+    ({**DEEPEP, "--attn-dp-size": 8}, {}, 8, 256, {"EAGLE3": 8, "NGRAM": 4},
+     "'--moe-a2a-backend' deepep: DeepEP's low-latency dispatch takes at most 128 tokens a GPU "
+     "per pass (SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK, SGLang's default), and at "
+     "batch 256 (32 requests a GPU group of 1) a verify pass of EAGLE3's 8-token trees sends "
+     "256: SGLang would fail at start-up, capturing that pass. Give "
+     "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK: 256 in the study's env; or trees of at "
+     "most 4 draft tokens"),
+    ({**DEEPEP, "--attn-dp-size": 8}, {CAP: "256"}, 8, 256, {"EAGLE3": 8}, None),
+    ({**DEEPEP, "--attn-dp-size": 8, "--deepep-mode": "normal"}, {}, 8, 256, {"EAGLE3": 8},
+     None),
+    ({**DEEPEP, "--deepep-mode": ["low_latency"]}, {CAP: "64"}, 4, 64, {"EAGLE3": 8},
+     "takes at most 64 tokens a GPU per pass (SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK, "
+     "as the environment sets it), and at batch 64 (64 requests over 4 GPU(s)) a verify "
+     "pass of EAGLE3's 8-token trees sends 128"),
+    ({**DEEPEP}, {CAP: "2048"}, 4, 8, {"EAGLE3": 8}, "takes 1 to 1024 tokens per GPU"),
+    ({**DEEPEP}, {CAP: "many"}, 4, 8, {"EAGLE3": 8}, "='many' is not a whole number"),
+    # Past what the variable can reach, and no tree fits: only the batch or the mode.
+    ({**DEEPEP, "--attn-dp-size": 8}, {}, 8, 1024, {"EAGLE3": 16},
+     "sends 2048: SGLang would fail at start-up, capturing that pass. Give a smaller largest "
+     "batch size, or --deepep-mode normal"),
+])
+def test_deepeps_dispatch_cap_is_checked_against_the_largest_verify_pass(
+        flags, env, tp, batch, widest, said):
+    """SGLang 0.5.23 captures the verify pass of its largest batch with DeepEP's
+    low-latency dispatch, whose per-GPU token cap DeepEP asserts (a helper's trace):
+    past it every launch fails at start-up, minutes into a GPU node's time."""
+    from treetune.backends.sglang import deepep_problem
+
+    problem = deepep_problem(flags, env, tp, batch, widest)
+    if said is None:
+        assert problem == ""
+    else:
+        assert said in problem, problem
+
+
+def test_a_study_whose_trees_deepep_cannot_dispatch_is_refused_before_ray(tmp_path):
+    from studykit import small_study
+
+    from treetune.study.preflight import check_study
+    from treetune.study.spec import load_study
+
+    flags = {**DEEPEP, "--attn-dp-size": 4}
+    spec = load_study(None, small_study(tmp_path, batch=[1, 32], server_flags=flags))
+    # bench-speculative's widest trees verify 32 tokens a request.
+    with pytest.raises(TreetuneError, match=r"^server_flags: '--moe-a2a-backend' deepep: .* at "
+                       r"batch 32 \(8 requests a GPU group of 1\) a verify pass of EAGLE3's "
+                       r"32-token trees sends 256: .* Give SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_"
+                       r"PER_RANK: 256 in the study's env; or trees of at most 16 draft tokens"):
+        check_study(spec)
+    # The study's env raises the cap to its widest pass: refused no more.
+    check_study(load_study(None, small_study(tmp_path, batch=[1, 32], server_flags=flags,
+                                             env={CAP: "256"})))

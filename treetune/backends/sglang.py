@@ -191,6 +191,7 @@ _PARALLEL_NAMES = {
     "--attn-dp-size": ("--attn-dp-size", "--attention-data-parallel-size"),
     "--ep-size": ("--ep-size", "--expert-parallel-size", "--ep"),
     "--moe-a2a-backend": ("--moe-a2a-backend",),
+    "--deepep-mode": ("--deepep-mode",),
 }
 # Flags SGLang dropped (0.5.3 refused them, 0.5.9 has none), with what replaced them.
 DROPPED_FLAGS = {
@@ -219,12 +220,8 @@ class _ParallelFlags:
         flag = self.given(name)
         if flag is None:
             return None
-        value = self.flags[flag]
-        # One value, as the command has it: a study's list, or a launch spec's tuple.
-        if isinstance(value, list | tuple) and len(value) == 1:
-            value = value[0]
         try:
-            return int(str(value))
+            return int(_one_value(self.flags[flag]))
         except ValueError:
             return None
 
@@ -266,6 +263,72 @@ def attention_dp_size(flags: Mapping[str, Any]) -> int:
     """The attention's data-parallel size the server flags ask for (1: none). SGLang
     0.5.23 splits attention heads over tp / this (`attn_tp_size`), not over tp."""
     return _ParallelFlags(flags).attention_dp_size
+
+
+DEEPEP_CAP_VARIABLE = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
+DEEPEP_DEFAULT_CAP = 128  # SGLang 0.5.23's default for it (srt/environ.py)
+DEEPEP_MAX_CAP = 1024  # what its DeepEP dispatcher asserts the variable stays within
+
+
+def deepep_problem(flags: Mapping[str, Any], env: Mapping[str, str], tp: int,
+                   max_batch: int, widest: Mapping[str, int]) -> str:
+    """Why DeepEP's low-latency dispatch would fail a study's launches ("" when it would
+    not): with --moe-a2a-backend deepep (its mode auto or low_latency: decode and verify
+    passes dispatch low-latency), a GPU takes at most DEEPEP_CAP_VARIABLE tokens a pass, and
+    SGLang 0.5.23 captures the verify pass of its largest batch at start-up, where DeepEP's
+    own assertion fails past the cap. A GPU's tokens: its attention group's share of the
+    largest batch, times the tokens each request verifies, over the group's GPUs.
+    `widest`: per draft method, the most tokens a request sends in one pass (draft tokens;
+    a NEXTN draft's MoE layer also sends topk)."""
+    parallel = _ParallelFlags(flags)
+    backend = parallel.given("--moe-a2a-backend")
+    if backend is None or _one_value(flags[backend]) != "deepep":
+        return ""
+    mode = parallel.given("--deepep-mode")
+    if mode is not None and _one_value(flags[mode]) == "normal":
+        return ""  # no cap (and no CUDA graphs)
+    text = env.get(DEEPEP_CAP_VARIABLE)
+    where = "as the environment sets it" if text else "SGLang's default"
+    try:
+        cap = int(text) if text else DEEPEP_DEFAULT_CAP
+    except ValueError:
+        return f"{DEEPEP_CAP_VARIABLE}={text!r} is not a whole number of tokens"
+    if not 1 <= cap <= DEEPEP_MAX_CAP:
+        return (f"{DEEPEP_CAP_VARIABLE}={cap}: SGLang's DeepEP dispatcher takes 1 to "
+                f"{DEEPEP_MAX_CAP} tokens per GPU")
+    groups = parallel.attention_dp_size
+    group_gpus = tp // groups if tp % groups == 0 else tp
+    requests = -(-max_batch // groups)  # the largest batch's share of one attention group
+
+    def per_gpu(tokens: int) -> int:
+        return -(-requests * tokens // group_gpus)
+
+    over = {name: n for name, n in widest.items() if per_gpu(n) > cap}
+    if not over:
+        return ""
+    name, tokens = max(over.items(), key=lambda item: item[1])
+    fits = cap * group_gpus // requests
+    need = per_gpu(max(widest.values()))
+    split = (f"{requests} requests a GPU group of {group_gpus}" if groups > 1
+             else f"{requests} requests over {group_gpus} GPU(s)")
+    fixes = [f"{DEEPEP_CAP_VARIABLE}: {need} in the study's env"] if need <= DEEPEP_MAX_CAP \
+        else []
+    fixes += ([f"trees of at most {fits} draft tokens (the space's draft_tokens)"]
+              if fits >= 2 else [])
+    fixes.append("a smaller largest batch size, or --deepep-mode normal (no cap, no CUDA "
+                 "graphs)")
+    return (f"'{backend}' deepep: DeepEP's low-latency dispatch takes at most {cap} tokens a "
+            f"GPU per pass ({DEEPEP_CAP_VARIABLE}, {where}), and at batch {max_batch} "
+            f"({split}) a verify pass of {name}'s {tokens}-token trees sends "
+            f"{per_gpu(tokens)}: SGLang would fail at start-up, capturing that pass. Give "
+            + "; or ".join(fixes))
+
+
+def _one_value(value: Any) -> str:
+    """A flag's one value as text (a list or tuple of one, as a command has it)."""
+    if isinstance(value, list | tuple) and len(value) == 1:
+        value = value[0]
+    return str(value)
 
 
 def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],

@@ -8,13 +8,15 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from treetune import strategies
+from treetune.backends.sglang import deepep_problem
 from treetune.datasets import load_datasets
 from treetune.errors import TreetuneError
 from treetune.perfmodel import load_profile
-from treetune.space import load_space
+from treetune.space import SearchSpace, load_space
 from treetune.study.methods import method_spaces
 from treetune.study.spec import SPEC_COPY, StudySpec
 from treetune.yamlio import load_yaml
@@ -31,9 +33,11 @@ def check_study(spec: StudySpec) -> None:
     own checks pass."""
     check_output_folder(spec)
     load_datasets(spec.datasets, Path(spec.base_dir))
-    if not spec.methods:
-        load_space(spec.space)
-    method_spaces(spec)
+    spaces = method_spaces(spec) or {"": load_space(spec.space)}
+    env = {**os.environ, **spec.env}
+    if problem := deepep_problem(spec.server_flags, env, spec.tp, spec.max_batch,
+                                 widest_passes(spec, spaces)):
+        raise TreetuneError(f"server_flags: {problem}")
     why = strategies.missing_requirement(spec.search.strategy)
     if why is not None:
         raise TreetuneError(why)
@@ -41,8 +45,20 @@ def check_study(spec: StudySpec) -> None:
         load_profile(spec.search.prior)
     if spec.ray_address:
         check_ray_address(spec.ray_address, RAY_CONNECT_TIMEOUT_S)
-    spec.backend.check(spec.launch_spec(), spec.dataset_names, {**os.environ, **spec.env},
-                       local=spec.local_ray)
+    spec.backend.check(spec.launch_spec(), spec.dataset_names, env, local=spec.local_ray)
+
+
+def widest_passes(spec: StudySpec, spaces: Mapping[str, SearchSpace]) -> dict[str, int]:
+    """Per draft method, the most tokens one request sends through the target's MoE layers
+    in a pass: its trees' (searched or compared) draft tokens, and for NEXTN, whose draft is
+    the target's MoE layer, its topk too."""
+    out: dict[str, int] = {}
+    trees = [c for space in spaces.values() for c in space.configs()] + list(spec.compare)
+    for tree in trees:
+        name = tree.method or spec.algorithm
+        tokens = max(tree.draft_tokens, tree.topk if name == "NEXTN" else 0)
+        out[name] = max(out.get(name, 0), tokens)
+    return out
 
 
 def check_output_folder(spec: StudySpec) -> None:
