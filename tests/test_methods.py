@@ -87,6 +87,24 @@ def test_the_mtp_pass_reads_the_targets_lm_head_and_the_head_pass_does_not():
         assert (after > before) == grows, method
 
 
+def test_the_mtp_pass_reads_an_unquantized_head_at_its_own_width():
+    """An FP8 checkpoint keeps its lm_head in bf16: the MTP pass, which reads the head
+    whole, reads twice its bytes (it was read at the quantized width)."""
+    profile = load_profile(QWEN35)
+    target = profile.target
+    quantized = profile.replace(target=dataclasses.replace(target, weight_bytes=1.0))
+    kept = profile.replace(target=dataclasses.replace(
+        target, weight_bytes=1.0, unquantized_params_b=target.lm_head_params / 1e9 * 2,
+        unquantized_bytes=2.0))
+    cost = {name: PerfModel(p, method="NEXTN").cost for name, p in
+            (("quantized", quantized), ("kept", kept))}
+    extra = target.lm_head_params * 1.0 / (cost["kept"].bandwidth
+                                            * profile.calibration.weight_bandwidth_eff)
+    # At one token the pass is bound by its weights: the head's second byte is all of it.
+    delta = cost["kept"].draft_pass(1, 1, 100) - cost["quantized"].draft_pass(1, 1, 100)
+    assert delta == pytest.approx(extra, rel=1e-6)
+
+
 def test_an_moe_mtp_pass_costs_more_as_its_tokens_route_to_more_experts():
     mtp = PerfModel(load_profile(QWEN35), method="NEXTN").cost
     times = [mtp.draft_pass(n, n, 100) for n in (1, 8, 64, 512, 4096)]

@@ -147,7 +147,9 @@ class CostModel:
                   routing_diversity: float) -> float:
         """The target's MTP layer: its dense part, the experts its tokens route to (an MoE
         layer of the target's shape, sharded like the target's) and the target's
-        full-vocabulary lm_head, at the target's weight width; one layer's all-reduces.
+        full-vocabulary lm_head, at the target's weight width (the head at the unquantized
+        width, as far as the checkpoint keeps that many parameters unquantized: quantized
+        checkpoints keep their head first); one layer's all-reduces.
         The lm_head is read whole every pass but scores only each request's last token
         (the draft's next guess), so its FLOPs follow the requests, not the tokens."""
         t, c = self.profile.target, self.profile.calibration
@@ -159,7 +161,9 @@ class CostModel:
                                         routing_diversity, c.tree_routing_diversity)
             read += distinct_experts(routed, t.moe.experts, t.moe.experts_per_token) * expert
             layer += t.moe.experts_per_token * expert
-        weight_s = read * t.weight_bytes / (self.bandwidth * c.weight_bandwidth_eff)
+        wide = min(t.lm_head_params, t.unquantized_params_b * 1e9)
+        read_bytes = (read - wide) * t.weight_bytes + wide * t.unquantized_bytes
+        weight_s = read_bytes / (self.bandwidth * c.weight_bandwidth_eff)
         kv_s = requests * context * mtp.kv_bytes_per_token / (self.bandwidth * c.kv_bandwidth_eff)
         flops = 2.0 * (layer * tokens + t.lm_head_params * requests)
         compute_s = flops / (self.flops_peak * c.compute_eff)
