@@ -77,8 +77,10 @@ class _BusyCluster:
         RayError = RuntimeError
         GetTimeoutError = TimeoutError
 
-    def __init__(self, free: int, broken: int = 0) -> None:
+    def __init__(self, free: int, broken: int = 0,
+                 gpus: dict[str, str | None] | None = None) -> None:
         self.free, self.broken, self.killed = free, broken, []
+        self.gpus = gpus or {}  # worker -> the GPU model its node's tool names
         self.util = type("util", (), {"remove_placement_group": staticmethod(lambda g: None)})
 
     def put(self, value):
@@ -93,7 +95,7 @@ class _BusyCluster:
     def get(self, ref):
         if int(ref.rsplit("-", 1)[1]) < self.broken:  # its node failed the checks
             raise RuntimeError("on node-a: SGLang is not installed for python")
-        return f"{ref}@node"
+        return f"{ref}@node", self.gpus.get(ref)
 
     def kill(self, worker):
         self.killed.append(worker)
@@ -139,6 +141,65 @@ def test_the_pool_starts_with_the_workers_a_busy_cluster_can_place(tmp_path, fre
     notes = pool.settle(list(pool.starting))
     assert pool.alive == free - broken + (4 - free) and not pool.starting
     assert len(notes) == 4 - free and all("a worker joined" in n for n in notes)
+
+
+SXM, PCIE = "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"
+
+
+def test_workers_on_another_gpu_model_than_the_studys_are_left_out(tmp_path):
+    """Ray names an H100 SXM node and an H100 PCIe node alike (accelerator_type:H100), so
+    a study pinned to H100 placed workers on both and mixed their measurements (a GPU
+    with two thirds of the bandwidth). Each worker says what its GPUs are; those of
+    another model than most (the first's, on a tie) are left out, at the start and when
+    they join; a worker whose tool names nothing is kept."""
+    from treetune.study.placement import Node, Placement
+    from treetune.study.runner import _Pool
+
+    spec = load_study(None, small_study(tmp_path, batch=[1], datasets=["humaneval"], tp=1))
+    placement = Placement(resource="GPU", tp=1, gpu_type="H100",
+                          nodes=(Node(node_id="n", gpus=4.0, gpu_type="H100"),))
+    gpus = {"worker-0": PCIE, "worker-1": SXM, "worker-2": SXM, "worker-3": None,
+            "worker-4": PCIE, "worker-5": SXM}
+    ray = _BusyCluster(4, gpus=gpus)
+    pool = _Pool(ray, spec, placement)
+    made = iter(range(100))
+    pool._spawn = lambda: _Worker(f"worker-{next(made)}")  # type: ignore[method-assign]
+    note = pool.start(4)
+    assert pool.gpu == SXM and pool.alive == 3 and ray.killed == ["worker-0"]
+    assert note == (f"1 launch worker(s) left out for their GPUs: worker-0@node ({PCIE}), "
+                    f"where the study's servers run on {SXM} (Ray's accelerator type names "
+                    "them alike: H100); one study never mixes two GPU models' measurements "
+                    "(run it on nodes of one model); the study runs with 3")
+    pool.replace()
+    pool.replace()
+    notes = pool.settle(list(pool.starting))
+    assert notes[0].startswith(f"1 launch worker(s) left out for their GPUs: worker-4@node "
+                               f"({PCIE}), where the study's servers run on {SXM}")
+    assert notes[1] == "a worker joined on node: the study runs with 4"
+    assert ray.killed == ["worker-0", "worker-4"] and "worker-5" in pool.idle
+    # Two of each: the first worker's model is the study's.
+    tie = _Pool(_BusyCluster(4, gpus={"worker-0": PCIE, "worker-1": SXM, "worker-2": SXM,
+                                      "worker-3": PCIE}), spec, placement)
+    made = iter(range(100))
+    tie._spawn = lambda: _Worker(f"worker-{next(made)}")  # type: ignore[method-assign]
+    tie.start(4)
+    assert tie.gpu == PCIE and sorted(tie.idle) == ["worker-0", "worker-3"]
+
+
+def test_a_worker_names_the_gpu_model_its_tool_shows_it_and_none_when_emulated(
+        tmp_path, monkeypatch):
+    from test_facts import stand_in_nvidia_smi
+
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", f"{PCIE}, 81559 MiB\n")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # as Ray sets it for the worker
+    env = {"PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin"}
+    real = load_study(None, small_study(tmp_path, batch=[1], env=env, backend={
+        "kind": "sglang", "python": "python", "gpu": "H100-SXM"}))
+    name, gpu = LaunchWorker(real, 0).ready()
+    assert name == f"worker-0@{socket.gethostname()}" and gpu == PCIE
+    assert (bin_dir / "args").read_text().split()[-1] == "--id=1"  # its own GPUs only
+    emulated = load_study(None, small_study(tmp_path, batch=[1], env=env))
+    assert LaunchWorker(emulated, 0).ready()[1] is None  # no GPU to ask about
 
 
 def test_a_worker_ray_cannot_place_waits_while_others_work_and_is_given_up_with_none(

@@ -260,6 +260,17 @@ SMI_TOOLS = (SmiTool("nvidia-smi", _nvidia_smi), SmiTool("amd-smi", _amd_smi),
              SmiTool("rocm-smi", _rocm_smi))
 
 
+def seen_model(env: Mapping[str, str] | None = None) -> str | None:
+    """The model of the GPUs this process sees, as the node's tool names them (several
+    joined by ' + '), or None when no tool tells: what a study's workers must agree on,
+    since Ray's accelerator type names some models alike (H100 SXM and PCIe: H100)."""
+    try:
+        seen = query_gpus(env)
+    except TreetuneError:
+        return None
+    return " + ".join(sorted({g.name for g in seen})) or None
+
+
 def detect_gpu(env: Mapping[str, str] | None = None) -> GpuFacts:
     """The table's entry for the GPU this process sees (every visible GPU must be the
     same model: a server's tensor-parallel group runs at its slowest GPU's pace)."""

@@ -266,6 +266,7 @@ class _Pool:
         self.starting: dict[Any, tuple[Any, float]] = {}
         self.told: set[Any] = set()
         self.made = 0
+        self.gpu: str | None = None  # the GPU model the study's servers run on, once seen
 
     def _spawn(self) -> Any:
         """A worker in a new placement group; it runs once Ray has placed the group."""
@@ -291,13 +292,21 @@ class _Pool:
         ready, waiting = self.ray.wait(list(refs), num_returns=placeable,
                                        timeout=RESOURCE_TIMEOUT_S)
         names: dict[Any, str] = {}
+        gpus: dict[Any, str | None] = {}
         failed: list[str] = []  # why workers placed could not start (their node's checks)
         for ref in ready:
             try:
-                names[refs[ref]] = self.ray.get(ref)
+                names[refs[ref]], gpus[refs[ref]] = self.ray.get(ref)
             except self.ray.exceptions.RayError as exc:
                 failed.append(_cause(exc))
                 self.retire(refs[ref])
+        seen = [g for g in gpus.values() if g is not None]
+        # The model most workers have (max keeps the first's, when as many have another).
+        self.gpu = max(seen, key=seen.count, default=None)
+        apart = [w for w in names if not self._same_gpu(gpus[w])]
+        for worker in apart:
+            self.retire(worker)
+        gpu_note = self._apart_note([(names.pop(w), gpus[w]) for w in apart])
         on = f" on {self.placement.gpu_type} nodes" if self.placement.gpu_type else ""
         if not names:
             for ref in waiting:
@@ -313,6 +322,7 @@ class _Pool:
         deadline = time.monotonic() + RESOURCE_TIMEOUT_S
         self.starting.update({ref: (refs[ref], deadline) for ref in waiting})
         notes = [f"{len(failed)} launch worker(s) could not start: {failed[0]}"] if failed else []
+        notes += [gpu_note] if gpu_note else []
         if waiting:
             self.told.update(waiting)  # said here: not again when their deadline passes
             gpus = f"{self.spec.tp} {self.spec.backend.gpu_label}{on}"
@@ -326,6 +336,22 @@ class _Pool:
         if notes:
             notes.append(f"the study runs with {len(names)}")
         return "; ".join(notes)
+
+    def _same_gpu(self, gpu: str | None) -> bool:
+        """Whether a worker's GPUs may serve the study: the study's model, or one no tool
+        named (nothing to compare)."""
+        return gpu is None or self.gpu is None or gpu == self.gpu
+
+    def _apart_note(self, apart: list[tuple[str, str | None]]) -> str:
+        """What the study says of workers left out for their GPU model ("" for none)."""
+        if not apart:
+            return ""
+        where = ", ".join(f"{name} ({gpu})" for name, gpu in apart)
+        alike = (f" (Ray's accelerator type names them alike: {self.placement.gpu_type})"
+                 if self.placement.gpu_type else "")
+        return (f"{len(apart)} launch worker(s) left out for their GPUs: {where}, where the "
+                f"study's servers run on {self.gpu}{alike}; one study never mixes two GPU "
+                "models' measurements (run it on nodes of one model)")
 
     def retire(self, worker: Any) -> None:
         """A worker gone (dead, or not placed): killed, its GPUs' reservation freed."""
@@ -366,14 +392,21 @@ class _Pool:
             worker, _ = self.starting.pop(ref)
             self.told.discard(ref)
             try:
-                self.hosts[worker] = worker_host(self.ray.get(ref))
-                self.idle.append(worker)
-                self.alive += 1
-                notes.append(f"a worker joined on {self.hosts[worker] or 'a node'}: the study "
-                             f"runs with {self.alive}")
+                name, gpu = self.ray.get(ref)
             except self.ray.exceptions.RayError as exc:
                 self.retire(worker)
                 notes.append(f"a worker that joined could not start: {_cause(exc)}")
+                continue
+            if not self._same_gpu(gpu):
+                self.retire(worker)
+                notes.append(self._apart_note([(name, gpu)]))
+                continue
+            self.gpu = self.gpu or gpu
+            self.hosts[worker] = worker_host(name)
+            self.idle.append(worker)
+            self.alive += 1
+            notes.append(f"a worker joined on {self.hosts[worker] or 'a node'}: the study "
+                         f"runs with {self.alive}")
         now = time.monotonic()
         late = [ref for ref, (_, deadline) in self.starting.items() if now > deadline]
         if self.alive == 0 and late:

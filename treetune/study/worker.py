@@ -164,18 +164,25 @@ class LaunchWorker:
         else:
             self.logs.mkdir(parents=True, exist_ok=True)
 
-    def ready(self) -> str:
-        """The worker's name, once it can launch: its node must hold the API key too, and
-        on a cluster pass the backend's checks (the driver leaves to the nodes what only
-        they can tell: the engine installed there, the model files they hold)."""
+    def ready(self) -> tuple[str, str | None]:
+        """The worker's name and the model of the GPUs it was given (None: no GPU tool
+        tells, or the backend's GPUs are emulated), once it can launch: its node must hold
+        the API key too, and on a cluster pass the backend's checks (the driver leaves to
+        the nodes what only they can tell: the engine installed there, the model files
+        they hold)."""
+        from treetune.facts import seen_model
+        from treetune.study.placement import RAY_GPU
+
         self.api_key()
+        env = {**os.environ, **self.spec.env}
         if not self.spec.local_ray:
             try:
                 self.spec.backend.check(self.spec.launch_spec(), self.spec.dataset_names,
-                                        {**os.environ, **self.spec.env}, local=True)
+                                        env, local=True)
             except TreetuneError as exc:
                 raise TreetuneError(f"on {socket.gethostname()}: {exc}") from None
-        return self.name
+        real = self.spec.backend.gpu_resource == RAY_GPU
+        return self.name, seen_model(env) if real else None
 
     def stage(self) -> str:
         """What the launch under way does now, for the driver's progress line ("" between
