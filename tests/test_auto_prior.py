@@ -473,15 +473,17 @@ def test_an_eagle3_head_as_a_standalone_draft_is_refused_before_ray(tmp_path, of
     if of_methods:
         spec = sglang_study(tmp_path, model=target, draft=head, backend={"gpu": "H200"},
                             methods=["EAGLE3", {"name": "STANDALONE", "draft": other}])
-        prefix, shown = "STANDALONE: ", "Qwen3-8B-Eagle3"
+        # A head for another target: EAGLE3 could not draft with it either.
+        prefix, shown, advice = "STANDALONE: ", "Qwen3-8B-Eagle3", "Give"
     else:
         spec = sglang_study(tmp_path, model=target, draft=head, algorithm="STANDALONE",
                             backend={"gpu": "H200"})
         prefix, shown = "", "qwen3-30B-A3B-eagle3"
+        advice = "Draft with this head as EAGLE3, or give"
     with pytest.raises(TreetuneError, match=rf"^{prefix}draft '.*{shown}' \(.*config\.json\) "
                        r"is an EAGLE3 draft head \(LlamaForCausalLMEagle3\), not a standalone "
-                       r"model: .* Draft with this head as EAGLE3, or give STANDALONE a small "
-                       r"plain model"):
+                       rf"model: .* fails to start\. {advice} STANDALONE a small plain model of "
+                       r"the target's tokenizer as its draft$"):
         check_models(spec.launch_spec(), {})
     with pytest.raises(TreetuneError, match="is an EAGLE3 draft head"):
         build_prior(target, head, tp=1, gpu="H200", algorithm="STANDALONE")
@@ -497,6 +499,8 @@ def test_an_eagle3_head_as_a_standalone_draft_is_refused_before_ray(tmp_path, of
     (16, {"--attn-dp-size": 2}, r"^tp 16 \(--tp\): SGLang cannot serve '.*' on 16 GPUs in 2 "
      r"data-parallel attention groups of 8: its 28 attention heads do not split evenly over "
      r"8 GPUs .* attention group sizes \(tp / attention dp\) that fit: 1, 2, 4$"),
+    # Llama's attention asserts its heads against the whole tp, attention groups or not.
+    (8, {"--attn-dp-size": 2, "llama": True}, r"on 8 GPUs: its 28 attention heads"),
 ])
 def test_attention_heads_split_over_the_attention_groups_with_data_parallel_attention(
         tmp_path, tp, flags, refused):
@@ -507,6 +511,8 @@ def test_attention_heads_split_over_the_attention_groups_with_data_parallel_atte
 
     config = json.loads((HF / "Qwen/Qwen3-30B-A3B-FP8/config.json").read_text())
     config.update(num_attention_heads=28, num_key_value_heads=4)
+    if flags.pop("llama", False):
+        config.update(architectures=["LlamaForCausalLM"])
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(config))

@@ -111,8 +111,9 @@ CAP = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
     ({**DEEPEP, "--attn-dp-size": 8}, {}, 8, 256, {"EAGLE3": 8, "NGRAM": 4},
      "'--moe-a2a-backend' deepep: DeepEP's low-latency dispatch takes at most 128 tokens a GPU "
      "per pass (SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK, SGLang's default), and at "
-     "batch 256 (32 requests a GPU group of 1) a verify pass of EAGLE3's 8-token trees sends "
-     "256: SGLang would fail at start-up, capturing that pass. Give "
+     "batch 256 (32 requests per attention group of 1 GPU(s)) a verify pass of EAGLE3's "
+     "8-token trees sends 256: SGLang would fail at start-up capturing that pass (without CUDA "
+     "graphs, at the first batch that large). Give "
      "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK: 256 in the study's env; or trees of at "
      "most 4 draft tokens"),
     ({**DEEPEP, "--attn-dp-size": 8}, {CAP: "256"}, 8, 256, {"EAGLE3": 8}, None),
@@ -120,14 +121,19 @@ CAP = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
      None),
     ({**DEEPEP, "--deepep-mode": ["low_latency"]}, {CAP: "64"}, 4, 64, {"EAGLE3": 8},
      "takes at most 64 tokens a GPU per pass (SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK, "
-     "as the environment sets it), and at batch 64 (64 requests over 4 GPU(s)) a verify "
-     "pass of EAGLE3's 8-token trees sends 128"),
+     "as the environment sets it), and at batch 64 (64 requests per attention group of 4 "
+     "GPU(s)) a verify pass of EAGLE3's 8-token trees sends 128"),
+    # SGLang pads the largest CUDA graph's requests to a multiple of the group's GPUs: 33
+    # requests are captured as 36, 135 tokens a GPU (a review's case; 124 unpadded).
+    ({**DEEPEP}, {}, 4, 33, {"EAGLE3": 15}, "at batch 33 (33 requests per attention group of "
+     "4 GPU(s), captured as 36) a verify pass of EAGLE3's 15-token trees sends 135"),
     ({**DEEPEP}, {CAP: "2048"}, 4, 8, {"EAGLE3": 8}, "takes 1 to 1024 tokens per GPU"),
     ({**DEEPEP}, {CAP: "many"}, 4, 8, {"EAGLE3": 8}, "='many' is not a whole number"),
     # Past what the variable can reach, and no tree fits: only the batch or the mode.
     ({**DEEPEP, "--attn-dp-size": 8}, {}, 8, 1024, {"EAGLE3": 16},
-     "sends 2048: SGLang would fail at start-up, capturing that pass. Give a smaller largest "
-     "batch size, or --deepep-mode normal"),
+     "sends 2048: SGLang would fail at start-up capturing that pass (without CUDA graphs, at "
+     "the first batch that large). Give a smaller largest batch size, or --deepep-mode "
+     "normal"),
 ])
 def test_deepeps_dispatch_cap_is_checked_against_the_largest_verify_pass(
         flags, env, tp, batch, widest, said):
@@ -153,10 +159,30 @@ def test_a_study_whose_trees_deepep_cannot_dispatch_is_refused_before_ray(tmp_pa
     spec = load_study(None, small_study(tmp_path, batch=[1, 32], server_flags=flags))
     # bench-speculative's widest trees verify 32 tokens a request.
     with pytest.raises(TreetuneError, match=r"^server_flags: '--moe-a2a-backend' deepep: .* at "
-                       r"batch 32 \(8 requests a GPU group of 1\) a verify pass of EAGLE3's "
+                       r"batch 32 \(8 requests per attention group of 1 GPU\(s\)\) a verify "
+                       r"pass of EAGLE3's "
                        r"32-token trees sends 256: .* Give SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_"
                        r"PER_RANK: 256 in the study's env; or trees of at most 16 draft tokens"):
         check_study(spec)
     # The study's env raises the cap to its widest pass: refused no more.
     check_study(load_study(None, small_study(tmp_path, batch=[1, 32], server_flags=flags,
                                              env={CAP: "256"})))
+
+
+def test_the_widest_pass_of_each_draft_method_counts_its_space_its_compared_trees_and_nextn_topk(
+        tmp_path):
+    from studykit import small_study
+
+    from treetune.study.methods import method_spaces
+    from treetune.study.preflight import widest_passes
+    from treetune.study.spec import load_study
+
+    space = tmp_path / "narrow.yaml"
+    space.write_text("steps: [1, 2]\ntopk: [1]\ndraft_tokens: [2, 3]\n")
+    spec = load_study(None, small_study(
+        tmp_path, space=str(space), methods=["EAGLE3", "NEXTN"], datasets=["mt-bench"],
+        compare=["2,1,3", "NEXTN:1,8,2"],
+        backend={"kind": "emulator", "profile": "qwen3.5-397b-a17b-h200", "noise": False}))
+    # EAGLE3's trees verify 3 tokens a request at most; NEXTN's MoE draft layer also sends
+    # topk (8, of a compared tree) a request per draft pass.
+    assert widest_passes(spec, method_spaces(spec)) == {"EAGLE3": 3, "NEXTN": 8}

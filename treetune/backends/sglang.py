@@ -298,30 +298,35 @@ def deepep_problem(flags: Mapping[str, Any], env: Mapping[str, str], tp: int,
                 f"{DEEPEP_MAX_CAP} tokens per GPU")
     groups = parallel.attention_dp_size
     group_gpus = tp // groups if tp % groups == 0 else tp
-    requests = -(-max_batch // groups)  # the largest batch's share of one attention group
+    # An attention group's share of the largest batch, as SGLang sizes its request pool,
+    # padded to a multiple of the group's GPUs as it sizes its largest CUDA graph (with an
+    # all-to-all backend, the group's tokens are spread evenly over its GPUs).
+    requests = max(1, max_batch // groups)
+    padded = -(-requests // group_gpus) * group_gpus
 
     def per_gpu(tokens: int) -> int:
-        return -(-requests * tokens // group_gpus)
+        return padded * tokens // group_gpus
 
     over = {name: n for name, n in widest.items() if per_gpu(n) > cap}
     if not over:
         return ""
     name, tokens = max(over.items(), key=lambda item: item[1])
-    fits = cap * group_gpus // requests
+    fits = cap * group_gpus // padded
     need = per_gpu(max(widest.values()))
-    split = (f"{requests} requests a GPU group of {group_gpus}" if groups > 1
-             else f"{requests} requests over {group_gpus} GPU(s)")
-    fixes = [f"{DEEPEP_CAP_VARIABLE}: {need} in the study's env"] if need <= DEEPEP_MAX_CAP \
-        else []
-    fixes += ([f"trees of at most {fits} draft tokens (the space's draft_tokens)"]
-              if fits >= 2 else [])
+    split = f"{requests} requests per attention group of {group_gpus} GPU(s)"
+    if padded != requests:
+        split += f", captured as {padded}"
+    fixes = [f"{DEEPEP_CAP_VARIABLE}: {need} in the study's env"] if need <= DEEPEP_MAX_CAP else []
+    if fits >= 2:
+        fixes.append(f"trees of at most {fits} draft tokens (the space's draft_tokens; and "
+                     "topk, for NEXTN)")
     fixes.append("a smaller largest batch size, or --deepep-mode normal (no cap, no CUDA "
                  "graphs)")
     return (f"'{backend}' deepep: DeepEP's low-latency dispatch takes at most {cap} tokens a "
             f"GPU per pass ({DEEPEP_CAP_VARIABLE}, {where}), and at batch {max_batch} "
             f"({split}) a verify pass of {name}'s {tokens}-token trees sends "
-            f"{per_gpu(tokens)}: SGLang would fail at start-up, capturing that pass. Give "
-            + "; or ".join(fixes))
+            f"{per_gpu(tokens)}: SGLang would fail at start-up capturing that pass (without "
+            "CUDA graphs, at the first batch that large). Give " + "; or ".join(fixes))
 
 
 def _one_value(value: Any) -> str:
@@ -356,9 +361,10 @@ def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
     if flag := parallel.replicas:
         return (f"'{flag}' starts that many replicas of tp GPUs each, where {_ONE_NODE}: a "
                 "study measures one replica (leave it out; `workers` runs servers side by "
-                "side), or give --enable-dp-attention alone for data-parallel attention "
-                "within tp")
-    if (flag := parallel.attention_dp) and "STANDALONE" in algorithms:
+                "side), or add --enable-dp-attention: SGLang then runs it as data-parallel "
+                "attention within tp")
+    flag = parallel.attention_dp
+    if flag and "STANDALONE" in algorithms:
         return (f"'{flag}': SGLang 0.5.23 refuses STANDALONE drafting with data-parallel "
                 "attention; leave it out, or draft by EAGLE3")
     if flag and tp % parallel.attention_dp_size:
@@ -377,7 +383,8 @@ def tp_priced(flags: Mapping[str, Any]) -> str:
     parallel = _ParallelFlags(flags)
     backend = parallel.given("--moe-a2a-backend")
     used = [f for f in (parallel.above("--ep-size", 1), parallel.attention_dp,
-                        backend if backend and flags[backend] not in (None, "none") else None)
+                        backend if backend and flags[backend] is not None
+                        and _one_value(flags[backend]) != "none" else None)
             if f]
     if not used:
         return ""

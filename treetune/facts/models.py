@@ -58,6 +58,20 @@ class MoEFacts:
     shared_experts: int = 0
 
 
+# The targets whose attention layers SGLang 0.5.23 splits over the attention's tensor-
+# parallel group under data-parallel attention (their heads asserted against attn_tp_size,
+# tp / the attention's data-parallel size: srt/models/qwen3.py, qwen3_moe.py, qwen3_next.py,
+# qwen3_5.py, qwen2_moe.py, deepseek_v2.py, glm4_moe.py, gpt_oss.py, llama4.py,
+# minimax_m2.py); the others' assert their heads against the whole tp.
+ATTENTION_GROUP_ARCHITECTURES = frozenset({
+    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+    "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration", "MiniMaxM2ForCausalLM",
+})
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What a model's config.json says about its size and its KV cache."""
@@ -111,11 +125,12 @@ class ModelFacts:
 
     def tp_refusal(self, model: str, tp: int, attention_dp: int = 1) -> str:
         """Why `model` (these facts') cannot be served on `tp` GPUs, with the sizes that fit;
-        "" when it can. With `attention_dp` data-parallel attention groups, the attention
-        splits over tp / attention_dp GPUs (SGLang's attn_tp_size, which the attention
-        layers of Qwen3, the MoE models and DeepSeek check; Llama's and Qwen2's check tp,
-        not caught here)."""
-        if attention_dp > 1 and tp % attention_dp == 0:
+        "" when it can. With `attention_dp` data-parallel attention groups, the attention of
+        the architectures in ATTENTION_GROUP_ARCHITECTURES splits over tp / attention_dp
+        GPUs (SGLang's attn_tp_size); every other's (Llama's, Qwen2's, Mixtral's) still
+        over tp."""
+        if (attention_dp > 1 and tp % attention_dp == 0
+                and self.architecture in ATTENTION_GROUP_ARCHITECTURES):
             problem = self.tp_problem(tp // attention_dp)
             if not problem:
                 return ""

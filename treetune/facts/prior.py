@@ -100,12 +100,14 @@ def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
     if algorithm == "STANDALONE" and head.eagle3:
         # SGLang 0.5.23 loads it as the draft model, gives it no hidden states of the
         # target, and fails in its forward while capturing CUDA graphs.
+        instead = ("Draft with this head as EAGLE3, or give" if head.target_hidden_size
+                   == target.hidden_size else "Give")
         return (f"draft '{draft}' ({head.config_path}) is an EAGLE3 draft head "
                 f"({head.architecture}), not a standalone model: STANDALONE runs the draft "
                 "alone, without the target's hidden states, embedding and token map that "
-                "the head needs, so SGLang loads both models and then fails to start. Draft "
-                "with this head as EAGLE3, or give STANDALONE a small plain model of the "
-                "target's tokenizer ({name: STANDALONE, draft: PATH})")
+                f"the head needs, so SGLang loads both models and then fails to start. "
+                f"{instead} STANDALONE a small plain model of the target's tokenizer as its "
+                "draft")
     if head.eagle3 and head.target_hidden_size != target.hidden_size:
         return (f"draft '{draft}' ({head.config_path}) is an EAGLE3 head for a target of "
                 f"hidden size {head.target_hidden_size}, but '{model}' has hidden size "

@@ -93,7 +93,10 @@ class ExpertParallel:
     reads the expected largest of them on every rank. That is about 1.7x the mean at one
     token of 512 experts, top-10, over 4 GPUs, and tends to 1 as every expert is touched.
     An estimate from uniform routing, not a measurement: real routing is skewed, and
-    SGLang can balance it (EPLB). `ranks`: None is the world's tensor-parallel size."""
+    SGLang can balance it (EPLB). The excess is added to the target's passes as weight
+    reads (the shipped world's passes are bound by them throughout); draft passes are left
+    as the model prices them. `ranks`: None is the server's tensor-parallel size, which a
+    given `ranks` must divide."""
 
     ranks: int | None = None
 
@@ -108,7 +111,7 @@ class ExpertParallel:
         if routed <= 0:
             return 0.0
         own = experts // ranks
-        touched = 1.0 - (1.0 - per_token / experts) ** routed
+        touched = distinct_experts(routed, experts, per_token) / experts  # each expert's odds
         below = binom.cdf(np.arange(own), own, touched)  # P(a rank touches <= j)
         return float(np.sum(1.0 - below ** ranks))
 
@@ -197,6 +200,11 @@ class WorldModel(PerfModel):
                  method: str | None = None) -> None:
         super().__init__(profile, tp, method)
         self.effects = effects
+        ep = effects.expert_parallel
+        if ep is not None and ep.ranks is not None and self.cost.tp % ep.ranks:
+            raise TreetuneError(f"expert_parallel over {ep.ranks} GPUs needs a tensor-parallel "
+                                f"size that is a multiple of it, and this server's is "
+                                f"{self.cost.tp}")
 
     def for_method(self, method: str) -> WorldModel:
         return WorldModel(self.profile, self.effects, self.cost.tp, method)
