@@ -208,7 +208,13 @@ def test_a_flag_the_targeted_sglang_renamed_is_refused_with_its_name_there(
      "do not divide tp 4"),
     ({"--enable-dp-attention": None, "--dp-size": 2}, "", "2 data-parallel attention "
      "groups do not divide tp 1"),
-    ({"--attn-dp-size": ["2"]}, "tp: 2\n", None),
+    ({"--attn-dp-size": ["2"]}, "tp: 2\nbatch: [1, 8]\n", None),
+    ({"--attn-dp-size": 4}, "tp: 4\nbatch: [1, 3]\n", None),  # 3 groups of one request
+    # Each attention group takes max_running_requests // groups: batch 6 over 4 never forms.
+    ({"--attn-dp-size": 4}, "tp: 4\nbatch: [1, 6]\n", "'--attn-dp-size': SGLang 0.5.23 gives "
+     "each of the 4 data-parallel attention groups max_running_requests // 4 requests, and "
+     "treetune sets max_running_requests to the largest batch size, 6: only 4 would run at "
+     "once, so that batch never forms. Give batch sizes whose largest is a multiple of 4"),
     ({"--nnodes": 1, "--node-rank": 0, "--pp-size": 1, "--dp-size": 1}, "", None),
     # A review's cases: a one-value list is the value; --dp-size beside --attn-dp-size
     # above 1 still counts replicas; --enable-dp-attention alone does nothing in 0.5.23;
@@ -229,7 +235,8 @@ def test_parallelism_flags_that_would_fail_every_launch_are_refused_before_ray(
     path = tmp_path / "s.yaml"
     lines = "".join(f"  {flag}: {'null' if value is None else repr(value)}\n"
                     for flag, value in flags.items())
-    path.write_text(f"model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\n{extra}"
+    batch = "" if "batch:" in extra else "batch: [1]\n"
+    path.write_text(f"model: m\ndraft: d\ndatasets: [humaneval]\n{batch}{extra}"
                     f"server_flags:\n{lines}")
     if refused is None:
         assert set(load_study(path).server_flags) == set(flags)

@@ -337,12 +337,14 @@ def _one_value(value: Any) -> str:
 
 
 def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
-                          tp: int = 1) -> str:
+                          tp: int = 1, max_batch: int = 1) -> str:
     """Why a study's server flags would make SGLang (0.5.23) fail every launch, or use
     GPUs its worker was not given ("" when none): a flag SGLang dropped; a server spanning
     nodes; pipeline parallelism (tp x pp GPUs, and no EAGLE3 or STANDALONE draft with it);
     data-parallel replicas (tp x dp GPUs); STANDALONE with attention data parallelism, or
-    an attention data-parallel size that does not divide `tp`.
+    an attention data-parallel size that does not divide `tp`, or a `max_batch` above it
+    (each group takes max_running_requests // its count, at least one, so a largest batch
+    it does not divide never forms).
     Expert parallelism and attention data parallelism live within the tp GPUs: allowed."""
     parallel = _ParallelFlags(flags)
     for dropped, instead in DROPPED_FLAGS.items():
@@ -367,10 +369,16 @@ def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
     if flag and "STANDALONE" in algorithms:
         return (f"'{flag}': SGLang 0.5.23 refuses STANDALONE drafting with data-parallel "
                 "attention; leave it out, or draft by EAGLE3")
-    if flag and tp % parallel.attention_dp_size:
-        return (f"'{flag}': {parallel.attention_dp_size} data-parallel attention groups do "
-                f"not divide tp {tp} (SGLang 0.5.23 asserts tp is a multiple of them): give "
-                "a divisor of tp")
+    groups = parallel.attention_dp_size
+    if flag and tp % groups:
+        return (f"'{flag}': {groups} data-parallel attention groups do not divide tp {tp} "
+                "(SGLang 0.5.23 asserts tp is a multiple of them): give a divisor of tp")
+    if flag and max_batch > groups and max_batch % groups:
+        return (f"'{flag}': SGLang 0.5.23 gives each of the {groups} data-parallel attention "
+                f"groups max_running_requests // {groups} requests, and treetune sets "
+                f"max_running_requests to the largest batch size, {max_batch}: only "
+                f"{max_batch // groups * groups} would run at once, so that batch "
+                f"never forms. Give batch sizes whose largest is a multiple of {groups}")
     return ""
 
 

@@ -419,7 +419,8 @@ class StudySpec:
                 raise FieldError("server_flags", f"server_flags: {what} is set by treetune "
                                  f"for every launch ({where}); given here too, it would "
                                  "override that (the last value wins)")
-        if problem := parallel_flag_problem(self.server_flags, self.method_names, self.tp):
+        if problem := parallel_flag_problem(self.server_flags, self.method_names, self.tp,
+                                            self.max_batch):
             raise FieldError("server_flags", f"server_flags: {problem}")
 
     def _check_objective(self) -> None:
