@@ -259,3 +259,21 @@ def test_a_launch_script_stops_when_its_api_key_variable_is_unset(tmp_path, monk
     assert done.returncode == 0, done.stderr
     args = (tmp_path / "args").read_text().splitlines()
     assert args[:2] == ["-m", "sglang.launch_server"] and args[-2:] == ["--api-key", SECRET]
+
+
+def test_production_servers_with_attention_groups_hold_a_whole_share_of_their_batch_each(
+        tmp_path):
+    """SGLang 0.5.23 gives each data-parallel attention group max_running_requests //
+    groups requests (at least one): a server sized 6 over 4 groups ran 4 at once, so it is
+    sized 8; batch 1 takes 4 (one a group, as SGLang would give 1)."""
+    import dataclasses
+
+    from treetune.study.export import launch_argv
+
+    s = spec(tmp_path, tp=4, server_flags={"--attn-dp-size": 4})
+    recs = recommend(s, [BASE, WIDE, NARROW], BASE)
+    sized = {}
+    for batch in (1, 6, 32):
+        argv = launch_argv(s, dataclasses.replace(recs[0], batch=batch))
+        sized[batch] = int(argv[argv.index("--max-running-requests") + 1])
+    assert sized == {1: 4, 6: 8, 32: 32}
