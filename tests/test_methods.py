@@ -251,3 +251,18 @@ def test_a_bad_methods_section_is_refused_naming_the_key(tmp_path, case):
     change, message = BAD_METHODS[case]
     with pytest.raises(ConfigFileError, match=message):
         load_profile(write_profile(tmp_path, change))
+
+
+def test_a_draft_named_by_its_hub_name_and_by_its_cache_folder_is_one_draft(tmp_path):
+    """The rule that keeps a method off a prior built from another draft took a hub name
+    and its snapshot folder for two drafts (the method then went to TPE)."""
+    from test_facts import cache_with, fixture
+
+    from treetune.study.methods import _same_draft
+
+    head = "sgl-project/qwen3-30B-A3B-eagle3"
+    snapshot = cache_with(tmp_path / "hub", head).parent
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub")}
+    assert _same_draft(head, str(snapshot), env) and _same_draft(head, f"{head}/", {})
+    assert not _same_draft(head, fixture("thoughtworks/Qwen3-8B-Eagle3"), env)
+    assert not _same_draft(head, str(snapshot), {"HF_HUB_CACHE": str(tmp_path / "none")})

@@ -12,7 +12,8 @@ method it does not describe is searched by TPE instead, and the planner says so.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from treetune import strategies
@@ -158,8 +159,8 @@ def _method_search(spec: StudySpec, name: str, studies: BatchStudies, space: Sea
     if (prior is not None and tag and draft is not None and own_draft is not None
             and profile_method(name) == DEFAULT_METHOD
             and context.prior is not None and context.prior.draft is not None
-            and _same_draft(context.prior.draft.name, own_draft)
-            and not _same_draft(draft, own_draft)):
+            and _same_draft(context.prior.draft.name, own_draft, spec.env)
+            and not _same_draft(draft, own_draft, spec.env)):
         # The prior's draft head is the study's own draft (an auto prior is built from
         # it): another method's draft would be priced as that one.
         prior, why_not = None, (f"the prior's draft is {spec.algorithm}'s '{own_draft}', "
@@ -177,10 +178,20 @@ def _method_search(spec: StudySpec, name: str, studies: BatchStudies, space: Sea
         return own, FALLBACK, f"{name} by {FALLBACK} ({exc})"
 
 
-def _same_draft(one: str, other: str) -> bool:
-    """Two names of one draft model, as a study or a profile writes them (a trailing '/'
-    aside)."""
-    return one.rstrip("/") == other.rstrip("/")
+def _same_draft(one: str, other: str, env: Mapping[str, str]) -> bool:
+    """Two names of one draft model, as a study or a profile writes them: the same name (a
+    trailing '/' aside), or names whose config.json this machine finds to be one file (a
+    hub name and its snapshot folder in the Hugging Face cache the study's env names)."""
+    if one.rstrip("/") == other.rstrip("/"):
+        return True
+    from treetune.facts import find_config
+
+    try:
+        environment = {**os.environ, **env}
+        return (find_config(one, environment).resolve()
+                == find_config(other, environment).resolve())
+    except TreetuneError:
+        return False  # not here to tell: taken as two
 
 
 def _own_evidence(context: SearchContext, tag: str
