@@ -885,6 +885,11 @@ def test_a_config_file_is_read_as_sglang_reads_it(tmp_path):
     ("missing.yaml", None, [], "cannot read config file"),
     ("flags.yaml", "api-key: k\n", ["--emulate-version", "0.5.2"], "unrecognized arguments"),
     ("flags.yaml", "api-key: k\n", ["--config", "other.yaml"], "Only one allowed"),
+    # 0.5.23's reader takes plain store_true and one-value flags only.
+    ("flags.yaml", "enable-dp-attention: true\n", [],
+     "Unsupported config option 'enable_dp_attention'"),
+    ("flags.yaml", "no-enable-tf32-matmul: true\n", [],
+     "Unsupported config option 'no_enable_tf32_matmul'"),
 ])
 def test_a_config_file_sglang_would_refuse_is_refused(tmp_path, name, text, extra, message):
     config = tmp_path / name

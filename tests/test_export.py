@@ -277,3 +277,22 @@ def test_production_servers_with_attention_groups_hold_a_whole_share_of_their_ba
         argv = launch_argv(s, dataclasses.replace(recs[0], batch=batch))
         sized[batch] = int(argv[argv.index("--max-running-requests") + 1])
     assert sized == {1: 4, 6: 8, 32: 32}
+
+
+def test_flags_sglangs_config_reader_refuses_stay_on_the_command_line_after_the_file(tmp_path):
+    """SGLang 0.5.23's --config reader takes plain store_true flags only: a config file
+    holding `enable-dp-attention: true` (a deprecated switch) or a --no-X failed at start-up
+    (a helper ran 0.5.23's parser on it); they follow the file on its command line."""
+    out = written(tmp_path, tp=2, server_flags={"--enable-dp-attention": None, "--dp-size": "2",
+                                                "--no-enable-tf32-matmul": None,
+                                                "--trust-remote-code": None})
+    text = (out / "launch" / "mixed-batch32.config.yaml").read_text()
+    config = yaml.safe_load(text)
+    assert "enable-dp-attention" not in config and "no-enable-tf32-matmul" not in config
+    assert config["dp-size"] == 2 and config["trust-remote-code"] is True
+    command = shlex.split(text.splitlines()[0].split(": ", 1)[1])
+    assert command[-3:] == ["launch/mixed-batch32.config.yaml", "--enable-dp-attention",
+                            "--no-enable-tf32-matmul"], command
+    # The file and the flags after it are the launch script's flags, as SGLang merges them.
+    assert sorted(sglang_reads(config) + command[-2:]) == sorted(
+        script_argv(out, "mixed-batch32")[3:])

@@ -186,3 +186,13 @@ def test_the_widest_pass_of_each_draft_method_counts_its_space_its_compared_tree
     # EAGLE3's trees verify 3 tokens a request at most; NEXTN's MoE draft layer also sends
     # topk (8, of a compared tree) a request per draft pass.
     assert widest_passes(spec, method_spaces(spec)) == {"EAGLE3": 3, "NEXTN": 8}
+
+
+@pytest.mark.parametrize(("dtype", "size"), [("fp8_e4m3", 1.0), ("mxfp8", 1.0), ("nvfp4", 0.5),
+                                             ("fp4_mx_block16", 0.5), ("auto", None)])
+def test_the_kv_cache_dtypes_of_sglang_0_5_23_are_priced_at_their_size(dtype, size):
+    """0.5.23's mxfp8, nvfp4 and fp4_mx_block16 were priced at the model's dtype (2-4x
+    the cache a step reads; a helper's audit)."""
+    from treetune.backends.sglang import kv_cache_bytes
+
+    assert kv_cache_bytes(LaunchSpec("m", extra_flags=(("--kv-cache-dtype", dtype),))) == size

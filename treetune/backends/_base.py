@@ -137,6 +137,8 @@ class Deployment:
     config_file: dict[str, Any] | None = None
     config_command: list[str] | None = None
     config_note: str = ""  # which release first reads config files, for the file's header
+    # Flags the config file cannot hold, on the command line after it.
+    config_tail: list[str] = field(default_factory=list)
 
 
 @runtime_checkable

@@ -363,8 +363,8 @@ def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
     if flag := parallel.replicas:
         return (f"'{flag}' starts that many replicas of tp GPUs each, where {_ONE_NODE}: a "
                 "study measures one replica (leave it out; `workers` runs servers side by "
-                "side), or add --enable-dp-attention: SGLang then runs it as data-parallel "
-                "attention within tp")
+                "side), or write --attn-dp-size N instead for data-parallel attention "
+                "within tp")
     flag = parallel.attention_dp
     if flag and "STANDALONE" in algorithms:
         return (f"'{flag}': SGLang 0.5.23 refuses STANDALONE drafting with data-parallel "
@@ -628,22 +628,50 @@ def _typed(value: str) -> int | float | str:
     return value
 
 
+# Bare flags SGLang 0.5.23's --config reader refuses, kept on the command line: its
+# deprecated switches, and the --X / --no-X pairs (only plain store_true flags go in the
+# file; srt/utils/server_args_config_parser.py).
+COMMAND_LINE_ONLY_FLAGS = frozenset({
+    "--enable-dp-attention", "--disable-cuda-graph", "--mm-enable-dp-encoder",
+    "--speculative-enable-w4a4-mxfp4-megamoe", "--enable-tf32-matmul",
+    "--enable-decoder-swa-bounded-replay", "--enable-fused-qk-norm-rope",
+    "--enable-dsa-fused-indexer", "--ple-offload-embedding", "--dllm-fdfo",
+    "--experts-shared-outer-loras", "--lora-strict-loading", "--dcp-replicate-q-proj",
+    "--enable-tp-lm-head-all-to-all"})
+
+
+def command_line_only(flag: str) -> bool:
+    """Whether SGLang's --config reader refuses `flag` (it stays on the command line)."""
+    return flag in COMMAND_LINE_ONLY_FLAGS or flag.startswith("--no-")
+
+
 def sglang_deployment(launch: LaunchSpec, config: ServerConfig,
                       python: str = "python") -> Deployment:
     """What production runs: `python -m sglang.launch_server ...`, and the same flags as a
-    config file where the SGLang version reads one. `python`: the interpreter that has
-    SGLang (a study's backend.python: the one it ran its servers with)."""
+    config file where the SGLang version reads one (those it cannot hold after it, on the
+    command line). `python`: the interpreter that has SGLang (a study's backend.python:
+    the one it ran its servers with)."""
     argv = sglang_command(config, launch, python=python)
     if not supports_config_file(version_of(launch)):
         return Deployment(argv)
-    return Deployment(argv, config_mapping(argv[3:]),
+    in_file: list[str] = []
+    tail: list[str] = []
+    for word in argv[3:]:  # each flag with the values after it
+        if word.startswith("--"):
+            target = tail if command_line_only(word) else in_file
+        target.append(word)
+    return Deployment(argv, config_mapping(in_file),
                       [python, "-m", "sglang.launch_server", "--config"],
-                      "SGLang >= 0.5.3")
+                      "SGLang >= 0.5.3", tail)
 
 
 # --kv-cache-dtype values and the bytes each stores per element ("auto": the model's dtype).
-KV_CACHE_BYTES = {"fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "fp4_e2m1": 0.5, "bf16": 2.0,
-                  "bfloat16": 2.0, "float16": 2.0, "half": 2.0}
+# 0.5.23 takes auto, fp8_e5m2, fp8_e4m3, mxfp8, bf16, bfloat16, nvfp4, fp4_mx_block16
+# (srt/arg_groups/fields/model.py); earlier releases fp4_e2m1, float16, half too. The
+# block formats' scales (a byte per 16 or 32 elements) are left out.
+KV_CACHE_BYTES = {"fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "mxfp8": 1.0, "fp4_e2m1": 0.5,
+                  "nvfp4": 0.5, "fp4_mx_block16": 0.5, "bf16": 2.0, "bfloat16": 2.0,
+                  "float16": 2.0, "half": 2.0}
 
 
 def kv_cache_bytes(launch: LaunchSpec) -> float | None:

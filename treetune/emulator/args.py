@@ -23,6 +23,7 @@ from treetune.backends.sglang import (
     NGRAM_FLAGS,
     NGRAM_MATCH_TYPES,
     SPEC_DEFAULT_MAX_RUNNING,
+    command_line_only,
     needs_draft_model,
     ngram_tree,
     profile_method,
@@ -198,6 +199,11 @@ def with_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[s
     flags: list[str] = []
     for key, value in data.items():
         flag = f"--{key}"
+        if command_line_only(flag):
+            # 0.5.23 takes plain store_true and one-value flags only (its deprecated
+            # switches and --X/--no-X pairs are refused, as here).
+            raise LaunchError(f"ValueError: Unsupported config option "
+                              f"'{str(key).replace('-', '_')}'")
         if isinstance(value, bool):
             if str(key).replace("-", "_") not in store_true:
                 flags += [flag, str(value).lower()]

@@ -160,7 +160,7 @@ def config_file(spec: StudySpec, rec: Recommendation) -> str | None:
     adaptive = isinstance(rec.config, AdaptiveConfig)
     name = Path(config_name(rec)).name if adaptive else config_name(rec)
     lines = [f"# server config ({found.config_note}): "
-             f"{shell_line([*found.config_command, name])}",
+             f"{shell_line([*found.config_command, name, *found.config_tail])}",
              f"# treetune study '{spec.name}': {rec.workload} workload at batch {rec.batch}, "
              + server(rec)]
     if adaptive:
@@ -296,13 +296,14 @@ def _pools_section(spec: StudySpec, found: list[Pool], key: str | None, worker_h
         out += [f"# pool {p.index}: {p.rec.script_name} on port {p.port}",
                 command + (f" --api-key {key}" if key else "")]
     out.append("```")
-    with_files = [(p, d.config_command) for p in found
+    with_files = [(p, d) for p in found
                   if (d := deployment(spec, p.rec)).config_command is not None]
     if with_files:
         out += ["", "or, with the config files (flags on the command line win over the file):",
                 "", "```sh"]
-        out += [f"{shell_line([*command, config_name(p.rec)])} --port {p.port}"
-                + (f" --api-key {key}" if key else "") for p, command in with_files]
+        out += [f"{shell_line([*d.config_command, config_name(p.rec), *d.config_tail])} "
+                f"--port {p.port}" + (f" --api-key {key}" if key else "")
+                for p, d in with_files]
         out.append("```")
     out += ["", f"{sub} Put the router in front", ""]
     if first:
