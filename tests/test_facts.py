@@ -263,6 +263,12 @@ def test_a_modelopt_checkpoint_s_quantization_is_read_from_hf_quant_config_json(
     ({"quant_method": "awq", "bits": 4}, 0.5),
     ({"quant_method": "modelopt", "quant_algo": "FP8"}, 1.0),
     ({"quant_method": "mxfp4"}, 4.25 / 8),
+    # A ModelOpt export that names its producer, not its method (Qwen3-32B-FP8-Static).
+    ({"quant_algo": "FP8", "producer": {"name": "modelopt"}, "ignore": ["lm_head"]}, 1.0),
+    # Group-wise int4: a 16-bit scale and a 4-bit zero per 128 weights; GPTQ's sym: none.
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
+     0.5 + 20 / 1024),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True}, 0.5 + 16 / 1024),
 ])
 def test_quantization_config_sets_the_bytes_per_weight(quant, expected):
     data = {**read_config(HF / "Qwen/Qwen3-8B/config.json"), "quantization_config": quant}
@@ -656,3 +662,54 @@ def test_the_auto_prior_reads_and_holds_the_unquantized_parts_at_their_width():
     assert held - short == pytest.approx(t.unquantized_params_b * (2 - t.weight_bytes), 0.01)
     with pytest.raises(FieldError, match=r"must be in 0\.\.2\.1\d* \(the parameters every pass"):
         dataclasses.replace(t, unquantized_params_b=t.total_params_b)
+
+
+@pytest.mark.parametrize(("key", "value", "named"), [
+    ("hybrid_override_pattern", "MEMEM*EMEMEM*", "Nemotron-H"),
+    ("block_configs", [{"attention": {"no_op": True}}], "DeciLM, Nemotron-NAS"),
+    ("hybrid_layer_pattern", [0, 1, 1], "MiMo-V2"),
+    ("global_head_dim", 512, "Gemma 4"),
+])
+def test_a_layout_the_counting_would_get_wrong_is_refused_not_miscounted(key, value, named):
+    """A helper ran real configs through the counting: Nemotron-3-Nano came out at 102B for
+    about 32B, Nemotron-Super-49B at 24B with 13x its KV cache, both without a word."""
+    data = {**read_config(HF / "Qwen/Qwen3-8B/config.json"), key: value}
+    with pytest.raises(TreetuneError, match=rf"key '{key}': its layers are .*\({named}\), "
+                       r"which treetune cannot count yet: write the profile by hand"):
+        facts_from_config(data, "q", Path("q.json"))
+
+
+def test_a_per_layer_moe_list_marks_the_moe_layers():
+    data = read_config(HF / "Qwen/Qwen3-30B-A3B-FP8/config.json")
+    layers = data["num_hidden_layers"]
+    listed = facts_from_config({**data, "moe_layer_freq": [0] + [1] * (layers - 1)}, "q",
+                               Path("q.json"))
+    assert listed.moe is not None and listed.moe.layers == layers - 1
+
+
+def test_qwen35_gated_attention_counts_its_gate_projection():
+    """Qwen3.5 says attn_output_gate where Qwen3-Next's model_type said it: its gate (a
+    query-sized projection) went uncounted, 3% of the 397B's active parameters."""
+    data = read_config(HF / "Qwen/Qwen3-8B/config.json")
+    plain = facts_from_config(data, "q", Path("q.json"))
+    gated = facts_from_config({**data, "attn_output_gate": True}, "q", Path("q.json"))
+    gate = data["num_attention_heads"] * data["head_dim"] * data["hidden_size"]
+    assert gated.total_params - plain.total_params == data["num_hidden_layers"] * gate
+
+
+def test_an_eagle3_head_of_another_vocabulary_than_the_target_is_refused(tmp_path):
+    from treetune.facts.prior import pair_problem
+
+    head = model_facts(fixture("thoughtworks/Qwen3-8B-Eagle3"))
+    target = read_config(HF / "Qwen/Qwen3-8B/config.json")
+    same = facts_from_config(target, "t", Path("t.json"))
+    assert pair_problem("t", same, "d", head) == ""
+    llama = facts_from_config({**target, "vocab_size": 128256}, "t", Path("t.json"))
+    assert pair_problem("t", llama, "d", head) == (
+        f"draft 'd' ({head.config_path}) is an EAGLE3 head for a target of vocabulary 151936, "
+        "but 't' has vocabulary 128256: give the draft head trained for this target")
+    # A head whose config gives only its draft vocabulary says nothing of the target's.
+    bare = read_config(HF / "thoughtworks/Qwen3-8B-Eagle3/config.json")
+    unsaid = facts_from_config({**bare, "vocab_size": bare["draft_vocab_size"]}, "d",
+                               Path("d.json"))
+    assert unsaid.target_vocab_size == 0 and pair_problem("t", llama, "d", unsaid) == ""

@@ -95,6 +95,9 @@ class ModelFacts:
     moe: MoEFacts | None
     eagle3: bool
     target_hidden_size: int = 0  # an EAGLE3 head's: the width of the states it reads
+    # An EAGLE3 head's: the vocabulary of the target it was trained on, when its config
+    # names one apart from its own draft vocabulary (0: it does not).
+    target_vocab_size: int = 0
     attention_heads: int = 0  # query heads of a full-attention layer (0: not read)
     kv_heads: int = 0  # its key/value heads (MLA: its heads, sharing one latent)
     # MLA's latent and its rotary key, per token and layer (0 without MLA): SGLang keeps the
@@ -293,9 +296,28 @@ def _count(data: Mapping[str, Any], name: str, path: Path,
                     kept)
 
 
+# Config keys of layouts the counting below would get wrong without a word: each refused,
+# so that the search goes without a prior (or with a hand-written one) instead.
+UNCOUNTED_LAYOUTS = {
+    "hybrid_override_pattern": "Mamba2, MoE and attention layers set by a pattern "
+                               "(Nemotron-H)",
+    "block_configs": "a block of its own per layer, some without attention (DeciLM, "
+                     "Nemotron-NAS)",
+    "hybrid_layer_pattern": "sliding and full attention layers with their own KV heads "
+                            "(MiMo-V2)",
+    "global_head_dim": "full-attention layers with another head size and KV heads than "
+                       "its sliding ones (Gemma 4)",
+}
+
+
 def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
              weight_bytes: float, quantization: str, kv_bytes: float,
              kept: _Unquantized | None = None) -> ModelFacts:
+    for key, layout in UNCOUNTED_LAYOUTS.items():
+        if c.get(key) is not None:
+            raise ConfigFileError(path, f"its layers are {layout}, which treetune cannot "
+                                  "count yet: write the profile by hand and give it with "
+                                  "--prior", key)
     h = c.int("hidden_size", "d_model")
     layers = c.int("num_hidden_layers", "n_layer", "num_layers")
     defaults = MODEL_TYPE_DEFAULTS.get(str(c.get("model_type")), {})
@@ -354,6 +376,7 @@ def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
     layers = c.int("num_hidden_layers", default=1)
     draft_vocab = c.int("draft_vocab_size", "vocab_size")
     target_hidden = c.int("target_hidden_size", default=h)
+    full_vocab = c.int("vocab_size", default=0)
     # SGLang's LlamaForCausalLMEagle3: attention reads [embedding, fused hidden] (2 x h).
     per_layer = _attention_params(c, h, 2 * h) + 3 * h * c.int("intermediate_size") + 3 * h
     total = layers * per_layer + 3 * target_hidden * h + draft_vocab * h + h
@@ -363,7 +386,8 @@ def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         hidden_size=h, vocab_size=draft_vocab, dtype=dtype, weight_bytes=weight_bytes,
         quantization=quantization, kv_bytes_per_token=layers * _kv_elements(c, h) * kv_bytes,
         state_bytes_per_request=0.0, mla=False, moe=None, eagle3=True,
-        target_hidden_size=target_hidden)
+        target_hidden_size=target_hidden,
+        target_vocab_size=full_vocab if full_vocab != draft_vocab else 0)
 
 
 def _layer_kinds(c: _Config, layers: int) -> list[str]:
@@ -424,8 +448,10 @@ def _attention_params(c: _Config, h: int, in_dim: int) -> int:
         return q + kv + heads * v_dim * h
     kv_heads = c.int("num_key_value_heads", default=heads)
     hd = _head_dim(c, h)
-    # Qwen3-Next's gated attention projects a sigmoid gate alongside the query.
-    q_out = heads * hd * (2 if c.get("model_type") == "qwen3_next" else 1)
+    # Qwen3-Next's and Qwen3.5's gated attention projects a sigmoid gate alongside the
+    # query (Qwen3.5 says so as attn_output_gate).
+    gated = c.get("attn_output_gate", c.get("model_type") == "qwen3_next")
+    q_out = heads * hd * (2 if gated else 1)
     params = in_dim * (q_out + 2 * kv_heads * hd) + heads * hd * h
     if c.get("attention_bias", False):
         params += q_out + 2 * kv_heads * hd
@@ -487,7 +513,9 @@ def _moe(c: _Config, h: int, layers: int) -> _MoE | None:
                       "moe_topk")
     expert_dim = c.int("moe_intermediate_size", "intermediate_size")
     expert = 3 * h * expert_dim
-    if c.get("first_k_dense_replace") is not None or c.get("moe_layer_freq") is not None:
+    if isinstance(c.get("moe_layer_freq"), list):  # one entry a layer: 1 for MoE
+        moe_layers = {i for i, sparse in enumerate(c.get("moe_layer_freq")[:layers]) if sparse}
+    elif c.get("first_k_dense_replace") is not None or c.get("moe_layer_freq") is not None:
         # DeepSeek and GLM-4 MoE: the first k layers are dense, then every freq-th is MoE.
         first, freq = c.int("first_k_dense_replace", default=0), c.int("moe_layer_freq",
                                                                          default=1)
@@ -628,6 +656,10 @@ def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, st
     if not isinstance(quant, dict):
         raise ConfigFileError(path, "expected a mapping", "quantization_config")
     method = str(quant.get("quant_method", "")).lower()
+    producer = quant.get("producer")
+    if not method and ((isinstance(producer, dict) and producer.get("name") == "modelopt")
+                       or quant.get("quant_algo")):
+        method = "modelopt"  # an export that names its producer, not its method
     if method == "compressed-tensors":
         for group in (quant.get("config_groups") or {}).values():
             weights = (group.get("weights") or {}) if isinstance(group, dict) else {}
@@ -652,8 +684,14 @@ def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, st
     if method == "bitsandbytes":
         return (0.5, "bnb 4-bit") if quant.get("load_in_4bit") else (1.0, "bnb 8-bit")
     if method in QUANT_BITS:
-        bits = quant.get("bits") or quant.get("w_bit") or QUANT_BITS[method]
-        return float(bits) / 8, method
+        bits = float(quant.get("bits") or quant.get("w_bit") or QUANT_BITS[method])
+        group = quant.get("group_size") or quant.get("q_group_size")
+        if isinstance(group, int) and group > 0 and bits < 8:
+            # Group-wise int formats (AWQ, GPTQ): a 16-bit scale and, with a zero point,
+            # a `bits`-bit zero per group of weights.
+            zero = quant.get("zero_point", quant.get("sym") is False)
+            return bits / 8 + (16 + bits * bool(zero)) / (8 * group), method
+        return bits / 8, method
     raise ConfigFileError(
         path, f"quant_method '{method}' is not one treetune knows ({', '.join(sorted(QUANT_BITS))}"
         ", compressed-tensors, mxfp4, modelopt, bitsandbytes): write the profile by hand and "

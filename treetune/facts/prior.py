@@ -112,6 +112,12 @@ def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
         return (f"draft '{draft}' ({head.config_path}) is an EAGLE3 head for a target of "
                 f"hidden size {head.target_hidden_size}, but '{model}' has hidden size "
                 f"{target.hidden_size}: give the draft head trained for this target")
+    if head.eagle3 and head.target_vocab_size not in (0, target.vocab_size):
+        # It takes the target's embedding and maps its guesses to the target's tokens: a
+        # head of another vocabulary was trained on another tokenizer.
+        return (f"draft '{draft}' ({head.config_path}) is an EAGLE3 head for a target of "
+                f"vocabulary {head.target_vocab_size}, but '{model}' has vocabulary "
+                f"{target.vocab_size}: give the draft head trained for this target")
     return ""
 
 
