@@ -1405,4 +1405,4 @@ def test_an_api_key_starting_with_a_dash_is_refused_before_any_server(tmp_path, 
     with pytest.raises(RuntimeError, match="starts with '-'"):
         LaunchWorker(spec, 0).ready()
     monkeypatch.setenv("TT_DASH_KEY", "k3y-")
-    assert LaunchWorker(spec, 0).ready().startswith("worker-0@")
+    assert LaunchWorker(spec, 0).ready()[0].startswith("worker-0@")
