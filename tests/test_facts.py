@@ -713,3 +713,13 @@ def test_an_eagle3_head_of_another_vocabulary_than_the_target_is_refused(tmp_pat
     unsaid = facts_from_config({**bare, "vocab_size": bare["draft_vocab_size"]}, "d",
                                Path("d.json"))
     assert unsaid.target_vocab_size == 0 and pair_problem("t", llama, "d", unsaid) == ""
+
+
+def test_a_wrapped_language_model_keeps_the_outer_architecture_sglang_loads_by():
+    """Kimi-K2.5's config names KimiK25ForConditionalGeneration outside and
+    DeepseekV3ForCausalLM in its text_config; SGLang loads the outer (a helper's audit)."""
+    inner = read_config(HF / "deepseek-ai/DeepSeek-V3/config.json")
+    wrapped = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": inner}
+    facts = facts_from_config(wrapped, "k", Path("k.json"))
+    assert facts.architecture == "KimiK25ForConditionalGeneration"
+    assert facts.total_params == facts_from_config(inner, "k", Path("k.json")).total_params

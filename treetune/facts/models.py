@@ -273,12 +273,13 @@ def _count(data: Mapping[str, Any], name: str, path: Path,
            kv_cache_bytes: float | None) -> ModelFacts:
     merged = dict(data)
     # Multimodal configs nest the language model; EAGLE3 heads in the `speculators` format
-    # nest their decoder layer. Either way the outer keys (draft vocabulary, dtype) stay.
+    # nest their decoder layer. The nested keys win (the decoder's sizes), but for the
+    # architecture: SGLang picks the model class by the outer one.
     for nested in ("text_config", "transformer_layer_config"):
         if isinstance(data.get(nested), dict):
             merged = {**merged, **data[nested]}
     c = _Config(merged, path)
-    architectures = c.get("architectures", []) or []
+    architectures = data.get("architectures") or c.get("architectures", []) or []
     architecture = str(architectures[0]) if architectures else str(c.get("model_type", "?"))
     eagle3 = (any("eagle3" in str(a).lower() for a in architectures)
               or "draft_vocab_size" in merged or c.get("speculators_model_type") == "eagle3")
