@@ -265,10 +265,12 @@ def test_a_modelopt_checkpoint_s_quantization_is_read_from_hf_quant_config_json(
     ({"quant_method": "mxfp4"}, 4.25 / 8),
     # A ModelOpt export that names its producer, not its method (Qwen3-32B-FP8-Static).
     ({"quant_algo": "FP8", "producer": {"name": "modelopt"}, "ignore": ["lm_head"]}, 1.0),
+    ({"quant_algo": "FP8", "producer": {"name": "modelopt"}}, 1.0),
     # Group-wise int4: a 16-bit scale and a 4-bit zero per 128 weights; GPTQ's sym: none.
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
      0.5 + 20 / 1024),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True}, 0.5 + 16 / 1024),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": True}, 1 + 16 / 1024),
 ])
 def test_quantization_config_sets_the_bytes_per_weight(quant, expected):
     data = {**read_config(HF / "Qwen/Qwen3-8B/config.json"), "quantization_config": quant}
@@ -697,22 +699,31 @@ def test_qwen35_gated_attention_counts_its_gate_projection():
     assert gated.total_params - plain.total_params == data["num_hidden_layers"] * gate
 
 
-def test_an_eagle3_head_of_another_vocabulary_than_the_target_is_refused(tmp_path):
-    from treetune.facts.prior import pair_problem
+def test_an_eagle3_head_of_another_vocabulary_than_the_target_gets_no_auto_prior(tmp_path):
+    """SGLang serves the pair (the head takes the target's embedding), so the study is not
+    refused; the auto prior is not built on a head trained for another tokenizer."""
+    from treetune.facts import build_prior
+    from treetune.facts.prior import pair_problem, vocabulary_problem
 
     head = model_facts(fixture("thoughtworks/Qwen3-8B-Eagle3"))
     target = read_config(HF / "Qwen/Qwen3-8B/config.json")
     same = facts_from_config(target, "t", Path("t.json"))
-    assert pair_problem("t", same, "d", head) == ""
-    llama = facts_from_config({**target, "vocab_size": 128256}, "t", Path("t.json"))
-    assert pair_problem("t", llama, "d", head) == (
+    assert vocabulary_problem("t", same, "d", head) == ""
+    llama_config = tmp_path / "llama"
+    llama_config.mkdir()
+    (llama_config / "config.json").write_text(json.dumps({**target, "vocab_size": 128256}))
+    llama = model_facts(str(llama_config))
+    assert pair_problem("t", llama, "d", head) == ""  # SGLang would serve it
+    assert vocabulary_problem("t", llama, "d", head) == (
         f"draft 'd' ({head.config_path}) is an EAGLE3 head for a target of vocabulary 151936, "
         "but 't' has vocabulary 128256: give the draft head trained for this target")
+    with pytest.raises(TreetuneError, match="is an EAGLE3 head for a target of vocabulary"):
+        build_prior(str(llama_config), fixture("thoughtworks/Qwen3-8B-Eagle3"), gpu="H100-SXM")
     # A head whose config gives only its draft vocabulary says nothing of the target's.
     bare = read_config(HF / "thoughtworks/Qwen3-8B-Eagle3/config.json")
     unsaid = facts_from_config({**bare, "vocab_size": bare["draft_vocab_size"]}, "d",
                                Path("d.json"))
-    assert unsaid.target_vocab_size == 0 and pair_problem("t", llama, "d", unsaid) == ""
+    assert unsaid.target_vocab_size == 0 and vocabulary_problem("t", llama, "d", unsaid) == ""
 
 
 def test_a_wrapped_language_model_keeps_the_outer_architecture_sglang_loads_by():
@@ -723,3 +734,25 @@ def test_a_wrapped_language_model_keeps_the_outer_architecture_sglang_loads_by()
     facts = facts_from_config(wrapped, "k", Path("k.json"))
     assert facts.architecture == "KimiK25ForConditionalGeneration"
     assert facts.total_params == facts_from_config(inner, "k", Path("k.json")).total_params
+
+
+def test_a_modelopt_export_without_quant_method_quantizes_its_head_unless_it_says_not():
+    """SGLang takes a config without quant_method for ModelOpt's, whose head is quantized
+    unless excluded; the head was counted unquantized (a review's finding)."""
+    data = read_config(HF / "Qwen/Qwen3-8B/config.json")
+    named = {"quant_method": "modelopt", "quant_algo": "FP8"}
+    for quant in (named, {"quant_algo": "FP8", "producer": {"name": "modelopt"}}):
+        f = facts_from_config({**data, "quantization_config": quant}, "q", Path("q.json"))
+        assert f.unquantized_params < 1e6, quant  # norms only
+    kept = facts_from_config({**data, "quantization_config": {
+        "quant_algo": "FP8", "producer": {"name": "modelopt"}, "ignore": ["lm_head"]}}, "q",
+        Path("q.json"))
+    assert kept.unquantized_params > data["vocab_size"] * data["hidden_size"]
+
+
+def test_qwen35_attention_is_gated_when_its_config_does_not_say():
+    data = read_config(HF / "Qwen/Qwen3-8B/config.json")
+    said = facts_from_config({**data, "attn_output_gate": True}, "q", Path("q.json"))
+    for model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
+        unsaid = facts_from_config({**data, "model_type": model_type}, "q", Path("q.json"))
+        assert unsaid.total_params == said.total_params, model_type

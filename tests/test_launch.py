@@ -188,11 +188,32 @@ def test_the_widest_pass_of_each_draft_method_counts_its_space_its_compared_tree
     assert widest_passes(spec, method_spaces(spec)) == {"EAGLE3": 3, "NEXTN": 8}
 
 
-@pytest.mark.parametrize(("dtype", "size"), [("fp8_e4m3", 1.0), ("mxfp8", 1.0), ("nvfp4", 0.5),
-                                             ("fp4_mx_block16", 0.5), ("auto", None)])
+@pytest.mark.parametrize(("dtype", "size"), [("fp8_e4m3", 1.0), ("mxfp8", 1 + 1 / 32),
+                                             ("nvfp4", 0.5625), ("fp4_mx_block16", 0.5625),
+                                             ("auto", None)])
 def test_the_kv_cache_dtypes_of_sglang_0_5_23_are_priced_at_their_size(dtype, size):
     """0.5.23's mxfp8, nvfp4 and fp4_mx_block16 were priced at the model's dtype (2-4x
     the cache a step reads; a helper's audit)."""
     from treetune.backends.sglang import kv_cache_bytes
 
     assert kv_cache_bytes(LaunchSpec("m", extra_flags=(("--kv-cache-dtype", dtype),))) == size
+
+
+@pytest.mark.parametrize(("flags", "version", "added"), [
+    ({"--attn-dp-size": "4"}, "0.5.23", "total_requests"),
+    ({"--enable-dp-attention": None, "--dp-size": "4"}, "0.5.14", "total_requests"),
+    ({"--enable-dp-attention": None, "--dp-size": "4"}, "0.5.3", "shortest_queue"),
+    ({"--attn-dp-size": "4", "--load-balance-method": "round_robin"}, "0.5.23", None),
+    ({}, "0.5.23", None),
+])
+def test_attention_groups_get_the_least_loaded_groups_requests(flags, version, added):
+    """SGLang dispatches to data-parallel attention groups round robin by default: a closed
+    loop's next request went to the next group, not to the one a request just left, so
+    the groups drifted apart and the batch never formed (a review's finding). Unless the
+    study says otherwise, each request goes to the least loaded group."""
+    extra = tuple((k, v) for k, v in flags.items())
+    argv = server_args(BASELINE, LaunchSpec("m", tp=4, extra_flags=extra,
+                                            engine_version=version))
+    methods = [argv[i + 1] for i, a in enumerate(argv) if a == "--load-balance-method"]
+    assert methods == ([added] if added else [flags["--load-balance-method"]] if
+                       "--load-balance-method" in flags else [])

@@ -143,7 +143,7 @@ def test_the_pool_starts_with_the_workers_a_busy_cluster_can_place(tmp_path, fre
     assert len(notes) == 4 - free and all("a worker joined" in n for n in notes)
 
 
-SXM, PCIE = "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"
+SXM, PCIE = "H100-SXM", "H100-PCIe"  # as the workers name them: their GPU table entries
 
 
 def test_workers_on_another_gpu_model_than_the_studys_are_left_out(tmp_path):
@@ -169,7 +169,8 @@ def test_workers_on_another_gpu_model_than_the_studys_are_left_out(tmp_path):
     assert note == (f"1 launch worker(s) left out for their GPUs: worker-0@node ({PCIE}), "
                     f"where the study's servers run on {SXM} (Ray's accelerator type names "
                     "them alike: H100); one study never mixes two GPU models' measurements "
-                    "(run it on nodes of one model); the study runs with 3")
+                    "(run it on nodes of one model; their GPUs stay reserved, so that no "
+                    "other worker is placed there); the study runs with 3")
     pool.replace()
     pool.replace()
     notes = pool.settle(list(pool.starting))
@@ -184,6 +185,57 @@ def test_workers_on_another_gpu_model_than_the_studys_are_left_out(tmp_path):
     tie._spawn = lambda: _Worker(f"worker-{next(made)}")  # type: ignore[method-assign]
     tie.start(4)
     assert tie.gpu == PCIE and sorted(tie.idle) == ["worker-0", "worker-3"]
+    # The GPU the study tells the model search to assume wins over the count.
+    pinned = load_study(None, small_study(tmp_path, batch=[1], datasets=["humaneval"], tp=1,
+                                          backend={"kind": "sglang", "python": "python",
+                                                   "gpu": "H100-SXM"}))
+    few = _Pool(_BusyCluster(4, gpus={"worker-0": PCIE, "worker-1": PCIE, "worker-2": SXM,
+                                      "worker-3": PCIE}), pinned, placement)
+    made = iter(range(100))
+    few._spawn = lambda: _Worker(f"worker-{next(made)}")  # type: ignore[method-assign]
+    few.start(4)
+    assert few.gpu == SXM and few.idle == ["worker-2"]
+
+
+def test_a_worker_left_out_keeps_its_gpus_reserved_and_the_facts_come_from_the_studys_model(
+        tmp_path):
+    """A freed placement group brought the next worker to the same wrong GPUs (a review's
+    finding): a left-out worker's group stays reserved until the study ends. The facts
+    are gathered on a worker whose tool named the study's GPU."""
+    from treetune.study.placement import Node, Placement
+    from treetune.study.runner import _Pool
+
+    spec = load_study(None, small_study(tmp_path, batch=[1], datasets=["humaneval"], tp=1))
+    placement = Placement(resource="GPU", tp=1, gpu_type="H100",
+                          nodes=(Node(node_id="n", gpus=3.0, gpu_type="H100"),))
+    removed: list[str] = []
+    ray = _BusyCluster(3, gpus={"worker-0": None, "worker-1": PCIE, "worker-2": SXM,
+                                "worker-3": SXM})
+    ray.util = type("util", (), {"remove_placement_group": staticmethod(removed.append)})
+    pool = _Pool(ray, spec, placement)
+    made = iter(range(100))
+    asked: list[str] = []
+
+    class Asked(_Worker):
+        @property
+        def facts(self):
+            return type("call", (), {"remote": staticmethod(
+                lambda: asked.append(str(self)) or "facts")})
+
+    def spawn():
+        worker = Asked(f"worker-{next(made)}")
+        pool.groups[worker] = f"group-of-{worker}"
+        return worker
+
+    pool._spawn = spawn  # type: ignore[method-assign]
+    pool.start(3)  # one of each: the first named model on a tie
+    assert pool.gpu == PCIE and sorted(pool.idle) == ["worker-0", "worker-1"]
+    assert pool.blocked == ["group-of-worker-2"] and removed == []
+    # worker-0's tool named no GPU: the facts come from worker-1.
+    ray.get = lambda ref, timeout=None: ref  # type: ignore[method-assign]
+    assert pool.facts() == "facts" and asked == ["worker-1"]
+    pool.shutdown()
+    assert "group-of-worker-2" in removed and pool.blocked == []
 
 
 def test_a_worker_names_the_gpu_model_its_tool_shows_it_and_none_when_emulated(
@@ -200,6 +252,8 @@ def test_a_worker_names_the_gpu_model_its_tool_shows_it_and_none_when_emulated(
     assert (bin_dir / "args").read_text().split()[-1] == "--id=1"  # its own GPUs only
     emulated = load_study(None, small_study(tmp_path, batch=[1], env=env))
     assert LaunchWorker(emulated, 0).ready()[1] is None  # no GPU to ask about
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-4f3c")  # a share of a GPU: no match
+    assert LaunchWorker(real, 0).ready()[1] == "MIG instances"
 
 
 def test_a_worker_ray_cannot_place_waits_while_others_work_and_is_given_up_with_none(

@@ -192,6 +192,7 @@ _PARALLEL_NAMES = {
     "--ep-size": ("--ep-size", "--expert-parallel-size", "--ep"),
     "--moe-a2a-backend": ("--moe-a2a-backend",),
     "--deepep-mode": ("--deepep-mode",),
+    "--load-balance-method": ("--load-balance-method",),
 }
 # Flags SGLang dropped (0.5.3 refused them, 0.5.9 has none), with what replaced them.
 DROPPED_FLAGS = {
@@ -363,8 +364,8 @@ def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
     if flag := parallel.replicas:
         return (f"'{flag}' starts that many replicas of tp GPUs each, where {_ONE_NODE}: a "
                 "study measures one replica (leave it out; `workers` runs servers side by "
-                "side), or write --attn-dp-size N instead for data-parallel attention "
-                "within tp")
+                "side), or for data-parallel attention within tp add "
+                "--enable-dp-attention (SGLang 0.5.23: write --attn-dp-size N instead)")
     flag = parallel.attention_dp
     if flag and "STANDALONE" in algorithms:
         return (f"'{flag}': SGLang 0.5.23 refuses STANDALONE drafting with data-parallel "
@@ -581,6 +582,13 @@ def server_args(
         args.append("--enable-metrics")
     if not spec.prefix_cache and NO_PREFIX_CACHE not in (name for name, _ in spec.extra_flags):
         args.append(NO_PREFIX_CACHE)  # SGLang's radix cache is on by default
+    parallel = _ParallelFlags(dict(spec.extra_flags))
+    if parallel.attention_dp_size > 1 and parallel.given("--load-balance-method") is None:
+        # Round robin (the default) hands a closed loop's next request to the next group,
+        # not to the one a request just left: groups drift apart, some queue while others
+        # idle, and the batch a cell asks for never forms. The least loaded group instead.
+        args += ["--load-balance-method",
+                 "total_requests" if parse_version(version) >= (0, 5, 9) else "shortest_queue"]
     for name, value in (*spec.extra_flags, *flags):
         args += ([name] if value is None else [name, *value] if isinstance(value, tuple)
                  else [name, value])
@@ -637,7 +645,8 @@ COMMAND_LINE_ONLY_FLAGS = frozenset({
     "--enable-decoder-swa-bounded-replay", "--enable-fused-qk-norm-rope",
     "--enable-dsa-fused-indexer", "--ple-offload-embedding", "--dllm-fdfo",
     "--experts-shared-outer-loras", "--lora-strict-loading", "--dcp-replicate-q-proj",
-    "--enable-tp-lm-head-all-to-all"})
+    "--enable-tp-lm-head-all-to-all",
+    "--lora-paths"})  # nargs="*" with an action of its own
 
 
 def command_line_only(flag: str) -> bool:
@@ -668,10 +677,10 @@ def sglang_deployment(launch: LaunchSpec, config: ServerConfig,
 # --kv-cache-dtype values and the bytes each stores per element ("auto": the model's dtype).
 # 0.5.23 takes auto, fp8_e5m2, fp8_e4m3, mxfp8, bf16, bfloat16, nvfp4, fp4_mx_block16
 # (srt/arg_groups/fields/model.py); earlier releases fp4_e2m1, float16, half too. The
-# block formats' scales (a byte per 16 or 32 elements) are left out.
-KV_CACHE_BYTES = {"fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "mxfp8": 1.0, "fp4_e2m1": 0.5,
-                  "nvfp4": 0.5, "fp4_mx_block16": 0.5, "bf16": 2.0, "bfloat16": 2.0,
-                  "float16": 2.0, "half": 2.0}
+# block formats with their scales: a byte per 32 (mxfp8), per 16 (nvfp4, fp4_mx_block16).
+KV_CACHE_BYTES = {"fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "mxfp8": 1 + 1 / 32, "fp4_e2m1": 0.5,
+                  "nvfp4": 0.5 + 1 / 16, "fp4_mx_block16": 0.5 + 1 / 16, "bf16": 2.0,
+                  "bfloat16": 2.0, "float16": 2.0, "half": 2.0}
 
 
 def kv_cache_bytes(launch: LaunchSpec) -> float | None:

@@ -261,14 +261,24 @@ SMI_TOOLS = (SmiTool("nvidia-smi", _nvidia_smi), SmiTool("amd-smi", _amd_smi),
 
 
 def seen_model(env: Mapping[str, str] | None = None) -> str | None:
-    """The model of the GPUs this process sees, as the node's tool names them (several
-    joined by ' + '), or None when no tool tells: what a study's workers must agree on,
-    since Ray's accelerator type names some models alike (H100 SXM and PCIe: H100)."""
+    """The model of the GPUs this process sees: its GPU table entry's name, else as the
+    node's tool names it (several joined by ' + '; MIG instances as such), or None when no
+    tool tells. What a study's workers must agree on, since Ray's accelerator type names
+    some models alike (H100 SXM and PCIe: H100)."""
+    visible = _visible(dict(os.environ if env is None else env), ("CUDA_VISIBLE_DEVICES",))
+    if visible and "MIG-" in visible:
+        return "MIG instances"  # a share of a GPU: never one of the table's whole GPUs
     try:
         seen = query_gpus(env)
     except TreetuneError:
         return None
-    return " + ".join(sorted({g.name for g in seen})) or None
+    names = set()
+    for gpu in seen:
+        try:
+            names.add(gpu_facts(gpu.name).name)  # one entry, whichever tool named it
+        except TreetuneError:
+            names.add(gpu.name)
+    return " + ".join(sorted(names)) or None
 
 
 def detect_gpu(env: Mapping[str, str] | None = None) -> GpuFacts:

@@ -451,7 +451,8 @@ def _attention_params(c: _Config, h: int, in_dim: int) -> int:
     hd = _head_dim(c, h)
     # Qwen3-Next's and Qwen3.5's gated attention projects a sigmoid gate alongside the
     # query (Qwen3.5 says so as attn_output_gate).
-    gated = c.get("attn_output_gate", c.get("model_type") == "qwen3_next")
+    gated = c.get("attn_output_gate", str(c.get("model_type")).startswith(("qwen3_next",
+                                                                             "qwen3_5")))
     q_out = heads * hd * (2 if gated else 1)
     params = in_dim * (q_out + 2 * kv_heads * hd) + heads * hd * h
     if c.get("attention_bias", False):
@@ -591,7 +592,7 @@ class _Unquantized:
             return None
         if isinstance(quant.get("quantization"), dict):  # ModelOpt's nested form
             quant = {**quant, **quant["quantization"]}
-        method = str(quant.get("quant_method", "")).lower()
+        method = _quant_method(quant)
         listed: list[str] = []
         for key in ("modules_to_not_convert", "ignored_layers", "ignore", "exclude_modules"):
             if isinstance(quant.get(key), list):
@@ -649,6 +650,18 @@ def _modelopt_sidecar(path: Path) -> dict[str, Any] | None:
     return {**section, "quant_method": "modelopt"}
 
 
+def _quant_method(quant: Mapping[str, Any]) -> str:
+    """A quantization_config's method, lower-case: a ModelOpt export may name its producer
+    or algorithm only (SGLang 0.5.23 takes a config without quant_method for ModelOpt's)."""
+    method = str(quant.get("quant_method", "")).lower()
+    producer = quant.get("producer")
+    nested = quant.get("quantization")
+    if not method and (quant.get("quant_algo") or isinstance(nested, dict)
+                       or (isinstance(producer, dict) and producer.get("name") == "modelopt")):
+        return "modelopt"
+    return method
+
+
 def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, str]:
     """Bytes per weight of the quantized layers, and the scheme's name. Layers a scheme
     leaves in 16 bits (embeddings, head, routers) are a small share and not told apart."""
@@ -656,11 +669,7 @@ def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, st
         return dtype_bytes, ""
     if not isinstance(quant, dict):
         raise ConfigFileError(path, "expected a mapping", "quantization_config")
-    method = str(quant.get("quant_method", "")).lower()
-    producer = quant.get("producer")
-    if not method and ((isinstance(producer, dict) and producer.get("name") == "modelopt")
-                       or quant.get("quant_algo")):
-        method = "modelopt"  # an export that names its producer, not its method
+    method = _quant_method(quant)
     if method == "compressed-tensors":
         for group in (quant.get("config_groups") or {}).values():
             weights = (group.get("weights") or {}) if isinstance(group, dict) else {}
@@ -687,7 +696,7 @@ def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, st
     if method in QUANT_BITS:
         bits = float(quant.get("bits") or quant.get("w_bit") or QUANT_BITS[method])
         group = quant.get("group_size") or quant.get("q_group_size")
-        if isinstance(group, int) and group > 0 and bits < 8:
+        if isinstance(group, int) and group > 0:
             # Group-wise int formats (AWQ, GPTQ): a 16-bit scale and, with a zero point,
             # a `bits`-bit zero per group of weights.
             zero = quant.get("zero_point", quant.get("sym") is False)

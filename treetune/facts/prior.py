@@ -112,9 +112,15 @@ def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
         return (f"draft '{draft}' ({head.config_path}) is an EAGLE3 head for a target of "
                 f"hidden size {head.target_hidden_size}, but '{model}' has hidden size "
                 f"{target.hidden_size}: give the draft head trained for this target")
+    return ""
+
+
+def vocabulary_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts) -> str:
+    """Why the auto prior will not take `draft` for `model` ("" when it will): an EAGLE3
+    head that names a target vocabulary other than `model`'s was trained for another
+    tokenizer, so its acceptance is not the one the prior assumes. SGLang serves the pair
+    (the head takes the target's embedding), so the study runs, without the prior."""
     if head.eagle3 and head.target_vocab_size not in (0, target.vocab_size):
-        # It takes the target's embedding and maps its guesses to the target's tokens: a
-        # head of another vocabulary was trained on another tokenizer.
         return (f"draft '{draft}' ({head.config_path}) is an EAGLE3 head for a target of "
                 f"vocabulary {head.target_vocab_size}, but '{model}' has vocabulary "
                 f"{target.vocab_size}: give the draft head trained for this target")
@@ -135,7 +141,8 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
                             "study has no draft (NEXTN): give --prior NAME_OR_FILE")
     target_facts = model_facts(model, env, kv_cache_bytes)
     draft_facts = model_facts(draft, env, kv_cache_bytes)
-    if problem := pair_problem(model, target_facts, draft, draft_facts, algorithm):
+    if problem := (pair_problem(model, target_facts, draft, draft_facts, algorithm)
+                   or vocabulary_problem(model, target_facts, draft, draft_facts)):
         raise TreetuneError(problem)
     if refusal := target_facts.tp_refusal(model, tp, attention_dp):
         raise TreetuneError(f"--tp {tp}: {refusal}")

@@ -267,6 +267,10 @@ class _Pool:
         self.told: set[Any] = set()
         self.made = 0
         self.gpu: str | None = None  # the GPU model the study's servers run on, once seen
+        self.models: dict[Any, str | None] = {}  # worker -> the GPU model its tool named
+        # Placement groups of workers left out for their GPU model: kept reserved, so that
+        # Ray places no other worker on those GPUs (freed at shutdown).
+        self.blocked: list[Any] = []
 
     def _spawn(self) -> Any:
         """A worker in a new placement group; it runs once Ray has placed the group."""
@@ -300,13 +304,12 @@ class _Pool:
             except self.ray.exceptions.RayError as exc:
                 failed.append(_cause(exc))
                 self.retire(refs[ref])
-        seen = [g for g in gpus.values() if g is not None]
-        # The model most workers have (max keeps the first's, when as many have another).
-        self.gpu = max(seen, key=seen.count, default=None)
+        self.gpu = self._study_gpu([g for g in gpus.values() if g is not None])
         apart = [w for w in names if not self._same_gpu(gpus[w])]
         for worker in apart:
-            self.retire(worker)
+            self.set_aside(worker)
         gpu_note = self._apart_note([(names.pop(w), gpus[w]) for w in apart])
+        self.models.update({w: gpus[w] for w in names})
         on = f" on {self.placement.gpu_type} nodes" if self.placement.gpu_type else ""
         if not names:
             for ref in waiting:
@@ -337,6 +340,18 @@ class _Pool:
             notes.append(f"the study runs with {len(names)}")
         return "; ".join(notes)
 
+    def _study_gpu(self, seen: list[str]) -> str | None:
+        """The GPU model the study runs on: the one its backend is told to assume (`gpu`)
+        when a worker has it, else the one most workers have (the first's on a tie)."""
+        wanted = getattr(self.spec.backend, "gpu", None)
+        if wanted is not None:
+            from treetune.facts import gpu_facts
+
+            with contextlib.suppress(TreetuneError):
+                if (name := gpu_facts(wanted).name) in seen:
+                    return name
+        return max(seen, key=seen.count, default=None)
+
     def _same_gpu(self, gpu: str | None) -> bool:
         """Whether a worker's GPUs may serve the study: the study's model, or one no tool
         named (nothing to compare)."""
@@ -351,7 +366,16 @@ class _Pool:
                  if self.placement.gpu_type else "")
         return (f"{len(apart)} launch worker(s) left out for their GPUs: {where}, where the "
                 f"study's servers run on {self.gpu}{alike}; one study never mixes two GPU "
-                "models' measurements (run it on nodes of one model)")
+                "models' measurements (run it on nodes of one model; their GPUs stay "
+                "reserved, so that no other worker is placed there)")
+
+    def set_aside(self, worker: Any) -> None:
+        """A worker left out for its GPU model: gone, its GPUs kept reserved (a freed
+        group would bring the next worker to the same GPUs)."""
+        group = self.groups.pop(worker, None)
+        if group is not None:
+            self.blocked.append(group)
+        self.retire(worker)
 
     def retire(self, worker: Any) -> None:
         """A worker gone (dead, or not placed): killed, its GPUs' reservation freed."""
@@ -360,6 +384,7 @@ class _Pool:
         group = self.groups.pop(worker, None)
         self.nodes.pop(worker, None)
         self.hosts.pop(worker, None)
+        self.models.pop(worker, None)
         if group is not None:
             with contextlib.suppress(Exception):
                 self.ray.util.remove_placement_group(group)
@@ -398,10 +423,11 @@ class _Pool:
                 notes.append(f"a worker that joined could not start: {_cause(exc)}")
                 continue
             if not self._same_gpu(gpu):
-                self.retire(worker)
+                self.set_aside(worker)
                 notes.append(self._apart_note([(name, gpu)]))
                 continue
-            self.gpu = self.gpu or gpu
+            self.gpu = self.gpu or gpu  # the first named (those before named none)
+            self.models[worker] = gpu
             self.hosts[worker] = worker_host(name)
             self.idle.append(worker)
             self.alive += 1
@@ -422,10 +448,13 @@ class _Pool:
         return notes
 
     def facts(self, worker: Any = None) -> BackendFacts:
-        """The backend's facts as a worker sees them (`worker`, else the first idle one:
-        the workers are alike)."""
+        """The backend's facts as a worker sees them (`worker`, else the first idle one
+        whose tool named the study's GPU model: the workers are alike)."""
+        if worker is None:
+            named = [w for w in self.idle if self.models.get(w) == self.gpu]
+            worker = (named or self.idle)[0]
         try:
-            return self.ray.get((worker or self.idle[0]).facts.remote(),
+            return self.ray.get(worker.facts.remote(),
                                 timeout=RESOURCE_TIMEOUT_S)
         except self.ray.exceptions.GetTimeoutError:
             return BackendFacts(None, f"a launch worker took more than "
@@ -436,6 +465,10 @@ class _Pool:
     def shutdown(self) -> None:
         for worker in list(self.groups):
             self.retire(worker)
+        for group in self.blocked:
+            with contextlib.suppress(Exception):
+                self.ray.util.remove_placement_group(group)
+        self.blocked.clear()
         self.starting.clear()
         self.told.clear()
 
@@ -743,8 +776,10 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                         time.sleep(POLL_S)
                         continue
                 if pool.alive == 0 and (planner.queue or budget_left()):
-                    raise TreetuneError("every launch worker died and none could be replaced; "
-                                        "results so far are stored: rerun to resume")
+                    apart = (f" (workers placed since were left out for their GPUs: not "
+                             f"{pool.gpu})" if pool.blocked else "")
+                    raise TreetuneError("every launch worker died and none could be replaced"
+                                        f"{apart}; results so far are stored: rerun to resume")
                 break
             waiting = [*in_flight, *pool.starting]
             # Never longer than the stage poll (a test makes it 0.1 s to see stages).
