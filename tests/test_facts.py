@@ -756,3 +756,20 @@ def test_qwen35_attention_is_gated_when_its_config_does_not_say():
     for model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
         unsaid = facts_from_config({**data, "model_type": model_type}, "q", Path("q.json"))
         assert unsaid.total_params == said.total_params, model_type
+
+
+def test_a_modelopt_mixed_precision_export_is_priced_by_its_experts_algorithm(tmp_path):
+    """nvidia's MIXED_PRECISION exports (experts in NVFP4, attention in FP8) were refused:
+    the auto prior went without them (a helper ran the real sidecar)."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "config.json").write_text((HF / "Qwen/Qwen3-30B-A3B-FP8/config.json").read_text()
+                                        .replace('"quantization_config"', '"unused"'))
+    layers = {f"model.layers.{i}.mlp.experts.{e}.{part}": {"quant_algo": "W4A16_NVFP4"}
+              for i in range(2) for e in range(2) for part in ("gate_proj", "down_proj")}
+    layers |= {f"model.layers.{i}.self_attn.q_proj": {"quant_algo": "FP8"} for i in range(9)}
+    (folder / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
+        "quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers}}))
+    facts = model_facts(str(folder))
+    assert facts.weight_bytes == (4 + 8 / 16) / 8
+    assert facts.quantization == "nvfp4 (modelopt mixed precision, by its experts)"

@@ -683,12 +683,22 @@ def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, st
     if method == "mxfp4":
         return MXFP4_BYTES, "mxfp4"
     if method == "modelopt":
-        algo = str(quant.get("quant_algo") or (quant.get("quantization") or {}).get(
-            "quant_algo", "")).upper()
-        if algo.startswith("FP8"):
-            return 1.0, "fp8 (modelopt)"
-        if algo.startswith("NVFP4"):
-            return NVFP4_BYTES, "nvfp4 (modelopt)"
+        section = {**quant, **(quant.get("quantization") or {})}
+        algo = str(section.get("quant_algo", "")).upper()
+        scheme = "modelopt"
+        if algo == "MIXED_PRECISION":
+            # Per-layer algorithms: the routed experts' (most of an MoE's bytes), else the
+            # most layers'. Layers in another algorithm are priced at it too.
+            layers = section.get("quantized_layers") or {}
+            algos = {str(k): str(v.get("quant_algo", "")).upper() for k, v in layers.items()
+                     if isinstance(v, dict)}
+            named = [a for k, a in algos.items() if "expert" in k] or list(algos.values())
+            algo = max(named, key=named.count, default=algo)
+            scheme = "modelopt mixed precision, by its experts" if named else scheme
+        if "NVFP4" in algo:
+            return NVFP4_BYTES, f"nvfp4 ({scheme})"
+        if "FP8" in algo:
+            return 1.0, f"fp8 ({scheme})"
         raise ConfigFileError(path, f"modelopt quant_algo '{algo}' is not one treetune knows",
                               "quantization_config")
     if method == "bitsandbytes":
