@@ -271,6 +271,9 @@ def test_a_modelopt_checkpoint_s_quantization_is_read_from_hf_quant_config_json(
      0.5 + 20 / 1024),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True}, 0.5 + 16 / 1024),
     ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": True}, 1 + 16 / 1024),
+    ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
+        "symmetric": True}}}}, 0.5 + 16 / 1024),
 ])
 def test_quantization_config_sets_the_bytes_per_weight(quant, expected):
     data = {**read_config(HF / "Qwen/Qwen3-8B/config.json"), "quantization_config": quant}

@@ -662,6 +662,15 @@ def _quant_method(quant: Mapping[str, Any]) -> str:
     return method
 
 
+def _grouped(bits: float, group: Any, zero: bool) -> float:
+    """Bytes per weight of a group-wise int format (AWQ, GPTQ, compressed-tensors'
+    `group` strategy): `bits`, plus a 16-bit scale and, with a zero point, a `bits`-bit
+    zero per group of weights (no group: the bits alone)."""
+    if isinstance(group, int) and group > 0:
+        return bits / 8 + (16 + bits * zero) / (8 * group)
+    return bits / 8
+
+
 def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, str]:
     """Bytes per weight of the quantized layers, and the scheme's name. Layers a scheme
     leaves in 16 bits (embeddings, head, routers) are a small share and not told apart."""
@@ -677,7 +686,10 @@ def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, st
             if isinstance(bits, int) and bits > 0:
                 number = "fp" if weights.get("type") == "float" else "int"
                 nvfp4 = bits == 4 and number == "fp"
-                return (NVFP4_BYTES if nvfp4 else bits / 8), f"{number}{bits} (compressed-tensors)"
+                size = NVFP4_BYTES if nvfp4 else _grouped(
+                    bits, weights.get("group_size") if weights.get("strategy") == "group"
+                    else None, weights.get("symmetric") is False)
+                return size, f"{number}{bits} (compressed-tensors)"
         raise ConfigFileError(path, "no config_groups.*.weights.num_bits to read the weight "
                               "size from", "quantization_config")
     if method == "mxfp4":
@@ -705,13 +717,9 @@ def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, st
         return (0.5, "bnb 4-bit") if quant.get("load_in_4bit") else (1.0, "bnb 8-bit")
     if method in QUANT_BITS:
         bits = float(quant.get("bits") or quant.get("w_bit") or QUANT_BITS[method])
-        group = quant.get("group_size") or quant.get("q_group_size")
-        if isinstance(group, int) and group > 0:
-            # Group-wise int formats (AWQ, GPTQ): a 16-bit scale and, with a zero point,
-            # a `bits`-bit zero per group of weights.
-            zero = quant.get("zero_point", quant.get("sym") is False)
-            return bits / 8 + (16 + bits * bool(zero)) / (8 * group), method
-        return bits / 8, method
+        zero = quant.get("zero_point", quant.get("sym") is False)
+        return _grouped(bits, quant.get("group_size") or quant.get("q_group_size"),
+                        bool(zero)), method
     raise ConfigFileError(
         path, f"quant_method '{method}' is not one treetune knows ({', '.join(sorted(QUANT_BITS))}"
         ", compressed-tensors, mxfp4, modelopt, bitsandbytes): write the profile by hand and "
