@@ -897,3 +897,27 @@ def test_a_config_file_sglang_would_refuse_is_refused(tmp_path, name, text, extr
         config.write_text(text)
     with pytest.raises(LaunchError, match=message):
         parse([*SPEC_ARGS, *extra, "--config", str(config)])
+
+
+def test_the_old_cuda_graph_flag_is_refused_where_sglang_no_longer_has_it():
+    """0.5.20's and 0.5.23's parsers have no --cuda-graph-max-bs (argparse takes it for an
+    ambiguous abbreviation of -decode and -prefill), which the emulator took at any
+    version: a test could pass with a flag the real server refuses (a helper's audit)."""
+    with pytest.raises(LaunchError, match="ambiguous option: --cuda-graph-max-bs"):
+        parse([*SPEC_ARGS, "--cuda-graph-max-bs", "8"])
+    old = parse([*SPEC_ARGS, "--cuda-graph-max-bs", "8", "--emulate-version", "0.5.13"])
+    assert old.cuda_graph_max_bs == 8
+
+
+def test_the_emulator_serves_as_the_release_a_studys_commands_are_written_for():
+    """A study written for 0.5.13 passes --cuda-graph-max-bs, which the emulator refuses as
+    0.5.23: it is told the study's release."""
+    from treetune.backends import LaunchSpec
+    from treetune.backends.emulator import emulator_command
+
+    launch = LaunchSpec("m", tp=4, engine_version="0.5.13", cuda_graph_max_bs=8,
+                        draft_model_path="d")
+    argv = emulator_command(TREE, launch, "qwen3-coder-next-h200")
+    assert argv[argv.index("--emulate-version") + 1] == "0.5.13"
+    settings = parse([*argv[3:], "--time-scale", "50", "--load-time", "0"])
+    assert settings.cuda_graph_max_bs == 8 and settings.sglang_version == "0.5.13"

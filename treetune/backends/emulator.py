@@ -128,9 +128,10 @@ def check_datasets(prof: Profile, datasets: list[str]) -> Profile:
 def emulator_command(config: ServerConfig, launch: LaunchSpec, profile: str | None = None,
                      emulator_args: Sequence[str] = (), world: str | None = None) -> list[str]:
     """SGLang's flags for `config`, served by treetune's emulator with `emulator_args`,
-    from a profile or a world."""
+    from a profile or a world, as the SGLang release the flags are written for."""
     source = ["--world", world] if world is not None else ["--profile", str(profile)]
-    return [sys.executable, "-m", "treetune.emulator", *source, *emulator_args,
+    version = ["--emulate-version", launch.engine_version] if launch.engine_version else []
+    return [sys.executable, "-m", "treetune.emulator", *source, *version, *emulator_args,
             *server_args(config, launch)]
 
 

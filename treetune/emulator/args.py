@@ -42,6 +42,9 @@ EMULATOR_KEYS = frozenset({"profile", "world", "time_scale", "load_time", "seed"
                            "emulate_version", "config"})
 
 
+CUDA_GRAPH_ALIAS_GONE = (0, 5, 20)  # the first wheel seen without --cuda-graph-max-bs
+
+
 class LaunchError(Exception):
     """SGLang would refuse to start with these flags; the message imitates SGLang's."""
 
@@ -238,6 +241,11 @@ def parse(argv: list[str]) -> EmulatorSettings:
     if read_config and emulated < CONFIG_FILE_SINCE:
         raise LaunchError("error: unrecognized arguments: --config (SGLang reads config files "
                           "from 0.5.3)")
+    if ns.cuda_graph_max_bs is not None and emulated >= CUDA_GRAPH_ALIAS_GONE:
+        # 0.5.14 kept it as an alias of the -decode flag; 0.5.20's and 0.5.23's parsers have
+        # no such flag, and argparse takes it for an ambiguous abbreviation.
+        raise LaunchError("error: ambiguous option: --cuda-graph-max-bs could match "
+                          "--cuda-graph-max-bs-decode, --cuda-graph-max-bs-prefill")
     if ns.context_length is not None and ns.context_length < 1:
         raise LaunchError(f"--context-length must be >= 1, got {ns.context_length}")
     if ns.max_running_requests is not None and ns.max_running_requests < 1:
