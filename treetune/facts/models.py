@@ -700,7 +700,7 @@ def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, st
         scheme = "modelopt"
         if algo == "MIXED_PRECISION":
             # Per-layer algorithms: the routed experts' (most of an MoE's bytes), else the
-            # most layers'. Layers in another algorithm are priced at it too.
+            # most layers'. Every quantized layer is priced at that one algorithm.
             layers = section.get("quantized_layers") or {}
             algos = {str(k): str(v.get("quant_algo", "")).upper() for k, v in layers.items()
                      if isinstance(v, dict)}
