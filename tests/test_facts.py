@@ -775,4 +775,23 @@ def test_a_modelopt_mixed_precision_export_is_priced_by_its_experts_algorithm(tm
         "quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers}}))
     facts = model_facts(str(folder))
     assert facts.weight_bytes == (4 + 8 / 16) / 8
-    assert facts.quantization == "nvfp4 (modelopt mixed precision, by its experts)"
+    assert facts.quantization == "nvfp4 (modelopt mixed precision, by its routed experts)"
+    # One fused entry a layer for the routed experts, three FP8 ones for the shared
+    # expert: the routed experts' algorithm still (a review's case).
+    fused = {"model.layers.0.mlp.experts": {"quant_algo": "NVFP4"}} | {
+        f"model.layers.0.mlp.shared_expert.{p}_proj": {"quant_algo": "FP8"}
+        for p in ("gate", "up", "down")}
+    (folder / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
+        "quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": fused}}))
+    assert model_facts(str(folder)).weight_bytes == (4 + 8 / 16) / 8
+
+
+def test_an_fp8_checkpoint_with_nvfp4_experts_and_a_group_size_is_priced_by_its_experts():
+    """SGLang 0.5.23's hybrid export: quant_method fp8, moe_quant_algo NVFP4, group_size
+    16 came out at 1.125 bytes a weight (fp8 with a group scale); its experts are 0.5625."""
+    data = {**read_config(HF / "Qwen/Qwen3-8B/config.json"), "quantization_config": {
+        "quant_method": "fp8", "quant_algo": "MIXED_PRECISION", "moe_quant_algo": "NVFP4",
+        "group_size": 16}}
+    assert facts_from_config(data, "q", Path("q.json")).weight_bytes == (4 + 8 / 16) / 8
+    plain = {**data, "quantization_config": {"quant_method": "fp8", "group_size": 128}}
+    assert facts_from_config(plain, "q", Path("q.json")).weight_bytes == 1.0

@@ -140,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument("--fail-on-startup", action="store_true",
                      help="fault switch: exit with an error halfway through loading")
     emu.add_argument("--emulate-version", default=EMULATED_SGLANG_VERSION,
-                     help="SGLang version reported by /server_info")
+                     help="the SGLang release to serve as: /server_info's version, "
+                     "--config from 0.5.3, the verify counter from 0.5.13, no "
+                     "--cuda-graph-max-bs from 0.5.20")
 
     sg = p.add_argument_group("SGLang flags")
     sg.add_argument("--model-path", "--model", required=True)

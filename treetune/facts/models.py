@@ -551,6 +551,8 @@ def _moe(c: _Config, h: int, layers: int) -> _MoE | None:
 
 # ---- weight bytes -----------------------------------------------------------------------
 
+# The int formats with a scale (and maybe a zero) per group of weights.
+GROUPED_INT_METHODS = ("awq", "gptq", "awq_marlin", "gptq_marlin", "auto-round", "autoround")
 QUANT_BITS = {"awq": 4, "gptq": 4, "awq_marlin": 4, "gptq_marlin": 4, "auto-round": 4,
               "autoround": 4, "w8a8_int8": 8, "w8a8_fp8": 8, "fbgemm_fp8": 8, "fp8": 8}
 # 4-bit formats with a scale per block: MXFP4 (an e8m0 scale per 32 weights), NVFP4 (an
@@ -704,9 +706,11 @@ def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, st
             layers = section.get("quantized_layers") or {}
             algos = {str(k): str(v.get("quant_algo", "")).upper() for k, v in layers.items()
                      if isinstance(v, dict)}
-            named = [a for k, a in algos.items() if "expert" in k] or list(algos.values())
+            routed = [a for k, a in algos.items() if ".experts" in k]  # not shared_experts
+            named = routed or list(algos.values())
             algo = max(named, key=named.count, default=algo)
-            scheme = "modelopt mixed precision, by its experts" if named else scheme
+            scheme = ("modelopt mixed precision, by its routed experts" if routed
+                      else "modelopt mixed precision" if named else scheme)
         if "NVFP4" in algo:
             return NVFP4_BYTES, f"nvfp4 ({scheme})"
         if "FP8" in algo:
@@ -716,7 +720,13 @@ def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, st
     if method == "bitsandbytes":
         return (0.5, "bnb 4-bit") if quant.get("load_in_4bit") else (1.0, "bnb 8-bit")
     if method in QUANT_BITS:
+        if "NVFP4" in str(quant.get("moe_quant_algo", "")).upper():
+            # An fp8 checkpoint whose routed experts are NVFP4 (SGLang 0.5.23's hybrid
+            # export): most of an MoE's bytes at the experts' width.
+            return NVFP4_BYTES, f"nvfp4 experts ({method} mixed precision)"
         bits = float(quant.get("bits") or quant.get("w_bit") or QUANT_BITS[method])
+        if method not in GROUPED_INT_METHODS:
+            return bits / 8, method
         zero = quant.get("zero_point", quant.get("sym") is False)
         return _grouped(bits, quant.get("group_size") or quant.get("q_group_size"),
                         bool(zero)), method

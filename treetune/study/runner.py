@@ -776,8 +776,8 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                         time.sleep(POLL_S)
                         continue
                 if pool.alive == 0 and (planner.queue or budget_left()):
-                    apart = (f" (workers placed on other GPUs than {pool.gpu} were left "
-                             "out)" if pool.blocked else "")
+                    apart = (f" (workers on GPUs of another model than {pool.gpu} were "
+                             "left out, their GPUs kept reserved)" if pool.blocked else "")
                     raise TreetuneError("every launch worker died and none could be replaced"
                                         f"{apart}; results so far are stored: rerun to resume")
                 break
