@@ -215,14 +215,22 @@ class _ParallelFlags:
         return next((flag for flag in self.flags for n in _PARALLEL_NAMES.get(name, (name,))
                      if abbreviates(flag, n)), None)
 
+    def value(self, name: str) -> str | None:
+        """The one value of the flag that is `name`, as text (None: not given, or bare)."""
+        flag = self.given(name)
+        if flag is None or self.flags[flag] is None:
+            return None
+        value = self.flags[flag]
+        # One value, as the command has it: a study's list, or a launch spec's tuple.
+        if isinstance(value, list | tuple) and len(value) == 1:
+            value = value[0]
+        return str(value)
+
     def number(self, name: str) -> int | None:
         """The whole-number value of the flag that is `name` (None: not given, or not a
         number, which SGLang's parser will say)."""
-        flag = self.given(name)
-        if flag is None:
-            return None
         try:
-            return int(_one_value(self.flags[flag]))
+            return int(self.value(name) or "")
         except ValueError:
             return None
 
@@ -245,11 +253,9 @@ class _ParallelFlags:
     def attention_dp_size(self) -> int:
         """How many data-parallel groups the attention runs in (1: none): --attn-dp-size,
         or --dp-size given with --enable-dp-attention."""
-        if self.above("--attn-dp-size", 1):
-            return self.number("--attn-dp-size") or 1
-        if self.attention_dp:
-            return self.number("--dp-size") or 1
-        return 1
+        if (size := self.number("--attn-dp-size") or 1) > 1:
+            return size
+        return (self.number("--dp-size") or 1) if self.attention_dp else 1
 
     @property
     def replicas(self) -> str | None:
@@ -264,6 +270,14 @@ def attention_dp_size(flags: Mapping[str, Any]) -> int:
     """The attention's data-parallel size the server flags ask for (1: none). SGLang
     0.5.23 splits attention heads over tp / this (`attn_tp_size`), not over tp."""
     return _ParallelFlags(flags).attention_dp_size
+
+
+def running_requests_for(batch: int, flags: Mapping[str, Any]) -> int:
+    """The --max-running-requests that lets `batch` requests run at once: with D
+    data-parallel attention groups each takes max_running_requests // D, so a multiple of
+    D (the batch itself without them)."""
+    groups = attention_dp_size(flags)
+    return -(-batch // groups) * groups
 
 
 DEEPEP_CAP_VARIABLE = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
@@ -282,11 +296,9 @@ def deepep_problem(flags: Mapping[str, Any], env: Mapping[str, str], tp: int,
     `widest`: per draft method, the most tokens a request sends in one pass (draft tokens;
     a NEXTN draft's MoE layer also sends topk)."""
     parallel = _ParallelFlags(flags)
-    backend = parallel.given("--moe-a2a-backend")
-    if backend is None or _one_value(flags[backend]) != "deepep":
+    if parallel.value("--moe-a2a-backend") != "deepep":
         return ""
-    mode = parallel.given("--deepep-mode")
-    if mode is not None and _one_value(flags[mode]) == "normal":
+    if parallel.value("--deepep-mode") == "normal":
         return ""  # no cap (and no CUDA graphs)
     text = env.get(DEEPEP_CAP_VARIABLE)
     where = "as the environment sets it" if text else "SGLang's default"
@@ -323,18 +335,12 @@ def deepep_problem(flags: Mapping[str, Any], env: Mapping[str, str], tp: int,
                      "topk, for NEXTN)")
     fixes.append("a smaller largest batch size, or --deepep-mode normal (no cap, no CUDA "
                  "graphs)")
-    return (f"'{backend}' deepep: DeepEP's low-latency dispatch takes at most {cap} tokens a "
+    flag = parallel.given("--moe-a2a-backend")
+    return (f"'{flag}' deepep: DeepEP's low-latency dispatch takes at most {cap} tokens a "
             f"GPU per pass ({DEEPEP_CAP_VARIABLE}, {where}), and at batch {max_batch} "
             f"({split}) a verify pass of {name}'s {tokens}-token trees sends "
             f"{per_gpu(tokens)}: SGLang would fail at start-up capturing that pass (without "
             "CUDA graphs, at the first batch that large). Give " + "; or ".join(fixes))
-
-
-def _one_value(value: Any) -> str:
-    """A flag's one value as text (a list or tuple of one, as a command has it)."""
-    if isinstance(value, list | tuple) and len(value) == 1:
-        value = value[0]
-    return str(value)
 
 
 def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
@@ -390,11 +396,9 @@ def tp_priced(flags: Mapping[str, Any]) -> str:
     rank, experts move by all-to-all, and attention is replicated; the search's learned
     correction has to make up for it."""
     parallel = _ParallelFlags(flags)
-    backend = parallel.given("--moe-a2a-backend")
+    backend = parallel.value("--moe-a2a-backend") not in (None, "none")
     used = [f for f in (parallel.above("--ep-size", 1), parallel.attention_dp,
-                        backend if backend and flags[backend] is not None
-                        and _one_value(flags[backend]) != "none" else None)
-            if f]
+                        parallel.given("--moe-a2a-backend") if backend else None) if f]
     if not used:
         return ""
     return (f"server_flags {', '.join(used)}: the performance model prices the servers as "

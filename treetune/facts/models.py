@@ -132,20 +132,18 @@ class ModelFacts:
         the architectures in ATTENTION_GROUP_ARCHITECTURES splits over tp / attention_dp
         GPUs (SGLang's attn_tp_size); every other's (Llama's, Qwen2's, Mixtral's) still
         over tp."""
-        if (attention_dp > 1 and tp % attention_dp == 0
-                and self.architecture in ATTENTION_GROUP_ARCHITECTURES):
-            problem = self.tp_problem(tp // attention_dp)
-            if not problem:
-                return ""
-            fits = [t for t in (1, 2, 4, 8, 16) if t <= tp and not self.tp_problem(t)]
+        grouped = (attention_dp > 1 and tp % attention_dp == 0
+                   and self.architecture in ATTENTION_GROUP_ARCHITECTURES)
+        problem = self.tp_problem(tp // attention_dp if grouped else tp)
+        if not problem:
+            return ""
+        fits = [t for t in (1, 2, 4, 8, 16) if not self.tp_problem(t)]
+        if grouped:
+            fits = [t for t in fits if t <= tp]
             return (f"SGLang cannot serve '{model}' on {tp} GPUs in {attention_dp} "
                     f"data-parallel attention groups of {tp // attention_dp}: {problem} "
                     f"({self.config_path}); attention group sizes (tp / attention dp) that "
                     f"fit: {', '.join(map(str, fits)) or 'none'}")
-        problem = self.tp_problem(tp)
-        if not problem:
-            return ""
-        fits = [t for t in (1, 2, 4, 8, 16) if not self.tp_problem(t)]
         return (f"SGLang cannot serve '{model}' on {tp} GPUs: {problem} ({self.config_path});"
                 f" tp sizes that fit: {', '.join(map(str, fits)) or 'none up to 16'}")
 
@@ -592,8 +590,7 @@ class _Unquantized:
     def of(cls, quant: Any) -> _Unquantized | None:
         if not isinstance(quant, dict):
             return None
-        if isinstance(quant.get("quantization"), dict):  # ModelOpt's nested form
-            quant = {**quant, **quant["quantization"]}
+        quant = _flat(quant)
         method = _quant_method(quant)
         listed: list[str] = []
         for key in ("modules_to_not_convert", "ignored_layers", "ignore", "exclude_modules"):
@@ -652,6 +649,13 @@ def _modelopt_sidecar(path: Path) -> dict[str, Any] | None:
     return {**section, "quant_method": "modelopt"}
 
 
+def _flat(quant: Mapping[str, Any]) -> dict[str, Any]:
+    """A quantization_config with ModelOpt's nested form (`quantization: {...}`) lifted to
+    its top level."""
+    nested = quant.get("quantization")
+    return {**quant, **nested} if isinstance(nested, dict) else dict(quant)
+
+
 def _quant_method(quant: Mapping[str, Any]) -> str:
     """A quantization_config's method, lower-case: a ModelOpt export may name its producer
     or algorithm only (SGLang 0.5.23 takes a config without quant_method for ModelOpt's)."""
@@ -680,6 +684,7 @@ def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, st
         return dtype_bytes, ""
     if not isinstance(quant, dict):
         raise ConfigFileError(path, "expected a mapping", "quantization_config")
+    quant = _flat(quant)
     method = _quant_method(quant)
     if method == "compressed-tensors":
         for group in (quant.get("config_groups") or {}).values():
@@ -697,13 +702,12 @@ def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, st
     if method == "mxfp4":
         return MXFP4_BYTES, "mxfp4"
     if method == "modelopt":
-        section = {**quant, **(quant.get("quantization") or {})}
-        algo = str(section.get("quant_algo", "")).upper()
+        algo = str(quant.get("quant_algo", "")).upper()
         scheme = "modelopt"
         if algo == "MIXED_PRECISION":
             # Per-layer algorithms: the routed experts' (most of an MoE's bytes), else the
             # most layers'. Every quantized layer is priced at that one algorithm.
-            layers = section.get("quantized_layers") or {}
+            layers = quant.get("quantized_layers") or {}
             algos = {str(k): str(v.get("quant_algo", "")).upper() for k, v in layers.items()
                      if isinstance(v, dict)}
             routed = [a for k, a in algos.items() if ".experts" in k]  # not shared_experts

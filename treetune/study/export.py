@@ -17,7 +17,7 @@ import yaml
 
 from treetune.backends import Deployment, shell_line
 from treetune.backends.chain_schedules import ChainSchedule, trtllm_schedule, vllm_schedule
-from treetune.backends.sglang import attention_dp_size
+from treetune.backends.sglang import running_requests_for
 from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.study.recommend import (
     ADAPTIVE,
@@ -86,14 +86,12 @@ def deployment(spec: StudySpec, rec: Recommendation, port: int | None = None,
     the container's argument list, in the launch folder)."""
     base = spec.launch_spec() if port is None else spec.launch_spec(port=port)
     batch = sized_for(spec, rec)
-    # Data-parallel attention groups each take max_running_requests // their count: a
-    # whole share of the batch each, or the batch never forms.
-    groups = attention_dp_size(spec.server_flags)
     path = None
     if isinstance(rec.config, AdaptiveConfig):
         path = adaptive_path or Path(adaptive_name(rec.workload)).name
-    launch = dataclasses.replace(base, max_running_requests=-(-batch // groups) * groups,
-                                 cuda_graph_max_bs=batch, adaptive_config_path=path)
+    launch = dataclasses.replace(
+        base, max_running_requests=running_requests_for(batch, spec.server_flags),
+        cuda_graph_max_bs=batch, adaptive_config_path=path)
     return spec.backend.deployment(launch, rec.config)
 
 
