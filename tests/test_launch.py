@@ -2,6 +2,7 @@
 
 import itertools
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -217,3 +218,85 @@ def test_attention_groups_get_the_least_loaded_groups_requests(flags, version, a
     methods = [argv[i + 1] for i, a in enumerate(argv) if a == "--load-balance-method"]
     assert methods == ([added] if added else [flags["--load-balance-method"]] if
                        "--load-balance-method" in flags else [])
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+
+
+def facts_of(name):
+    from treetune.facts import model_facts
+
+    return model_facts(str(FIXTURES / name))
+
+
+@pytest.mark.parametrize(("model", "flags", "backend", "gpu", "method", "said"), [
+    # DeepSeek Sparse Attention: SGLang's dsa backend on 64-token pages, on any NVIDIA GPU.
+    ("deepseek-ai/DeepSeek-V3.2", {}, None, "H200", "EAGLE3",
+     "the dsa attention backend, which SGLang picks for DeepseekV32ForCausalLM with DeepSeek "
+     "Sparse Attention (index_topk in its config.json), runs on pages of 64 tokens, where "
+     "SGLang holds a tree only with flashinfer, fa3, triton; search chains (topk 1: --space "
+     "narrow)"),
+    ("deepseek-ai/DeepSeek-V3.2", {}, None, None, "NEXTN", "the dsa attention backend"),
+    ("deepseek-ai/DeepSeek-V3.2", {}, None, "MI300X", "EAGLE3", None),  # pages of 1 there
+    # The same family without the indexer: MLA on Hopper serves trees; on Blackwell
+    # SGLang picks trtllm_mla, on 64-token pages.
+    ("deepseek-ai/DeepSeek-V3", {}, None, "H200", "NEXTN", None),
+    ("deepseek-ai/DeepSeek-V3", {}, None, "B200", "NEXTN",
+     "the trtllm_mla attention backend, which SGLang picks for DeepseekV3ForCausalLM on "
+     "B200, runs on pages of 64 tokens, where SGLang holds a tree only with flashinfer, "
+     "fa3, triton; search chains (topk 1: --space narrow), or give --attention-backend "
+     "triton if the model runs on it"),
+    ("deepseek-ai/DeepSeek-V3", {}, "triton", "B200", "NEXTN", None),
+    # gpt-oss on Blackwell: trtllm_mha, which drafts chains only.
+    ("openai/gpt-oss-120b", {}, None, "B200", "EAGLE3",
+     "the trtllm_mha attention backend, which SGLang picks for GptOssForCausalLM on B200, "
+     "drafts chains only; search chains (topk 1: --space narrow), or give "
+     "--attention-backend flashinfer if the model runs on it"),
+    ("openai/gpt-oss-120b", {}, None, "H100-SXM", "EAGLE3", None),
+    ("openai/gpt-oss-120b", {}, "flashinfer", "B200", "EAGLE3", None),
+    # Given backends and pages, whatever the model (none read).
+    (None, {}, "trtllm_mha", None, "EAGLE3", "the trtllm_mha attention backend, as given, "
+     "drafts chains only"),
+    (None, {"--decode-attention-backend": "flashmla"}, "fa3", None, "EAGLE3",
+     "the flashmla attention backend, as given, runs on pages of 64 tokens"),
+    (None, {"--page-size": 16}, "fa3", None, "EAGLE3", None),
+    (None, {"--page-size": 16}, "fa3", None, "NGRAM",
+     "SGLang refuses branching NGRAM servers (breadth > 1) at start-up here: the fa3 "
+     "attention backend, as given, runs on pages of 16 tokens, where SGLang holds a tree "
+     "only with flashinfer; search breadth 1, or give --attention-backend flashinfer"),
+    (None, {"--page-size": 16}, "flashinfer", None, "NGRAM", None),
+    (None, {}, None, "B200", "EAGLE3", None),
+])
+def test_trees_sglang_serves_only_as_chains_are_named_with_the_reason(
+        model, flags, backend, gpu, method, said):
+    """SGLang 0.5.23 refuses at start-up a tree (topk > 1) on pages of more than one token
+    but with flashinfer, fa3 or triton, and any tree with trtllm_mha (a helper's trace of
+    `_handle_eagle_family`, `_handle_ngram` and the model overrides): for DeepSeek-V3.2 or
+    GLM-5 everywhere, and for gpt-oss, Llama 4 or DeepSeek-V3 on a B200 by default, every
+    launch of the default space's trees would fail."""
+    from treetune.backends.sglang import branching_problem
+
+    problem = branching_problem(flags, backend, facts_of(model) if model else None, gpu,
+                                method)
+    if said is None:
+        assert problem == ""
+    else:
+        assert said in problem, problem
+
+
+def test_a_study_of_trees_sglang_would_refuse_is_refused_before_ray_and_chains_run(tmp_path):
+    from studykit import small_study
+
+    from treetune.study.preflight import check_study
+    from treetune.study.spec import load_study
+
+    model = str(FIXTURES / "deepseek-ai" / "DeepSeek-V3.2")
+    with pytest.raises(TreetuneError, match=r"DeepSeek-V3\.2: SGLang refuses EAGLE3 trees "
+                       r"that branch \(topk > 1\) at start-up here: the dsa attention"):
+        check_study(load_study(None, small_study(tmp_path, model=model)))
+    # A compared tree that branches is refused too, in a space of chains.
+    with pytest.raises(TreetuneError, match="dsa attention backend"):
+        check_study(load_study(None, small_study(tmp_path, model=model, space="narrow",
+                                                 compare=["3,4,8"])))
+    check_study(load_study(None, small_study(tmp_path, model=model, space="narrow",
+                                             compare=["3,1,4"])))

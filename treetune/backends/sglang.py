@@ -30,6 +30,7 @@ from treetune.errors import FieldError, InvalidTreeError, TreetuneError
 from treetune.perfmodel.profile import DEFAULT_METHOD
 
 if TYPE_CHECKING:
+    from treetune.facts.models import ModelFacts
     from treetune.perfmodel import Profile
 
 DEFAULT_SGLANG_VERSION = "0.5.23"
@@ -280,6 +281,83 @@ def running_requests_for(batch: int, flags: Mapping[str, Any]) -> int:
     return -(-batch // groups) * groups
 
 
+# Trees (topk > 1) on a paged KV cache (pages of more than one token): SGLang 0.5.23 serves
+# them only with these attention backends (`_handle_eagle_family` in
+# srt/arg_groups/speculative_hook.py); an NGRAM server's branches only with flashinfer
+# (`_handle_ngram`). The others cannot give each branch its own tail of a page.
+PAGED_TREE_BACKENDS = ("flashinfer", "fa3", "triton")
+PAGED_NGRAM_BACKENDS = ("flashinfer",)
+# Backends that take pages of 16-128 tokens only: SGLang raises a page of 1 to 64 for them
+# (`_mla_backend_page_constraints` in srt/arg_groups/overrides.py); DSA's own backend runs on
+# 64-token pages (srt/arg_groups/model_overrides/deepseek_v2.py).
+PAGED_BACKENDS = ("flashmla", "trtllm_mla", "cutedsl_mla", "trtllm_mha", "hpc_ops", "dsa")
+# A backend that drafts chains only, whatever the page ("trtllm_mha backend only supports
+# topk = 1 for speculative decoding").
+CHAIN_BACKENDS = ("trtllm_mha",)
+# The targets SGLang gives DSA's backend when they have DeepSeek Sparse Attention's indexer
+# (`index_topk`) and no backend is given (deepseek_v2.py's overrides, on CUDA; on ROCm
+# without aiter's paged kernel it falls back to pages of 1).
+DSA_ARCHITECTURES = frozenset({
+    "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "MistralLarge3ForCausalLM",
+    "PixtralForConditionalGeneration", "GlmMoeDsaForCausalLM",
+    "Glm5NextForConditionalGeneration", "HYV4ForCausalLM", "LongcatFlashForCausalLM",
+    "Dots3NoteForCausalLM",
+})
+# Blackwell GPUs (compute capability 10) and the backend SGLang gives these targets there
+# when none is given (srt/arg_groups/model_overrides/: gpt_oss.py, llama4.py, and
+# deepseek_v2.py for the DeepSeek family without DSA).
+BLACKWELL_GPUS = ("B200", "B300", "GB200")
+BLACKWELL_BACKENDS = {
+    "GptOssForCausalLM": "trtllm_mha", "Llama4ForCausalLM": "trtllm_mha",
+    "Llama4ForConditionalGeneration": "trtllm_mha",
+    **{architecture: "trtllm_mla" for architecture in DSA_ARCHITECTURES
+       | {"KimiK25ForConditionalGeneration"}},
+}
+
+
+def branching_problem(flags: Mapping[str, Any], attention_backend: str | None,
+                      target: ModelFacts | None, gpu: str | None, method: str) -> str:
+    """Why SGLang (0.5.23) would refuse at start-up every server of draft `method` whose
+    tree branches (topk > 1; an NGRAM server's breadth) ("" when it would not): the
+    attention backend (`attention_backend`, or the decode one in `flags`; else the one
+    SGLang picks for the `target` on `gpu`, when they are known) takes chains only, or
+    runs on pages of many tokens, where only a few backends can hold a tree."""
+    parallel = _ParallelFlags(flags)
+    backend = parallel.value("--decode-attention-backend") or attention_backend
+    chosen = "as given"
+    if backend is None and target is not None:
+        if target.sparse_index and target.architecture in DSA_ARCHITECTURES and not (
+                gpu or "").startswith("MI"):
+            backend = "dsa"
+            chosen = (f"which SGLang picks for {target.architecture} with DeepSeek Sparse "
+                      "Attention (index_topk in its config.json)")
+        elif gpu in BLACKWELL_GPUS and target.architecture in BLACKWELL_BACKENDS:
+            backend = BLACKWELL_BACKENDS[target.architecture]
+            chosen = f"which SGLang picks for {target.architecture} on {gpu}"
+    if backend is None:
+        return ""
+    page = 64 if backend in PAGED_BACKENDS else parallel.number("--page-size") or 1
+    allowed = PAGED_NGRAM_BACKENDS if method == "NGRAM" else PAGED_TREE_BACKENDS
+    if method != "NGRAM" and backend in CHAIN_BACKENDS:
+        why = f"the {backend} attention backend, {chosen}, drafts chains only"
+    elif page > 1 and backend not in allowed:
+        why = (f"the {backend} attention backend, {chosen}, runs on pages of {page} "
+               f"tokens, where SGLang holds a tree only with {', '.join(allowed)}")
+    else:
+        return ""
+    if method == "NGRAM":
+        shape, fix = "branching NGRAM servers (breadth > 1)", "search breadth 1"
+    else:
+        shape, fix = f"{method} trees that branch (topk > 1)", "search chains (topk 1: " \
+            "--space narrow)"
+    if backend != "dsa":  # DSA's indexer runs on its own backend only
+        # FlashInfer's MLA kernels draft chains only: an MLA target's trees take triton.
+        other = "triton" if target is not None and target.mla and method != "NGRAM" \
+            else allowed[0]
+        fix += f", or give --attention-backend {other} if the model runs on it"
+    return f"SGLang refuses {shape} at start-up here: {why}; {fix}"
+
+
 DEEPEP_CAP_VARIABLE = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
 DEEPEP_DEFAULT_CAP = 128  # SGLang 0.5.23's default for it (srt/environ.py)
 DEEPEP_MAX_CAP = 1024  # what its DeepEP dispatcher asserts the variable stays within
@@ -348,7 +426,8 @@ def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
     """Why a study's server flags would make SGLang (0.5.23) fail every launch, or use
     GPUs its worker was not given ("" when none): a flag SGLang dropped; a server spanning
     nodes; pipeline parallelism (tp x pp GPUs, and no EAGLE3 or STANDALONE draft with it);
-    data-parallel replicas (tp x dp GPUs); STANDALONE with attention data parallelism, or
+    data-parallel replicas (tp x dp GPUs); STANDALONE or NGRAM with attention data
+    parallelism, or
     an attention data-parallel size that does not divide `tp`, or a `max_batch` above it
     (each group takes max_running_requests // its count, at least one, so a largest batch
     it does not divide never forms).
@@ -373,9 +452,10 @@ def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
                 "side), or for data-parallel attention within tp add "
                 "--enable-dp-attention (SGLang 0.5.23: write --attn-dp-size N instead)")
     flag = parallel.attention_dp
-    if flag and "STANDALONE" in algorithms:
-        return (f"'{flag}': SGLang 0.5.23 refuses STANDALONE drafting with data-parallel "
-                "attention; leave it out, or draft by EAGLE3")
+    for refused in ("STANDALONE", "NGRAM"):  # speculative_hook.py's two refusals
+        if flag and refused in algorithms:
+            return (f"'{flag}': SGLang 0.5.23 refuses {refused} drafting with data-parallel "
+                    "attention; leave it out, or draft by EAGLE3")
     groups = parallel.attention_dp_size
     if flag and tp % groups:
         return (f"'{flag}': {groups} data-parallel attention groups do not divide tp {tp} "

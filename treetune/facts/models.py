@@ -112,6 +112,10 @@ class ModelFacts:
     # but the embedding: each pass reads them all. The embedding (kept too) is priced as
     # the quantized bulk, as a pass reads only a few of its rows, not all of it.
     unquantized_params: int = 0
+    # DeepSeek Sparse Attention's indexer (DeepSeek-V3.2, GLM-5: `index_topk` in the
+    # config): each query attends to the `index_topk` tokens its indexer picks. SGLang
+    # 0.5.23 serves it on its own attention backend, on 64-token pages.
+    sparse_index: bool = False
 
     def tp_problem(self, tp: int) -> str:
         """Why SGLang cannot split this model's attention over `tp` GPUs ("" when it can):
@@ -366,7 +370,8 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         kv_heads=c.int("num_key_value_heads", "num_attention_heads", default=0),
         kv_lora_rank=c.int("kv_lora_rank") if _is_mla(c) else 0,
         rope_dim=c.int("qk_rope_head_dim") if _is_mla(c) else 0,
-        unquantized_params=unquantized, **_windowed(c, architecture, layers))
+        unquantized_params=unquantized, sparse_index=c.get("index_topk") is not None,
+        **_windowed(c, architecture, layers))
 
 
 def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,

@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from treetune import strategies
-from treetune.backends.sglang import deepep_problem
+from treetune.backends.sglang import branching_problem, deepep_problem
 from treetune.datasets import load_datasets
 from treetune.errors import TreetuneError
+from treetune.facts import model_facts, seen_model
 from treetune.perfmodel import load_profile
 from treetune.space import SearchSpace, load_space
 from treetune.study.methods import method_spaces
@@ -38,6 +39,7 @@ def check_study(spec: StudySpec) -> None:
     if problem := deepep_problem(spec.server_flags, env, spec.tp, spec.max_batch,
                                  widest_passes(spec, spaces)):
         raise TreetuneError(f"server_flags: {problem}")
+    check_branching(spec, spaces, env)
     why = strategies.missing_requirement(spec.search.strategy)
     if why is not None:
         raise TreetuneError(why)
@@ -46,6 +48,29 @@ def check_study(spec: StudySpec) -> None:
     if spec.ray_address:
         check_ray_address(spec.ray_address, RAY_CONNECT_TIMEOUT_S)
     spec.backend.check(spec.launch_spec(), spec.dataset_names, env, local=spec.local_ray)
+
+
+def check_branching(spec: StudySpec, spaces: Mapping[str, SearchSpace],
+                    env: Mapping[str, str]) -> None:
+    """Refuse a study whose branching trees (searched or compared) SGLang would refuse at
+    every start (`branching_problem`): for the target's config.json when it is here to
+    read, on the GPU the backend names or, with a local Ray, the one this machine shows."""
+    branching = {tree.method or spec.algorithm for space in spaces.values()
+                 for tree in space.configs() if tree.topk > 1}
+    branching |= {tree.method or spec.algorithm for tree in spec.compare if tree.topk > 1}
+    if not branching:
+        return
+    try:
+        target = model_facts(spec.model, env)
+    except TreetuneError:
+        target = None  # not on this machine: the nodes' servers will tell
+    gpu = getattr(spec.backend, "gpu", None)
+    if gpu is None and spec.local_ray and target is not None:
+        gpu = seen_model(env)
+    attention = spec.launch_spec().attention_backend
+    for method in sorted(branching):
+        if problem := branching_problem(spec.server_flags, attention, target, gpu, method):
+            raise TreetuneError(f"{spec.model}: {problem}")
 
 
 def widest_passes(spec: StudySpec, spaces: Mapping[str, SearchSpace]) -> dict[str, int]:
