@@ -489,6 +489,34 @@ def test_an_eagle3_head_as_a_standalone_draft_is_refused_before_ray(tmp_path, of
         build_prior(target, head, tp=1, gpu="H200", algorithm="STANDALONE")
 
 
+def test_an_eagle3_head_drafted_by_eagle_or_a_standalone_draft_of_another_vocabulary_is_refused(
+        tmp_path):
+    """Two pairs SGLang 0.5.23 cannot serve as asked (a helper's trace): an EAGLE3 head
+    drafted by EAGLE starts, but the target hands it no aux hidden states and the head
+    skips its first layer (acceptance not the head's); a STANDALONE draft whose vocabulary
+    size is not the target's fails once both models are loaded. A plain draft of the
+    target's vocabulary still drafts STANDALONE."""
+    from treetune.backends.sglang import check_models
+
+    target, head = fixture("Qwen/Qwen3-8B"), fixture("thoughtworks/Qwen3-8B-Eagle3")
+    spec = sglang_study(tmp_path, model=target, draft=head, algorithm="EAGLE",
+                        backend={"gpu": "H100-SXM"})
+    with pytest.raises(TreetuneError, match=r"^draft '.*Qwen3-8B-Eagle3' \(.*config\.json\) is "
+                       r"an EAGLE3 draft head \(LlamaForCausalLMEagle3\): drafted by EAGLE, .* "
+                       r"Draft by EAGLE3 \(a study's algorithm: EAGLE3, --algorithm EAGLE3\)$"):
+        check_models(spec.launch_spec(), {})
+    deepseek = fixture("deepseek-ai/DeepSeek-V3")
+    spec = sglang_study(tmp_path, model=deepseek, draft=target, algorithm="STANDALONE",
+                        backend={"gpu": "H200"}, tp=8)
+    with pytest.raises(TreetuneError, match=r"^draft '.*Qwen3-8B' \(.*config\.json\) has a "
+                       r"vocabulary of 151936 tokens and '.*DeepSeek-V3' of 129280: SGLang's "
+                       r"STANDALONE drafting needs the very same vocabulary"):
+        check_models(spec.launch_spec(), {})
+    check_models(sglang_study(tmp_path, model=fixture("Qwen/Qwen3-Coder-Next"), draft=target,
+                              algorithm="STANDALONE", backend={"gpu": "H200"}, tp=4
+                              ).launch_spec(), {})
+
+
 @pytest.mark.parametrize(("tp", "flags", "refused"), [
     (8, {}, r"^tp 8 \(--tp\): SGLang cannot serve '.*' on 8 GPUs: its 28 attention heads do "
      r"not split evenly over 8 GPUs .* tp sizes that fit: 1, 2, 4$"),

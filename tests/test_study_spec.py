@@ -225,6 +225,9 @@ def test_a_flag_the_targeted_sglang_renamed_is_refused_with_its_name_there(
     ({"--enable-dp-attention": None}, "algorithm: STANDALONE\n", None),
     ({"--attn-dp-size": 2}, "algorithm: STANDALONE\n", "'--attn-dp-size': SGLang 0.5.23 "
      "refuses STANDALONE"),
+    # speculative_hook.py's _handle_ngram: no NGRAM drafting with data-parallel attention.
+    ({"--attn-dp-size": 2}, "tp: 2\nmethods: [EAGLE3, NGRAM]\n", "'--attn-dp-size': "
+     "SGLang 0.5.23 refuses NGRAM drafting with data-parallel attention"),
     ({"--enable-ep": None}, "", None),
 ])
 def test_parallelism_flags_that_would_fail_every_launch_are_refused_before_ray(

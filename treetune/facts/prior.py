@@ -83,8 +83,9 @@ def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
                  algorithm: str = "EAGLE3") -> str:
     """Why SGLang cannot serve `draft` as the draft of `model` by `algorithm` ("" when it
     can): a target that is itself an EAGLE3 head, a plain model given as an EAGLE3 head,
-    an EAGLE3 head given as a STANDALONE draft, or an EAGLE3 head trained for a target of
-    another width (its first layer takes three of the target's hidden states)."""
+    an EAGLE3 head drafted by EAGLE or given as a STANDALONE draft, a STANDALONE draft of
+    another vocabulary size, or an EAGLE3 head trained for a target of another width (its
+    first layer takes three of the target's hidden states)."""
     if target.eagle3:
         return (f"'{model}' ({target.config_path}) is an EAGLE3 draft head, not a target "
                 "model: give it as the draft")
@@ -97,6 +98,22 @@ def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
                 "loads both models and then fails to start. Give the target's EAGLE3 head, "
                 "or draft with this model as STANDALONE (a study's algorithm: STANDALONE, "
                 "--algorithm STANDALONE)")
+    if algorithm == "EAGLE" and head.eagle3:
+        # SGLang 0.5.23 starts, but only EAGLE3 has the target capture the three hidden
+        # states the head's first layer reads: the head then skips that layer, and drafts
+        # from what it was never trained on (llama_eagle3.py), accepting little.
+        return (f"draft '{draft}' ({head.config_path}) is an EAGLE3 draft head "
+                f"({head.architecture}): drafted by EAGLE, the target does not hand it the "
+                "three hidden states it was trained on, and SGLang runs it without its "
+                "first layer, so its acceptance is not the head's. Draft by EAGLE3 (a "
+                "study's algorithm: EAGLE3, --algorithm EAGLE3)")
+    if algorithm == "STANDALONE" and not head.eagle3 and head.vocab_size != target.vocab_size:
+        # SGLang 0.5.23's STANDALONE worker compares the two vocabularies once both models
+        # are loaded (standalone_worker_v2.py, _validate_vocab_compatibility).
+        return (f"draft '{draft}' ({head.config_path}) has a vocabulary of {head.vocab_size} "
+                f"tokens and '{model}' of {target.vocab_size}: SGLang's STANDALONE drafting "
+                "needs the very same vocabulary, and fails to start once both models are "
+                "loaded. Give a draft of the target's own tokenizer and vocabulary size")
     if algorithm == "STANDALONE" and head.eagle3:
         # SGLang 0.5.23 loads it as the draft model, gives it no hidden states of the
         # target, and fails in its forward while capturing CUDA graphs.
