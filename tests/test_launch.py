@@ -300,3 +300,35 @@ def test_a_study_of_trees_sglang_would_refuse_is_refused_before_ray_and_chains_r
                                                  compare=["3,4,8"])))
     check_study(load_study(None, small_study(tmp_path, model=model, space="narrow",
                                              compare=["3,1,4"])))
+
+
+def test_a_tree_sglang_resolved_otherwise_is_said_with_the_launch():
+    """SGLang may serve another tree than the command asks (a model's override, multi-layer
+    EAGLE): its /server_info tells, and the launch says so (a helper's audit: treetune
+    kept the resolved values and never compared them)."""
+    from treetune.backends.sglang import launch_warnings
+
+    asked = [("--speculative-num-steps", "3"), ("--speculative-eagle-topk", "4"),
+             ("--speculative-num-draft-tokens", "8"), ("--tp", "1")]
+    info = {"speculative_num_steps": 3, "speculative_eagle_topk": 4,
+            "speculative_num_draft_tokens": 8}
+    assert launch_warnings(asked, info, "") == []
+    assert launch_warnings(asked, {**info, "speculative_eagle_topk": 1,
+                                   "speculative_num_draft_tokens": 4}, "") == [
+        "SGLang serves --speculative-eagle-topk 1 (asked 4), --speculative-num-draft-tokens 4 "
+        "(asked 8), by its /server_info: this launch measured that tree, not the one it was "
+        "asked for"]
+    # A baseline asks for no tree; an older SGLang may not report one.
+    assert launch_warnings([("--tp", "1")], {"speculative_eagle_topk": None}, "") == []
+    assert launch_warnings(asked, {}, "") == []
+
+
+@pytest.mark.parametrize("flag", ["--speculative-use-rejection-sampling",
+                                  "--speculative-use-block-verification"])
+def test_rejection_sampling_takes_chains_only(flag):
+    from treetune.backends.sglang import branching_problem
+
+    assert branching_problem({flag: None}, None, None, None, "EAGLE3") == (
+        f"SGLang refuses EAGLE3 trees that branch (topk > 1) at start-up with '{flag}': "
+        "rejection sampling verifies chains only; search chains (topk 1: --space narrow), "
+        "or leave it out")

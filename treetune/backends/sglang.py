@@ -106,9 +106,26 @@ def adaptive_state(info: Mapping[str, Any]) -> AdaptiveState:
     return AdaptiveState(True, {int(k): int(v) for k, v in steps.items()})
 
 
+# The tree flags of a command and the /server_info keys SGLang reports them resolved by.
+RESOLVED_TREE = (("--speculative-num-steps", "speculative_num_steps"),
+                 ("--speculative-eagle-topk", "speculative_eagle_topk"),
+                 ("--speculative-num-draft-tokens", "speculative_num_draft_tokens"))
+
+
 def launch_warnings(flags: Flags, info: Mapping[str, Any], log: str) -> list[str]:
-    """Asked for adaptive steps but serving static trees: SGLang only logs why."""
-    if ADAPTIVE_FLAG not in (name for name, _ in flags) or adaptive_state(info).active:
+    """What the server serves otherwise than its command asked: a tree knob SGLang
+    resolved to another value (its /server_info; e.g. a multi-layer EAGLE or a model's own
+    override), whose measurements are then of another tree; or adaptive steps asked for
+    and static trees served (SGLang only logs why)."""
+    names = [name for name, _ in flags]
+    if ADAPTIVE_FLAG not in names:
+        asked = dict(flags)
+        changed = [f"{flag} {info[key]} (asked {asked[flag]})" for flag, key in RESOLVED_TREE
+                   if asked.get(flag) is not None and info.get(key) is not None
+                   and str(info[key]) != asked[flag]]
+        return [f"SGLang serves {', '.join(changed)}, by its /server_info: this launch "
+                "measured that tree, not the one it was asked for"] if changed else []
+    if adaptive_state(info).active:
         return []
     reason = fallback_reason(log)
     why = (f"SGLang logged: {reason}" if reason else
@@ -303,6 +320,10 @@ DSA_ARCHITECTURES = frozenset({
     "Glm5NextForConditionalGeneration", "HYV4ForCausalLM", "LongcatFlashForCausalLM",
     "Dots3NoteForCausalLM",
 })
+# Flags that verify by rejection sampling (block verification turns it on), which SGLang
+# 0.5.23 implements for chains only ("requires --speculative-eagle-topk=1").
+REJECTION_SAMPLING_FLAGS = ("--speculative-use-rejection-sampling",
+                            "--speculative-use-block-verification")
 # Blackwell GPUs (compute capability 10) and the backend SGLang gives these targets there
 # when none is given (srt/arg_groups/model_overrides/: gpt_oss.py, llama4.py, and
 # deepseek_v2.py for the DeepSeek family without DSA).
@@ -323,6 +344,11 @@ def branching_problem(flags: Mapping[str, Any], attention_backend: str | None,
     SGLang picks for the `target` on `gpu`, when they are known) takes chains only, or
     runs on pages of many tokens, where only a few backends can hold a tree."""
     parallel = _ParallelFlags(flags)
+    if method in ("EAGLE", "EAGLE3", "NEXTN") and (sampled := next(
+            (parallel.given(f) for f in REJECTION_SAMPLING_FLAGS if parallel.given(f)), None)):
+        return (f"SGLang refuses {method} trees that branch (topk > 1) at start-up with "
+                f"'{sampled}': rejection sampling verifies chains only; search chains (topk "
+                "1: --space narrow), or leave it out")
     backend = parallel.value("--decode-attention-backend") or attention_backend
     chosen = "as given"
     if backend is None and target is not None:
