@@ -909,6 +909,35 @@ def test_the_old_cuda_graph_flag_is_refused_where_sglang_no_longer_has_it():
     assert old.cuda_graph_max_bs == 8
 
 
+@pytest.mark.parametrize(("tree", "extra", "message"), [
+    ((3, 4, 8), ["--attention-backend", "trtllm_mha"],
+     r"^ValueError: trtllm_mha backend only supports topk = 1 for speculative decoding\.$"),
+    ((3, 1, 4), ["--attention-backend", "trtllm_mha"], None),
+    ((3, 4, 8), ["--page-size", "64", "--attention-backend", "fa3"], None),
+    ((3, 4, 8), ["--attention-backend", "flashmla"],
+     r"page_size > 1 is only supported on \('flashinfer', 'fa3', 'triton'\); got "
+     r"attention_backend='flashmla'"),
+    ((3, 4, 8), ["--speculative-use-block-verification"],
+     r"requires --speculative-eagle-topk=1"),
+    ((3, 4, 8), ["--page-size=16", "--attention-backend", "hpc_ops"], "page_size > 1"),
+])
+def test_a_branching_tree_sglang_refuses_at_start_up_the_emulator_refuses(tree, extra, message):
+    """SGLang 0.5.23 refuses a tree (topk > 1) with trtllm_mha, with rejection sampling, or
+    on pages of more than one token but with flashinfer, fa3 or triton
+    (`_handle_eagle_family`); the emulator served them, so a study could pass on a
+    shortcut the real server would not take."""
+    steps, topk, tokens = tree
+    argv = ["--profile", "qwen3-8b-h100", "--model-path", "m", "--speculative-algorithm",
+            "EAGLE3", "--speculative-draft-model-path", "d", "--speculative-num-steps",
+            str(steps), "--speculative-eagle-topk", str(topk),
+            "--speculative-num-draft-tokens", str(tokens), *extra]
+    if message is None:
+        assert parse(argv).config == TreeConfig(steps, topk, tokens)
+    else:
+        with pytest.raises(LaunchError, match=message):
+            parse(argv)
+
+
 def test_the_emulator_serves_as_the_release_a_studys_commands_are_written_for():
     """A study written for 0.5.13 passes --cuda-graph-max-bs, which the emulator refuses as
     0.5.23: it is told the study's release."""

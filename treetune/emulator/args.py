@@ -14,6 +14,7 @@ import yaml
 from treetune.backends import sglang_adaptive
 from treetune.backends._base import parse_version
 from treetune.backends.sglang import (
+    CHAIN_BACKENDS,
     CONFIG_FILE_SINCE,
     DEFAULT_SGLANG_VERSION,
     KNOWN_ALGORITHMS,
@@ -22,6 +23,10 @@ from treetune.backends.sglang import (
     NGRAM_DEFAULT_DRAFT_TOKENS,
     NGRAM_FLAGS,
     NGRAM_MATCH_TYPES,
+    PAGED_BACKENDS,
+    PAGED_NGRAM_BACKENDS,
+    PAGED_TREE_BACKENDS,
+    REJECTION_SAMPLING_FLAGS,
     SPEC_DEFAULT_MAX_RUNNING,
     command_line_only,
     needs_draft_model,
@@ -262,6 +267,8 @@ def parse(argv: list[str]) -> EmulatorSettings:
     max_running = ns.max_running_requests or (
         NO_SPEC_DEFAULT_MAX_RUNNING if config is BASELINE else SPEC_DEFAULT_MAX_RUNNING
     )
+    if isinstance(config, TreeConfig) and config.topk > 1 and algorithm:
+        _check_branching(algorithm, attention, unknown)
     return EmulatorSettings(
         profile=ns.profile,
         world=ns.world,
@@ -297,6 +304,37 @@ def parse(argv: list[str]) -> EmulatorSettings:
         method=profile_method(algorithm) if algorithm else None,
         speculative=_resolved(ns, algorithm, config, adaptive),
     )
+
+
+def _check_branching(algorithm: str, attention: str, unknown: list[str]) -> None:
+    """A branching tree where SGLang 0.5.23 refuses one at start-up, with its message
+    (`_handle_eagle_family` and `_handle_ngram`): trtllm_mha drafts chains only, rejection
+    sampling verifies chains only, and on pages of more than one token only a few
+    backends hold a tree. The emulator takes these flags only to refuse as SGLang does."""
+    given = {arg.split("=", 1)[0] for arg in unknown if arg.startswith("--")}
+    if algorithm != NGRAM:
+        if attention in CHAIN_BACKENDS:
+            raise LaunchError(f"ValueError: {attention} backend only supports topk = 1 for "
+                              "speculative decoding.")
+        if given & set(REJECTION_SAMPLING_FLAGS):
+            raise LaunchError("ValueError: --speculative-use-rejection-sampling requires "
+                              "--speculative-eagle-topk=1.")
+    page = 64 if attention in PAGED_BACKENDS else _page_size(unknown)
+    allowed = PAGED_NGRAM_BACKENDS if algorithm == NGRAM else PAGED_TREE_BACKENDS
+    if page > 1 and attention not in allowed:
+        raise LaunchError(f"ValueError: speculative_eagle_topk > 1 with page_size > 1 is only "
+                          f"supported on {allowed}; got attention_backend={attention!r}. Use "
+                          "page_size == 1 or one of those backends.")
+
+
+def _page_size(unknown: list[str]) -> int:
+    """--page-size among the flags the emulator does not otherwise take (1: not given)."""
+    for i, arg in enumerate(unknown):
+        if arg.startswith("--page-size="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--page-size" and i + 1 < len(unknown):
+            return int(unknown[i + 1])
+    return 1
 
 
 def _adaptive(ns: argparse.Namespace) -> tuple[AdaptiveLaunch | None, str | None]:
