@@ -920,6 +920,8 @@ def test_the_old_cuda_graph_flag_is_refused_where_sglang_no_longer_has_it():
     ((3, 4, 8), ["--speculative-use-block-verification"],
      r"requires --speculative-eagle-topk=1"),
     ((3, 4, 8), ["--page-size=16", "--attention-backend", "hpc_ops"], "page_size > 1"),
+    ((3, 4, 8), ["--attention-backend", "aiter"], r"^NotImplementedError: AiterAttnBackend "
+     r"SPEC_V2 path currently supports topk <= 1 only\. Got topk=4\.$"),
 ])
 def test_a_branching_tree_sglang_refuses_at_start_up_the_emulator_refuses(tree, extra, message):
     """SGLang 0.5.23 refuses a tree (topk > 1) with trtllm_mha, with rejection sampling, or

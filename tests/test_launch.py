@@ -261,11 +261,23 @@ def facts_of(name):
      "the flashmla attention backend, as given, runs on pages of 64 tokens"),
     (None, {"--page-size": 16}, "fa3", None, "EAGLE3", None),
     (None, {"--page-size": 16}, "fa3", None, "NGRAM",
-     "SGLang refuses branching NGRAM servers (breadth > 1) at start-up here: the fa3 "
+     "SGLang fails branching NGRAM servers (breadth > 1) as they start here: the fa3 "
      "attention backend, as given, runs on pages of 16 tokens, where SGLang holds a tree "
      "only with flashinfer; search breadth 1, or give --attention-backend flashinfer"),
     (None, {"--page-size": 16}, "flashinfer", None, "NGRAM", None),
     (None, {}, None, "B200", "EAGLE3", None),
+    # An MLA target on Blackwell (not the DeepSeek family): FlashInfer's MLA, chains only.
+    ("deepseek-ai/DeepSeek-V3", {}, "flashinfer", None, "EAGLE3", "the flashinfer attention "
+     "backend, as given, drafts an MLA target's chains only; search chains (topk 1: --space "
+     "narrow), or give --attention-backend triton"),
+    ("Qwen/Qwen3-8B", {}, "flashinfer", "B200", "EAGLE3", None),
+    # ROCm: aiter, SGLang's choice for a target without MLA, drafts chains only.
+    ("Qwen/Qwen3-8B", {}, None, "MI300X", "EAGLE3", "the aiter attention backend, which "
+     "SGLang picks for a target like this on MI300X, drafts chains only; search chains (topk "
+     "1: --space narrow), or give --attention-backend triton if the model runs on it"),
+    ("Qwen/Qwen3-8B", {}, "triton", "MI300X", "EAGLE3", None),
+    ("Qwen/Qwen3-8B", {}, None, "MI300X", "NGRAM", None),
+    ("Qwen/Qwen3-8B", {}, None, "H100-SXM", "EAGLE3", None),
 ])
 def test_trees_sglang_serves_only_as_chains_are_named_with_the_reason(
         model, flags, backend, gpu, method, said):
@@ -291,8 +303,8 @@ def test_a_study_of_trees_sglang_would_refuse_is_refused_before_ray_and_chains_r
     from treetune.study.spec import load_study
 
     model = str(FIXTURES / "deepseek-ai" / "DeepSeek-V3.2")
-    with pytest.raises(TreetuneError, match=r"DeepSeek-V3\.2: SGLang refuses EAGLE3 trees "
-                       r"that branch \(topk > 1\) at start-up here: the dsa attention"):
+    with pytest.raises(TreetuneError, match=r"DeepSeek-V3\.2: SGLang fails EAGLE3 trees "
+                       r"that branch \(topk > 1\) as they start here: the dsa attention"):
         check_study(load_study(None, small_study(tmp_path, model=model)))
     # A compared tree that branches is refused too, in a space of chains.
     with pytest.raises(TreetuneError, match="dsa attention backend"):
@@ -329,6 +341,6 @@ def test_rejection_sampling_takes_chains_only(flag):
     from treetune.backends.sglang import branching_problem
 
     assert branching_problem({flag: None}, None, None, None, "EAGLE3") == (
-        f"SGLang refuses EAGLE3 trees that branch (topk > 1) at start-up with '{flag}': "
+        f"SGLang fails EAGLE3 trees that branch (topk > 1) as they start with '{flag}': "
         "rejection sampling verifies chains only; search chains (topk 1: --space narrow), "
         "or leave it out")

@@ -308,9 +308,11 @@ PAGED_NGRAM_BACKENDS = ("flashinfer",)
 # (`_mla_backend_page_constraints` in srt/arg_groups/overrides.py); DSA's own backend runs on
 # 64-token pages (srt/arg_groups/model_overrides/deepseek_v2.py).
 PAGED_BACKENDS = ("flashmla", "trtllm_mla", "cutedsl_mla", "trtllm_mha", "hpc_ops", "dsa")
-# A backend that drafts chains only, whatever the page ("trtllm_mha backend only supports
-# topk = 1 for speculative decoding").
-CHAIN_BACKENDS = ("trtllm_mha",)
+# Backends that draft chains only, whatever the page: trtllm_mha ("only supports topk = 1
+# for speculative decoding", at start-up), and ROCm's aiter ("SPEC_V2 path currently
+# supports topk <= 1 only", once the weights are loaded). FlashInfer's MLA kernels too
+# ("Currently Flashinfer MLA only supports topk=1", flashinfer_mla_backend.py).
+CHAIN_BACKENDS = ("trtllm_mha", "aiter")
 # The targets SGLang gives DSA's backend when they have DeepSeek Sparse Attention's indexer
 # (`index_topk`) and no backend is given (deepseek_v2.py's overrides, on CUDA; on ROCm
 # without aiter's paged kernel it falls back to pages of 1).
@@ -346,7 +348,7 @@ def branching_problem(flags: Mapping[str, Any], attention_backend: str | None,
     parallel = _ParallelFlags(flags)
     if method in ("EAGLE", "EAGLE3", "NEXTN") and (sampled := next(
             (parallel.given(f) for f in REJECTION_SAMPLING_FLAGS if parallel.given(f)), None)):
-        return (f"SGLang refuses {method} trees that branch (topk > 1) at start-up with "
+        return (f"SGLang fails {method} trees that branch (topk > 1) as they start with "
                 f"'{sampled}': rejection sampling verifies chains only; search chains (topk "
                 "1: --space narrow), or leave it out")
     backend = parallel.value("--decode-attention-backend") or attention_backend
@@ -360,11 +362,18 @@ def branching_problem(flags: Mapping[str, Any], attention_backend: str | None,
         elif gpu in BLACKWELL_GPUS and target.architecture in BLACKWELL_BACKENDS:
             backend = BLACKWELL_BACKENDS[target.architecture]
             chosen = f"which SGLang picks for {target.architecture} on {gpu}"
+        elif gpu in BLACKWELL_GPUS and target.mla:
+            backend, chosen = "flashinfer", f"which SGLang picks for an MLA target on {gpu}"
+        elif (gpu or "").startswith("MI") and not target.mla:
+            backend, chosen = "aiter", f"which SGLang picks for a target like this on {gpu}"
     if backend is None:
         return ""
     page = 64 if backend in PAGED_BACKENDS else parallel.number("--page-size") or 1
     allowed = PAGED_NGRAM_BACKENDS if method == "NGRAM" else PAGED_TREE_BACKENDS
-    if method != "NGRAM" and backend in CHAIN_BACKENDS:
+    mla = target is not None and target.mla
+    if method != "NGRAM" and backend == "flashinfer" and mla:
+        why = f"the flashinfer attention backend, {chosen}, drafts an MLA target's chains only"
+    elif method != "NGRAM" and backend in CHAIN_BACKENDS:
         why = f"the {backend} attention backend, {chosen}, drafts chains only"
     elif page > 1 and backend not in allowed:
         why = (f"the {backend} attention backend, {chosen}, runs on pages of {page} "
@@ -377,11 +386,11 @@ def branching_problem(flags: Mapping[str, Any], attention_backend: str | None,
         shape, fix = f"{method} trees that branch (topk > 1)", "search chains (topk 1: " \
             "--space narrow)"
     if backend != "dsa":  # DSA's indexer runs on its own backend only
-        # FlashInfer's MLA kernels draft chains only: an MLA target's trees take triton.
-        other = "triton" if target is not None and target.mla and method != "NGRAM" \
+        # FlashInfer's MLA kernels draft chains only, and ROCm has no FlashInfer: triton.
+        other = "triton" if (mla and method != "NGRAM") or (gpu or "").startswith("MI") \
             else allowed[0]
         fix += f", or give --attention-backend {other} if the model runs on it"
-    return f"SGLang refuses {shape} at start-up here: {why}; {fix}"
+    return f"SGLang fails {shape} as they start here: {why}; {fix}"
 
 
 DEEPEP_CAP_VARIABLE = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"

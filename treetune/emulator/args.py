@@ -268,7 +268,7 @@ def parse(argv: list[str]) -> EmulatorSettings:
         NO_SPEC_DEFAULT_MAX_RUNNING if config is BASELINE else SPEC_DEFAULT_MAX_RUNNING
     )
     if isinstance(config, TreeConfig) and config.topk > 1 and algorithm:
-        _check_branching(algorithm, attention, unknown)
+        _check_branching(algorithm, attention, config.topk, unknown)
     return EmulatorSettings(
         profile=ns.profile,
         world=ns.world,
@@ -306,13 +306,17 @@ def parse(argv: list[str]) -> EmulatorSettings:
     )
 
 
-def _check_branching(algorithm: str, attention: str, unknown: list[str]) -> None:
+def _check_branching(algorithm: str, attention: str, topk: int, unknown: list[str]) -> None:
     """A branching tree where SGLang 0.5.23 refuses one at start-up, with its message
-    (`_handle_eagle_family` and `_handle_ngram`): trtllm_mha drafts chains only, rejection
+    (`_handle_eagle_family` and `_handle_ngram`; aiter's once loaded): trtllm_mha and aiter
+    draft chains only, rejection
     sampling verifies chains only, and on pages of more than one token only a few
     backends hold a tree. The emulator takes these flags only to refuse as SGLang does."""
     given = {arg.split("=", 1)[0] for arg in unknown if arg.startswith("--")}
     if algorithm != NGRAM:
+        if attention == "aiter":
+            raise LaunchError(f"NotImplementedError: AiterAttnBackend SPEC_V2 path currently "
+                              f"supports topk <= 1 only. Got topk={topk}.")
         if attention in CHAIN_BACKENDS:
             raise LaunchError(f"ValueError: {attention} backend only supports topk = 1 for "
                               "speculative decoding.")
