@@ -273,8 +273,11 @@ def facts_of(name):
     ("Qwen/Qwen3-8B", {}, "flashinfer", "B200", "EAGLE3", None),
     # ROCm: aiter, SGLang's choice for a target without MLA, drafts chains only.
     ("Qwen/Qwen3-8B", {}, None, "MI300X", "EAGLE3", "the aiter attention backend, which "
-     "SGLang picks for a target like this on MI300X, drafts chains only; search chains (topk "
+     "SGLang picks for Qwen3ForCausalLM on MI300X, drafts chains only; search chains (topk "
      "1: --space narrow), or give --attention-backend triton if the model runs on it"),
+    ("openai/gpt-oss-120b", {}, None, "MI355X", "EAGLE3", "the aiter attention backend"),
+    # Hybrid models are left to their servers: what SGLang picks there is not traced.
+    ("Qwen/Qwen3-Coder-Next", {}, None, "MI300X", "EAGLE3", None),
     ("Qwen/Qwen3-8B", {}, "triton", "MI300X", "EAGLE3", None),
     ("Qwen/Qwen3-8B", {}, None, "MI300X", "NGRAM", None),
     ("Qwen/Qwen3-8B", {}, None, "H100-SXM", "EAGLE3", None),

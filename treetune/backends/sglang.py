@@ -322,6 +322,17 @@ DSA_ARCHITECTURES = frozenset({
     "Glm5NextForConditionalGeneration", "HYV4ForCausalLM", "LongcatFlashForCausalLM",
     "Dots3NoteForCausalLM",
 })
+# MLA targets SGLang gives FlashInfer's MLA kernels on Blackwell when no backend is given
+# (model_override_base.py's default for MLA; no model override of theirs picks another).
+BLACKWELL_MLA_FLASHINFER = frozenset({"DeepseekV2ForCausalLM", "Glm4MoeLiteForCausalLM"})
+# Targets SGLang gives aiter on ROCm when no backend is given: the default for a target
+# without MLA, or their own override's (gpt-oss, Llama 4). Others with overrides of their
+# own (OLMo 2/3, EXAONE 4 with sliding windows, MiniMax-M3: triton) are left out.
+ROCM_AITER = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
+    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM",
+    "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
+})
 # Flags that verify by rejection sampling (block verification turns it on), which SGLang
 # 0.5.23 implements for chains only ("requires --speculative-eagle-topk=1").
 REJECTION_SAMPLING_FLAGS = ("--speculative-use-rejection-sampling",
@@ -362,10 +373,12 @@ def branching_problem(flags: Mapping[str, Any], attention_backend: str | None,
         elif gpu in BLACKWELL_GPUS and target.architecture in BLACKWELL_BACKENDS:
             backend = BLACKWELL_BACKENDS[target.architecture]
             chosen = f"which SGLang picks for {target.architecture} on {gpu}"
-        elif gpu in BLACKWELL_GPUS and target.mla:
-            backend, chosen = "flashinfer", f"which SGLang picks for an MLA target on {gpu}"
-        elif (gpu or "").startswith("MI") and not target.mla:
-            backend, chosen = "aiter", f"which SGLang picks for a target like this on {gpu}"
+        elif gpu in BLACKWELL_GPUS and target.architecture in BLACKWELL_MLA_FLASHINFER:
+            backend = "flashinfer"
+            chosen = f"which SGLang picks for {target.architecture} on {gpu}"
+        elif (gpu or "").startswith("MI") and target.architecture in ROCM_AITER:
+            backend = "aiter"
+            chosen = f"which SGLang picks for {target.architecture} on {gpu}"
     if backend is None:
         return ""
     page = 64 if backend in PAGED_BACKENDS else parallel.number("--page-size") or 1
