@@ -909,30 +909,50 @@ def test_the_old_cuda_graph_flag_is_refused_where_sglang_no_longer_has_it():
     assert old.cuda_graph_max_bs == 8
 
 
-@pytest.mark.parametrize(("tree", "extra", "message"), [
-    ((3, 4, 8), ["--attention-backend", "trtllm_mha"],
+@pytest.mark.parametrize(("algorithm", "tree", "extra", "message"), [
+    ("EAGLE3", (3, 4, 8), ["--attention-backend", "trtllm_mha"],
      r"^ValueError: trtllm_mha backend only supports topk = 1 for speculative decoding\.$"),
-    ((3, 1, 4), ["--attention-backend", "trtllm_mha"], None),
-    ((3, 4, 8), ["--page-size", "64", "--attention-backend", "fa3"], None),
-    ((3, 4, 8), ["--attention-backend", "flashmla"],
+    ("EAGLE3", (3, 1, 4), ["--attention-backend", "trtllm_mha"], None),
+    ("EAGLE3", (3, 4, 8), ["--decode-attention-backend", "trtllm_mha"], "trtllm_mha backend"),
+    ("EAGLE3", (3, 4, 8), ["--page-size", "64", "--attention-backend", "fa3"], None),
+    ("EAGLE3", (3, 4, 8), ["--attention-backend", "flashmla"],
      r"page_size > 1 is only supported on \('flashinfer', 'fa3', 'triton'\); got "
      r"attention_backend='flashmla'"),
-    ((3, 4, 8), ["--speculative-use-block-verification"],
+    ("EAGLE3", (3, 4, 8), ["--speculative-use-block-verification"],
      r"requires --speculative-eagle-topk=1"),
-    ((3, 4, 8), ["--page-size=16", "--attention-backend", "hpc_ops"], "page_size > 1"),
-    ((3, 4, 8), ["--attention-backend", "aiter"], r"^NotImplementedError: AiterAttnBackend "
-     r"SPEC_V2 path currently supports topk <= 1 only\. Got topk=4\.$"),
+    ("EAGLE3", (3, 4, 8), ["--speculative-use-rejection"], "requires --speculative-eagle-topk"),
+    ("EAGLE3", (3, 1, 4), ["--speculative-use-rejection-sampling"], None),
+    ("EAGLE3", (3, 4, 8), ["--page-size=16", "--attention-backend", "hpc_ops"], "page_size > 1"),
+    ("EAGLE3", (3, 4, 8), ["--page", "16", "--attention-backend", "fa3", "--page-size", "1"],
+     None),  # the last one given
+    ("EAGLE3", (3, 4, 8), ["--page-size", "many"],
+     r"^error: argument --page-size: invalid int value: 'many'$"),
+    ("EAGLE3", (3, 4, 8), ["--attention-backend", "aiter"], r"^NotImplementedError: "
+     r"AiterAttnBackend SPEC_V2 path currently supports topk <= 1 only\. Got topk=4\.$"),
+    ("NGRAM", (7, 4, 8), ["--page-size", "16", "--attention-backend", "fa3"],
+     r"^ValueError: speculative_eagle_topk\(4\) > 1 with page_size\(16\) > 1 is unstable"),
+    ("NGRAM", (7, 4, 8), ["--page-size", "16", "--attention-backend", "flashinfer"], None),
+    ("STANDALONE", (3, 1, 4), ["--speculative-use-rejection-sampling"],
+     r"^NotImplementedError: --speculative-use-rejection-sampling is only supported for "
+     r"EAGLE / EAGLE3 / NEXTN, not speculative_algorithm=STANDALONE\.$"),
+    ("STANDALONE", (3, 1, 4), ["--speculative-use-block-verification"],
+     r"^ValueError: --speculative-use-block-verification only supports EAGLE"),
 ])
-def test_a_branching_tree_sglang_refuses_at_start_up_the_emulator_refuses(tree, extra, message):
-    """SGLang 0.5.23 refuses a tree (topk > 1) with trtllm_mha, with rejection sampling, or
-    on pages of more than one token but with flashinfer, fa3 or triton
-    (`_handle_eagle_family`); the emulator served them, so a study could pass on a
-    shortcut the real server would not take."""
+def test_drafting_sglang_refuses_as_it_starts_the_emulator_refuses(algorithm, tree, extra,
+                                                                    message):
+    """SGLang 0.5.23 refuses a tree (topk > 1) with trtllm_mha or aiter, with rejection
+    sampling, or on pages of more than one token but with flashinfer, fa3 or triton
+    (flashinfer for NGRAM), and rejection sampling or block verification by a STANDALONE
+    draft; the emulator served them, so a study could pass on a shortcut the real server
+    would not take. Flags as SGLang's parser reads them: abbreviated, `=value`, the last."""
     steps, topk, tokens = tree
+    knobs = (["--speculative-num-draft-tokens", str(tokens), "--speculative-ngram-max-bfs-"
+              "breadth", str(topk)] if algorithm == "NGRAM" else
+             ["--speculative-draft-model-path", "d", "--speculative-num-steps", str(steps),
+              "--speculative-eagle-topk", str(topk), "--speculative-num-draft-tokens",
+              str(tokens)])
     argv = ["--profile", "qwen3-8b-h100", "--model-path", "m", "--speculative-algorithm",
-            "EAGLE3", "--speculative-draft-model-path", "d", "--speculative-num-steps",
-            str(steps), "--speculative-eagle-topk", str(topk),
-            "--speculative-num-draft-tokens", str(tokens), *extra]
+            algorithm, *knobs, *extra]
     if message is None:
         assert parse(argv).config == TreeConfig(steps, topk, tokens)
     else:

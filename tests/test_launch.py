@@ -1,7 +1,9 @@
 """Launch command lines: flag names per SGLang version, quoting."""
 
 import itertools
+import os
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -229,14 +231,18 @@ def facts_of(name):
     return model_facts(str(FIXTURES / name))
 
 
+CHAINS = "search and compare chains only (topk 1: --space narrow)"
+
+
 @pytest.mark.parametrize(("model", "flags", "backend", "gpu", "method", "said"), [
     # DeepSeek Sparse Attention: SGLang's dsa backend on 64-token pages, on any NVIDIA GPU.
     ("deepseek-ai/DeepSeek-V3.2", {}, None, "H200", "EAGLE3",
-     "the dsa attention backend, which SGLang picks for DeepseekV32ForCausalLM with DeepSeek "
-     "Sparse Attention (index_topk in its config.json), runs on pages of 64 tokens, where "
-     "SGLang holds a tree only with flashinfer, fa3, triton; search chains (topk 1: --space "
-     "narrow)"),
+     "SGLang fails EAGLE3 trees that branch (topk > 1) as they start here: the dsa attention "
+     "backend, which SGLang picks for DeepseekV32ForCausalLM with DeepSeek Sparse Attention "
+     "(index_topk in its config.json), runs on pages of 64 tokens, where SGLang holds a "
+     f"tree only with flashinfer, fa3, triton; {CHAINS}"),
     ("deepseek-ai/DeepSeek-V3.2", {}, None, None, "NEXTN", "the dsa attention backend"),
+    ("deepseek-ai/DeepSeek-V3.2", {}, None, "MIG instances", "NEXTN", "the dsa attention"),
     ("deepseek-ai/DeepSeek-V3.2", {}, None, "MI300X", "EAGLE3", None),  # pages of 1 there
     # The same family without the indexer: MLA on Hopper serves trees; on Blackwell
     # SGLang picks trtllm_mla, on 64-token pages.
@@ -244,38 +250,46 @@ def facts_of(name):
     ("deepseek-ai/DeepSeek-V3", {}, None, "B200", "NEXTN",
      "the trtllm_mla attention backend, which SGLang picks for DeepseekV3ForCausalLM on "
      "B200, runs on pages of 64 tokens, where SGLang holds a tree only with flashinfer, "
-     "fa3, triton; search chains (topk 1: --space narrow), or give --attention-backend "
-     "triton if the model runs on it"),
+     f"fa3, triton; {CHAINS}, or give --attention-backend triton if the model runs on it"),
+    ("deepseek-ai/DeepSeek-V3", {}, None, "DGX B200", "NEXTN", "trtllm_mla"),  # any spelling
     ("deepseek-ai/DeepSeek-V3", {}, "triton", "B200", "NEXTN", None),
-    # gpt-oss on Blackwell: trtllm_mha, which drafts chains only.
+    # gpt-oss on Blackwell: trtllm_mha, which drafts chains only; triton is the way out
+    # (SGLang refuses gpt-oss on flashinfer, model_hook.py).
     ("openai/gpt-oss-120b", {}, None, "B200", "EAGLE3",
      "the trtllm_mha attention backend, which SGLang picks for GptOssForCausalLM on B200, "
-     "drafts chains only; search chains (topk 1: --space narrow), or give "
-     "--attention-backend flashinfer if the model runs on it"),
+     f"drafts chains only; {CHAINS}, or give --attention-backend triton if the model runs "
+     "on it"),
     ("openai/gpt-oss-120b", {}, None, "H100-SXM", "EAGLE3", None),
-    ("openai/gpt-oss-120b", {}, "flashinfer", "B200", "EAGLE3", None),
+    ("openai/gpt-oss-120b", {}, "triton", "B200", "EAGLE3", None),
     # Given backends and pages, whatever the model (none read).
     (None, {}, "trtllm_mha", None, "EAGLE3", "the trtllm_mha attention backend, as given, "
      "drafts chains only"),
+    (None, {"--prefill-attention-backend": "trtllm_mha"}, "fa3", None, "EAGLE3",
+     "the trtllm_mha attention backend, as given, drafts chains only"),
     (None, {"--decode-attention-backend": "flashmla"}, "fa3", None, "EAGLE3",
      "the flashmla attention backend, as given, runs on pages of 64 tokens"),
     (None, {"--page-size": 16}, "fa3", None, "EAGLE3", None),
-    (None, {"--page-size": 16}, "fa3", None, "NGRAM",
+    (None, {"--page": "16"}, "fa3", None, "NGRAM",  # SGLang's parser takes abbreviations
      "SGLang fails branching NGRAM servers (breadth > 1) as they start here: the fa3 "
      "attention backend, as given, runs on pages of 16 tokens, where SGLang holds a tree "
-     "only with flashinfer; search breadth 1, or give --attention-backend flashinfer"),
+     "only with flashinfer; search breadth 1 (an NGRAM space of topk [1]), or leave "
+     "--page-size out"),
     (None, {"--page-size": 16}, "flashinfer", None, "NGRAM", None),
     (None, {}, None, "B200", "EAGLE3", None),
-    # An MLA target on Blackwell (not the DeepSeek family): FlashInfer's MLA, chains only.
+    # FlashInfer's MLA kernels: a NEXTN draft fails, a head's trees lose their mask.
     ("deepseek-ai/DeepSeek-V3", {}, "flashinfer", None, "EAGLE3", "the flashinfer attention "
-     "backend, as given, drafts an MLA target's chains only; search chains (topk 1: --space "
-     "narrow), or give --attention-backend triton"),
+     "backend, as given, takes an MLA target's chains only: a NEXTN draft fails as it "
+     "starts, and other drafts' trees are verified without their tree mask; "
+     f"{CHAINS}, or give --attention-backend triton"),
     ("Qwen/Qwen3-8B", {}, "flashinfer", "B200", "EAGLE3", None),
-    # ROCm: aiter, SGLang's choice for a target without MLA, drafts chains only.
+    # ROCm: aiter, SGLang's choice for these targets, drafts chains only.
     ("Qwen/Qwen3-8B", {}, None, "MI300X", "EAGLE3", "the aiter attention backend, which "
-     "SGLang picks for Qwen3ForCausalLM on MI300X, drafts chains only; search chains (topk "
-     "1: --space narrow), or give --attention-backend triton if the model runs on it"),
+     f"SGLang picks for Qwen3ForCausalLM on MI300X, drafts chains only; {CHAINS}, or give "
+     "--attention-backend triton if the model runs on it"),
+    ("Qwen/Qwen3-8B", {}, None, "mi300x", "EAGLE3", "the aiter attention backend"),
     ("openai/gpt-oss-120b", {}, None, "MI355X", "EAGLE3", "the aiter attention backend"),
+    # MIG instances are NVIDIA's (not an MI-something): SGLang's CUDA default holds trees.
+    ("Qwen/Qwen3-8B", {}, None, "MIG instances", "EAGLE3", None),
     # Hybrid models are left to their servers: what SGLang picks there is not traced.
     ("Qwen/Qwen3-Coder-Next", {}, None, "MI300X", "EAGLE3", None),
     ("Qwen/Qwen3-8B", {}, "triton", "MI300X", "EAGLE3", None),
@@ -340,10 +354,40 @@ def test_a_tree_sglang_resolved_otherwise_is_said_with_the_launch():
 
 @pytest.mark.parametrize("flag", ["--speculative-use-rejection-sampling",
                                   "--speculative-use-block-verification"])
-def test_rejection_sampling_takes_chains_only(flag):
-    from treetune.backends.sglang import branching_problem
+def test_rejection_sampling_takes_chains_only_and_eagles_drafts_only(flag):
+    from treetune.backends.sglang import branching_problem, parallel_flag_problem
 
-    assert branching_problem({flag: None}, None, None, None, "EAGLE3") == (
-        f"SGLang fails EAGLE3 trees that branch (topk > 1) as they start with '{flag}': "
-        "rejection sampling verifies chains only; search chains (topk 1: --space narrow), "
-        "or leave it out")
+    target = facts_of("Qwen/Qwen3-8B")
+    assert branching_problem({flag: None}, None, target, "H100-SXM", "NEXTN") == (
+        f"SGLang fails NEXTN trees that branch (topk > 1) as they start with '{flag}': "
+        f"rejection sampling verifies chains only; {CHAINS}, or leave it out")
+    assert branching_problem({flag: None}, None, target, "H100-SXM", "NGRAM") == ""
+    assert parallel_flag_problem({flag: None}, {"EAGLE3"}) == ""
+    refused = parallel_flag_problem({flag: None}, {"EAGLE3", "STANDALONE", "NGRAM"})
+    drafts = "NGRAM and STANDALONE" if "block" in flag else "STANDALONE"
+    assert refused == (f"'{flag}': SGLang 0.5.23 takes it for EAGLE, EAGLE3 and NEXTN only, "
+                       f"and fails {drafts} servers as they start; leave it out")
+
+
+def test_a_local_gpu_node_s_own_gpu_decides_and_an_emulated_study_s_never_does(
+        tmp_path, monkeypatch):
+    """On a B200 node (a stand-in nvidia-smi), SGLang gives gpt-oss trtllm_mha, which
+    drafts chains only: the local SGLang study of trees is refused before Ray. An emulated
+    study on the same machine is not: its servers are the profile's, whatever GPU the
+    machine has (a review's case)."""
+    from studykit import small_study
+    from test_facts import stand_in_nvidia_smi
+
+    from treetune.study.preflight import check_study
+    from treetune.study.spec import load_study
+
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "NVIDIA B200, 183359 MiB\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    model = str(FIXTURES / "openai" / "gpt-oss-120b")
+    emulated = load_study(None, small_study(tmp_path, model=model))
+    check_study(emulated)
+    real = load_study(None, small_study(tmp_path, model=model, backend={
+        "kind": "sglang", "python": sys.executable}))
+    with pytest.raises(TreetuneError, match=r"trtllm_mha attention backend, which SGLang "
+                       r"picks for GptOssForCausalLM on B200, drafts chains only"):
+        check_study(real)

@@ -221,9 +221,9 @@ _ONE_NODE = ("treetune runs each server on the tp GPUs Ray gives its worker, on 
              "several servers at a time")
 
 
-class _ParallelFlags:
-    """A study's server flags as SGLang reads its parallelism flags: by their names, their
-    aliases, or a prefix of one (its parser takes unambiguous abbreviations)."""
+class ServerFlags:
+    """Server flags as SGLang's parser reads them: by their names, their aliases (of the
+    parallelism flags), or a prefix of one (it takes unambiguous abbreviations)."""
 
     def __init__(self, flags: Mapping[str, Any]) -> None:
         self.flags = flags
@@ -287,7 +287,7 @@ class _ParallelFlags:
 def attention_dp_size(flags: Mapping[str, Any]) -> int:
     """The attention's data-parallel size the server flags ask for (1: none). SGLang
     0.5.23 splits attention heads over tp / this (`attn_tp_size`), not over tp."""
-    return _ParallelFlags(flags).attention_dp_size
+    return ServerFlags(flags).attention_dp_size
 
 
 def running_requests_for(batch: int, flags: Mapping[str, Any]) -> int:
@@ -351,41 +351,31 @@ BLACKWELL_BACKENDS = {
 
 def branching_problem(flags: Mapping[str, Any], attention_backend: str | None,
                       target: ModelFacts | None, gpu: str | None, method: str) -> str:
-    """Why SGLang (0.5.23) would refuse at start-up every server of draft `method` whose
-    tree branches (topk > 1; an NGRAM server's breadth) ("" when it would not): the
-    attention backend (`attention_backend`, or the decode one in `flags`; else the one
-    SGLang picks for the `target` on `gpu`, when they are known) takes chains only, or
-    runs on pages of many tokens, where only a few backends can hold a tree."""
-    parallel = _ParallelFlags(flags)
+    """Why SGLang (0.5.23) would fail every server of draft `method` whose tree branches
+    (topk > 1; an NGRAM server's breadth) ("" when it would not): rejection sampling, or
+    an attention backend (`attention_backend` or one in `flags`; else the one SGLang picks
+    for the `target` on `gpu`, when they are known) that drafts chains only or runs on
+    pages of many tokens, where only a few backends can hold a tree."""
+    parallel = ServerFlags(flags)
     if method in ("EAGLE", "EAGLE3", "NEXTN") and (sampled := next(
             (parallel.given(f) for f in REJECTION_SAMPLING_FLAGS if parallel.given(f)), None)):
         return (f"SGLang fails {method} trees that branch (topk > 1) as they start with "
-                f"'{sampled}': rejection sampling verifies chains only; search chains (topk "
-                "1: --space narrow), or leave it out")
-    backend = parallel.value("--decode-attention-backend") or attention_backend
-    chosen = "as given"
-    if backend is None and target is not None:
-        if target.sparse_index and target.architecture in DSA_ARCHITECTURES and not (
-                gpu or "").startswith("MI"):
-            backend = "dsa"
-            chosen = (f"which SGLang picks for {target.architecture} with DeepSeek Sparse "
-                      "Attention (index_topk in its config.json)")
-        elif gpu in BLACKWELL_GPUS and target.architecture in BLACKWELL_BACKENDS:
-            backend = BLACKWELL_BACKENDS[target.architecture]
-            chosen = f"which SGLang picks for {target.architecture} on {gpu}"
-        elif gpu in BLACKWELL_GPUS and target.architecture in BLACKWELL_MLA_FLASHINFER:
-            backend = "flashinfer"
-            chosen = f"which SGLang picks for {target.architecture} on {gpu}"
-        elif (gpu or "").startswith("MI") and target.architecture in ROCM_AITER:
-            backend = "aiter"
-            chosen = f"which SGLang picks for {target.architecture} on {gpu}"
+                f"'{sampled}': rejection sampling verifies chains only; {_CHAINS}, or leave "
+                "it out")
+    given = [b for b in (parallel.value("--decode-attention-backend"), attention_backend,
+                         parallel.value("--prefill-attention-backend")) if b]
+    backend, chosen = (given[0], "as given") if given else _default_backend(target, gpu)
     if backend is None:
         return ""
+    if method != "NGRAM" and "trtllm_mha" in given:  # any of them (attention_backends_of)
+        backend = "trtllm_mha"
     page = 64 if backend in PAGED_BACKENDS else parallel.number("--page-size") or 1
     allowed = PAGED_NGRAM_BACKENDS if method == "NGRAM" else PAGED_TREE_BACKENDS
     mla = target is not None and target.mla
     if method != "NGRAM" and backend == "flashinfer" and mla:
-        why = f"the flashinfer attention backend, {chosen}, drafts an MLA target's chains only"
+        why = (f"the flashinfer attention backend, {chosen}, takes an MLA target's chains "
+               "only: a NEXTN draft fails as it starts, and other drafts' trees are verified "
+               "without their tree mask")
     elif method != "NGRAM" and backend in CHAIN_BACKENDS:
         why = f"the {backend} attention backend, {chosen}, drafts chains only"
     elif page > 1 and backend not in allowed:
@@ -394,16 +384,50 @@ def branching_problem(flags: Mapping[str, Any], attention_backend: str | None,
     else:
         return ""
     if method == "NGRAM":
-        shape, fix = "branching NGRAM servers (breadth > 1)", "search breadth 1"
+        shape = "branching NGRAM servers (breadth > 1)"
+        fix = "search breadth 1 (an NGRAM space of topk [1])"
+        if backend not in PAGED_BACKENDS:
+            fix += ", or leave --page-size out"
     else:
-        shape, fix = f"{method} trees that branch (topk > 1)", "search chains (topk 1: " \
-            "--space narrow)"
-    if backend != "dsa":  # DSA's indexer runs on its own backend only
-        # FlashInfer's MLA kernels draft chains only, and ROCm has no FlashInfer: triton.
-        other = "triton" if (mla and method != "NGRAM") or (gpu or "").startswith("MI") \
-            else allowed[0]
-        fix += f", or give --attention-backend {other} if the model runs on it"
+        shape, fix = f"{method} trees that branch (topk > 1)", _CHAINS
+        if backend != "dsa":  # DSA's indexer runs on its own backend only
+            # triton holds trees on every GPU, for MLA targets too, and gpt-oss and Llama 4
+            # take it (they refuse flashinfer: model_hook.py).
+            fix += ", or give --attention-backend triton if the model runs on it"
     return f"SGLang fails {shape} as they start here: {why}; {fix}"
+
+
+_CHAINS = "search and compare chains only (topk 1: --space narrow)"
+AMD_GPUS = ("MI300X", "MI325X", "MI355X")
+
+
+def _default_backend(target: ModelFacts | None, gpu: str | None
+                     ) -> tuple[str | None, str]:
+    """The attention backend SGLang 0.5.23 picks for `target` on `gpu` (any name the GPU
+    table knows) when none is given, where it drafts chains only or pages the cache (None
+    where it is one that holds trees, or unknown), and how it was chosen."""
+    from treetune.facts import gpu_facts
+
+    if target is None:
+        return None, ""
+    try:
+        name = gpu_facts(gpu).name if gpu else None
+    except TreetuneError:
+        name = None  # not a GPU of the table (MIG instances, say): its default is unknown
+    # On ROCm SGLang falls back to pages of 1 where aiter's paged kernel is missing.
+    if target.sparse_index and target.architecture in DSA_ARCHITECTURES and \
+            name not in AMD_GPUS:
+        return "dsa", (f"which SGLang picks for {target.architecture} with DeepSeek Sparse "
+                       "Attention (index_topk in its config.json)")
+    if name in BLACKWELL_GPUS and target.architecture in BLACKWELL_BACKENDS:
+        backend = BLACKWELL_BACKENDS[target.architecture]
+    elif name in BLACKWELL_GPUS and target.architecture in BLACKWELL_MLA_FLASHINFER:
+        backend = "flashinfer"
+    elif name in AMD_GPUS and target.architecture in ROCM_AITER:
+        backend = "aiter"
+    else:
+        return None, ""
+    return backend, f"which SGLang picks for {target.architecture} on {name}"
 
 
 DEEPEP_CAP_VARIABLE = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
@@ -421,7 +445,7 @@ def deepep_problem(flags: Mapping[str, Any], env: Mapping[str, str], tp: int,
     largest batch, times the tokens each request verifies, over the group's GPUs.
     `widest`: per draft method, the most tokens a request sends in one pass (draft tokens;
     a NEXTN draft's MoE layer also sends topk)."""
-    parallel = _ParallelFlags(flags)
+    parallel = ServerFlags(flags)
     if parallel.value("--moe-a2a-backend") != "deepep":
         return ""
     if parallel.value("--deepep-mode") == "normal":
@@ -480,7 +504,7 @@ def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
     (each group takes max_running_requests // its count, at least one, so a largest batch
     it does not divide never forms).
     Expert parallelism and attention data parallelism live within the tp GPUs: allowed."""
-    parallel = _ParallelFlags(flags)
+    parallel = ServerFlags(flags)
     for dropped, instead in DROPPED_FLAGS.items():
         if dropped in flags:  # by its whole name: a prefix may be another flag's now
             return (f"'{dropped}' is no flag of SGLang since 0.5.9 (0.5.3 refused it): "
@@ -499,6 +523,15 @@ def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
                 "study measures one replica (leave it out; `workers` runs servers side by "
                 "side), or for data-parallel attention within tp add "
                 "--enable-dp-attention (SGLang 0.5.23: write --attn-dp-size N instead)")
+    for name in REJECTION_SAMPLING_FLAGS:
+        flag = parallel.given(name)
+        # Block verification takes EAGLE, EAGLE3 and NEXTN only, and so does rejection
+        # sampling of the methods treetune runs (speculative_hook.py; NGRAM has no verify
+        # by rejection sampling to refuse it).
+        drafts = {"STANDALONE", "NGRAM"} if "block" in name else {"STANDALONE"}
+        if flag and (refused := sorted(drafts & set(algorithms))):
+            return (f"'{flag}': SGLang 0.5.23 takes it for EAGLE, EAGLE3 and NEXTN only, "
+                    f"and fails {' and '.join(refused)} servers as they start; leave it out")
     flag = parallel.attention_dp
     for refused in ("STANDALONE", "NGRAM"):  # speculative_hook.py's two refusals
         if flag and refused in algorithms:
@@ -523,7 +556,7 @@ def tp_priced(flags: Mapping[str, Any]) -> str:
     prices the servers as tensor parallel, where a step is as slow as its busiest expert
     rank, experts move by all-to-all, and attention is replicated; the search's learned
     correction has to make up for it."""
-    parallel = _ParallelFlags(flags)
+    parallel = ServerFlags(flags)
     backend = parallel.value("--moe-a2a-backend") not in (None, "none")
     used = [f for f in (parallel.above("--ep-size", 1), parallel.attention_dp,
                         parallel.given("--moe-a2a-backend") if backend else None) if f]
@@ -714,7 +747,7 @@ def server_args(
         args.append("--enable-metrics")
     if not spec.prefix_cache and NO_PREFIX_CACHE not in (name for name, _ in spec.extra_flags):
         args.append(NO_PREFIX_CACHE)  # SGLang's radix cache is on by default
-    parallel = _ParallelFlags(dict(spec.extra_flags))
+    parallel = ServerFlags(dict(spec.extra_flags))
     if parallel.attention_dp_size > 1 and parallel.given("--load-balance-method") is None:
         # Round robin (the default) hands a closed loop's next request to the next group,
         # not to the one a request just left: groups drift apart, some queue while others

@@ -28,6 +28,7 @@ from treetune.backends.sglang import (
     PAGED_TREE_BACKENDS,
     REJECTION_SAMPLING_FLAGS,
     SPEC_DEFAULT_MAX_RUNNING,
+    ServerFlags,
     command_line_only,
     needs_draft_model,
     ngram_tree,
@@ -267,8 +268,8 @@ def parse(argv: list[str]) -> EmulatorSettings:
     max_running = ns.max_running_requests or (
         NO_SPEC_DEFAULT_MAX_RUNNING if config is BASELINE else SPEC_DEFAULT_MAX_RUNNING
     )
-    if isinstance(config, TreeConfig) and config.topk > 1 and algorithm:
-        _check_branching(algorithm, attention, config.topk, unknown)
+    if isinstance(config, TreeConfig) and algorithm:
+        _check_drafting(algorithm, attention, config.topk, unknown)
     return EmulatorSettings(
         profile=ns.profile,
         world=ns.world,
@@ -306,39 +307,70 @@ def parse(argv: list[str]) -> EmulatorSettings:
     )
 
 
-def _check_branching(algorithm: str, attention: str, topk: int, unknown: list[str]) -> None:
-    """A branching tree where SGLang 0.5.23 refuses one at start-up, with its message
-    (`_handle_eagle_family` and `_handle_ngram`; aiter's once loaded): trtllm_mha and aiter
-    draft chains only, rejection
-    sampling verifies chains only, and on pages of more than one token only a few
-    backends hold a tree. The emulator takes these flags only to refuse as SGLang does."""
-    given = {arg.split("=", 1)[0] for arg in unknown if arg.startswith("--")}
+def _check_drafting(algorithm: str, attention: str, topk: int, unknown: list[str]) -> None:
+    """What SGLang 0.5.23 refuses as it starts (`handle_speculative_decoding`,
+    `_handle_eagle_family`, `_handle_ngram`; aiter's once loaded), with its messages: block
+    verification or rejection sampling by another draft than EAGLE's, and a branching tree
+    (topk > 1) with trtllm_mha or aiter (chains only), with rejection sampling (chains
+    only), or on pages of more than one token but with the few backends that hold a tree.
+    The emulator takes these flags (as SGLang's parser reads them: abbreviated, `=value`,
+    the last one given) only to refuse as SGLang does."""
+    parallel = ServerFlags(_flags_of(unknown))
+    page_flag = parallel.given("--page-size")
+    if page_flag and parallel.number("--page-size") is None:
+        raise LaunchError(f"error: argument --page-size: invalid int value: "
+                          f"{parallel.value('--page-size')!r}")
+    if parallel.given("--speculative-use-block-verification") and algorithm in (
+            "STANDALONE", NGRAM):
+        raise LaunchError("ValueError: --speculative-use-block-verification only supports "
+                          "EAGLE / EAGLE3 / NEXTN / DFLASH / DSPARK.")
+    sampled = any(parallel.given(f) for f in REJECTION_SAMPLING_FLAGS)
+    if sampled and algorithm == "STANDALONE":
+        raise LaunchError("NotImplementedError: --speculative-use-rejection-sampling is only "
+                          "supported for EAGLE / EAGLE3 / NEXTN, not "
+                          "speculative_algorithm=STANDALONE.")
+    if topk <= 1:
+        return
+    backends = [b for b in (parallel.value("--decode-attention-backend"), attention,
+                            parallel.value("--prefill-attention-backend")) if b]
     if algorithm != NGRAM:
-        if attention == "aiter":
+        if "aiter" in backends[:1]:
             raise LaunchError(f"NotImplementedError: AiterAttnBackend SPEC_V2 path currently "
                               f"supports topk <= 1 only. Got topk={topk}.")
-        if attention in CHAIN_BACKENDS:
-            raise LaunchError(f"ValueError: {attention} backend only supports topk = 1 for "
+        if any(b in CHAIN_BACKENDS and b != "aiter" for b in backends):
+            raise LaunchError("ValueError: trtllm_mha backend only supports topk = 1 for "
                               "speculative decoding.")
-        if given & set(REJECTION_SAMPLING_FLAGS):
+        if sampled:
             raise LaunchError("ValueError: --speculative-use-rejection-sampling requires "
                               "--speculative-eagle-topk=1.")
-    page = 64 if attention in PAGED_BACKENDS else _page_size(unknown)
-    allowed = PAGED_NGRAM_BACKENDS if algorithm == NGRAM else PAGED_TREE_BACKENDS
-    if page > 1 and attention not in allowed:
+    backend = backends[0]
+    page = 64 if backend in PAGED_BACKENDS else parallel.number("--page-size") or 1
+    if page <= 1:
+        return
+    if algorithm == NGRAM and backend not in PAGED_NGRAM_BACKENDS:
+        raise LaunchError(f"ValueError: speculative_eagle_topk({topk}) > 1 with page_size("
+                          f"{page}) > 1 is unstable and produces incorrect results for paged "
+                          "attention backends. This combination is only supported for the "
+                          "'flashinfer' backend.")
+    if algorithm != NGRAM and backend not in PAGED_TREE_BACKENDS:
         raise LaunchError(f"ValueError: speculative_eagle_topk > 1 with page_size > 1 is only "
-                          f"supported on {allowed}; got attention_backend={attention!r}. Use "
-                          "page_size == 1 or one of those backends.")
+                          f"supported on {PAGED_TREE_BACKENDS}; got attention_backend="
+                          f"{backend!r}. Use page_size == 1 or one of those backends.")
 
 
-def _page_size(unknown: list[str]) -> int:
-    """--page-size among the flags the emulator does not otherwise take (1: not given)."""
-    for i, arg in enumerate(unknown):
-        if arg.startswith("--page-size="):
-            return int(arg.split("=", 1)[1])
-        if arg == "--page-size" and i + 1 < len(unknown):
-            return int(unknown[i + 1])
-    return 1
+def _flags_of(args: list[str]) -> dict[str, str | None]:
+    """`--flag value`, `--flag=value` and bare `--flag` among `args`, the last of each."""
+    flags: dict[str, str | None] = {}
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        name, eq, value = arg.partition("=")
+        if not eq:
+            following = args[i + 1] if i + 1 < len(args) else None
+            value = None if following is None or following.startswith("--") else following
+        flags.pop(name, None)
+        flags[name] = value
+    return flags
 
 
 def _adaptive(ns: argparse.Namespace) -> tuple[AdaptiveLaunch | None, str | None]:

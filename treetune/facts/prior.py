@@ -100,13 +100,13 @@ def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
                 "--algorithm STANDALONE)")
     if algorithm == "EAGLE" and head.eagle3:
         # SGLang 0.5.23 starts, but only EAGLE3 has the target capture the three hidden
-        # states the head's first layer reads: the head then skips that layer, and drafts
-        # from what it was never trained on (llama_eagle3.py), accepting little.
+        # states the head's fc projection takes: the head then skips it, and drafts from
+        # what it was never trained on (llama_eagle3.py), accepting little.
         return (f"draft '{draft}' ({head.config_path}) is an EAGLE3 draft head "
                 f"({head.architecture}): drafted by EAGLE, the target does not hand it the "
-                "three hidden states it was trained on, and SGLang runs it without its "
-                "first layer, so its acceptance is not the head's. Draft by EAGLE3 (a "
-                "study's algorithm: EAGLE3, --algorithm EAGLE3)")
+                "three hidden states it was trained on, and SGLang runs it without the "
+                "projection of them, so its acceptance is not the head's. Draft by EAGLE3 "
+                "(a study's algorithm: EAGLE3, --algorithm EAGLE3)")
     if algorithm == "STANDALONE" and not head.eagle3 and head.vocab_size != target.vocab_size:
         # SGLang 0.5.23's STANDALONE worker compares the two vocabularies once both models
         # are loaded (standalone_worker_v2.py, _validate_vocab_compatibility).

@@ -19,6 +19,7 @@ from treetune.facts import model_facts, seen_model
 from treetune.perfmodel import load_profile
 from treetune.space import SearchSpace, load_space
 from treetune.study.methods import method_spaces
+from treetune.study.placement import RAY_GPU
 from treetune.study.spec import SPEC_COPY, StudySpec
 from treetune.yamlio import load_yaml
 
@@ -52,9 +53,10 @@ def check_study(spec: StudySpec) -> None:
 
 def check_branching(spec: StudySpec, spaces: Mapping[str, SearchSpace],
                     env: Mapping[str, str]) -> None:
-    """Refuse a study whose branching trees (searched or compared) SGLang would refuse at
+    """Refuse a study whose branching trees (searched or compared) SGLang would fail at
     every start (`branching_problem`): for the target's config.json when it is here to
-    read, on the GPU the backend names or, with a local Ray, the one this machine shows."""
+    read, on the GPU the backend names or, with a local Ray of real GPUs, the one this
+    machine shows."""
     branching = {tree.method or spec.algorithm for space in spaces.values()
                  for tree in space.configs() if tree.topk > 1}
     branching |= {tree.method or spec.algorithm for tree in spec.compare if tree.topk > 1}
@@ -65,7 +67,8 @@ def check_branching(spec: StudySpec, spaces: Mapping[str, SearchSpace],
     except TreetuneError:
         target = None  # not on this machine: the nodes' servers will tell
     gpu = getattr(spec.backend, "gpu", None)
-    if gpu is None and spec.local_ray and target is not None:
+    if gpu is None and spec.local_ray and target is not None \
+            and spec.backend.gpu_resource == RAY_GPU:  # an emulator's GPU is its profile's
         gpu = seen_model(env)
     attention = spec.launch_spec().attention_backend
     for method in sorted(branching):
