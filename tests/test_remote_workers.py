@@ -322,3 +322,29 @@ def test_workers_beyond_what_the_machine_holds_are_said_and_on_a_cluster_asked_f
                         placement) == (1, "")
     cluster = load_study(None, small_study(tmp_path, workers=3, ray_address="head:6379"))
     assert worker_count(cluster, placement) == (3, "")
+
+
+def test_a_cluster_worker_refuses_trees_sglang_would_fail_on_its_own_gpus(tmp_path,
+                                                                          monkeypatch):
+    """On a cluster the driver may hold neither the model's config.json nor the nodes'
+    GPU: each worker checks on its node, where both are (a B200 here, whose default
+    backend for gpt-oss drafts chains only), and names the node. A space of chains
+    passes."""
+    import sys
+
+    from test_facts import stand_in_nvidia_smi
+
+    from treetune.errors import TreetuneError
+
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "NVIDIA B200, 183359 MiB\n")
+    env = {"PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin"}
+    model = str(Path(__file__).parent / "fixtures" / "hf" / "openai" / "gpt-oss-120b")
+    over = {"backend": {"kind": "sglang", "python": sys.executable}, "env": env,
+            "model": model, "ray_address": "head:6379", "batch": [1]}
+    with pytest.raises(TreetuneError, match=f"^on {socket.gethostname()}: .*gpt-oss-120b: "
+                       "SGLang fails EAGLE3 trees that branch .* the trtllm_mha attention "
+                       "backend, which SGLang picks for GptOssForCausalLM on B200"):
+        LaunchWorker(load_study(None, small_study(tmp_path, **over)), 0).ready()
+    chains = load_study(None, small_study(tmp_path, space="narrow", compare=["3,1,4"], **over))
+    with pytest.raises(TreetuneError, match="SGLang is not installed"):  # the next check
+        LaunchWorker(chains, 0).ready()

@@ -35,7 +35,7 @@ def check_study(spec: StudySpec) -> None:
     own checks pass."""
     check_output_folder(spec)
     load_datasets(spec.datasets, Path(spec.base_dir))
-    spaces = method_spaces(spec) or {"": load_space(spec.space)}
+    spaces = study_spaces(spec)
     env = {**os.environ, **spec.env}
     if problem := deepep_problem(spec.server_flags, env, spec.tp, spec.max_batch,
                                  widest_passes(spec, spaces)):
@@ -51,12 +51,17 @@ def check_study(spec: StudySpec) -> None:
     spec.backend.check(spec.launch_spec(), spec.dataset_names, env, local=spec.local_ray)
 
 
+def study_spaces(spec: StudySpec) -> dict[str, SearchSpace]:
+    """Each draft method's search space, by its tag ("" for a study of one method)."""
+    return method_spaces(spec) or {"": load_space(spec.space)}
+
+
 def check_branching(spec: StudySpec, spaces: Mapping[str, SearchSpace],
-                    env: Mapping[str, str]) -> None:
+                    env: Mapping[str, str], node_gpu: str | None = None) -> None:
     """Refuse a study whose branching trees (searched or compared) SGLang would fail at
     every start (`branching_problem`): for the target's config.json when it is here to
-    read, on the GPU the backend names or, with a local Ray of real GPUs, the one this
-    machine shows."""
+    read, on `node_gpu` (what a cluster node's own GPUs are), else the GPU the backend
+    names or, with a local Ray of real GPUs, the one this machine shows."""
     branching = {tree.method or spec.algorithm for space in spaces.values()
                  for tree in space.configs() if tree.topk > 1}
     branching |= {tree.method or spec.algorithm for tree in spec.compare if tree.topk > 1}
@@ -66,7 +71,7 @@ def check_branching(spec: StudySpec, spaces: Mapping[str, SearchSpace],
         target = model_facts(spec.model, env)
     except TreetuneError:
         target = None  # not on this machine: the nodes' servers will tell
-    gpu = getattr(spec.backend, "gpu", None)
+    gpu = node_gpu or getattr(spec.backend, "gpu", None)
     if gpu is None and spec.local_ray and target is not None \
             and spec.backend.gpu_resource == RAY_GPU:  # an emulator's GPU is its profile's
         gpu = seen_model(env)

@@ -167,22 +167,26 @@ class LaunchWorker:
     def ready(self) -> tuple[str, str | None]:
         """The worker's name and the model of the GPUs it was given (None: no GPU tool
         tells, or the backend's GPUs are emulated), once it can launch: its node must hold
-        the API key too, and on a cluster pass the backend's checks (the driver leaves to
-        the nodes what only they can tell: the engine installed there, the model files
-        they hold)."""
+        the API key too, and on a cluster pass the backend's checks and refuse trees SGLang
+        would fail on its GPUs (the driver leaves to the nodes what only they can tell: the
+        engine installed there, the model files they hold, their GPUs)."""
         from treetune.facts import seen_model
         from treetune.study.placement import RAY_GPU
+        from treetune.study.preflight import check_branching, study_spaces
 
         self.api_key()
         env = {**os.environ, **self.spec.env}
+        real = self.spec.backend.gpu_resource == RAY_GPU
+        gpu = seen_model(env) if real else None
         if not self.spec.local_ray:
             try:
+                # Trees SGLang would fail on this node's GPUs, for the model files here.
+                check_branching(self.spec, study_spaces(self.spec), env, node_gpu=gpu)
                 self.spec.backend.check(self.spec.launch_spec(), self.spec.dataset_names,
                                         env, local=True)
             except TreetuneError as exc:
                 raise TreetuneError(f"on {socket.gethostname()}: {exc}") from None
-        real = self.spec.backend.gpu_resource == RAY_GPU
-        return self.name, seen_model(env) if real else None
+        return self.name, gpu
 
     def stage(self) -> str:
         """What the launch under way does now, for the driver's progress line ("" between
