@@ -252,6 +252,21 @@ class ServerFlags:
         except ValueError:
             return None
 
+    def first_given(self, names: Iterable[str]) -> str | None:
+        """The first of `names` given, as the flags write it."""
+        return next(filter(None, map(self.given, names)), None)
+
+    def attention_backends(self, main: str | None) -> list[str]:
+        """The attention backends named: the decode one, `main` (--attention-backend, as
+        resolved), then the prefill one."""
+        return [b for b in (self.value("--decode-attention-backend"), main,
+                            self.value("--prefill-attention-backend")) if b]
+
+    def page_size(self, backend: str) -> int:
+        """The KV cache's page size with `backend`: 64 for the backends that take large
+        pages only (PAGED_BACKENDS), else --page-size (1 when not given)."""
+        return 64 if backend in PAGED_BACKENDS else self.number("--page-size") or 1
+
     def above(self, name: str, limit: int) -> str | None:
         """The flag that is `name`, when its value is a number above `limit`."""
         value = self.number(name)
@@ -357,19 +372,18 @@ def branching_problem(flags: Mapping[str, Any], attention_backend: str | None,
     for the `target` on `gpu`, when they are known) that drafts chains only or runs on
     pages of many tokens, where only a few backends can hold a tree."""
     parallel = ServerFlags(flags)
-    if method in ("EAGLE", "EAGLE3", "NEXTN") and (sampled := next(
-            (parallel.given(f) for f in REJECTION_SAMPLING_FLAGS if parallel.given(f)), None)):
+    if method in ("EAGLE", "EAGLE3", "NEXTN") and (
+            sampled := parallel.first_given(REJECTION_SAMPLING_FLAGS)):
         return (f"SGLang fails {method} trees that branch (topk > 1) as they start with "
                 f"'{sampled}': rejection sampling verifies chains only; {_CHAINS}, or leave "
                 "it out")
-    given = [b for b in (parallel.value("--decode-attention-backend"), attention_backend,
-                         parallel.value("--prefill-attention-backend")) if b]
+    given = parallel.attention_backends(attention_backend)
     backend, chosen = (given[0], "as given") if given else _default_backend(target, gpu)
     if backend is None:
         return ""
     if method != "NGRAM" and "trtllm_mha" in given:  # any of them (attention_backends_of)
         backend = "trtllm_mha"
-    page = 64 if backend in PAGED_BACKENDS else parallel.number("--page-size") or 1
+    page = parallel.page_size(backend)
     allowed = PAGED_NGRAM_BACKENDS if method == "NGRAM" else PAGED_TREE_BACKENDS
     mla = target is not None and target.mla
     if method != "NGRAM" and backend == "flashinfer" and mla:
@@ -557,9 +571,9 @@ def tp_priced(flags: Mapping[str, Any]) -> str:
     rank, experts move by all-to-all, and attention is replicated; the search's learned
     correction has to make up for it."""
     parallel = ServerFlags(flags)
-    backend = parallel.value("--moe-a2a-backend") not in (None, "none")
+    all_to_all = parallel.value("--moe-a2a-backend") not in (None, "none")
     used = [f for f in (parallel.above("--ep-size", 1), parallel.attention_dp,
-                        parallel.given("--moe-a2a-backend") if backend else None) if f]
+                        parallel.given("--moe-a2a-backend") if all_to_all else None) if f]
     if not used:
         return ""
     return (f"server_flags {', '.join(used)}: the performance model prices the servers as "

@@ -23,7 +23,6 @@ from treetune.backends.sglang import (
     NGRAM_DEFAULT_DRAFT_TOKENS,
     NGRAM_FLAGS,
     NGRAM_MATCH_TYPES,
-    PAGED_BACKENDS,
     PAGED_NGRAM_BACKENDS,
     PAGED_TREE_BACKENDS,
     REJECTION_SAMPLING_FLAGS,
@@ -324,15 +323,14 @@ def _check_drafting(algorithm: str, attention: str, topk: int, unknown: list[str
             "STANDALONE", NGRAM):
         raise LaunchError("ValueError: --speculative-use-block-verification only supports "
                           "EAGLE / EAGLE3 / NEXTN / DFLASH / DSPARK.")
-    sampled = any(parallel.given(f) for f in REJECTION_SAMPLING_FLAGS)
+    sampled = parallel.first_given(REJECTION_SAMPLING_FLAGS)
     if sampled and algorithm == "STANDALONE":
         raise LaunchError("NotImplementedError: --speculative-use-rejection-sampling is only "
                           "supported for EAGLE / EAGLE3 / NEXTN, not "
                           "speculative_algorithm=STANDALONE.")
     if topk <= 1:
         return
-    backends = [b for b in (parallel.value("--decode-attention-backend"), attention,
-                            parallel.value("--prefill-attention-backend")) if b]
+    backends = parallel.attention_backends(attention)
     if algorithm != NGRAM:
         if "aiter" in backends[:1]:
             raise LaunchError(f"NotImplementedError: AiterAttnBackend SPEC_V2 path currently "
@@ -344,7 +342,7 @@ def _check_drafting(algorithm: str, attention: str, topk: int, unknown: list[str
             raise LaunchError("ValueError: --speculative-use-rejection-sampling requires "
                               "--speculative-eagle-topk=1.")
     backend = backends[0]
-    page = 64 if backend in PAGED_BACKENDS else parallel.number("--page-size") or 1
+    page = parallel.page_size(backend)
     if page <= 1:
         return
     if algorithm == NGRAM and backend not in PAGED_NGRAM_BACKENDS:
