@@ -50,6 +50,45 @@ def test_treetune_prior_writes_a_profile_that_loads_and_predicts(capsys, tmp_pat
     assert all(row["speedup"] > 0 for row in yaml.safe_load(stdout))
 
 
+def test_treetune_prior_of_nextn_drafts_with_the_targets_mtp_layer(capsys, tmp_path):
+    """SGLang's NEXTN drafts with the target's own MTP layer, as DeepSeek, GLM-4 and Qwen3.5
+    are mostly served: no draft model to give, and the prior says what that layer costs."""
+    deepseek, out = fixture("deepseek-ai/DeepSeek-V3"), tmp_path / "prior.yaml"
+    code, _, err = run_cli(capsys, "prior", "--model", deepseek, "--algorithm", "nextn",
+                           "--tp", "8", "--gpu", "H200", "-o", str(out))
+    assert code == 0, err
+    assert "NEXTN: its MTP layer, 336M read on every pass, plus its routed experts" in err
+    profile = load_profile(out)
+    assert profile.draft is None and profile.method_names == ["NEXTN"]
+    mtp = profile.method("NEXTN").mtp
+    assert mtp.routed_experts and mtp.kv_bytes_per_token == (512 + 64) * 2
+    code, stdout, err = run_cli(capsys, "predict", "--profile", str(out), "--tree", "3,1,4",
+                                "--batch", "1", "--json")
+    assert code == 0, err
+    assert [row["method"] for row in yaml.safe_load(stdout)] == ["NEXTN"] * len(
+        profile.datasets)
+    # calibrate fits a draft head's acceptance, which this profile has not: said, not done.
+    points = tmp_path / "points.csv"
+    points.write_text("steps,topk,draft_tokens,batch,dataset,speedup\n3,1,4,1,mt-bench,1.5\n")
+    code, _, err = run_cli(capsys, "calibrate", "--profile", str(out), "--measurements",
+                           str(points), "-o", str(tmp_path / "fitted.yaml"))
+    assert code == 2 and "has no draft head (it describes NEXTN)" in err, err
+    # A draft given to NEXTN, none to EAGLE3, and a target without an MTP layer: refused.
+    code, _, err = run_cli(capsys, "prior", "--model", deepseek, "--algorithm", "NEXTN",
+                           "--draft", DRAFT, "--gpu", "H200")
+    assert code == 2 and "NEXTN drafts with the target's own MTP layer: drop --draft" in err
+    code, _, err = run_cli(capsys, "prior", "--model", deepseek, "--gpu", "H200")
+    assert code == 2 and "--algorithm EAGLE3 drafts with --draft: give it" in err
+    code, _, err = run_cli(capsys, "prior", "--model", fixture("Qwen/Qwen3-8B"),
+                           "--algorithm", "NEXTN", "--gpu", "H200")
+    assert code == 2 and "names no multi-token-prediction layer (num_nextn_predict_layers" \
+        in err, err
+    # With a draft head, a target with an MTP layer describes NEXTN beside it.
+    both = auto_prior(model_facts(fixture("zai-org/GLM-4.5-Air")), model_facts(DRAFT),
+                      gpu_facts("H200"), 4)
+    assert both.method_names == ["EAGLE3", "NEXTN"]
+
+
 def test_treetune_prior_prints_the_shipped_profiles_schema_with_neutral_free_values(capsys):
     code, stdout, err = run_cli(capsys, "prior", "--model", fixture("Qwen/Qwen3-8B"),
                                 "--draft", fixture("thoughtworks/Qwen3-8B-Eagle3"),
@@ -157,10 +196,14 @@ def test_treetune_prior_prices_a_plain_draft_as_standalone_and_refuses_it_as_eag
     assert code == 2 and "is a plain model (Qwen3ForCausalLM)" in err, err
     code, stdout, err = run_cli(capsys, *args, "--algorithm", "standalone")
     assert code == 0, err
-    assert yaml.safe_load(stdout)["draft"]["layers"] == 36
+    # Its STANDALONE method, not a draft head: a study of STANDALONE searches with it.
+    data = yaml.safe_load(stdout)
+    assert "draft" not in data and data["methods"]["STANDALONE"]["drafter"] == "standalone"
+    assert data["methods"]["STANDALONE"]["draft"]["layers"] == 36
+    assert build(Profile, data, "prior.yaml").method_names == ["STANDALONE"]
     code, _, err = run_cli(capsys, *args, "--algorithm", "NGRAM")
-    assert code == 2 and "--algorithm 'NGRAM' is not one that drafts with --draft (EAGLE3, " \
-        "EAGLE, STANDALONE)" in err, err
+    assert code == 2 and "--algorithm 'NGRAM' is not one the auto prior describes (EAGLE3, " \
+        "EAGLE, NEXTN, STANDALONE)" in err, err
 
 
 def test_treetune_prior_without_a_config_names_where_it_looked(capsys, tmp_path, monkeypatch):
@@ -206,6 +249,46 @@ def test_the_sglang_backend_builds_the_auto_prior_and_auto_picks_the_model_searc
     expected = auto_prior(model_facts(TARGET), model_facts(DRAFT), gpu_facts("H200"), 4)
     assert prior.target == expected.target and prior.hardware == expected.hardware
     assert list(prior.datasets) == ["mt-bench", "terminal-bench"]
+
+
+def test_a_nextn_study_on_sglang_searches_with_its_mtp_layers_prior(tmp_path):
+    """A study of NEXTN alone, on the SGLang backend, had no auto prior (no draft model to
+    read) and ran TPE. Now its model search starts from the MTP layer's prior, seen as
+    NEXTN (a profile's draft head would price another draft); in a study of NEXTN and
+    NGRAM, NEXTN's search takes it too."""
+    from treetune.perfmodel import PerfModel
+
+    deepseek = fixture("deepseek-ai/DeepSeek-V3")
+    spec = sglang_study(tmp_path, model=deepseek, draft=None, algorithm="NEXTN", tp=8,
+                        backend={"gpu": "H200"})
+    planner = planner_for(spec)
+    assert planner.strategy_name == "model" and planner.note == ""
+    assert PerfModel(planner.strategy.context.prior).method.mtp is not None
+    spec = sglang_study(tmp_path, model=deepseek, draft=None, algorithm="NEXTN", tp=8,
+                        backend={"gpu": "H200"}, methods=["NEXTN", "NGRAM"])
+    parts = planner_for(spec).strategy.parts.values()
+    assert [(p.name, p.strategy_name) for p in parts] == [("NEXTN", "model"), ("NGRAM", "tpe")]
+    # A target without an MTP layer: TPE, and the reason in one line.
+    spec = sglang_study(tmp_path, model=fixture("Qwen/Qwen3-8B"), draft=None,
+                        algorithm="NEXTN", backend={"gpu": "H200"})
+    planner = planner_for(spec)
+    assert planner.strategy_name == "tpe"
+    assert "names no multi-token-prediction layer" in planner.note
+
+
+def test_an_emulated_study_of_one_draft_method_is_searched_with_that_methods_prior(tmp_path):
+    """The 397B profile describes its EAGLE3 head and its MTP layer (NEXTN): a study of
+    NEXTN alone fitted and proposed with the head's draft costs."""
+    from treetune.perfmodel import PerfModel
+    from treetune.study.planner import study_prior
+
+    spec = load_study(None, small_study(
+        tmp_path, model="Qwen/Qwen3.5-397B-A17B", draft=None, algorithm="NEXTN", tp=8,
+        datasets=["mt-bench", "humaneval"], compare=[],
+        backend={"kind": "emulator", "profile": "qwen3.5-397b-a17b-h200"}))
+    prior, why_not = study_prior(spec)
+    assert why_not == "" and PerfModel(prior).method.mtp is not None
+    assert planner_for(spec).strategy_name == "model"
 
 
 def test_the_sglang_backend_asks_nvidia_smi_with_the_studys_environment(tmp_path):
@@ -450,7 +533,8 @@ def test_a_plain_model_is_a_draft_for_standalone_and_each_methods_draft_is_check
     check_models(standalone.launch_spec(), {})
     planner = planner_for(standalone)  # the auto prior is built, the plain draft priced
     assert planner.strategy_name == "model", planner.note
-    assert planner.strategy.context.prior.draft.layers == 36
+    priced = planner.strategy.context.prior.method()  # its STANDALONE method
+    assert priced.drafter == "standalone" and priced.draft.layers == 36
     with pytest.raises(TreetuneError, match=r"^EAGLE3: draft '.*Qwen3-Coder-Next' .* is a "
                        "plain "):
         check_models(sglang_study(
@@ -556,16 +640,17 @@ def test_attention_heads_split_over_the_attention_groups_with_data_parallel_atte
 
 def test_a_method_with_another_draft_than_the_auto_priors_is_not_priced_with_it(tmp_path):
     """The auto prior is built from the study's own draft: a STANDALONE study's plain
-    8B priced the EAGLE3 method's trees as if the 8B drafted them (a review's finding)."""
+    8B priced the EAGLE3 method's trees as if the 8B drafted them (a review's finding).
+    Now it describes the 8B as its STANDALONE method only, which the model search takes."""
     target, plain = fixture("Qwen/Qwen3-30B-A3B-FP8"), fixture("Qwen/Qwen3-8B")
     head = fixture("sgl-project/qwen3-30B-A3B-eagle3")
     planner = planner_for(sglang_study(
         tmp_path, model=target, draft=plain, algorithm="STANDALONE", backend={"gpu": "H200"},
         methods=["STANDALONE", {"name": "EAGLE3", "draft": head}]))
     parts = {p.name: p.strategy_name for p in planner.strategy.parts.values()}
-    assert parts == {"STANDALONE": "tpe", "EAGLE3": "tpe"}, planner.note
-    assert (f"EAGLE3 without a model: the prior's draft is STANDALONE's '{plain}', not "
-            f"EAGLE3's '{head}'") in planner.note
+    assert parts == {"STANDALONE": "model", "EAGLE3": "tpe"}, planner.note
+    assert ("EAGLE3 without a model: the prior describes no EAGLE3 draft method (its "
+            "methods: STANDALONE)") in planner.note
     # The head as the study's own draft: EAGLE3 gets the model search.
     planner = planner_for(sglang_study(
         tmp_path, model=target, draft=head, backend={"gpu": "H200"},

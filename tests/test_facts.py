@@ -195,6 +195,65 @@ def test_an_eagle3_head_counts_its_layer_fc_and_draft_vocabulary_head_not_the_em
     assert f.kv_bytes_per_token == 2 * 4 * 128 * 2
 
 
+def test_an_mtp_layer_is_counted_apart_as_what_a_nextn_draft_pass_reads():
+    """DeepSeek-V3's MTP layer (its 62nd, an MoE layer): MLA attention, eh_proj fusing
+    [embedding, hidden], router, shared expert and norms every pass reads; its 256 routed
+    experts are the target's. With them, about the 14B the model card gives for the MTP
+    module less the embedding and head it shares with the target (2 x 0.93B)."""
+    f = model_facts(fixture("deepseek-ai/DeepSeek-V3"))
+    h, heads = 7168, 128
+    q = h * 1536 + 1536 + 1536 * heads * (128 + 64)
+    kv = h * (512 + 64) + 512 + 512 * heads * (128 + 128)
+    attention = q + kv + heads * 128 * h
+    router, shared, eh_proj, norms = h * 256 + 256, 3 * h * 2048, 2 * h * h, 5 * h
+    assert f.mtp_layers == 1
+    assert f.mtp_dense_params == attention + router + shared + eh_proj + norms
+    assert f.mtp_kv_bytes_per_token == (512 + 64) * 2  # one layer's latent
+    with_experts = f.mtp_dense_params + 256 * f.moe.expert_params + 2 * 129280 * h
+    assert within(with_experts / 1e9, 14, 0.05)
+    # GLM-4.5-Air's: GQA attention (with its biases) and an MoE layer; a dense Qwen3 has none.
+    glm = model_facts(fixture("zai-org/GLM-4.5-Air"))
+    h = 4096
+    attention = h * (96 * 128 + 2 * 8 * 128) + 96 * 128 * h + 96 * 128 + 2 * 8 * 128 + 2 * 128
+    assert glm.mtp_layers == 1 and glm.mtp_kv_bytes_per_token == 2 * 8 * 128 * 2
+    assert glm.mtp_dense_params == (attention + h * 128 + 3 * h * 1408 + 2 * h * h + 5 * h)
+    dense = model_facts(fixture("Qwen/Qwen3-8B"))
+    assert (dense.mtp_layers, dense.mtp_dense_params, dense.mtp_kv_bytes_per_token) == (0, 0, 0)
+    # Qwen3-Next's config.json names none, but its checkpoints carry one, as SGLang takes it:
+    # gated attention (16 heads of 256, 2 KV heads), a gated shared expert, the router.
+    nxt = model_facts(fixture("Qwen/Qwen3-Coder-Next"))
+    h = 2048
+    attention = h * (2 * 16 * 256 + 2 * 2 * 256) + 16 * 256 * h + 2 * 256
+    assert nxt.mtp_layers == 1 and nxt.mtp_kv_bytes_per_token == 2 * 2 * 256 * 2
+    assert nxt.mtp_dense_params == (attention + h * 512 + 3 * h * 512 + h + 2 * h * h + 5 * h)
+
+
+def test_qwen3_5_s_mtp_layer_matches_the_shipped_397b_profile_s_nextn_within_1_percent(
+        tmp_path):
+    """Qwen3.5 names its MTP layer in text_config (`mtp_num_hidden_layers`). Its config.json
+    as published (hidden 4096, 60 layers, every 4th full attention with 2 KV heads of 256,
+    512 experts of 1024, a shared expert of 1024), and the auto prior's NEXTN against the
+    shipped profile's, written by hand from the same architecture (gated attention, the
+    shared expert, router and eh_proj read per pass)."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+        "text_config": {
+            "model_type": "qwen3_5_moe_text", "hidden_size": 4096, "num_hidden_layers": 60,
+            "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256,
+            "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 1024,
+            "shared_expert_intermediate_size": 1024, "full_attention_interval": 4,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 64,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4, "vocab_size": 248320, "mtp_num_hidden_layers": 1,
+            "tie_word_embeddings": False, "dtype": "bfloat16"}}))
+    shipped = load_profile("qwen3.5-397b-a17b-h200").method("NEXTN").mtp
+    prior = auto_prior(model_facts(str(tmp_path)), None, gpu_facts("H200"), 8)
+    counted = prior.method("NEXTN").mtp
+    assert within(counted.dense_params_m, shipped.dense_params_m, 0.01), counted
+    assert counted.kv_bytes_per_token == shipped.kv_bytes_per_token
+    assert counted.routed_experts and shipped.routed_experts
+
+
 def prior_of(target: str, draft: str, gpu: str, tp: int):
     return auto_prior(model_facts(fixture(target)), model_facts(draft), gpu_facts(gpu), tp)
 

@@ -24,9 +24,9 @@ from treetune.backends.sglang import NGRAM, SPEC_DEFAULT_MAX_RUNNING, parse_meth
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.perfmodel import (
-    DEFAULT_METHOD,
     PerfModel,
     Prediction,
+    Profile,
     ServingPrediction,
     load_profile,
     shipped_profiles,
@@ -110,7 +110,8 @@ def predict(
                                                "all in --json; 0: all).")] = None,
     method: Annotated[
         str | None, typer.Option(help="Draft method of the profile (default: its own draft "
-                                 "head; `treetune profiles` lists each profile's methods).")
+                                 "head, else its first method; `treetune profiles` lists "
+                                 "each profile's methods).")
     ] = None,
     prompt_tokens: Annotated[
         int | None, typer.Option(help="Whole requests of this many prompt tokens (default "
@@ -140,7 +141,7 @@ def predict(
     from treetune.space import load_space
 
     prof = load_profile(profile)
-    own = method.upper() if method else DEFAULT_METHOD  # the method of a tree typed bare
+    own = method.upper() if method else prof.method_names[0]  # the method of a tree typed bare
     model = PerfModel(prof, method=own)
     datasets = list(dict.fromkeys(dataset or prof.datasets))
     for name in datasets:
@@ -354,6 +355,11 @@ def calibrate(
     if starts < 1:
         raise TreetuneError(f"--starts must be >= 1, got {starts}")
     base = load_profile(profile)
+    if base.draft is None:  # the fit's acceptance is the draft head's (datasets.*)
+        raise TreetuneError(
+            f"profile '{base.name}' has no draft head (it describes "
+            f"{', '.join(base.method_names)}), and calibrate fits a draft head's acceptance "
+            "and costs; search with it (`treetune search --prior`), which fits its method")
     points = load_measurements(measurements, entry, list(base.datasets))
     measured = declared_target(measurements, entry)
     if measured is not None and not same_model(measured, base.target.name):
@@ -421,7 +427,8 @@ def calibrate(
 def prior(
     model: Annotated[str, typer.Option(help="Target model: a local directory, or a hub name "
                                        "in the local Hugging Face cache.")],
-    draft: Annotated[str, typer.Option(help="Draft head, found the same way.")],
+    draft: Annotated[str | None, typer.Option(
+        help="Draft model, found the same way (not for --algorithm NEXTN).")] = None,
     tp: Annotated[int, typer.Option(help="Tensor-parallel size (GPUs per server).")] = 1,
     gpu: Annotated[str | None, typer.Option(
         help="The GPU, by its name in treetune's GPU table (A100-40GB-SXM, A100-80GB-SXM, "
@@ -438,7 +445,8 @@ def prior(
     algorithm: Annotated[str, typer.Option(
         help="The draft method the draft runs by (SGLang's --speculative-algorithm): "
         "EAGLE3 (an EAGLE3 head), EAGLE or STANDALONE (a small model of the target's "
-        "tokenizer).")] = "EAGLE3",
+        "tokenizer); or NEXTN, the target's own MTP layer, without --draft. A target with "
+        "an MTP layer gets the NEXTN method beside its draft's either way.")] = "EAGLE3",
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the profile "
                                                 "here (default: print it).")] = None,
 ) -> None:
@@ -458,9 +466,14 @@ def prior(
     if tp < 1:
         raise TreetuneError(f"--tp must be >= 1, got {tp}")
     drafted = [a for a in ALGORITHMS if needs_draft_model(a)]
-    if algorithm.upper() not in drafted:
-        raise TreetuneError(f"--algorithm '{algorithm}' is not one that drafts with --draft "
-                            f"({', '.join(drafted)})")
+    if algorithm.upper() not in ALGORITHMS:
+        raise TreetuneError(f"--algorithm '{algorithm}' is not one the auto prior describes "
+                            f"({', '.join(ALGORITHMS)})")
+    if (algorithm.upper() in drafted) != (draft is not None):
+        raise TreetuneError(
+            f"--algorithm {algorithm.upper()} drafts with --draft: give it" if draft is None
+            else f"--algorithm {algorithm.upper()} drafts with the target's own MTP layer: "
+            f"drop --draft (or draft it by {', '.join(drafted)})")
     if output is not None:
         writable(output)
     kv_bytes = None
@@ -476,14 +489,27 @@ def prior(
             f"unquantized) and the rest at {t.weight_bytes:g}" if t.unquantized_params_b
             else "")
     err.print(f"{escape(t.name)}: {t.total_params_b:.2f}B parameters ({t.active_params_b:.2f}B "
-              f"active{kept}), {t.kv_bytes_per_token:.0f} KV bytes per token; draft "
-              f"{profile.draft.params_m:.0f}M; {tp} x {escape(profile.hardware.gpu)}",
-              highlight=False)
+              f"active{kept}), {t.kv_bytes_per_token:.0f} KV bytes per token; "
+              f"{_drafts(profile)}; {tp} x {escape(profile.hardware.gpu)}", highlight=False)
     if output is None:
         sys.stdout.write(yaml.safe_dump(profile.to_dict(), sort_keys=False))
         return
     profile.save(output)
     err.print(f"wrote {escape(str(output))}", highlight=False)
+
+
+def _drafts(profile: Profile) -> str:
+    """The draft methods of an auto prior, each with its draft's size."""
+    parts = []
+    for name in profile.method_names:
+        method = profile.method(name)
+        if method.draft is not None:
+            parts.append(f"{name} draft {method.draft.params_m:.0f}M")
+        elif method.mtp is not None:
+            routed = ", plus its routed experts" if method.mtp.routed_experts else ""
+            parts.append(f"{name}: its MTP layer, {method.mtp.dense_params_m:.0f}M read on "
+                         f"every pass{routed}")
+    return "; ".join(parts)
 
 
 def search(study: Path | None = None, **options: Any) -> None:

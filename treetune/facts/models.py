@@ -5,11 +5,11 @@ cache; nothing is ever downloaded.
 Counting conventions, chosen to match how model cards count (Qwen3-30B-A3B: 30.5B total,
 3.3B activated): total and active parameters include the input embedding and the output
 head; multi-token-prediction layers (`num_nextn_predict_layers`) are left out, since a
-server only runs them for NEXTN speculation; a vision tower (`text_config` models) is left
-out, since decoding never runs it. An EAGLE3 draft head is counted as SGLang loads it: its
-one decoder layer (attention fed with 2 x hidden), the fc layer fusing three target hidden
-states, and its head over the draft vocabulary; its input embedding is the target's,
-shared, so it is not counted.
+server only runs them for NEXTN speculation (they are counted apart, `mtp_*`); a vision
+tower (`text_config` models) is left out, since decoding never runs it. An EAGLE3 draft
+head is counted as SGLang loads it: its one decoder layer (attention fed with 2 x hidden),
+the fc layer fusing three target hidden states, and its head over the draft vocabulary;
+its input embedding is the target's, shared, so it is not counted.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
 HYBRID_SWA_BY_LAYER_TYPES = frozenset({
     "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
     "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"})
+# Architectures whose config.json names no MTP layer though their checkpoints carry one,
+# which SGLang's NEXTN (and vLLM) then takes as one layer (Qwen3-Next: its weights under
+# `mtp.`, no config key).
+MTP_LAYERS_UNNAMED = {"Qwen3NextForCausalLM": 1}
 ATTENTION_KINDS = ("full_attention", "attention", "sliding_attention", "chunked_attention")
 LINEAR_KINDS = ("linear_attention", "mamba", "mamba2", "recurrent", "conv")
 
@@ -116,6 +120,14 @@ class ModelFacts:
     # config): each query attends to the `index_topk` tokens its indexer picks. SGLang
     # 0.5.23 serves it on its own attention backend, on 64-token pages.
     sparse_index: bool = False
+    # Its multi-token-prediction layers (`num_nextn_predict_layers`, Qwen3.5's
+    # `mtp_num_hidden_layers`; 0: none named), which SGLang's NEXTN drafts with, and one
+    # such layer's parameters every draft pass reads (attention, the projection fusing the
+    # embedding and the hidden state, norms, router and shared experts, or a dense MLP; its
+    # routed experts are the target's shape, in `moe`) and its KV bytes per token.
+    mtp_layers: int = 0
+    mtp_dense_params: int = 0
+    mtp_kv_bytes_per_token: float = 0.0
 
     def tp_problem(self, tp: int) -> str:
         """Why SGLang cannot split this model's attention over `tp` GPUs ("" when it can):
@@ -357,6 +369,13 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         # for a tied head: the head reads it whole, at the embedding's width
         unquantized += h + (head or embed) * kept.head
     attention_layers = kinds.count("attention")
+    mtp_layers = c.int("num_nextn_predict_layers", "mtp_num_hidden_layers",
+                       default=MTP_LAYERS_UNNAMED.get(architecture, 0))
+    # One MTP layer: a full-attention decoder layer of the target's shape (an MoE layer
+    # where the target has experts), fed by eh_proj ([embedding, hidden] -> hidden) after
+    # two norms, with a final norm (DeepSeek-V3's, GLM-4's, Qwen3.5's).
+    mlp = moe.router + moe.shared if moe is not None else dense_mlp
+    mtp_dense = attention + 2 * h + mlp + 2 * h * h + 3 * h if mtp_layers else 0
     return ModelFacts(
         name=name, config_path=str(path), architecture=architecture, total_params=total,
         active_params=active, layers=layers, attention_layers=attention_layers,
@@ -371,6 +390,8 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         kv_lora_rank=c.int("kv_lora_rank") if _is_mla(c) else 0,
         rope_dim=c.int("qk_rope_head_dim") if _is_mla(c) else 0,
         unquantized_params=unquantized, sparse_index=c.get("index_topk") is not None,
+        mtp_layers=mtp_layers, mtp_dense_params=mtp_dense,
+        mtp_kv_bytes_per_token=_kv_elements(c, h) * kv_bytes if mtp_layers else 0.0,
         **_windowed(c, architecture, layers))
 
 

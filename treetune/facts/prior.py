@@ -14,10 +14,12 @@ from treetune.facts.models import DTYPE_BYTES, ModelFacts, model_facts
 from treetune.perfmodel.prior import NEUTRAL_ACCEPTANCE, neutral_prior
 from treetune.perfmodel.profile import (
     MLA,
+    MTP,
     Calibration,
     Dataset,
     Draft,
     Hardware,
+    Method,
     MoE,
     Profile,
     ServerDefaults,
@@ -25,18 +27,37 @@ from treetune.perfmodel.profile import (
     Target,
 )
 
+# SGLang's draft method of a target's own MTP layer (--speculative-algorithm NEXTN), and of
+# a small model of its own (no hidden states of the target).
+MTP_METHOD = "NEXTN"
+STANDALONE = "STANDALONE"
 
-def auto_prior(target: ModelFacts, draft: ModelFacts, gpu: GpuFacts, tp: int,
-               datasets: Sequence[str] = (), name: str | None = None) -> Profile:
+
+def auto_prior(target: ModelFacts, draft: ModelFacts | None, gpu: GpuFacts, tp: int,
+               datasets: Sequence[str] = (), name: str | None = None,
+               algorithm: str = "EAGLE3") -> Profile:
     """A profile of `target` + `draft` on `tp` x `gpu`: facts only, every free parameter
     (calibration, per-dataset acceptance and context) at the neutral value the search
-    starts from. `datasets` default to the built-in prompt sets."""
+    starts from. `datasets` default to the built-in prompt sets. `draft` is the profile's
+    draft head, or with `algorithm` STANDALONE its STANDALONE method (priced alike: its
+    own weights and KV cache). A target with MTP layers also gets the NEXTN method (its
+    first MTP layer as the draft); without `draft`, that is the profile's only method."""
     moe = target.moe
+    drafted = None if draft is None else Draft(
+        name=draft.name, params_m=draft.total_params / 1e6,
+        weight_bytes=draft.weight_bytes, kv_bytes_per_token=draft.kv_bytes_per_token,
+        layers=draft.layers)
+    standalone = algorithm == STANDALONE and drafted is not None
+    methods = {STANDALONE: Method("standalone", {"neutral": NEUTRAL_ACCEPTANCE},
+                                  draft=drafted)} if standalone else {}
+    drafts = f"with {draft.name} " if draft is not None else "with its MTP layer (NEXTN) "
+    sources = (f"{target.config_path} and {draft.config_path}" if draft is not None
+               else target.config_path)
     profile = Profile(
         name=name or f"auto-{_slug(target.name)}-{gpu.name.lower()}",
         description=(
-            f"Auto prior: {target.name} with {draft.name} on {tp} x {gpu.name}. Model facts "
-            f"from {target.config_path} and {draft.config_path}; GPU facts from treetune's "
+            f"Auto prior: {target.name} {drafts}on {tp} x {gpu.name}. Model facts "
+            f"from {sources}; GPU facts from treetune's "
             "GPU table (treetune/facts/gpus.yaml). Every fitted value (calibration, "
             "per-dataset acceptance and context length) is neutral: the search learns them."),
         hardware=Hardware(gpu=gpu.name, gpus=tp, memory_gb=gpu.memory_gb,
@@ -59,15 +80,25 @@ def auto_prior(target: ModelFacts, draft: ModelFacts, gpu: GpuFacts, tp: int,
                 experts=moe.experts, experts_per_token=moe.experts_per_token,
                 expert_params_m=moe.expert_params / 1e6, layers=moe.layers,
                 shared_experts=moe.shared_experts)),
-        draft=Draft(name=draft.name, params_m=draft.total_params / 1e6,
-                    weight_bytes=draft.weight_bytes,
-                    kv_bytes_per_token=draft.kv_bytes_per_token, layers=draft.layers),
+        draft=None if standalone else drafted,
         # A placeholder: neutral_prior below gives every dataset its neutral shape.
         datasets={"neutral": Dataset(acceptance=NEUTRAL_ACCEPTANCE)},
+        methods={**methods, **_mtp_method(target)},
         calibration=Calibration(),
         server=ServerDefaults(tp=tp),
     )
     return neutral_prior(profile, list(datasets) or builtin_names())
+
+
+def _mtp_method(target: ModelFacts) -> dict[str, Method]:
+    """NEXTN, when the target has an MTP layer: that layer drafts, scoring with the
+    target's head (acceptance neutral, as neutral_prior sets it)."""
+    if not target.mtp_layers:
+        return {}
+    mtp = MTP(dense_params_m=target.mtp_dense_params / 1e6,
+              kv_bytes_per_token=target.mtp_kv_bytes_per_token,
+              routed_experts=target.moe is not None)
+    return {MTP_METHOD: Method("mtp", {"neutral": NEUTRAL_ACCEPTANCE}, mtp=mtp)}
 
 
 def _mla(target: ModelFacts) -> MLA | None:
@@ -107,14 +138,14 @@ def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
                 "three hidden states it was trained on, and SGLang runs it without the "
                 "projection of them, so its acceptance is not the head's. Draft by EAGLE3 "
                 "(a study's algorithm: EAGLE3, --algorithm EAGLE3)")
-    if algorithm == "STANDALONE" and not head.eagle3 and head.vocab_size != target.vocab_size:
+    if algorithm == STANDALONE and not head.eagle3 and head.vocab_size != target.vocab_size:
         # SGLang 0.5.23's STANDALONE worker compares the two vocabularies once both models
         # are loaded (standalone_worker_v2.py, _validate_vocab_compatibility).
         return (f"draft '{draft}' ({head.config_path}) has a vocabulary of {head.vocab_size} "
                 f"tokens and '{model}' of {target.vocab_size}: SGLang's STANDALONE drafting "
                 "needs the very same vocabulary, and fails to start once both models are "
                 "loaded. Give a draft of the target's own tokenizer and vocabulary size")
-    if algorithm == "STANDALONE" and head.eagle3:
+    if algorithm == STANDALONE and head.eagle3:
         # SGLang 0.5.23 loads it as the draft model, gives it no hidden states of the
         # target, and fails in its forward while capturing CUDA graphs.
         instead = ("Draft with this head as EAGLE3, or give" if head.target_hidden_size
@@ -152,19 +183,29 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
     directories or the local Hugging Face cache, the GPU named by `gpu` or else the one the
     node's GPU tool (nvidia-smi, amd-smi, rocm-smi) shows this process; `algorithm`: the
     draft method `draft` runs by; `attention_dp`: the attention's data-parallel groups (its
-    heads split over tp / that). Raises TreetuneError saying what is missing."""
-    if draft is None:
-        raise TreetuneError("the auto prior needs a draft model's config.json, and this "
-                            "study has no draft (NEXTN): give --prior NAME_OR_FILE")
+    heads split over tp / that); NEXTN takes no draft (the target's MTP layer drafts).
+    Raises TreetuneError saying what is missing."""
     target_facts = model_facts(model, env, kv_cache_bytes)
-    draft_facts = model_facts(draft, env, kv_cache_bytes)
-    if problem := (pair_problem(model, target_facts, draft, draft_facts, algorithm)
-                   or vocabulary_problem(model, target_facts, draft, draft_facts)):
-        raise TreetuneError(problem)
+    draft_facts = None
+    if algorithm == MTP_METHOD:
+        if not target_facts.mtp_layers:
+            raise TreetuneError(
+                f"'{model}' ({target_facts.config_path}) names no multi-token-prediction "
+                "layer (num_nextn_predict_layers, mtp_num_hidden_layers), which NEXTN "
+                "drafts with: give its draft model and another algorithm (EAGLE3), or "
+                "--prior NAME_OR_FILE")
+    elif draft is None:
+        raise TreetuneError(f"the auto prior of {algorithm} needs its draft model's "
+                            "config.json, and none is given (--draft)")
+    else:
+        draft_facts = model_facts(draft, env, kv_cache_bytes)
+        if problem := (pair_problem(model, target_facts, draft, draft_facts, algorithm)
+                       or vocabulary_problem(model, target_facts, draft, draft_facts)):
+            raise TreetuneError(problem)
     if refusal := target_facts.tp_refusal(model, tp, attention_dp):
         raise TreetuneError(f"--tp {tp}: {refusal}")
     gpu_entry = gpu_facts(gpu, "--gpu") if gpu else detect_gpu(env)
-    return auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets, name)
+    return auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets, name, algorithm)
 
 
 def _slug(name: str) -> str:

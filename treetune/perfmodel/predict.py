@@ -19,7 +19,7 @@ from treetune.perfmodel.acceptance import (
 )
 from treetune.perfmodel.cost import CostModel, RoundTime
 from treetune.perfmodel.memory import check_memory
-from treetune.perfmodel.profile import DEFAULT_METHOD, Profile
+from treetune.perfmodel.profile import Profile
 from treetune.perfmodel.serving import Serving, Shape, closed_loop, open_loop
 
 
@@ -113,7 +113,7 @@ class PerfModel:
     def __init__(self, profile: Profile, tp: int | None = None,
                  method: str | None = None) -> None:
         self.profile = profile
-        self.method_name = method or DEFAULT_METHOD
+        self.method_name = method or profile.method_names[0]
         self.method = profile.method(method)
         self.cost = CostModel(profile, tp, self.method)
         self._trees: dict[tuple[TreeConfig, str], DraftTree] = {}

@@ -358,8 +358,10 @@ class Profile:
     name: str
     hardware: Hardware
     target: Target
-    draft: Draft
-    datasets: dict[str, Dataset]
+    # Its own draft head (DEFAULT_METHOD). None: a profile of other methods only (an auto
+    # prior of a target's MTP layer, NEXTN, which has no draft model).
+    draft: Draft | None = None
+    datasets: dict[str, Dataset] = field(default_factory=dict)
     calibration: Calibration = field(default_factory=Calibration)
     noise: Noise = field(default_factory=Noise)
     server: ServerDefaults = field(default_factory=ServerDefaults)
@@ -369,6 +371,9 @@ class Profile:
     def __post_init__(self) -> None:
         if not self.datasets:
             raise ValueError("a profile needs at least one dataset under 'datasets'")
+        if self.draft is None and not self.methods:
+            raise FieldError("draft", "a profile needs its draft head's facts, or another "
+                             "draft method under 'methods'")
         for name, method in self.methods.items():
             if name == DEFAULT_METHOD:
                 raise FieldError(f"methods.{name}", (
@@ -406,11 +411,14 @@ class Profile:
     @property
     def method_names(self) -> list[str]:
         """The draft methods this profile can predict: its own draft head first."""
-        return [DEFAULT_METHOD, *self.methods]
+        return [DEFAULT_METHOD, *self.methods] if self.draft is not None else [*self.methods]
 
     def method(self, name: str | None = None) -> Method:
-        """A draft method by name; None or DEFAULT_METHOD: the profile's own draft head."""
-        if name is None or name == DEFAULT_METHOD:
+        """A draft method by name; None: the profile's first (its own draft head, when it
+        has one); DEFAULT_METHOD: its own draft head."""
+        if name is None:
+            name = self.method_names[0]
+        if name == DEFAULT_METHOD and self.draft is not None:
             return Method("head", {d: data.acceptance for d, data in self.datasets.items()},
                           draft=self.draft)
         try:

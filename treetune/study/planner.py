@@ -63,7 +63,7 @@ from treetune.study.evidence import (
     study_noise,
     window_spread,
 )
-from treetune.study.methods import MethodSearch, search_methods
+from treetune.study.methods import MethodSearch, prior_of, search_methods
 from treetune.study.recommend import Recommendation, recommend
 from treetune.study.schedule import Tuning, adaptive_chains, tune
 from treetune.study.spec import StudySpec
@@ -131,13 +131,17 @@ def study_prior(spec: StudySpec, facts: BackendFacts | None = None
     """The profile the model search starts from, and why there is none (else ""): the
     study's `search.prior` as written, or the hardware and model facts its backend knows
     (`facts`, gathered here when not given), with every free parameter neutral (for the
-    emulator, its profile is the truth being searched)."""
+    emulator, its profile is the truth being searched). A study of one draft method sees
+    the profile as that method (NEXTN: its `methods` entry, not its draft head); a study of
+    several, each method's search does (study/methods.py)."""
     if spec.search.prior:
-        return with_datasets(load_profile(spec.search.prior), spec.dataset_names), ""
-    facts = facts or local_facts(spec)
-    if facts.profile is None:
-        return None, facts.why_not
-    return neutral_prior(facts.profile, spec.dataset_names), ""
+        prior = with_datasets(load_profile(spec.search.prior), spec.dataset_names)
+    else:
+        facts = facts or local_facts(spec)
+        if facts.profile is None:
+            return None, facts.why_not
+        prior = neutral_prior(facts.profile, spec.dataset_names)
+    return (prior, "") if spec.methods else prior_of(prior, "", spec.algorithm)
 
 
 class Planner:
