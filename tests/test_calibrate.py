@@ -276,6 +276,28 @@ def test_a_point_of_a_dataset_the_profile_lacks_and_an_entry_the_file_has_not_ar
     assert code == 2 and "--starts must be >= 1" in err
 
 
+def test_a_file_of_one_entry_is_read_without_entry_and_several_ask_for_it(tmp_path):
+    """A published-results file of one entry was refused as if it held several (a helper's
+    audit); its points are named under the entry, as with --entry."""
+    one = write(tmp_path, "one.yaml", {"mine": {"points": speedup_points()}})
+    assert load_measurements(one) == load_measurements(one, "mine")
+    points = speedup_points()
+    points[0]["dataset"] = "mtbench"
+    bad = write(tmp_path, "bad.yaml", {"mine": {"points": points}})
+    with pytest.raises(ConfigFileError, match=r"key 'mine\.points\[0\]\.dataset'"):
+        load_measurements(bad, datasets=["mt-bench", "humaneval"])
+    two = write(tmp_path, "two.yaml", {"a": {"points": speedup_points()},
+                                       "b": {"points": speedup_points()}})
+    with pytest.raises(ConfigFileError, match="this file has several entries: pick one"):
+        load_measurements(two)
+    # CSV text in a file not named *.csv is read as YAML: said so.
+    text = write(tmp_path, "points.txt", "steps,topk,draft_tokens,batch,dataset,speedup\n"
+                 "3,4,8,1,mt-bench,1.2\n")
+    with pytest.raises(ConfigFileError, match=r"read as YAML, as its name does not end in "
+                       r"\.csv"):
+        load_measurements(text)
+
+
 def test_the_measurements_file_is_never_the_output(capsys, tmp_path):
     data = write(tmp_path, "points.yaml", {"points": speedup_points()})
     before = Path(data).read_text()

@@ -169,6 +169,25 @@ def test_a_profile_with_an_unknown_key_names_file_key_and_suggestion(capsys, tmp
     assert "did you mean 'bandwidth_tb_s'" in err
 
 
+@pytest.mark.parametrize(("section", "key", "value", "message"), [
+    ("server", "mem_fraction_static", 0.0, "must be in (0, 1], got 0"),
+    ("server", "mem_fraction_static", 1.5, "must be in (0, 1], got 1.5"),
+    ("server", "reserve_context_tokens", -5, "must be >= 0, got -5"),
+    ("noise", "launch_cv", 50, "must be in [0, 1), got 50"),
+])
+def test_a_profile_value_out_of_its_range_is_named_not_predicted_with(capsys, tmp_path,
+                                                                      section, key, value,
+                                                                      message):
+    """A memory share of 0 made every tree out of memory, of 1.5 more memory than the GPUs
+    have, without a word (a helper's audit)."""
+    path = tmp_path / "bad.yaml"
+    text = load_profile("qwen3-8b-h100").to_dict()
+    text.setdefault(section, {})[key] = value
+    path.write_text(yaml.safe_dump(text))
+    code, _, err = run(capsys, "predict", "-p", str(path), "--tree", "3,4,8")
+    assert code == 2 and f"key '{section}.{key}': {message}" in " ".join(err.split()), err
+
+
 def test_python_object_tags_in_yaml_are_refused(capsys, tmp_path):
     path = tmp_path / "evil.yaml"
     path.write_text("name: !!python/object/apply:os.system ['echo pwned']\n")
@@ -541,6 +560,9 @@ def test_a_stray_study_file_after_a_list_of_numbers_is_named_with_the_option_it_
     code, _, err = run_cli(capsys, "search", "--batch", "1", "32", "studies/demo.yaml")
     assert code == 2 and "unexpected extra argument" in err
     assert "a study file is given as --study studies/demo.yaml" in " ".join(err.split())
+    # Not said of a command without --study (a helper's audit: predict has none).
+    code, _, err = run_cli(capsys, "predict", "studies/demo.yaml", "-p", "qwen3-8b-h100")
+    assert code == 2 and "unexpected extra argument" in err and "--study" not in err
 
 
 @pytest.mark.parametrize("command", [[], ["search"], ["predict"]])

@@ -71,8 +71,11 @@ def test_a_tree_of_another_method_has_its_own_key_and_the_study_s_own_keeps_its_
     assert config_from_key("NEXTN:3,1,4") == nextn and config_from_key("3,4,8").method == ""
     assert nextn.label() == "NEXTN (3,1,4)" and TreeConfig(3, 1, 4).label() == "(3,1,4)"
     assert TreeConfig.parse("NGRAM:5,1,9") == TreeConfig(5, 1, 6, "NGRAM")  # a chain, canonical
-    with pytest.raises(InvalidTreeError, match="in capitals"):
-        TreeConfig.parse("nextn:3,1,4")
+    # Any case, as --method and methods: take a method (a helper's audit).
+    assert TreeConfig.parse("nextn:3,1,4") == nextn
+    with pytest.raises(InvalidTreeError, match="'NE-XT' before the colon must be a draft "
+                       "method's name"):
+        TreeConfig.parse("ne-xt:3,1,4")
 
 
 # ---- the study file ----------------------------------------------------------------

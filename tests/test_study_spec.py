@@ -271,6 +271,42 @@ def test_a_space_file_named_in_a_study_file_is_found_next_to_it(tmp_path, monkey
     assert spec.space == str((folder / "mine.yaml").resolve())
 
 
+def test_a_profile_or_prior_file_named_in_a_study_file_is_found_next_to_it(tmp_path,
+                                                                         monkeypatch):
+    """As its space and dataset files are: a search started from another folder read them
+    from that folder ("myprof.yaml: file not found", a helper's audit)."""
+    folder = tmp_path / "studies"
+    folder.mkdir()
+    profile = STUDIES.parent / "treetune" / "profiles" / "qwen3-8b-h100.yaml"
+    (folder / "mine.yaml").write_text(profile.read_text())
+    (folder / "s.yaml").write_text("model: m\ndraft: d\ndatasets: [mt-bench]\nbatch: [1]\n"
+                                   "backend: {kind: emulator, profile: mine.yaml}\n"
+                                   "search: {prior: mine.yaml}\n")
+    monkeypatch.chdir(tmp_path)  # not the study file's folder
+    spec = load_study(folder / "s.yaml")
+    mine = str((folder / "mine.yaml").resolve())
+    assert spec.backend.profile == mine and spec.search.prior == mine
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("seed: -3", "key 'seed': seed must be in 0..4294967295, got -3"),
+    ("seed: 4294967296", "key 'seed': seed must be in 0..4294967295, got 4294967296"),
+    ("measurement: {repeats: 0}", "key 'measurement.repeats': measurement.repeats must be "
+     ">= 1, got 0"),
+    ("measurement: {duration_s: 0}", "key 'measurement.duration_s': measurement.duration_s "
+     "must be > 0, got 0"),
+])
+def test_a_seed_optuna_cannot_take_or_a_bad_measurement_value_is_named_when_read(
+        tmp_path, line, message):
+    """A negative seed was an internal error once the study's storage was made; a bad
+    measurement value was blamed on the whole section (a helper's audit)."""
+    study = tmp_path / "s.yaml"
+    study.write_text(f"model: m\ndraft: d\ndatasets: [mt-bench]\nbatch: [1]\n{line}\n")
+    with pytest.raises(ConfigFileError) as caught:
+        load_study(study)
+    assert str(caught.value) == f"{study}, line 5: {message}"
+
+
 def test_a_world_on_the_command_line_replaces_the_study_file_s_profile():
     from treetune.study.spec import option_overrides
 
@@ -395,6 +431,15 @@ def test_a_changed_study_is_refused_naming_what_changed(tmp_path):
     assert "batch: stored [1, 4], now [1, 8]" in message
     assert ("server_flags.--attention-backend: stored 'fa3', now 'triton'" in message), message
     StudyStore(load_study(None, base))  # the same spec resumes
+    # A field its fingerprint leaves out at the default is named with that default, not
+    # as "stored None" (a helper's audit).
+    with pytest.raises(TreetuneError) as info:
+        StudyStore(load_study(None, {**base, "objective": "ttft_p99", "rates": [2.0],
+                                     "measurement": {"max_clock_lag_s": 0.2}}))
+    message = str(info.value)
+    assert "objective: stored 'throughput', now 'ttft_p99'" in message, message
+    assert "rates: stored [], now [2.0]" in message, message
+    assert "measurement.max_clock_lag_s: stored 0.05, now 0.2" in message, message
 
 
 def test_a_dataset_file_named_where_a_name_goes_is_read_as_that_file(tmp_path):

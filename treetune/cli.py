@@ -441,7 +441,8 @@ def prior(
     kv_cache_dtype: Annotated[str | None, typer.Option(
         help="SGLang's --kv-cache-dtype, when the server stores the KV cache in another "
         "dtype than the model's (e.g. fp8_e4m3).")] = None,
-    name: Annotated[str | None, typer.Option(help="The profile's name.")] = None,
+    name: Annotated[str | None, typer.Option(
+        help="The profile's name (default: auto-<model>-<gpu>).")] = None,
     algorithm: Annotated[str, typer.Option(
         help="The draft method the draft runs by (SGLang's --speculative-algorithm): "
         "EAGLE3 (an EAGLE3 head), EAGLE or STANDALONE (a small model of the target's "
@@ -686,6 +687,9 @@ def report(
 
     data = load_study_data(study_folder)
     folder = output or Path(study_folder) / "report"
+    if folder.exists() and not folder.is_dir():
+        raise TreetuneError(f"cannot write the report in {folder}: it is a file, not a "
+                            "folder; choose another with --output")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -882,7 +886,10 @@ def main(argv: list[str] | None = None) -> None:
             where = f"treetune {args[0]}" if args and args[0] in commands else "treetune"
             message = exc.format_message()
             stray = [a for a in args if a.endswith((".yaml", ".yml")) and a in message]
-            if stray and "--study" not in args and "unexpected extra argument" in message:
+            command = commands.get(args[0]) if args else None
+            takes_study = any(p.name == "study" for p in getattr(command, "params", ()))
+            if stray and takes_study and "--study" not in args \
+                    and "unexpected extra argument" in message:
                 message += f"; a study file is given as --study {stray[0]}"
             err.print(f"[bold red]error:[/bold red] {escape(message)} (see "
                       f"{where} --help)", highlight=False)

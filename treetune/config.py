@@ -76,9 +76,10 @@ class TreeConfig:
         """The method ("" for none) and the three knobs as typed in 'METHOD:S,K,N', before
         SGLang's chain rule changes any."""
         method, colon, knobs = text.strip().rpartition(":")
-        if colon and not METHOD_NAME.fullmatch(method.strip()):
+        method = method.strip().upper()  # any case, as --method and methods: take it
+        if colon and not METHOD_NAME.fullmatch(method):
             raise InvalidTreeError(f"tree '{text}': '{method}' before the colon must be a "
-                                   "draft method in capitals, e.g. NEXTN:3,1,4")
+                                   "draft method's name, e.g. NEXTN:3,1,4")
         parts = [p.strip() for p in knobs.replace("x", ",").split(",")]
         if len(parts) != 3 or not all(p.lstrip("-").isdigit() for p in parts):
             raise InvalidTreeError(
@@ -86,7 +87,7 @@ class TreeConfig:
                 " (or METHOD:S,K,N, e.g. NEXTN:3,1,4)"
             )
         steps, topk, draft_tokens = (int(p) for p in parts)
-        return method.strip(), steps, topk, draft_tokens
+        return method, steps, topk, draft_tokens
 
     @property
     def is_chain(self) -> bool:

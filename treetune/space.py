@@ -96,6 +96,11 @@ class SearchSpace:
         return config in set(self.configs())
 
 
+# Combinations of a space's knob values enumerated at most: the widest shipped space holds
+# 3,024 (default); a range up to 100000 steps took `predict --space` minutes, silently.
+MAX_COMBINATIONS = 100_000
+
+
 def shipped_spaces() -> dict[str, Path]:
     """Spaces in the checkout's search_spaces/ folder, by name."""
     folder = Path(__file__).resolve().parent.parent / "search_spaces"
@@ -144,6 +149,14 @@ def load_space(name_or_path: str | Path) -> SearchSpace:
                                   "steps and topk for an NGRAM space)", key)
     steps = _knob(raw.steps, path, "steps", minimum=1)
     topk = _knob(raw.topk, path, "topk", minimum=1)
+    knobs = {"steps": steps, "topk": topk, "draft_tokens": draft_tokens}
+    combinations = len(steps) * len(topk) * len(draft_tokens)
+    if combinations > MAX_COMBINATIONS:  # each is checked, then every tree predicted
+        raise ConfigFileError(path, (
+            f"{len(steps)} steps x {len(topk)} topk x {len(draft_tokens)} draft_tokens are "
+            f"{combinations:,} combinations, more than treetune enumerates "
+            f"({MAX_COMBINATIONS:,}): narrow the ranges"),
+            max(knobs, key=lambda k: len(knobs[k])))
     space = SearchSpace(path.stem, steps, topk, draft_tokens, raw.draft_tokens_rule,
                         raw.description)
     if not space.configs():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -36,6 +37,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if isinstance(key, str | int | float | bool):
                 seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.2's floats: PyYAML follows YAML 1.1, whose floats need a dot, so `1e3` and
+# `3.35e0`... were strings ("expected a number, got str '1e3'").
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+
+                 |[-+]?\.[0-9_]+[eE][-+]?[0-9]+)$""", re.X),
+    list("-+0123456789."))
 
 
 def load_yaml(path: str | Path) -> Any:

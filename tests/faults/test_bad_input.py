@@ -147,6 +147,21 @@ def test_a_file_that_is_not_utf8_is_named_not_shown_as_an_internal_error(
     assert message.startswith(f"{bad}: not UTF-8 text (byte 24)"), message
 
 
+def test_a_number_in_exponent_notation_is_read_as_a_number(tmp_path):
+    """YAML 1.2 writes 1e3 and 3.35e0 as floats; PyYAML (YAML 1.1) read them as text and the
+    study refused `duration_s: 1e3` as "expected a number, got str" (a helper's audit)."""
+    from treetune.study.spec import load_study
+    from treetune.yamlio import load_yaml
+
+    path = write_study(tmp_path, measurement="{duration_s: 1e3, max_clock_lag_s: 5E-2}")
+    spec = load_study(path)
+    assert (spec.measurement.duration_s, spec.measurement.max_clock_lag_s) == (1000.0, 0.05)
+    values = tmp_path / "values.yaml"
+    values.write_text("a: 1e3\nb: -2.5e-1\nc: 1_000\nd: e3\ne: 1e\nf: 12\n")
+    assert load_yaml(values) == {"a": 1000.0, "b": -0.25, "c": 1000, "d": "e3", "e": "1e",
+                                 "f": 12}
+
+
 def test_a_key_given_twice_is_refused_at_its_second_line(capsys, tmp_path):
     """PyYAML keeps the last of two equal keys silently: the first tolerance was lost."""
     path = write_study(tmp_path, tolerance="0.01")
@@ -319,6 +334,41 @@ def test_a_study_with_an_empty_space_is_refused_before_ray(capsys, tmp_path, cas
     space.write_text(text)
     message = search(capsys, write_study(tmp_path, space=str(space)))
     assert message.startswith(f"{space}, line {line}: key '{key}': ") and fragment in message
+
+
+def test_an_ngram_space_for_a_study_of_one_tree_method_is_refused_before_ray(capsys,
+                                                                           tmp_path):
+    """Its (draft_tokens, breadth) servers were read as EAGLE3 trees (a helper's audit:
+    the server ran num_steps 1, topk 1, draft_tokens 2); `predict` and `methods:` refuse
+    the pairing, and now a study of one method does too."""
+    message = search(capsys, write_study(tmp_path, space="ngram"))
+    assert "space 'ngram' holds NGRAM servers (draft_tokens and breadth), but the study " \
+        "drafts by EAGLE3: give a tree space" in message, message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_space_too_wide_to_enumerate_is_refused_at_its_widest_knob(capsys, tmp_path):
+    """steps up to 100000 made `predict --space` run for minutes without a word (a
+    helper's audit): 50 million combinations, each checked, every tree predicted."""
+    space = tmp_path / "huge.yaml"
+    space.write_text("steps: {min: 1, max: 100000}\ntopk: {min: 1, max: 8}\n"
+                     "draft_tokens: {min: 2, max: 64}\n")
+    message = refused(capsys, "predict", "-p", "qwen3-8b-h100", "--space", str(space))
+    assert message == (f"{space}, line 1: key 'steps': 100000 steps x 8 topk x 63 "
+                       "draft_tokens are 50,400,000 combinations, more than treetune "
+                       "enumerates (100,000): narrow the ranges")
+
+
+def test_a_file_where_a_folder_goes_is_said_to_be_a_file(capsys, tmp_path):
+    """The search said the output folder was "not writable (File exists)" and to fix its
+    permissions; `report` that a file held no study.yaml (a helper's audit)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    message = search(capsys, write_study(tmp_path, output=str(afile)))
+    assert message == f"the output folder {afile} is a file, not a folder: choose " \
+        "another with --output"
+    message = refused(capsys, "report", str(afile))
+    assert message.startswith(f"{afile} is a file, not a study folder")
 
 
 def test_an_unknown_space_name_suggests_the_closest_shipped_one(capsys, tmp_path):

@@ -194,6 +194,10 @@ def load_measurements(path: str | Path, entry: str | None = None,
             raise ConfigFileError(path, f"no entry '{entry}'{closest(entry, map(str, data))}; "
                                   f"entries: {', '.join(map(str, data))}")
         data, prefix = data[entry], f"{entry}."
+    elif isinstance(data, dict) and len(data) == 1 and "runs" not in data \
+            and "points" not in data and _is_entry(next(iter(data.values()))):
+        (entry, data), = data.items()  # one entry: no --entry to ask for
+        prefix = f"{entry}."
     if isinstance(data, dict) and "runs" in data:
         rows = _published_rows(data["runs"], path, f"{prefix}runs")
     elif isinstance(data, dict) and "points" in data:
@@ -212,11 +216,18 @@ def load_measurements(path: str | Path, entry: str | None = None,
             "expected a list of points (steps, topk, draft_tokens, batch, dataset, "
             "baseline_tok_s, spec_tok_s, speedup, accept_length), a 'points' list, or 'runs'"
             + ("; this file has several entries: pick one with --entry" if entry is None
-               and isinstance(data, dict) and any(isinstance(v, list) or (
-                   isinstance(v, dict) and ("runs" in v or "points" in v))
-                   for v in data.values()) else ""),
+               and isinstance(data, dict) and any(_is_entry(v) for v in data.values())
+               else "")
+            + ("; it was read as YAML, as its name does not end in .csv: name a CSV file "
+               "*.csv" if isinstance(data, str) and "," in data else ""),
         )
     return _measurements(path, rows, datasets)
+
+
+def _is_entry(value: Any) -> bool:
+    """Whether a value of a file's top-level mapping is an entry of points."""
+    return isinstance(value, list) or (
+        isinstance(value, dict) and ("runs" in value or "points" in value))
 
 
 def declared_target(path: str | Path, entry: str | None = None) -> str | None:

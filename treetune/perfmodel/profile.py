@@ -341,8 +341,9 @@ class Noise:
     measurement_cv: float = 0.02
 
     def __post_init__(self) -> None:
-        if self.launch_cv < 0 or self.measurement_cv < 0:
-            raise ValueError("noise coefficients of variation must be >= 0")
+        for name in ("launch_cv", "measurement_cv"):
+            if not 0 <= getattr(self, name) < 1:  # a spread of 100% is no measurement
+                raise FieldError(name, f"must be in [0, 1), got {getattr(self, name):g}")
 
 
 @dataclass(frozen=True)
@@ -351,6 +352,16 @@ class ServerDefaults:
     mem_fraction_static: float = 0.85
     reserve_context_tokens: int = 4096  # KV each running request must be able to hold
     activation_bytes_per_token: float = 0.0  # workspace per token in flight (0: derived)
+
+    def __post_init__(self) -> None:
+        if self.tp is not None and self.tp < 1:
+            raise FieldError("tp", f"must be >= 1, got {self.tp}")
+        if not 0 < self.mem_fraction_static <= 1:  # SGLang's share of each GPU's memory
+            raise FieldError("mem_fraction_static",
+                             f"must be in (0, 1], got {self.mem_fraction_static:g}")
+        for name in ("reserve_context_tokens", "activation_bytes_per_token"):
+            if getattr(self, name) < 0:
+                raise FieldError(name, f"must be >= 0, got {getattr(self, name):g}")
 
 
 @dataclass(frozen=True)

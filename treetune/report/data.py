@@ -118,6 +118,10 @@ def load_study_data(source: str | Path, study: str | None = None) -> StudyData:
         if not folder.exists():
             raise TreetuneError(f"{folder} does not exist: give the folder `treetune search` "
                                 "wrote (its --output, runs/<name> by default)")
+        if not folder.is_dir():
+            raise TreetuneError(f"{folder} is a file, not a study folder: give the folder "
+                                "`treetune search` wrote (its --output, runs/<name> by "
+                                "default)")
         if not spec_path.is_file():
             raise TreetuneError(f"{folder} is not a treetune study folder: no {SPEC_COPY} in "
                                 "it (run `treetune search` with --output pointing there)")

@@ -52,8 +52,19 @@ def check_study(spec: StudySpec) -> None:
 
 
 def study_spaces(spec: StudySpec) -> dict[str, SearchSpace]:
-    """Each draft method's search space, by its tag ("" for a study of one method)."""
-    return method_spaces(spec) or {"": load_space(spec.space)}
+    """Each draft method's search space, by its tag ("" for a study of one method). A
+    space of NGRAM servers for a study of one tree method is refused (its values would be
+    read as the tree's knobs), as method_spaces refuses it per method."""
+    if spaces := method_spaces(spec):
+        return spaces
+    space = load_space(spec.space)
+    if space.is_ngram:  # a study's own algorithm is never NGRAM (spec.py)
+        raise TreetuneError(
+            f"space '{spec.space}' holds NGRAM servers (draft_tokens and breadth), but the "
+            f"study drafts by {spec.algorithm}: give a tree space (steps, topk and "
+            "draft_tokens: --space default), or search NGRAM beside it (methods: "
+            f"[{spec.algorithm}, NGRAM])")
+    return {"": space}
 
 
 def check_branching(spec: StudySpec, spaces: Mapping[str, SearchSpace],

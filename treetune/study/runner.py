@@ -511,6 +511,9 @@ def study_lock(spec: StudySpec) -> Iterator[None]:
     other's running launches stale. Also proves the folder writable, before any server is
     launched."""
     folder = spec.output_dir
+    if folder.exists() and not folder.is_dir():
+        raise TreetuneError(f"the output folder {folder} is a file, not a folder: choose "
+                            "another with --output")
     created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -86,7 +86,7 @@ class Budget:
     launches: int | None = field(default=30, metadata=meta(
         "--budget-launches", "Server launches, baseline included; at least 2."))
     wall_time_s: float | None = field(default=None, metadata=meta(
-        "--budget-time", "Wall-time budget, seconds."))
+        "--budget-time", "Wall-time budget, seconds (default: none, the launches decide)."))
 
     def __post_init__(self) -> None:
         if self.launches is not None and self.launches < 2:
@@ -120,9 +120,13 @@ class Measurement:
     def __post_init__(self) -> None:
         from treetune.loadgen.arrivals import ARRIVALS
 
-        if self.duration_s <= 0 or self.repeats < 1 or self.startup_timeout_s <= 0:
-            raise ValueError("measurement needs duration_s > 0, repeats >= 1, "
-                             "startup_timeout_s > 0")
+        for key, value, bad in (("duration_s", self.duration_s, self.duration_s <= 0),
+                                ("repeats", self.repeats, self.repeats < 1),
+                                ("startup_timeout_s", self.startup_timeout_s,
+                                 self.startup_timeout_s <= 0)):
+            if bad:
+                raise FieldError(key, f"measurement.{key} must be "
+                                 f"{'>= 1' if key == 'repeats' else '> 0'}, got {value:g}")
         if self.warmup_s is not None and self.warmup_s < 0:
             raise FieldError("warmup_s", f"measurement.warmup_s must be >= 0 (or null: until "
                              f"every request has its first token), got {self.warmup_s:g}")
@@ -306,7 +310,7 @@ class StudySpec:
     adaptive: bool = field(default=False, metadata=meta(
         "--adaptive", "Also measure SGLang's adaptive steps: chains of 1, 2, 3 and 5 steps, "
         "then SGLang's default adaptive config and one tuned from those chains; one "
-        "adaptive pool is recommended where it is as good as the trees."))
+        "adaptive pool is recommended where it is as good as the trees (default: off)."))
     output: str | None = field(default=None, metadata=meta(
         "--output", "Output folder (default runs/<name>).", short="-o"))
     host: str = field(default="127.0.0.1", metadata=meta(
@@ -345,6 +349,8 @@ class StudySpec:
         self._check_objective()
         if self.workers is not None and self.workers < 1:
             raise FieldError("workers", "workers must be >= 1")
+        if not 0 <= self.seed < 2**32:  # what Optuna's samplers and numpy take
+            raise FieldError("seed", f"seed must be in 0..{2**32 - 1}, got {self.seed}")
         if not self.host.strip() or any(c.isspace() for c in self.host):
             raise FieldError("host", f"host {self.host!r} is not an address to listen on "
                              "(127.0.0.1, the default; 0.0.0.0 for every interface)")
@@ -762,7 +768,8 @@ BACKEND_OPTIONS = (
     SpecOption("backend.world", "--world", "Emulate a world instead of a profile: a shipped "
                "world (see `treetune worlds`) or a world file (implies --backend emulator).",
                str, implies=(("backend.kind", "emulator"),)),
-    SpecOption("backend.time_scale", "--time-scale", "Emulator speed-up.", float),
+    SpecOption("backend.time_scale", "--time-scale", "Emulator speed-up: server seconds per "
+               "wall second (default 1, real time).", float),
     SpecOption("backend.gpu", "--gpu", "SGLang: the GPU the auto prior assumes (a name in "
                "treetune's GPU table, see `treetune prior --help`); default: what nvidia-smi "
                "or amd-smi shows a launch worker.", str),
@@ -839,11 +846,15 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
     # Only the keys the file holds (sections as mappings, to merge with the command line's).
     merged = {key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
               for key, value in ((k, getattr(raw, k)) for k in data)}
-    # A space file named in a study file is found next to it, as dataset files are.
-    space = Path(merged.get("space", ""))
-    if path is not None and not space.is_absolute() and space.suffix in (".yaml", ".yml") \
-            and (base / space).is_file():
-        merged["space"] = str((base / space).resolve())
+    # A space, profile, world or prior file named in a study file is found next to it, as
+    # dataset files are.
+    if path is not None:
+        if "space" in merged:
+            merged["space"] = _next_to(base, merged["space"])
+        for section, key in (("backend", "profile"), ("backend", "world"), ("search", "prior")):
+            part = merged.get(section)
+            if isinstance(part, dict) and isinstance(part.get(key), str):
+                merged[section] = {**part, key: _next_to(base, part[key])}
     given: set[str] = set()  # dotted keys the command line set
     _finite_options(overrides or {})
     for key, value in (overrides or {}).items():
@@ -911,6 +922,18 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
         return StudySpec(**merged)
     except ValueError as exc:
         raise refused(exc) from None
+
+
+def _next_to(base: Path, value: Any) -> Any:
+    """A relative .yaml path a study file names, as the path of that file next to the
+    study file when there is one there; anything else as written."""
+    if not isinstance(value, str):
+        return value
+    named = Path(value)
+    if not named.is_absolute() and named.suffix in (".yaml", ".yml") \
+            and (base / named).is_file():
+        return str((base / named).resolve())
+    return value
 
 
 def _finite_options(value: Any, key: str = "") -> None:
@@ -1028,10 +1051,8 @@ def _method(value: Any, where: Path | str, index: int, base: Path | None) -> Dra
         except FieldError as exc:
             raise ConfigFileError(where, str(exc), key) from None
     method = build(DraftMethod, value, where, key)
-    space = Path(method.space or "")
-    if base is not None and not space.is_absolute() and space.suffix in (".yaml", ".yml") \
-            and (base / space).is_file():
-        method = dataclasses.replace(method, space=str((base / space).resolve()))
+    if base is not None and method.space:
+        method = dataclasses.replace(method, space=_next_to(base, method.space))
     return method
 
 

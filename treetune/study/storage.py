@@ -12,6 +12,7 @@ optuna-dashboard opens the storage as it is; rerunning a study resumes from it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import sqlite3
 import tempfile
@@ -156,10 +157,12 @@ def _changes(stored: Any, spec: StudySpec) -> str:
     """What differs between a stored study's spec and `spec`, field by field, as "batch:
     stored [1, 4], now [1, 8]" ("" when the stored spec cannot be read back)."""
     try:
-        before = load_study(None, dict(stored)).fingerprinted()
+        stored_spec = load_study(None, dict(stored))
     except Exception:  # an older or hand-edited spec: fall back to the general words
         return ""
-    now = spec.fingerprinted()
+    before, now = stored_spec.fingerprinted(), spec.fingerprinted()
+    # What each side holds, defaults too: a fingerprint leaves some out at their default.
+    held, holds = _every_field(stored_spec), _every_field(spec)
     parts = []
     for key in sorted(set(before) | set(now)):
         old, new = before.get(key), now.get(key)
@@ -168,10 +171,21 @@ def _changes(stored: Any, spec: StudySpec) -> str:
         if isinstance(old, dict) and isinstance(new, dict):
             for sub in sorted(set(old) | set(new)):
                 if old.get(sub) != new.get(sub):
-                    parts.append(f"{key}.{sub}: stored {old.get(sub)!r}, now {new.get(sub)!r}")
+                    parts.append(f"{key}.{sub}: stored {held[key].get(sub)!r}, now "
+                                 f"{holds[key].get(sub)!r}")
         else:
-            parts.append(f"{key}: stored {old!r}, now {new!r}")
+            parts.append(f"{key}: stored {held[key]!r}, now {holds[key]!r}")
     return "; ".join(parts)
+
+
+def _every_field(spec: StudySpec) -> dict[str, Any]:
+    """The fingerprinted fields of `spec` with their defaults (`fingerprinted` leaves
+    those out of older studies' fingerprints)."""
+    return {**spec.fingerprinted(), "objective": spec.objective.value,
+            "rates": sorted(spec.rates), "slo": dataclasses.asdict(spec.slo),
+            "methods": {n: spec.method_draft(n) for n in spec.method_names},
+            "measurement": dataclasses.asdict(spec.measurement),
+            "backend": spec.backend_dict()}
 
 
 class StudyStore:
