@@ -57,6 +57,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from treetune import strategies
+from treetune.backends.sglang import profile_method
 from treetune.cli import writable
 from treetune.config import BASELINE, TreeConfig
 from treetune.datasets import builtin_names
@@ -124,16 +125,19 @@ class Job:
     workers: int = 1  # launches running at once (simulated time, `run_parallel`)
     nodes: tuple[float, ...] = ()  # each node's speed; worker w runs on node w % len(nodes)
     drift: float = 0.0  # launch k runs at 1 + drift x k (`run_parallel`)
+    method: str = "EAGLE3"  # the study's draft method (SGLang's algorithm)
 
 
-def truth_table(world: World, batches: tuple[int, ...]
+def truth_table(world: World, batches: tuple[int, ...], method: str = "EAGLE3"
                 ) -> tuple[dict[TreeConfig, dict[int, list[float]]], dict[int, float]]:
     """Noise-free speedups of every startable tree of the default space, per batch size and
-    dataset, and the best feasible mean per batch size (1.0, no speculation, if none)."""
-    model = world.model(world.profile.tp)
+    dataset, and the best feasible mean per batch size (1.0, no speculation, if none), for
+    draft `method`."""
+    model = world.model(world.profile.tp, profile_method(method))
     datasets = list(world.profile.datasets)
     trees = [c for c in load_space("default").configs()
-             if check_memory(world.profile, c, max(batches), tp=world.profile.tp).fits]
+             if check_memory(world.profile, c, max(batches), tp=world.profile.tp,
+                             method=profile_method(method)).fits]
     base = {(b, d): model.throughput(BASELINE, b, d) for b in batches for d in datasets}
     table = {c: {b: [model.throughput(c, b, d) / base[b, d] for d in datasets]
                  for b in batches} for c in trees}
@@ -144,18 +148,19 @@ def truth_table(world: World, batches: tuple[int, ...]
 
 def study_spec(world_name: str, strategy: str, seed: int, max_launches: int, noise: float,
                batches: tuple[int, ...], duration_s: float | None = None,
-               prior: str | None = None) -> StudySpec:
+               prior: str | None = None, method: str = "EAGLE3") -> StudySpec:
     """The benchmark's study of a world: its datasets, the default space, tolerance 0, the
     world's facts as the emulator's (the search's prior, unless a `prior` profile is
     given), `noise` as the launch noise it states (`search.launch_cv`, the prior its
     learned noise starts from); `duration_s`, each cell's measurement window (the study's
-    default when None)."""
+    default when None); `method`, the draft method it searches (NEXTN: no draft model)."""
     world = load_world(world_name)
     source = {"profile": world_name} if world.own_model else {"world": world_name}
     builtins = builtin_names()
+    drafter = world.profile.method(profile_method(method)).draft
     return load_study(None, {
-        "name": "efficiency", "model": world.profile.target.name,
-        "draft": world.profile.draft.name, "tp": world.profile.tp,
+        "name": "efficiency", "model": world.profile.target.name, "algorithm": method,
+        "draft": drafter.name if drafter is not None else None, "tp": world.profile.tp,
         "datasets": [name if name in builtins else {"name": name, "path": f"{name}.jsonl"}
                      for name in world.profile.datasets],  # in-process: no prompt is read
         "batch": list(batches),
@@ -236,10 +241,11 @@ def model_only(world: World) -> World:
 
 def run_job(job: Job) -> dict:
     world = load_world(job.world)
-    table, best = truth_table(world, job.batches)
+    table, best = truth_table(world, job.batches, job.method)
     if job.strategy not in ORACLES:
         return study(job, world, table, best)
-    known = table if job.strategy == ORACLE else truth_table(model_only(world), job.batches)[0]
+    known = table if job.strategy == ORACLE else truth_table(model_only(world), job.batches,
+                                                             job.method)[0]
     with oracle_known(oracle_order(known), job.strategy):
         return study(job, world, table, best)
 
@@ -248,8 +254,9 @@ def study(job: Job, world: World, table: dict[TreeConfig, dict[int, list[float]]
           best: dict[int, float]) -> dict:
     """One seeded study of `job`, judged against the world's `table` and `best`."""
     stated = job.noise if job.prior_noise is None else job.prior_noise
-    spec = study_spec(job.world, job.strategy, job.seed, job.max_launches, stated, job.batches)
-    truth = world.model(world.profile.tp)
+    spec = study_spec(job.world, job.strategy, job.seed, job.max_launches, stated, job.batches,
+                      method=job.method)
+    truth = world.model(world.profile.tp, profile_method(job.method))
     within: list[bool] = []
     regret_at_budget: float | None = None
     recommended = false_feasible = 0
@@ -546,6 +553,11 @@ def main() -> None:
                         help="shipped world or profile names, or world/profile files; 'all' "
                         "(default): every shipped profile (the search's own model) and world")
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--method", type=str.upper, default="EAGLE3",
+                        choices=("EAGLE3", "EAGLE", "NEXTN", "STANDALONE"),
+                        help="the draft method the studies search (default EAGLE3, the "
+                        "worlds' own draft head); the worlds must describe it (NEXTN: "
+                        "qwen3.5-397b-a17b-h200)")
     parser.add_argument("--seeds", type=int, default=None, help="studies per world and "
                         "strategy (default 20; 1 with --quick)")
     parser.add_argument("--first-seed", type=int, default=0,
@@ -602,8 +614,13 @@ def main() -> None:
              "replay" if world.replay_path else "misspecified"
              for name, world in worlds.items()}
     batches = tuple(sorted(set(args.batch)))
+    for name, world in worlds.items():
+        if profile_method(args.method) not in world.profile.method_names:
+            parser.error(f"--method {args.method}: world '{name}' describes "
+                         f"{', '.join(world.profile.method_names)}")
     jobs = [Job(w, s, seed, args.max_launches, args.budget, args.noise, batches,
-                args.prior_noise, args.workers, tuple(args.node_speeds), args.drift)
+                args.prior_noise, args.workers, tuple(args.node_speeds), args.drift,
+                args.method)
             for w in names for s in args.strategies
             for seed in range(args.first_seed, args.first_seed + args.seeds)]
     started = time.monotonic()

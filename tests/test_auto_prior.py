@@ -67,12 +67,23 @@ def test_treetune_prior_of_nextn_drafts_with_the_targets_mtp_layer(capsys, tmp_p
     assert code == 0, err
     assert [row["method"] for row in yaml.safe_load(stdout)] == ["NEXTN"] * len(
         profile.datasets)
-    # calibrate fits a draft head's acceptance, which this profile has not: said, not done.
+    # calibrate takes the points as NEXTN's (the profile has no draft head) and writes the
+    # fitted acceptance back as NEXTN's: the file predicts what the fit did.
     points = tmp_path / "points.csv"
-    points.write_text("steps,topk,draft_tokens,batch,dataset,speedup\n3,1,4,1,mt-bench,1.5\n")
+    points.write_text("steps,topk,draft_tokens,batch,dataset,speedup,accept_length\n"
+                      "3,1,4,1,mt-bench,1.5,3.1\n1,1,2,1,mt-bench,1.3,1.8\n")
+    fitted = tmp_path / "fitted.yaml"
     code, _, err = run_cli(capsys, "calibrate", "--profile", str(out), "--measurements",
-                           str(points), "-o", str(tmp_path / "fitted.yaml"))
-    assert code == 2 and "has no draft head (it describes NEXTN)" in err, err
+                           str(points), "-o", str(fitted))
+    assert code == 0 and "the points are taken as its NEXTN method's" in err, err
+    again = load_profile(fitted)
+    assert again.draft is None and again.method_names == ["NEXTN"]
+    assert again.method("NEXTN").acceptance["mt-bench"] != profile.method(
+        "NEXTN").acceptance["mt-bench"]
+    from treetune.config import TreeConfig
+    from treetune.perfmodel import PerfModel
+
+    assert abs(PerfModel(again).accept_length(TreeConfig(3, 1, 4), "mt-bench") - 3.1) < 0.1
     # A draft given to NEXTN, none to EAGLE3, and a target without an MTP layer: refused.
     code, _, err = run_cli(capsys, "prior", "--model", deepseek, "--algorithm", "NEXTN",
                            "--draft", DRAFT, "--gpu", "H200")
@@ -268,6 +279,18 @@ def test_a_nextn_study_on_sglang_searches_with_its_mtp_layers_prior(tmp_path):
                         backend={"gpu": "H200"}, methods=["NEXTN", "NGRAM"])
     parts = planner_for(spec).strategy.parts.values()
     assert [(p.name, p.strategy_name) for p in parts] == [("NEXTN", "model"), ("NGRAM", "tpe")]
+    # NEXTN first, an EAGLE3 head beside it: the prior is built from the head, and
+    # describes both (it was built from NEXTN's missing draft: EAGLE3 ran TPE).
+    from test_facts import eagle3_head
+
+    (tmp_path / "head").mkdir()
+    head = eagle3_head(tmp_path / "head", 7168, 18432)
+    spec = sglang_study(tmp_path, model=deepseek, draft=None, algorithm="NEXTN", tp=8,
+                        backend={"gpu": "H200"},
+                        methods=["NEXTN", {"name": "EAGLE3", "draft": head}])
+    parts = planner_for(spec).strategy.parts.values()
+    assert [(p.name, p.strategy_name) for p in parts] == [("NEXTN", "model"),
+                                                          ("EAGLE3", "model")]
     # A target without an MTP layer: TPE, and the reason in one line.
     spec = sglang_study(tmp_path, model=fixture("Qwen/Qwen3-8B"), draft=None,
                         algorithm="NEXTN", backend={"gpu": "H200"})
@@ -636,6 +659,22 @@ def test_attention_heads_split_over_the_attention_groups_with_data_parallel_atte
         return
     with pytest.raises(TreetuneError, match=refused):
         check_models(spec.launch_spec(), {})
+
+
+def test_a_standalone_prior_file_with_its_draft_at_the_top_level_still_searches(tmp_path):
+    """`treetune prior --algorithm STANDALONE` wrote the draft at the top level before it
+    became the profile's STANDALONE method: a study of STANDALONE given such a file keeps
+    the model search (a review's finding), the draft priced as a STANDALONE draft is."""
+    target, plain = fixture("Qwen/Qwen3-30B-A3B-FP8"), fixture("Qwen/Qwen3-8B")
+    written = auto_prior(model_facts(target), model_facts(plain), gpu_facts("H200"), 4)
+    assert written.draft is not None and "STANDALONE" not in written.methods
+    path = tmp_path / "written.yaml"
+    written.save(path)
+    planner = planner_for(sglang_study(tmp_path, model=target, draft=plain,
+                                       algorithm="STANDALONE", backend={"gpu": "H200"},
+                                       search={"prior": str(path)}))
+    assert planner.strategy_name == "model", planner.note
+    assert planner.strategy.context.prior.method().draft.layers == 36
 
 
 def test_a_method_with_another_draft_than_the_auto_priors_is_not_priced_with_it(tmp_path):

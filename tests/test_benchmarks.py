@@ -149,6 +149,27 @@ def test_the_scaling_benchmark_s_cell_window_reaches_the_simulated_study():
                                                                  - 30.0)
 
 
+def test_a_study_of_another_draft_method_is_judged_by_that_method_s_truth():
+    """`--method NEXTN`: the studies search the 397B's MTP layer, with no draft model, and
+    are judged against NEXTN's speedups, not the EAGLE3 head's."""
+    from search_efficiency import study_spec, truth_table
+
+    from treetune.config import BASELINE, TreeConfig
+    from treetune.worlds import load_world
+
+    spec = study_spec("qwen3.5-397b-a17b-h200", "model", 0, 10, 0.03, (1,), method="NEXTN")
+    assert (spec.algorithm, spec.draft) == ("NEXTN", None)
+    world = load_world("qwen3.5-397b-a17b-h200")
+    nextn, _ = truth_table(world, (1,), "NEXTN")
+    head, _ = truth_table(world, (1,))
+    chain = TreeConfig(3, 1, 4)
+    assert nextn[chain][1] != head[chain][1]
+    model = world.model(world.profile.tp, "NEXTN")
+    assert nextn[chain][1][0] == model.throughput(chain, 1, next(iter(world.profile.datasets))
+                                                  ) / model.throughput(
+        BASELINE, 1, next(iter(world.profile.datasets)))
+
+
 def test_the_coverage_interval_resamples_whole_studies():
     """A study whose baseline was off misses many intervals at once: the coverage's
     interval must be as wide as the studies disagree, and a point when they agree."""
@@ -400,6 +421,8 @@ def test_drawn_worlds_with_new_bases_rest_on_no_shipped_profile(tmp_path):
     ("search_efficiency.py", ["--output", "{tmp}/missing/x.md"], "the folder {tmp}/missing "
      "does not exist"),
     ("scaling.py", ["--worlds", "nosuch"], "unknown world 'nosuch'"),
+    ("search_efficiency.py", ["--worlds", "cliffs", "--method", "nextn"], "--method NEXTN: "
+     "world 'cliffs' describes EAGLE3"),
     ("auto_prior.py", ["--seeds", "0"], "argument --seeds: must be >= 1, got 0"),
     ("predict_agreement.py", ["--tree", "abc"], "tree 'abc' must be three integers"),
 ])

@@ -16,6 +16,7 @@ from treetune.perfmodel import PerfModel, load_profile
 from treetune.perfmodel.calibrate import (
     Measurement,
     calibrate,
+    declared_target,
     free_parameters,
     get_value,
     identify,
@@ -279,8 +280,10 @@ def test_a_point_of_a_dataset_the_profile_lacks_and_an_entry_the_file_has_not_ar
 def test_a_file_of_one_entry_is_read_without_entry_and_several_ask_for_it(tmp_path):
     """A published-results file of one entry was refused as if it held several (a helper's
     audit); its points are named under the entry, as with --entry."""
-    one = write(tmp_path, "one.yaml", {"mine": {"points": speedup_points()}})
+    one = write(tmp_path, "one.yaml", {"mine": {"points": speedup_points(),
+                                                "target": {"name": "deepseek-ai/DeepSeek-V3"}}})
     assert load_measurements(one) == load_measurements(one, "mine")
+    assert declared_target(one) == "deepseek-ai/DeepSeek-V3"  # its target named too
     points = speedup_points()
     points[0]["dataset"] = "mtbench"
     bad = write(tmp_path, "bad.yaml", {"mine": {"points": points}})

@@ -286,11 +286,28 @@ def test_a_profile_or_prior_file_named_in_a_study_file_is_found_next_to_it(tmp_p
     spec = load_study(folder / "s.yaml")
     mine = str((folder / "mine.yaml").resolve())
     assert spec.backend.profile == mine and spec.search.prior == mine
+    # A study stored by an older treetune, which kept the names as written (and found the
+    # files from the study file's folder), still resumes; another file does not.
+    import dataclasses
+
+    from treetune.study.storage import StudyStore
+
+    written = dataclasses.replace(
+        spec, backend=dataclasses.replace(spec.backend, profile="mine.yaml"),
+        search=dataclasses.replace(spec.search, prior="mine.yaml"))
+    StudyStore(written)  # SQLite under tmp_path/runs/s: its attributes read back as JSON
+    StudyStore(spec)  # resumes
+    (folder / "other.yaml").write_text(profile.read_text())
+    other = load_study(folder / "s.yaml", {"backend": {"profile": str(folder / "other.yaml")}})
+    with pytest.raises(TreetuneError, match="created with a different spec"):
+        StudyStore(other)
 
 
 @pytest.mark.parametrize(("line", "message"), [
-    ("seed: -3", "key 'seed': seed must be in 0..4294967295, got -3"),
-    ("seed: 4294967296", "key 'seed': seed must be in 0..4294967295, got 4294967296"),
+    ("seed: -3", "key 'seed': seed must be in 0..4294967294 (each batch size's search is "
+     "seeded with seed + its batch size), got -3"),
+    ("seed: 4294967295", "key 'seed': seed must be in 0..4294967294 (each batch size's "
+     "search is seeded with seed + its batch size), got 4294967295"),
     ("measurement: {repeats: 0}", "key 'measurement.repeats': measurement.repeats must be "
      ">= 1, got 0"),
     ("measurement: {duration_s: 0}", "key 'measurement.duration_s': measurement.duration_s "

@@ -583,6 +583,24 @@ def test_expert_parallel_over_ranks_that_cannot_hold_the_experts_is_refused(
         load_world(path)
 
 
+def test_a_world_telling_a_draft_head_s_facts_over_a_profile_without_one_names_it(
+        tmp_path):
+    """A profile of NEXTN alone (`treetune prior --algorithm NEXTN`) has no draft head: a
+    world's wrong facts for one were a bare KeyError (a review's finding)."""
+    from test_facts import fixture
+
+    from treetune.facts import auto_prior, gpu_facts, model_facts
+
+    auto_prior(model_facts(fixture("deepseek-ai/DeepSeek-V3")), None, gpu_facts("H200"), 8,
+               ["mt-bench"]).save(tmp_path / "nextn.yaml")
+    path = tmp_path / "w.yaml"
+    path.write_text(f"name: w\nprofile: {tmp_path / 'nextn.yaml'}\n"
+                    "facts:\n  draft: {params_m: 100}\n")
+    with pytest.raises(ConfigFileError, match=r"key 'facts.draft': the world's profile has "
+                       r"no draft section \(its methods: NEXTN\)"):
+        load_world(path)
+
+
 def test_a_tree_on_another_attention_backend_than_its_own_node_s_baseline_is_named_once(
         tmp_path):
     """Each tree against the baseline of the node it ran on: an H100 node resolving fa3

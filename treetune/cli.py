@@ -343,6 +343,7 @@ def calibrate(
         declared_target,
         free_parameters,
         load_measurements,
+        only_entry,
         per_position,
         poor_fit,
         same_model,
@@ -354,13 +355,17 @@ def calibrate(
                             "replace the points; write it elsewhere")
     if starts < 1:
         raise TreetuneError(f"--starts must be >= 1, got {starts}")
+    from treetune.perfmodel.prior import MethodView, method_prior
+    from treetune.yamlio import load_yaml
+
     base = load_profile(profile)
-    if base.draft is None:  # the fit's acceptance is the draft head's (datasets.*)
-        raise TreetuneError(
-            f"profile '{base.name}' has no draft head (it describes "
-            f"{', '.join(base.method_names)}), and calibrate fits a draft head's acceptance "
-            "and costs; search with it (`treetune search --prior`), which fits its method")
+    if base.draft is None:  # no draft head: the points are of its (first) method
+        err.print(f"note: {escape(base.name)} has no draft head: the points are taken as "
+                  f"its {base.method_names[0]} method's, whose acceptance is fitted")
+        base = method_prior(base, base.method_names[0])
     points = load_measurements(measurements, entry, list(base.datasets))
+    if entry is None and measurements.suffix.lower() != ".csv":
+        entry = only_entry(load_yaml(measurements))  # a file of one entry names it
     measured = declared_target(measurements, entry)
     if measured is not None and not same_model(measured, base.target.name):
         err.print(f"[yellow]warning:[/] the points are of {escape(measured)} "
@@ -415,7 +420,10 @@ def calibrate(
     note = (f"Calibrated to {Path(measurements).name}"
             f"{f' ({entry})' if entry else ''}: {len(points)} points, max speedup error "
             f"{result.max_speedup_error:.3f}, max baseline error {base_text}{kept}.")
-    fitted = result.profile.replace(
+    fitted = result.profile
+    if isinstance(fitted, MethodView):
+        fitted = fitted.as_profile()
+    fitted = fitted.replace(
         name=name or output.stem,  # not the base's: a fitted profile is another one
         description=f"{base.description.split(' Calibrated to ')[0]} {note}".strip(),
     )

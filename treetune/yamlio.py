@@ -39,13 +39,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-# YAML 1.2's floats: PyYAML follows YAML 1.1, whose floats need a dot, so `1e3` and
-# `3.35e0`... were strings ("expected a number, got str '1e3'").
-_UniqueKeyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+
-                 |[-+]?\.[0-9_]+[eE][-+]?[0-9]+)$""", re.X),
-    list("-+0123456789."))
+def _exponent_hint(value: Any) -> str:
+    """How to write a number in exponent notation that YAML 1.1, which PyYAML reads, takes
+    for text: `1e3` needs a dot and a signed exponent (`1.0e+3`). Not read as a number
+    here: `name: 7e2` and `HF_REVISION: 1234e56` stay the text they were, as YAML 1.1
+    tools write them."""
+    found = isinstance(value, str) and re.fullmatch(
+        r"([-+]?[0-9]+)(?:\.([0-9]*))?[eE]([-+]?)([0-9]+)", value.strip())
+    if not found:
+        return ""
+    mantissa, fraction, sign, exponent = found.groups()
+    return (f" (YAML reads {value.strip()} as text: write {mantissa}.{fraction or 0}e"
+            f"{sign or '+'}{exponent}, or the number in full)")
 
 
 def load_yaml(path: str | Path) -> Any:
@@ -154,7 +159,8 @@ def convert(hint: Any, value: Any, path: str | Path, key: str) -> Any:
         return tuple(items) if origin is tuple else items
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigFileError(path, f"expected a number, got {_kind(value)}", key)
+            raise ConfigFileError(path, f"expected a number, got {_kind(value)}"
+                                  f"{_exponent_hint(value)}", key)
         return float(finite(value, path, key))
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):

@@ -1017,9 +1017,15 @@ class SGLangBackend:
         server flags ask for."""
         from treetune.facts import build_prior
 
-        return build_prior(launch.model_path, launch.draft_model_path, tp=launch.tp,
+        # A study whose own method drafts without a model (NEXTN) beside one that drafts
+        # with one: the prior is built from that draft, and describes NEXTN too.
+        algorithm, draft = launch.algorithm, launch.draft_model_path
+        if draft is None:
+            algorithm, draft = next(((name, path) for name, path in launch.methods
+                                     if path is not None), (algorithm, draft))
+        return build_prior(launch.model_path, draft, tp=launch.tp,
                            gpu=self.gpu, env=env, kv_cache_bytes=kv_cache_bytes(launch),
-                           algorithm=launch.algorithm,
+                           algorithm=algorithm,
                            attention_dp=attention_dp_size(dict(launch.extra_flags)))
 
     def describe(self) -> str:

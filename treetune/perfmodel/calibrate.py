@@ -194,10 +194,8 @@ def load_measurements(path: str | Path, entry: str | None = None,
             raise ConfigFileError(path, f"no entry '{entry}'{closest(entry, map(str, data))}; "
                                   f"entries: {', '.join(map(str, data))}")
         data, prefix = data[entry], f"{entry}."
-    elif isinstance(data, dict) and len(data) == 1 and "runs" not in data \
-            and "points" not in data and _is_entry(next(iter(data.values()))):
-        (entry, data), = data.items()  # one entry: no --entry to ask for
-        prefix = f"{entry}."
+    elif (only := only_entry(data)) is not None:  # one entry: no --entry to ask for
+        entry, data, prefix = only, data[only], f"{only}."
     if isinstance(data, dict) and "runs" in data:
         rows = _published_rows(data["runs"], path, f"{prefix}runs")
     elif isinstance(data, dict) and "points" in data:
@@ -224,6 +222,15 @@ def load_measurements(path: str | Path, entry: str | None = None,
     return _measurements(path, rows, datasets)
 
 
+def only_entry(data: Any) -> str | None:
+    """The name of the one entry a file of entries holds (None: it holds none, or
+    several, or is itself one set of points)."""
+    if isinstance(data, dict) and len(data) == 1 and "runs" not in data \
+            and "points" not in data and _is_entry(next(iter(data.values()))):
+        return str(next(iter(data)))
+    return None
+
+
 def _is_entry(value: Any) -> bool:
     """Whether a value of a file's top-level mapping is an entry of points."""
     return isinstance(value, list) or (
@@ -236,6 +243,7 @@ def declared_target(path: str | Path, entry: str | None = None) -> str | None:
     if Path(path).suffix.lower() == ".csv":
         return None
     data = load_yaml(Path(path))
+    entry = entry if entry is not None else only_entry(data)
     if isinstance(data, dict) and entry is not None:
         data = data.get(entry)
     target = data.get("target") if isinstance(data, dict) else None

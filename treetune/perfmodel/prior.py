@@ -50,6 +50,21 @@ class MethodView(Profile):
     (which refits the datasets' acceptance and the calibration) learns that method."""
 
     view_of: str = DEFAULT_METHOD
+    # The datasets' own acceptance in the profile viewed (its draft head's), put back by
+    # `as_profile`.
+    head_acceptance: dict[str, Acceptance] = dataclasses.field(default_factory=dict)
+
+    def as_profile(self) -> Profile:
+        """The profile this view is of, with what was fitted through it: the datasets'
+        acceptance written back as its method's (the datasets keep `base`'s own, the
+        draft head's), every other field as the view has it."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(Profile)}
+        own = self.methods[self.view_of]
+        fields["methods"] = {**self.methods, self.view_of: dataclasses.replace(
+            own, acceptance={d: data.acceptance for d, data in self.datasets.items()})}
+        fields["datasets"] = {d: dataclasses.replace(data, acceptance=self.head_acceptance.get(
+            d, data.acceptance)) for d, data in self.datasets.items()}
+        return Profile(**fields)
 
     def method(self, name: str | None = None) -> Method:
         if name is None or name == self.view_of:
@@ -70,4 +85,5 @@ def method_prior(profile: Profile, method: str) -> Profile:
     fields = {f.name: getattr(profile, f.name) for f in dataclasses.fields(Profile)}
     fields["datasets"] = {d: dataclasses.replace(data, acceptance=own.acceptance[d])
                           for d, data in profile.datasets.items()}
-    return MethodView(**fields, view_of=method)
+    return MethodView(**fields, view_of=method, head_acceptance={
+        d: data.acceptance for d, data in profile.datasets.items()})

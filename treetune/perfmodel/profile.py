@@ -432,6 +432,11 @@ class Profile:
         if name == DEFAULT_METHOD and self.draft is not None:
             return Method("head", {d: data.acceptance for d, data in self.datasets.items()},
                           draft=self.draft)
+        if name == DEFAULT_METHOD:  # and no draft head
+            raise TreetuneError(
+                f"profile '{self.name}' has no draft head ({DEFAULT_METHOD}): it describes "
+                f"{', '.join(self.method_names)}; add a top-level draft section (the head's "
+                "facts) to serve or predict it")
         try:
             return self.methods[name]
         except KeyError:

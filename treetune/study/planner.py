@@ -141,7 +141,15 @@ def study_prior(spec: StudySpec, facts: BackendFacts | None = None
         if facts.profile is None:
             return None, facts.why_not
         prior = neutral_prior(facts.profile, spec.dataset_names)
-    return (prior, "") if spec.methods else prior_of(prior, "", spec.algorithm)
+    if spec.methods:
+        return prior, ""
+    if spec.algorithm == "STANDALONE" and "STANDALONE" not in prior.methods \
+            and prior.draft is not None:
+        # A prior written before STANDALONE drafts were a method of their own (`treetune
+        # prior --algorithm STANDALONE` put the model at the top level): its draft is the
+        # study's, priced as a STANDALONE draft is (its own weights and KV cache).
+        return prior, ""
+    return prior_of(prior, "", spec.algorithm)
 
 
 class Planner:

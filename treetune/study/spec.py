@@ -349,8 +349,12 @@ class StudySpec:
         self._check_objective()
         if self.workers is not None and self.workers < 1:
             raise FieldError("workers", "workers must be >= 1")
-        if not 0 <= self.seed < 2**32:  # what Optuna's samplers and numpy take
-            raise FieldError("seed", f"seed must be in 0..{2**32 - 1}, got {self.seed}")
+        # Each batch size's sampler is seeded with seed + its batch size, which Optuna's
+        # samplers (numpy) take below 2**32.
+        highest = 2**32 - 1 - max(self.batch)
+        if not 0 <= self.seed <= highest:
+            raise FieldError("seed", f"seed must be in 0..{highest} (each batch size's "
+                             f"search is seeded with seed + its batch size), got {self.seed}")
         if not self.host.strip() or any(c.isspace() for c in self.host):
             raise FieldError("host", f"host {self.host!r} is not an address to listen on "
                              "(127.0.0.1, the default; 0.0.0.0 for every interface)")
@@ -850,11 +854,8 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
     # dataset files are.
     if path is not None:
         if "space" in merged:
-            merged["space"] = _next_to(base, merged["space"])
-        for section, key in (("backend", "profile"), ("backend", "world"), ("search", "prior")):
-            part = merged.get(section)
-            if isinstance(part, dict) and isinstance(part.get(key), str):
-                merged[section] = {**part, key: _next_to(base, part[key])}
+            merged["space"] = next_to(base, merged["space"])
+        merged = files_next_to(merged, base)
     given: set[str] = set()  # dotted keys the command line set
     _finite_options(overrides or {})
     for key, value in (overrides or {}).items():
@@ -924,7 +925,22 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
         raise refused(exc) from None
 
 
-def _next_to(base: Path, value: Any) -> Any:
+# The files of a study's sections that a study file may name relative to itself.
+SECTION_FILES = (("backend", "profile"), ("backend", "world"), ("search", "prior"))
+
+
+def files_next_to(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """A study's fields with the profile, world and prior files its sections name found
+    next to `base` (`next_to`)."""
+    out = dict(data)
+    for section, key in SECTION_FILES:
+        part = out.get(section)
+        if isinstance(part, dict) and isinstance(part.get(key), str):
+            out[section] = {**part, key: next_to(base, part[key])}
+    return out
+
+
+def next_to(base: Path, value: Any) -> Any:
     """A relative .yaml path a study file names, as the path of that file next to the
     study file when there is one there; anything else as written."""
     if not isinstance(value, str):
@@ -1052,7 +1068,7 @@ def _method(value: Any, where: Path | str, index: int, base: Path | None) -> Dra
             raise ConfigFileError(where, str(exc), key) from None
     method = build(DraftMethod, value, where, key)
     if base is not None and method.space:
-        method = dataclasses.replace(method, space=_next_to(base, method.space))
+        method = dataclasses.replace(method, space=next_to(base, method.space))
     return method
 
 

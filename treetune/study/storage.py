@@ -33,7 +33,7 @@ from treetune.results import LaunchResult, config_key
 from treetune.study.claims import CREATE_TRIES, created_racing
 from treetune.study.evidence import StudyNoise, judge
 from treetune.study.recommend import Recommendation
-from treetune.study.spec import StudySpec, load_study, password_of, shown_url
+from treetune.study.spec import StudySpec, files_next_to, load_study, password_of, shown_url
 
 RESULT_ATTR = "launch_result"
 RECOMMENDATIONS_ATTR = "recommendations"  # what the search decided, as recommendations.json
@@ -178,6 +178,21 @@ def _changes(stored: Any, spec: StudySpec) -> str:
     return "; ".join(parts)
 
 
+def _files_found_next_to_the_study(stored: Any, fingerprint: str, spec: StudySpec) -> bool:
+    """Whether the stored study is `spec` but for the profile, world or prior file it names
+    relative to its study file: an older treetune stored them as written (a study resumed
+    from the study file's folder found them there); now they are found next to the study
+    file and stored as its paths (`files_next_to`)."""
+    try:
+        written = load_study(None, dict(stored))
+        if written.fingerprint() != fingerprint:
+            return False  # the stored spec is not what was fingerprinted
+        found = load_study(None, files_next_to(dict(stored), Path(spec.base_dir)))
+    except Exception:  # an older or hand-edited spec: not this case
+        return False
+    return found.fingerprint() == spec.fingerprint()
+
+
 def _every_field(spec: StudySpec) -> dict[str, Any]:
     """The fingerprinted fields of `spec` with their defaults (`fingerprinted` leaves
     those out of older studies' fingerprints)."""
@@ -212,7 +227,8 @@ class StudyStore:
             self.launches.set_user_attr("datasets", spec.dataset_names)
             self.launches.set_user_attr("batch", list(spec.batch))
             self.launches.set_user_attr(NO_PREFIX_CACHE_ATTR, True)
-        elif stored != spec.fingerprint():
+        elif stored != spec.fingerprint() and not _files_found_next_to_the_study(
+                self.launches.user_attrs.get(SPEC_ATTR), stored, spec):
             changed = _changes(self.launches.user_attrs.get(SPEC_ATTR), spec) or (
                 "no field reads back as changed: it was stored by another treetune version, "
                 "or its stored spec no longer loads")

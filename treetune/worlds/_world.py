@@ -360,5 +360,9 @@ def _with_facts(profile: Profile, changes: dict[str, Any], path: Path) -> Profil
         if section not in ("hardware", "target", "draft") or not isinstance(values, dict):
             raise ConfigFileError(path, "facts may change hardware, target or draft, as a "
                                   "mapping of their fields", f"facts.{section}")
+        if section not in data:  # a profile of other draft methods only
+            raise ConfigFileError(path, f"the world's profile has no {section} section (its "
+                                  f"methods: {', '.join(profile.method_names)})",
+                                  f"facts.{section}")
         data[section] = {**data[section], **values}
     return build(Profile, data, path, "facts")
