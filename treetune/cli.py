@@ -348,6 +348,8 @@ def calibrate(
         poor_fit,
         same_model,
     )
+    from treetune.perfmodel.prior import MethodView, method_prior
+    from treetune.yamlio import load_yaml
 
     writable(output)
     if output.resolve() == measurements.resolve():
@@ -355,9 +357,6 @@ def calibrate(
                             "replace the points; write it elsewhere")
     if starts < 1:
         raise TreetuneError(f"--starts must be >= 1, got {starts}")
-    from treetune.perfmodel.prior import MethodView, method_prior
-    from treetune.yamlio import load_yaml
-
     base = load_profile(profile)
     if base.draft is None:  # no draft head: the points are of its (first) method
         err.print(f"note: {escape(base.name)} has no draft head: the points are taken as "
