@@ -279,6 +279,28 @@ def test_an_mla_target_s_prior_keeps_its_whole_latent_cache_on_every_gpu(tmp_pat
     assert not check.fits and check.required_gb > 140
 
 
+def test_an_mla_target_s_mtp_layer_keeps_its_latent_whole_on_every_gpu_too():
+    """NEXTN's layer of DeepSeek-V3 caches an MLA latent as the target's layers do, whole on
+    each of the 8 GPUs: it was divided by 8 (a review's finding). 61 + 1 layers of 1152 B
+    per token, for every slot of 32 requests."""
+    from treetune.config import TreeConfig
+
+    prior = auto_prior(model_facts(fixture("deepseek-ai/DeepSeek-V3")), None,
+                       gpu_facts("H200"), 8)
+    tree = TreeConfig(3, 1, 4)
+    check = check_memory(prior, tree, 32, tp=8, method="NEXTN", context_tokens=32768)
+    slots = 32768 + tree.kv_slots_per_round
+    kv_gb = 32 * slots * (61 + 1) * (512 + 64) * 2 / 1e9
+    assert f"KV {kv_gb:.1f} GB for 32 requests" in check.reason, check.reason
+    # And a draft pass reads it whole on each GPU: 8 x 1152 B per token of context.
+    from treetune.perfmodel import PerfModel
+
+    cost = PerfModel(prior, 8, "NEXTN").cost
+    read = cost.draft_pass(32, 32, 4096) - cost.draft_pass(32, 32, 2048)
+    per_token = read * cost.bandwidth * prior.calibration.kv_bandwidth_eff / (32 * 2048)
+    assert per_token == pytest.approx(8 * (512 + 64) * 2)
+
+
 @pytest.mark.parametrize(("target", "window", "layers"), [
     ("openai/gpt-oss-120b", 128, 18),  # layer_types: every other layer slides
     ("meta-llama/Llama-4-Scout-17B-16E-Instruct", 8192, 36),  # chunked: 3 of every 4

@@ -164,7 +164,9 @@ class CostModel:
         wide = min(t.lm_head_params, t.unquantized_params_b * 1e9)
         read_bytes = (read - wide) * t.weight_bytes + wide * t.unquantized_bytes
         weight_s = read_bytes / (self.bandwidth * c.weight_bandwidth_eff)
-        kv_s = requests * context * mtp.kv_bytes_per_token / (self.bandwidth * c.kv_bandwidth_eff)
+        # Its attention is the target's kind: an MLA latent is read whole by every rank.
+        kv = mtp.kv_bytes_per_token * (self.tp if t.kv_replicated else 1)
+        kv_s = requests * context * kv / (self.bandwidth * c.kv_bandwidth_eff)
         flops = 2.0 * (layer * tokens + t.lm_head_params * requests)
         compute_s = flops / (self.flops_peak * c.compute_eff)
         return (

@@ -51,7 +51,9 @@ def check_memory(
     if config is not BASELINE:
         assert isinstance(config, TreeConfig)
         weights += draft.resident_bytes(t) / tp
-        draft_kv_per_token = draft.kv_bytes_per_token / tp
+        # An MTP layer of an MLA target caches the latent too, whole on every rank.
+        replicated = draft.mtp is not None and t.kv_replicated
+        draft_kv_per_token = draft.kv_bytes_per_token / (1 if replicated else tp)
         slots += config.kv_slots_per_round if draft.has_draft_forward else config.draft_tokens
         in_flight *= config.draft_tokens
     # An MLA latent is not split by tensor parallelism: every rank holds all of it.
