@@ -381,7 +381,7 @@ def branching_problem(flags: Mapping[str, Any], attention_backend: str | None,
     backend, chosen = (given[0], "as given") if given else _default_backend(target, gpu)
     if backend is None:
         return ""
-    if method != "NGRAM" and "trtllm_mha" in given:  # any of them (attention_backends_of)
+    if method != "NGRAM" and "trtllm_mha" in given:  # any of those named (decode, main, prefill)
         backend = "trtllm_mha"
     page = parallel.page_size(backend)
     allowed = PAGED_NGRAM_BACKENDS if method == "NGRAM" else PAGED_TREE_BACKENDS
