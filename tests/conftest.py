@@ -24,6 +24,7 @@ STARTUP_TIMEOUT_S = 20.0
 TMP = Path("/tmp")
 STRICT_TMP = "TREETUNE_TESTS_STRICT_TMP"  # =1: any new entry in /tmp fails the session
 _new_in_tmp: list[str] = []  # shown at the end of the run
+RAY_NO_SERVER = "ray-no-server"  # the xdist group of the tests so marked
 
 
 def _tmp_entries() -> set[str]:
@@ -61,10 +62,12 @@ def _the_suite_leaves_nothing_in_tmp(tmp_path_factory: pytest.TempPathFactory,
 
 
 def _heavy(item: pytest.Item) -> bool:
-    """Marked slow (unless also `no_ray`), or starting Ray: through the session's cluster,
-    or asking for a Ray temp dir of its own. Fault tests all get one
+    """Marked slow (unless also `no_ray` or `ray_no_server`), or starting Ray: through the
+    session's cluster, or asking for a Ray temp dir of its own. Fault tests all get one
     (`_fault_tests_own_ray_dir`), for its check that no process outlives them; only those
     that ask for it themselves, or are marked slow, start Ray."""
+    if item.get_closest_marker("ray_no_server"):
+        return False
     if item.get_closest_marker("slow") and not item.get_closest_marker("no_ray"):
         return True
     info = getattr(item, "_fixtureinfo", None)
@@ -81,13 +84,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     other's emulators far beyond one busy neighbour, which every test is built to bear;
     and the session's Ray cluster is then started once, not once per worker. A slow test
     marked `no_ray` (it starts no Ray and times no server: the report and notebooks) runs
-    beside them. A module with a shared (module-scoped) fixture keeps its tests on one
-    worker, so that fixture is set up once: the heavy one if the module has heavy tests."""
+    beside them. So does a test marked `ray_no_server` (it starts a Ray of its own but no
+    server, and times nothing but its own patience), one at a time with the others so
+    marked: at most one Ray start runs beside a heavy test's servers, a busy neighbour for
+    seconds. A module with a shared (module-scoped) fixture keeps its tests on one worker,
+    so that fixture is set up once: the heavy one if the module has heavy tests."""
     heavy = {item for item in items if _heavy(item)}
     heavy_modules = {item.module for item in heavy if isinstance(item, pytest.Function)}
     for item in items:
         module = getattr(item, "module", None)
-        if item in heavy or (module in heavy_modules and _has_module_fixture(item)):
+        if item.get_closest_marker("ray_no_server"):
+            item.add_marker(pytest.mark.xdist_group(RAY_NO_SERVER))
+        elif item in heavy or (module in heavy_modules and _has_module_fixture(item)):
             item.add_marker(pytest.mark.xdist_group("heavy"))
         elif module is not None and _has_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(module.__name__))

@@ -403,6 +403,7 @@ def test_a_worker_at_its_nodes_niceness_is_left_alone(monkeypatch):
     assert in_niced_thread(work, above=0) is None
 
 
+@pytest.mark.ray_no_server  # one Ray task, no server: beside the heavy tests
 @pytest.mark.usefixtures("ray_tmpdir")
 def test_a_local_ray_starts_its_workers_at_the_niceness_of_what_started_it(tmp_path):
     # worker_niceness 0 is an increment: a worker runs at the niceness of what started the

@@ -591,6 +591,7 @@ def test_a_sglang_study_without_sglang_is_refused_before_ray(
 
 # ---- 8. no GPUs ------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.ray_no_server  # refused once Ray is up, before any worker: beside the heavy tests
 @pytest.mark.timeout(120)
 def test_a_sglang_study_on_a_machine_without_gpus_points_to_the_emulator(tmp_path):
     # The GPU count is Ray's to find out, so this one starts Ray (in its short temp dir).

@@ -233,6 +233,7 @@ def test_sigkill_of_the_search_leaves_no_server_and_a_rerun_redoes_the_stale_lau
     assert named == stored
 
 
+@pytest.mark.ray_no_server  # stopped as Ray starts, before any server: beside the heavy tests
 @pytest.mark.parametrize(("sig", "delay"), [(signal.SIGINT, 0.3), (signal.SIGINT, 2.0),
                                             (signal.SIGTERM, 2.0)],
                          ids=["checks", "ray-starting", "sigterm-ray-starting"])

@@ -201,6 +201,7 @@ print("after", os.environ.get("RAY_AUTH_MODE"), os.environ.get("RAY_AUTH_TOKEN")
 """
 
 
+@pytest.mark.ray_no_server  # one Ray task, no server: beside the heavy tests
 @pytest.mark.parametrize(("mode", "first"), [(None, False), (None, True), ("disabled", False)],
                          ids=["fresh", "ray-imported-first", "disabled-by-the-user"])
 def test_a_local_ray_takes_a_token_of_its_own_unless_the_user_chose_a_mode(tmp_path, mode,
@@ -260,6 +261,7 @@ finally:
 """
 
 
+@pytest.mark.ray_no_server  # one Ray task, no server: beside the heavy tests
 def test_a_cluster_with_token_authentication_is_joined_with_the_token_at_hand(tmp_path):
     """Joining --ray-address, token mode is asked for when a token is where Ray looks;
     Ray had read its mode when imported, so the join was refused for a missing token
