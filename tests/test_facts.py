@@ -185,6 +185,38 @@ def test_llama4_counts_its_interleaved_moe_layers_and_its_shared_expert(name, to
     assert f.kv_bytes_per_token == 48 * 2 * 8 * 128 * 2
 
 
+def test_ernie_4_5_counts_its_experts_from_its_own_keys_and_its_mtp_layer_as_dense():
+    """ERNIE-4.5 names its experts `moe_num_experts` / `moe_k` and its MoE layers by a start
+    and an end index; unread, the 300B-A47B was counted as a dense model of 47B in all.
+    Its MTP layer has a dense MLP of `intermediate_size` (SGLang's Ernie4DecoderLayer
+    with is_mtp), so a NEXTN draft pass reads no routed expert."""
+    f = model_facts(fixture("baidu/ERNIE-4.5-300B-A47B-PT"))
+    assert f.moe is not None and (f.moe.experts, f.moe.experts_per_token, f.moe.layers,
+                                  f.moe.shared_experts) == (64, 8, 51, 0)
+    assert within(f.total_params / 1e9, 300, 0.01) and within(f.active_params / 1e9, 47, 0.01)
+    assert f.kv_bytes_per_token == 54 * 2 * 8 * 128 * 2
+    h = 8192
+    attention = h * (64 * 128 + 2 * 8 * 128) + 64 * 128 * h + 2 * 128  # (q/k norms' noise)
+    assert (f.mtp_layers, f.mtp_moe) == (1, False)
+    assert f.mtp_dense_params == attention + 3 * h * 28672 + 2 * h * h + 5 * h
+    method = auto_prior(f, None, gpu_facts("H200"), 8, algorithm="NEXTN").method("NEXTN")
+    assert method.mtp is not None and not method.mtp.routed_experts
+    # An MoE target's MTP layer elsewhere is an MoE layer of its shape.
+    assert model_facts(fixture("deepseek-ai/DeepSeek-V3")).mtp_moe
+
+
+def test_experts_under_a_key_the_counting_does_not_read_are_refused_not_counted_dense():
+    data = {**read_config(HF / "Qwen/Qwen3-8B/config.json"), "ffn_num_experts": 16,
+            "num_experts_per_tok": 2}
+    with pytest.raises(TreetuneError, match=r"key 'ffn_num_experts': names 16 experts under a "
+                       r"key treetune does not read, so it cannot count this MoE yet"):
+        facts_from_config(data, "q", Path("q.json"))
+    # A count per token alone, or one expert, is no MoE to refuse.
+    dense = {**read_config(HF / "Qwen/Qwen3-8B/config.json"), "num_experts_per_tok": 8,
+             "num_experts": 0}
+    assert facts_from_config(dense, "q", Path("q.json")).moe is None
+
+
 def test_an_eagle3_head_counts_its_layer_fc_and_draft_vocabulary_head_not_the_embedding():
     f = model_facts(fixture("thoughtworks/Qwen3-Coder-Next-Eagle3"))
     h = 2048
@@ -755,6 +787,7 @@ def test_the_auto_prior_reads_and_holds_the_unquantized_parts_at_their_width():
     ("block_configs", [{"attention": {"no_op": True}}], "DeciLM, Nemotron-NAS"),
     ("hybrid_layer_pattern", [0, 1, 1], "MiMo-V2"),
     ("global_head_dim", 512, "Gemma 4"),
+    ("zero_expert_num", 1, "LongCat-Flash"),
 ])
 def test_a_layout_the_counting_would_get_wrong_is_refused_not_miscounted(key, value, named):
     """A helper ran real configs through the counting: Nemotron-3-Nano came out at 102B for

@@ -49,6 +49,9 @@ HYBRID_SWA_BY_LAYER_TYPES = frozenset({
 # which SGLang's NEXTN (and vLLM) then takes as one layer (Qwen3-Next: its weights under
 # `mtp.`, no config key).
 MTP_LAYERS_UNNAMED = {"Qwen3NextForCausalLM": 1}
+# MoE architectures whose MTP layer has a dense MLP of the target's `intermediate_size`, not
+# an MoE one (SGLang's Ernie4DecoderLayer with is_mtp).
+DENSE_MTP_ARCHITECTURES = frozenset({"Ernie4_5_MoeForCausalLM"})
 ATTENTION_KINDS = ("full_attention", "attention", "sliding_attention", "chunked_attention")
 LINEAR_KINDS = ("linear_attention", "mamba", "mamba2", "recurrent", "conv")
 
@@ -125,9 +128,11 @@ class ModelFacts:
     # such layer's parameters every draft pass reads (attention, the projection fusing the
     # embedding and the hidden state, norms, router and shared experts, or a dense MLP; its
     # routed experts are the target's shape, in `moe`) and its KV bytes per token.
+    # mtp_moe: its MLP is an MoE layer of the target's shape (False: a dense one).
     mtp_layers: int = 0
     mtp_dense_params: int = 0
     mtp_kv_bytes_per_token: float = 0.0
+    mtp_moe: bool = False
 
     def tp_problem(self, tp: int) -> str:
         """Why SGLang cannot split this model's attention over `tp` GPUs ("" when it can):
@@ -322,6 +327,8 @@ UNCOUNTED_LAYOUTS = {
                             "(MiMo-V2)",
     "global_head_dim": "full-attention layers with another head size and KV heads than "
                        "its sliding ones (Gemma 4)",
+    "zero_expert_num": "two attention blocks and two dense MLPs around one MoE with "
+                       "zero-computation experts (LongCat-Flash)",
 }
 
 
@@ -372,9 +379,12 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
     mtp_layers = c.int("num_nextn_predict_layers", "mtp_num_hidden_layers",
                        default=MTP_LAYERS_UNNAMED.get(architecture, 0))
     # One MTP layer: a full-attention decoder layer of the target's shape (an MoE layer
-    # where the target has experts), fed by eh_proj ([embedding, hidden] -> hidden) after
-    # two norms, with a final norm (DeepSeek-V3's, GLM-4's, Qwen3.5's).
-    mlp = moe.router + moe.shared if moe is not None else dense_mlp
+    # where the target has experts, but for DENSE_MTP_ARCHITECTURES), fed by eh_proj
+    # ([embedding, hidden] -> hidden) after two norms, with a final norm (DeepSeek-V3's,
+    # GLM-4's, Qwen3.5's, ERNIE-4.5's).
+    mtp_moe = bool(mtp_layers) and moe is not None and (
+        architecture not in DENSE_MTP_ARCHITECTURES)
+    mlp = moe.router + moe.shared if moe is not None and mtp_moe else dense_mlp
     mtp_dense = attention + 2 * h + mlp + 2 * h * h + 3 * h if mtp_layers else 0
     return ModelFacts(
         name=name, config_path=str(path), architecture=architecture, total_params=total,
@@ -392,6 +402,7 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         unquantized_params=unquantized, sparse_index=c.get("index_topk") is not None,
         mtp_layers=mtp_layers, mtp_dense_params=mtp_dense,
         mtp_kv_bytes_per_token=_kv_elements(c, h) * kv_bytes if mtp_layers else 0.0,
+        mtp_moe=mtp_moe,
         **_windowed(c, architecture, layers))
 
 
@@ -532,11 +543,13 @@ class _MoE:
 
 
 def _moe(c: _Config, h: int, layers: int) -> _MoE | None:
-    experts = c.int("num_experts", "n_routed_experts", "num_local_experts", default=0)
+    experts = c.int("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts",
+                    default=0)
     if not experts:
+        _no_unread_experts(c)
         return None
     per_token = c.int("num_experts_per_tok", "num_experts_per_token", "experts_per_token",
-                      "moe_topk")
+                      "moe_topk", "moe_k")
     expert_dim = c.int("moe_intermediate_size", "intermediate_size")
     expert = 3 * h * expert_dim
     if isinstance(c.get("moe_layer_freq"), list):  # one entry a layer: 1 for MoE
@@ -551,6 +564,12 @@ def _moe(c: _Config, h: int, layers: int) -> _MoE | None:
     elif c.get("interleave_moe_layer_step") is not None:  # Llama 4, without the list
         step = c.int("interleave_moe_layer_step")
         moe_layers = set(range(step - 1, layers, step)) if step > 0 else set()
+    elif c.get("moe_layer_start_index") is not None:
+        # ERNIE-4.5: every interval-th layer from the start index to the end one (inclusive).
+        first = c.int("moe_layer_start_index")
+        last = min(c.int("moe_layer_end_index", default=layers - 1), layers - 1)
+        step = max(c.int("moe_layer_interval", default=1), 1)
+        moe_layers = {i for i in range(first, last + 1) if (i - first) % step == 0}
     else:  # Qwen MoE: decoder_sparse_step, minus mlp_only_layers
         step = c.int("decoder_sparse_step", default=1)
         dense = set(c.get("mlp_only_layers", []) or [])
@@ -559,18 +578,33 @@ def _moe(c: _Config, h: int, layers: int) -> _MoE | None:
     # Llama 4's MoE layers each run one shared expert of the routed experts' size, which
     # its config does not count.
     llama4 = c.get("model_type") == "llama4_text"
-    shared_count = c.int("n_shared_experts", "num_shared_experts", default=1 if llama4 else 0)
+    shared_count = c.int("n_shared_experts", "num_shared_experts", "moe_num_shared_experts",
+                         default=1 if llama4 else 0)
     shared_dim = c.int("shared_expert_intermediate_size", default=0)
     if shared_dim:  # Qwen2-MoE / Qwen3-Next: one shared expert of its own size, gated
         shared_count = shared_count or 1
         shared = shared_count * 3 * h * shared_dim + h
     else:
         shared = shared_count * expert
-    # DeepSeek-V3-style routers carry a per-expert score-correction bias as well.
-    router = h * experts + (experts if c.get("topk_method") == "noaux_tc" else 0)
+    # DeepSeek-V3-style routers carry a per-expert score-correction bias as well (ERNIE-4.5's
+    # with `moe_use_aux_free`).
+    bias = c.get("topk_method") == "noaux_tc" or bool(c.get("moe_use_aux_free"))
+    router = h * experts + (experts if bias else 0)
     spec = MoEFacts(experts=experts, experts_per_token=per_token, expert_params=expert,
                     layers=len(moe_layers), shared_experts=shared_count)
     return _MoE(spec, frozenset(moe_layers), expert, router, shared)
+
+
+def _no_unread_experts(c: _Config) -> None:
+    """A config that counts its experts under a key the counting above does not read would
+    be counted as a dense model of its dense MLP's width, without a word (ERNIE-4.5-300B-A47B
+    came out at 47B in all before its keys were read): refused instead."""
+    for key, value in c.data.items():
+        if ("expert" in key and "per_tok" not in key and isinstance(value, int)
+                and not isinstance(value, bool) and value > 1):
+            raise ConfigFileError(c.path, f"names {value} experts under a key treetune does "
+                                  "not read, so it cannot count this MoE yet: write the "
+                                  "profile by hand and give it with --prior", key)
 
 
 # ---- weight bytes -----------------------------------------------------------------------
