@@ -170,6 +170,24 @@ def test_mla_caches_one_latent_vector_per_layer_not_k_and_v_per_head():
     assert f.weight_bytes == 1.0
 
 
+def test_deepseek_sparse_attention_caches_its_indexers_key_beside_the_latent():
+    """DeepSeek-V3.2's indexer caches a 128-dim fp8 key and its 4-byte scale per token and
+    layer, whatever the KV dtype (SGLang's DSA token pool); an fp8 latent under DSA is
+    stored with its scales and a bf16 rotary part (656 bytes). Its weights: query heads
+    from the query's low-rank state, one key, a LayerNorm and a weight per head."""
+    v32, v3 = (model_facts(fixture(f"deepseek-ai/{n}")) for n in ("DeepSeek-V3.2",
+                                                                   "DeepSeek-V3"))
+    assert v32.kv_bytes_per_token == 61 * ((512 + 64) * 2 + 132)
+    assert v32.mtp_kv_bytes_per_token == (512 + 64) * 2 + 132
+    assert model_facts(fixture("deepseek-ai/DeepSeek-V3.2"), kv_cache_bytes=1.0
+                       ).kv_bytes_per_token == 61 * (512 + 16 + 128 + 132)
+    assert v3.kv_bytes_per_token == 61 * (512 + 64) * 2  # no indexer
+    h = 7168
+    indexer = 1536 * 64 * 128 + h * 128 + 2 * 128 + h * 64
+    assert v32.total_params - v3.total_params == 61 * indexer
+    assert v32.mtp_dense_params - v3.mtp_dense_params == indexer
+
+
 @pytest.mark.parametrize(("name", "total", "moe_layers"), [
     ("meta-llama/Llama-4-Scout-17B-16E-Instruct", 109, 48),
     ("meta-llama/Llama-4-Maverick-17B-128E-Instruct", 400, 24),

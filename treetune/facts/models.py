@@ -391,7 +391,7 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         active_params=active, layers=layers, attention_layers=attention_layers,
         linear_layers=kinds.count("linear"), hidden_size=h, vocab_size=vocab, dtype=dtype,
         weight_bytes=weight_bytes, quantization=quantization,
-        kv_bytes_per_token=attention_layers * _kv_elements(c, h) * kv_bytes,
+        kv_bytes_per_token=attention_layers * _layer_kv_bytes(c, h, kv_bytes),
         state_bytes_per_request=(kinds.count("linear") * _recurrent_state_bytes(
             c, DTYPE_BYTES[dtype]) if "linear" in kinds else 0.0),
         mla=_is_mla(c), moe=None if moe is None else moe.spec, eagle3=False,
@@ -401,7 +401,7 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         rope_dim=c.int("qk_rope_head_dim") if _is_mla(c) else 0,
         unquantized_params=unquantized, sparse_index=c.get("index_topk") is not None,
         mtp_layers=mtp_layers, mtp_dense_params=mtp_dense,
-        mtp_kv_bytes_per_token=_kv_elements(c, h) * kv_bytes if mtp_layers else 0.0,
+        mtp_kv_bytes_per_token=_layer_kv_bytes(c, h, kv_bytes) if mtp_layers else 0.0,
         mtp_moe=mtp_moe,
         **_windowed(c, architecture, layers))
 
@@ -481,7 +481,7 @@ def _attention_params(c: _Config, h: int, in_dim: int) -> int:
         q = (h * q_rank + q_rank + q_rank * heads * (nope + rope)) if q_rank else (
             h * heads * (nope + rope))
         kv = h * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v_dim)
-        return q + kv + heads * v_dim * h
+        return q + kv + heads * v_dim * h + _indexer_params(c, h, q_rank or h)
     kv_heads = c.int("num_key_value_heads", default=heads)
     hd = _head_dim(c, h)
     # Qwen3-Next's and Qwen3.5's gated attention projects a sigmoid gate alongside the
@@ -493,6 +493,34 @@ def _attention_params(c: _Config, h: int, in_dim: int) -> int:
     if c.get("attention_bias", False):
         params += q_out + 2 * kv_heads * hd
     return params + 2 * hd  # q/k norms where present: noise, kept for Qwen3's sake
+
+
+def _indexer_params(c: _Config, h: int, q_in: int) -> int:
+    """DeepSeek Sparse Attention's indexer (`index_topk`; 0 without one): its query heads
+    from the query's low-rank state, one shared key with a LayerNorm, and a weight per
+    head from the hidden state (DeepSeek-V3.2: about 14M a layer)."""
+    if c.get("index_topk") is None:
+        return 0
+    heads, dim = c.int("index_n_heads"), c.int("index_head_dim")
+    return q_in * heads * dim + h * dim + 2 * dim + h * heads
+
+
+def _layer_kv_bytes(c: _Config, h: int, kv_bytes: float) -> float:
+    """What one attention layer caches per token: its KV elements at `kv_bytes` each, and
+    for DeepSeek Sparse Attention (`index_topk`) its indexer's key, which SGLang caches
+    beside the latent whatever the KV dtype (its DSA token pool): `index_head_dim` fp8
+    bytes and a 4-byte scale per 128 of them (132 bytes for DeepSeek-V3.2's 128)."""
+    if c.get("index_topk") is None:
+        return _kv_elements(c, h) * kv_bytes
+    dim = c.int("index_head_dim")
+    indexer = dim + -(-dim // 128) * 4
+    if kv_bytes == 1 and _is_mla(c):
+        # An fp8 latent under DSA (SGLang's NSA store on CUDA): the latent in fp8 with a
+        # 4-byte scale per 128 of it, its rotary part left at 2 bytes (656 bytes for
+        # DeepSeek-V3.2; ROCm stores the plain 576).
+        rank = c.int("kv_lora_rank")
+        return rank + -(-rank // 128) * 4 + 2 * c.int("qk_rope_head_dim") + indexer
+    return _kv_elements(c, h) * kv_bytes + indexer
 
 
 def _kv_elements(c: _Config, h: int) -> int:
