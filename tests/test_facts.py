@@ -806,6 +806,8 @@ def test_the_auto_prior_reads_and_holds_the_unquantized_parts_at_their_width():
     ("hybrid_layer_pattern", [0, 1, 1], "MiMo-V2"),
     ("global_head_dim", 512, "Gemma 4"),
     ("zero_expert_num", 1, "LongCat-Flash"),
+    ("attn_layer_period", 8, "Jamba"),
+    ("attn_type_list", [0] * 7 + [1], "MiniMax-Text-01, MiniMax-M1"),
 ])
 def test_a_layout_the_counting_would_get_wrong_is_refused_not_miscounted(key, value, named):
     """A helper ran real configs through the counting: Nemotron-3-Nano came out at 102B for
@@ -814,6 +816,11 @@ def test_a_layout_the_counting_would_get_wrong_is_refused_not_miscounted(key, va
     with pytest.raises(TreetuneError, match=rf"key '{key}': its layers are .*\({named}\), "
                        r"which treetune cannot count yet: write the profile by hand"):
         facts_from_config(data, "q", Path("q.json"))
+
+
+def test_a_minimax_config_whose_layers_are_all_softmax_attention_is_counted():
+    data = {**read_config(HF / "Qwen/Qwen3-8B/config.json"), "attn_type_list": [1] * 36}
+    assert facts_from_config(data, "q", Path("q.json")).attention_layers == 36
 
 
 def test_a_per_layer_moe_list_marks_the_moe_layers():

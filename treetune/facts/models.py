@@ -329,17 +329,25 @@ UNCOUNTED_LAYOUTS = {
                        "its sliding ones (Gemma 4)",
     "zero_expert_num": "two attention blocks and two dense MLPs around one MoE with "
                        "zero-computation experts (LongCat-Flash)",
+    "attn_layer_period": "Mamba layers with attention every attn_layer_period-th and "
+                         "experts every expert_layer_period-th (Jamba)",
 }
+# MiniMax's `attn_type_list` with a 0 in it (a list of 1s alone is plain attention).
+LIGHTNING_LAYOUT = ("lightning (linear) attention layers among softmax ones (MiniMax-Text-01, "
+                    "MiniMax-M1)")
 
 
 def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
              weight_bytes: float, quantization: str, kv_bytes: float,
              kept: _Unquantized | None = None) -> ModelFacts:
-    for key, layout in UNCOUNTED_LAYOUTS.items():
-        if c.get(key) is not None:
-            raise ConfigFileError(path, f"its layers are {layout}, which treetune cannot "
-                                  "count yet: write the profile by hand and give it with "
-                                  "--prior", key)
+    found = [key for key in UNCOUNTED_LAYOUTS if c.get(key) is not None]
+    if 0 in (c.get("attn_type_list") or []):  # MiniMax's: 0 lightning, 1 softmax attention
+        found.append("attn_type_list")
+    if found:
+        layout = UNCOUNTED_LAYOUTS.get(found[0], LIGHTNING_LAYOUT)
+        raise ConfigFileError(path, f"its layers are {layout}, which treetune cannot count "
+                              "yet: write the profile by hand and give it with --prior",
+                              found[0])
     h = c.int("hidden_size", "d_model")
     layers = c.int("num_hidden_layers", "n_layer", "num_layers")
     defaults = MODEL_TYPE_DEFAULTS.get(str(c.get("model_type")), {})
