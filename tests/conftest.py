@@ -94,6 +94,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         module = getattr(item, "module", None)
         if item.get_closest_marker("ray_no_server"):
+            if "ray_cluster" in getattr(item, "fixturenames", ()) or _has_module_fixture(item):
+                raise pytest.UsageError(
+                    f"{item.nodeid} is marked ray_no_server but uses the session's Ray "
+                    "cluster or a module's shared fixture, which live in the heavy lane: "
+                    "drop the mark")
             item.add_marker(pytest.mark.xdist_group(RAY_NO_SERVER))
         elif item in heavy or (module in heavy_modules and _has_module_fixture(item)):
             item.add_marker(pytest.mark.xdist_group("heavy"))

@@ -188,6 +188,24 @@ def test_deepseek_sparse_attention_caches_its_indexers_key_beside_the_latent():
     assert v32.mtp_dense_params - v3.mtp_dense_params == indexer
 
 
+def test_a_dsa_target_on_blackwell_takes_sglangs_fp8_kv_cache_unless_one_is_given():
+    """SGLang's --kv-cache-dtype auto is fp8 for a DeepSeek Sparse Attention target on
+    Blackwell (bf16 below it): counted at bf16 there, DeepSeek-V3.2's cache was 1.6x too
+    large (a review's finding)."""
+    from treetune.facts import build_prior
+
+    model = fixture("deepseek-ai/DeepSeek-V3.2")
+
+    def kv(gpu, kv_bytes=None):
+        prior = build_prior(model, None, 8, gpu, kv_cache_bytes=kv_bytes, algorithm="NEXTN")
+        return prior.target.kv_bytes_per_token
+    assert kv("B200") == 61 * (512 + 16 + 128 + 132)
+    assert kv("H200") == kv("B200", 2.0) == 61 * ((512 + 64) * 2 + 132)
+    # A target without DSA keeps its dtype's cache on Blackwell.
+    plain = build_prior(fixture("deepseek-ai/DeepSeek-V3"), None, 8, "B200", algorithm="NEXTN")
+    assert plain.target.kv_bytes_per_token == 61 * (512 + 64) * 2
+
+
 @pytest.mark.parametrize(("name", "total", "moe_layers"), [
     ("meta-llama/Llama-4-Scout-17B-16E-Instruct", 109, 48),
     ("meta-llama/Llama-4-Maverick-17B-128E-Instruct", 400, 24),
@@ -229,10 +247,31 @@ def test_experts_under_a_key_the_counting_does_not_read_are_refused_not_counted_
     with pytest.raises(TreetuneError, match=r"key 'ffn_num_experts': names 16 experts under a "
                        r"key treetune does not read, so it cannot count this MoE yet"):
         facts_from_config(data, "q", Path("q.json"))
-    # A count per token alone, or one expert, is no MoE to refuse.
+    # A list of counts (ERNIE-4.5-VL's text and vision experts) is refused the same way.
+    vl = {**data, "ffn_num_experts": [64, 64]}
+    with pytest.raises(TreetuneError, match=r"key 'ffn_num_experts': names \[64, 64\] "):
+        facts_from_config(vl, "q", Path("q.json"))
+    # A count per token alone, a size, or one expert, is no MoE to refuse.
     dense = {**read_config(HF / "Qwen/Qwen3-8B/config.json"), "num_experts_per_tok": 8,
-             "num_experts": 0}
+             "num_experts": 0, "shared_expert_intermediate_size": 5632,
+             "moe_num_shared_experts": 1}
     assert facts_from_config(dense, "q", Path("q.json")).moe is None
+
+
+def test_ernie_4_5_takes_transformers_defaults_for_the_keys_its_config_leaves_out():
+    """SGLang loads an ERNIE-4.5 MoE config through transformers' Ernie4_5_MoeConfig: its
+    MoE layers run from layer 1 to the last (an end index of -1) with 2 shared experts
+    unless the config says otherwise. Another model's `moe_num_experts` (Step-3's) is not
+    read as ERNIE's."""
+    full = read_config(HF / "baidu/ERNIE-4.5-300B-A47B-PT/config.json")
+    sparse = {k: v for k, v in full.items()
+              if k not in ("moe_layer_start_index", "moe_num_shared_experts")}
+    f = facts_from_config({**sparse, "moe_layer_end_index": -1}, "e", Path("e.json"))
+    assert f.moe is not None and (f.moe.layers, f.moe.shared_experts) == (53, 2)
+    step = {**read_config(HF / "Qwen/Qwen3-8B/config.json"), "moe_num_experts": 48,
+            "moe_top_k": 3}
+    with pytest.raises(TreetuneError, match="key 'moe_num_experts': names 48 experts"):
+        facts_from_config(step, "s", Path("s.json"))
 
 
 def test_an_eagle3_head_counts_its_layer_fc_and_draft_vocabulary_head_not_the_embedding():

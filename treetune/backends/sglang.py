@@ -27,6 +27,7 @@ from treetune.backends._base import (
 from treetune.backends.sglang_adaptive import fallback_reason
 from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.errors import FieldError, InvalidTreeError, TreetuneError
+from treetune.facts.gpus import BLACKWELL_GPUS
 from treetune.perfmodel.profile import DEFAULT_METHOD
 
 if TYPE_CHECKING:
@@ -352,10 +353,9 @@ ROCM_AITER = frozenset({
 # 0.5.23 implements for chains only ("requires --speculative-eagle-topk=1").
 REJECTION_SAMPLING_FLAGS = ("--speculative-use-rejection-sampling",
                             "--speculative-use-block-verification")
-# Blackwell GPUs (compute capability 10) and the backend SGLang gives these targets there
-# when none is given (srt/arg_groups/model_overrides/: gpt_oss.py, llama4.py, and
-# deepseek_v2.py for the DeepSeek family without DSA).
-BLACKWELL_GPUS = ("B200", "B300", "GB200")
+# The backend SGLang gives these targets on Blackwell GPUs when none is given
+# (srt/arg_groups/model_overrides/: gpt_oss.py, llama4.py, and deepseek_v2.py for the
+# DeepSeek family without DSA).
 BLACKWELL_BACKENDS = {
     "GptOssForCausalLM": "trtllm_mha", "Llama4ForCausalLM": "trtllm_mha",
     "Llama4ForConditionalGeneration": "trtllm_mha",

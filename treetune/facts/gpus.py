@@ -25,6 +25,10 @@ SMI_TIMEOUT_S = 30.0
 OVERRIDE = "--gpu NAME (backend.gpu in a study file)"
 
 
+# The table's Blackwell GPUs (compute capability 10), on which SGLang picks other defaults.
+BLACKWELL_GPUS = ("B200", "B300", "GB200")
+
+
 @dataclass(frozen=True)
 class GpuFacts:
     name: str  # the table's key, as profiles name it (hardware.gpu)

@@ -389,7 +389,7 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
     # One MTP layer: a full-attention decoder layer of the target's shape (an MoE layer
     # where the target has experts, but for DENSE_MTP_ARCHITECTURES), fed by eh_proj
     # ([embedding, hidden] -> hidden) after two norms, with a final norm (DeepSeek-V3's,
-    # GLM-4's, Qwen3.5's, ERNIE-4.5's).
+    # GLM-4's, Qwen3.5's; ERNIE-4.5's has none, h parameters of a billion).
     mtp_moe = bool(mtp_layers) and moe is not None and (
         architecture not in DENSE_MTP_ARCHITECTURES)
     mlp = moe.router + moe.shared if moe is not None and mtp_moe else dense_mlp
@@ -578,14 +578,28 @@ class _MoE:
     shared: int  # parameters of all shared experts of one layer (and their gate)
 
 
+# ERNIE-4.5's MoE (model_type ernie4_5_moe) names its experts by keys of its own, read for
+# it alone (Step-3 names `moe_num_experts` too, in another layout); what its config leaves
+# out is transformers' Ernie4_5_MoeConfig default, as SGLang loads it (an end index of -1:
+# the last layer).
+ERNIE_MOE = "ernie4_5_moe"
+ERNIE_MOE_DEFAULTS = {"moe_num_experts": 64, "moe_k": 6, "moe_intermediate_size": 1536,
+                      "moe_num_shared_experts": 2, "moe_layer_start_index": 1,
+                      "moe_layer_end_index": -1, "moe_layer_interval": 1}
+
+
 def _moe(c: _Config, h: int, layers: int) -> _MoE | None:
-    experts = c.int("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts",
-                    default=0)
+    ernie = c.get("model_type") == ERNIE_MOE
+    if ernie:
+        given = {key: value for key, value in c.data.items() if value is not None}
+        c = _Config({**ERNIE_MOE_DEFAULTS, **given}, c.path)
+    experts = c.int("num_experts", "n_routed_experts", "num_local_experts",
+                    *(["moe_num_experts"] if ernie else []), default=0)
     if not experts:
         _no_unread_experts(c)
         return None
     per_token = c.int("num_experts_per_tok", "num_experts_per_token", "experts_per_token",
-                      "moe_topk", "moe_k")
+                      "moe_topk", *(["moe_k"] if ernie else []))
     expert_dim = c.int("moe_intermediate_size", "intermediate_size")
     expert = 3 * h * expert_dim
     if isinstance(c.get("moe_layer_freq"), list):  # one entry a layer: 1 for MoE
@@ -600,11 +614,11 @@ def _moe(c: _Config, h: int, layers: int) -> _MoE | None:
     elif c.get("interleave_moe_layer_step") is not None:  # Llama 4, without the list
         step = c.int("interleave_moe_layer_step")
         moe_layers = set(range(step - 1, layers, step)) if step > 0 else set()
-    elif c.get("moe_layer_start_index") is not None:
-        # ERNIE-4.5: every interval-th layer from the start index to the end one (inclusive).
-        first = c.int("moe_layer_start_index")
-        last = min(c.int("moe_layer_end_index", default=layers - 1), layers - 1)
-        step = max(c.int("moe_layer_interval", default=1), 1)
+    elif ernie:  # every interval-th layer from the start index to the end one (inclusive)
+        first, step = c.int("moe_layer_start_index"), max(c.int("moe_layer_interval"), 1)
+        end = c.get("moe_layer_end_index")
+        last = layers - 1 if isinstance(end, int) and end < 0 else min(
+            c.int("moe_layer_end_index"), layers - 1)
         moe_layers = {i for i in range(first, last + 1) if (i - first) % step == 0}
     else:  # Qwen MoE: decoder_sparse_step, minus mlp_only_layers
         step = c.int("decoder_sparse_step", default=1)
@@ -614,7 +628,8 @@ def _moe(c: _Config, h: int, layers: int) -> _MoE | None:
     # Llama 4's MoE layers each run one shared expert of the routed experts' size, which
     # its config does not count.
     llama4 = c.get("model_type") == "llama4_text"
-    shared_count = c.int("n_shared_experts", "num_shared_experts", "moe_num_shared_experts",
+    shared_count = c.int("n_shared_experts", "num_shared_experts",
+                         *(["moe_num_shared_experts"] if ernie else []),
                          default=1 if llama4 else 0)
     shared_dim = c.int("shared_expert_intermediate_size", default=0)
     if shared_dim:  # Qwen2-MoE / Qwen3-Next: one shared expert of its own size, gated
@@ -636,8 +651,9 @@ def _no_unread_experts(c: _Config) -> None:
     be counted as a dense model of its dense MLP's width, without a word (ERNIE-4.5-300B-A47B
     came out at 47B in all before its keys were read): refused instead."""
     for key, value in c.data.items():
-        if ("expert" in key and "per_tok" not in key and isinstance(value, int)
-                and not isinstance(value, bool) and value > 1):
+        counts = value if isinstance(value, list) else [value]
+        if key.endswith(("experts", "expert_num")) and any(
+                isinstance(n, int) and not isinstance(n, bool) and n > 1 for n in counts):
             raise ConfigFileError(c.path, f"names {value} experts under a key treetune does "
                                   "not read, so it cannot count this MoE yet: write the "
                                   "profile by hand and give it with --prior", key)

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 from treetune.datasets import builtin_names
 from treetune.errors import TreetuneError
-from treetune.facts.gpus import GpuFacts, detect_gpu, gpu_facts
+from treetune.facts.gpus import BLACKWELL_GPUS, GpuFacts, detect_gpu, gpu_facts
 from treetune.facts.models import DTYPE_BYTES, ModelFacts, model_facts
 from treetune.perfmodel.prior import NEUTRAL_ACCEPTANCE, neutral_prior
 from treetune.perfmodel.profile import (
@@ -31,6 +31,9 @@ from treetune.perfmodel.profile import (
 # a small model of its own (no hidden states of the target).
 MTP_METHOD = "NEXTN"
 STANDALONE = "STANDALONE"
+# Bytes per KV element SGLang stores a DeepSeek Sparse Attention target's cache at on
+# Blackwell when --kv-cache-dtype is auto (fp8_e4m3).
+DSA_BLACKWELL_KV_BYTES = 1.0
 
 
 def auto_prior(target: ModelFacts, draft: ModelFacts | None, gpu: GpuFacts, tp: int,
@@ -205,6 +208,10 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
     if refusal := target_facts.tp_refusal(model, tp, attention_dp):
         raise TreetuneError(f"--tp {tp}: {refusal}")
     gpu_entry = gpu_facts(gpu, "--gpu") if gpu else detect_gpu(env)
+    if kv_cache_bytes is None and target_facts.sparse_index and gpu_entry.name in BLACKWELL_GPUS:
+        # --kv-cache-dtype auto: SGLang stores a DeepSeek Sparse Attention target's cache in
+        # fp8 on Blackwell, bf16 below it (server_args' _set_default_nsa_kv_cache_dtype).
+        target_facts = model_facts(model, env, DSA_BLACKWELL_KV_BYTES)
     return auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets, name, algorithm)
 
 
