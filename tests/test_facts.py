@@ -847,6 +847,11 @@ def test_the_auto_prior_reads_and_holds_the_unquantized_parts_at_their_width():
     ("zero_expert_num", 1, "LongCat-Flash"),
     ("attn_layer_period", 8, "Jamba"),
     ("attn_type_list", [0] * 7 + [1], "MiniMax-Text-01, MiniMax-M1"),
+    ("altup_num_inputs", 4, "Gemma-3n"),
+    ("ffn_config", {"moe_num_experts": 16, "moe_top_k": 4}, "DBRX"),
+    ("use_mixed_mlp_moe", True, "Hunyuan"),
+    ("use_cla", True, "Hunyuan's cross-layer attention"),
+    ("mamba_d_ssm", 1024, "Falcon-H1, Bamba"),
 ])
 def test_a_layout_the_counting_would_get_wrong_is_refused_not_miscounted(key, value, named):
     """A helper ran real configs through the counting: Nemotron-3-Nano came out at 102B for
@@ -858,8 +863,20 @@ def test_a_layout_the_counting_would_get_wrong_is_refused_not_miscounted(key, va
 
 
 def test_a_minimax_config_whose_layers_are_all_softmax_attention_is_counted():
-    data = {**read_config(HF / "Qwen/Qwen3-8B/config.json"), "attn_type_list": [1] * 36}
+    data = {**read_config(HF / "Qwen/Qwen3-8B/config.json"), "attn_type_list": [1] * 36,
+            "use_cla": False, "use_mixed_mlp_moe": False}
     assert facts_from_config(data, "q", Path("q.json")).attention_layers == 36
+
+
+def test_a_cohere_config_without_tie_word_embeddings_ties_its_head_as_transformers_does():
+    """transformers' CohereConfig and Cohere2Config tie the head by default: a config
+    leaving the key out was counted with a head of its own (Command-A: +2.9%)."""
+    data = {k: v for k, v in read_config(HF / "Qwen/Qwen3-8B/config.json").items()
+            if k != "tie_word_embeddings"}
+    untied = facts_from_config({**data, "tie_word_embeddings": False}, "c", Path("c.json"))
+    for model_type in ("cohere", "cohere2"):
+        tied = facts_from_config({**data, "model_type": model_type}, "c", Path("c.json"))
+        assert untied.total_params - tied.total_params == data["vocab_size"] * 4096
 
 
 def test_a_per_layer_moe_list_marks_the_moe_layers():

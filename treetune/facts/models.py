@@ -35,6 +35,9 @@ RECURRENT_STATE_BYTES = 4.0
 # takes (its Gemma3TextConfig: vocab_size 262208, tie_word_embeddings True; Gemma2 and
 # Gemma 256000; the google/gemma-3-27b-it config.json gives neither).
 MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Cohere's (Command-R, Command-A, Aya): transformers' configs tie the head by default.
+    "cohere": {"tie_word_embeddings": True},
+    "cohere2": {"tie_word_embeddings": True},
     "gemma3_text": {"vocab_size": 262208, "tie_word_embeddings": True},
     "gemma3": {"vocab_size": 262208, "tie_word_embeddings": True},
     "gemma2": {"vocab_size": 256000, "tie_word_embeddings": True},
@@ -331,23 +334,47 @@ UNCOUNTED_LAYOUTS = {
                        "zero-computation experts (LongCat-Flash)",
     "attn_layer_period": "Mamba layers with attention every attn_layer_period-th and "
                          "experts every expert_layer_period-th (Jamba)",
+    "altup_num_inputs": "per-layer embeddings, AltUp and KV caches shared across layers "
+                        "(Gemma-3n)",
+    "ffn_config": "experts nested in ffn_config and attention in attn_config (DBRX)",
+}
+# Keys that show such a layout when set to something true.
+UNCOUNTED_WHEN_SET = {
+    "use_mixed_mlp_moe": "MoE layers with a shared MLP of num_shared_expert (Hunyuan)",
+    "use_cla": "attention layers sharing one KV cache across cla_share_factor layers "
+               "(Hunyuan's cross-layer attention)",
 }
 # MiniMax's `attn_type_list` with a 0 in it (a list of 1s alone is plain attention).
 LIGHTNING_LAYOUT = ("lightning (linear) attention layers among softmax ones (MiniMax-Text-01, "
                     "MiniMax-M1)")
+# `mamba_*` keys without a `layer_types` naming Mamba layers.
+MAMBA_LAYOUT = ("Mamba mixers beside or between attention layers that layer_types does not "
+                "name (Falcon-H1, Bamba)")
+
+
+def _uncounted_layout(c: _Config) -> tuple[str, str] | None:
+    """The key and the layout of a config the counting would get wrong, or None."""
+    for key, layout in UNCOUNTED_LAYOUTS.items():
+        if c.get(key) is not None:
+            return key, layout
+    for key, layout in UNCOUNTED_WHEN_SET.items():
+        if c.get(key):
+            return key, layout
+    if 0 in (c.get("attn_type_list") or []):  # MiniMax's: 0 lightning, 1 softmax attention
+        return "attn_type_list", LIGHTNING_LAYOUT
+    mamba = sorted(key for key in c.data if key.startswith("mamba_"))
+    if mamba and not set(c.get("layer_types") or []) & set(LINEAR_KINDS):
+        return mamba[0], MAMBA_LAYOUT
+    return None
 
 
 def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
              weight_bytes: float, quantization: str, kv_bytes: float,
              kept: _Unquantized | None = None) -> ModelFacts:
-    found = [key for key in UNCOUNTED_LAYOUTS if c.get(key) is not None]
-    if 0 in (c.get("attn_type_list") or []):  # MiniMax's: 0 lightning, 1 softmax attention
-        found.append("attn_type_list")
-    if found:
-        layout = UNCOUNTED_LAYOUTS.get(found[0], LIGHTNING_LAYOUT)
+    if uncounted := _uncounted_layout(c):
+        key, layout = uncounted
         raise ConfigFileError(path, f"its layers are {layout}, which treetune cannot count "
-                              "yet: write the profile by hand and give it with --prior",
-                              found[0])
+                              "yet: write the profile by hand and give it with --prior", key)
     h = c.int("hidden_size", "d_model")
     layers = c.int("num_hidden_layers", "n_layer", "num_layers")
     defaults = MODEL_TYPE_DEFAULTS.get(str(c.get("model_type")), {})
