@@ -362,7 +362,7 @@ def test_an_mla_target_s_prior_keeps_its_whole_latent_cache_on_every_gpu(tmp_pat
     a prior that split it over 8 GPUs said 64 requests of 32k tokens fit on 8 H200s, where
     each GPU needs the 147 GB the cache alone takes (a helper's audit)."""
     prior = prior_of("deepseek-ai/DeepSeek-V3", eagle3_head(tmp_path, 7168, 18432), "H200", 8)
-    assert prior.target.mla is not None and prior.target.kv_replicated
+    assert prior.target.mla is not None and prior.target.kv_share(8) == 1.0
     assert prior.target.kv_bytes_per_token == 61 * (512 + 64) * 2
     check = check_memory(prior, BASELINE, 64, tp=8, context_tokens=32768)
     assert not check.fits and check.required_gb > 140
@@ -388,6 +388,71 @@ def test_an_mla_target_s_mtp_layer_keeps_its_latent_whole_on_every_gpu_too():
     read = cost.draft_pass(32, 32, 4096) - cost.draft_pass(32, 32, 2048)
     per_token = read * cost.bandwidth * prior.calibration.kv_bandwidth_eff / (32 * 2048)
     assert per_token == pytest.approx(8 * (512 + 64) * 2)
+
+
+@pytest.mark.parametrize(("tp", "per_gpu"), [(1, 1.0), (2, 1 / 2), (4, 1 / 2), (8, 1 / 2)])
+def test_kv_heads_fewer_than_the_gpus_are_copied_so_each_gpu_holds_half_the_cache(tp, per_gpu):
+    """Qwen3-Coder-Next has 2 KV heads: on 4 or 8 GPUs SGLang copies each head to tp / 2
+    of them (its pool's head count is max(1, heads / tp)), so each GPU holds and reads
+    half the cache. The prior split it over tp: a quarter on 4 GPUs, an eighth on 8."""
+    prior = prior_of("Qwen/Qwen3-Coder-Next", fixture("thoughtworks/Qwen3-Coder-Next-Eagle3"),
+                     "H200", 4)
+    assert (prior.target.kv_heads, prior.draft.kv_heads) == (2, 4)
+    assert prior.target.kv_share(tp) == per_gpu
+    requests, slots = 16, 65536
+    check = check_memory(prior, BASELINE, requests, tp=tp, context_tokens=slots)
+    state = requests * prior.target.state_bytes_per_request / tp
+    kv_gb = (requests * slots * 24576 * per_gpu + state) / 1e9
+    assert f"KV {kv_gb:.1f} GB for {requests} requests" in check.reason, check.reason
+    # A decode step on each GPU reads its copy: tp x its share of the whole cache.
+    from treetune.perfmodel import PerfModel
+
+    cost = PerfModel(prior, tp).cost
+    data = prior.datasets["mt-bench"]
+    longer = dataclasses.replace(data, context_tokens=data.context_tokens + 1000)
+    read = cost.target_pass(8, 1, longer) - cost.target_pass(8, 1, data)
+    per_token = read * cost.bandwidth * prior.calibration.kv_bandwidth_eff / (8 * 1000)
+    assert per_token == pytest.approx(tp * per_gpu * 24576)
+    # The draft head's 4 heads are copied on 8 GPUs only.
+    assert prior.method().kv_share(prior.target, 8) == 1 / 4
+    assert prior.method().kv_share(prior.target, 4) == 1 / 4
+
+
+def test_mla_s_down_projections_and_dsa_s_indexer_are_held_whole_on_every_gpu(tmp_path):
+    """SGLang holds MLA's fused query and latent down-projection and DeepSeek Sparse
+    Attention's indexer as ReplicatedLinear: whole on each of the 8 GPUs, and read whole
+    by each of them every pass. The prior split them over the 8 (DeepSeek-V3.2: 1.7B
+    parameters, 1.5 GB short on each GPU)."""
+    from treetune.perfmodel import PerfModel
+
+    head = eagle3_head(tmp_path, 7168, 18432)
+    v3 = prior_of("deepseek-ai/DeepSeek-V3", head, "H200", 8).target
+    assert v3.replicated_params_b * 1e9 == 61 * 7168 * (1536 + 512 + 64)
+    v32 = prior_of("deepseek-ai/DeepSeek-V3.2", head, "H200", 8)
+    indexer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
+    replicated = 61 * (7168 * (1536 + 512 + 64) + indexer)
+    assert v32.target.replicated_params_b * 1e9 == replicated
+    # Memory: the split share plus seven more copies of one byte (fp8) a parameter.
+    check = check_memory(v32, BASELINE, 1, tp=8)
+    split = v32.target.weight_bytes_of(v32.target.total_params_b * 1e9) / 8
+    assert f"weights {(split + 7 / 8 * replicated) / 1e9:.1f} GB" in check.reason
+    # A pass reads them whole on each GPU: 7 more copies' bytes at all GPUs' bandwidth.
+    unsplit = dataclasses.replace(v32, target=dataclasses.replace(v32.target,
+                                                                 replicated_params_b=0.0))
+    data = v32.datasets["mt-bench"]
+    extra = PerfModel(v32, 8).cost.target_pass(1, 1, data) - PerfModel(
+        unsplit, 8).cost.target_pass(1, 1, data)
+    cost = PerfModel(v32, 8).cost
+    assert extra == pytest.approx(7 * replicated * v32.target.weight_bytes / (
+        cost.bandwidth * v32.calibration.weight_bandwidth_eff))
+    with pytest.raises(FieldError, match=r"must be in 0\.\.17\.9\d* \(the parameters every "
+                       r"pass reads\), got 671"):
+        dataclasses.replace(v32.target, replicated_params_b=v32.target.total_params_b)
+    with pytest.raises(FieldError, match=r"must be >= 0, got -2"):
+        dataclasses.replace(v32.target, kv_heads=-2)
+    # Attention of other kinds splits by heads: nothing is replicated.
+    assert prior_of("Qwen/Qwen3-8B", fixture("thoughtworks/Qwen3-8B-Eagle3"), "H100-SXM",
+                    1).target.replicated_params_b == 0
 
 
 @pytest.mark.parametrize(("target", "window", "layers"), [

@@ -496,8 +496,12 @@ def prior(
     kept = (f", {t.unquantized_params_b:.2f}B of them at {t.unquantized_bytes:g} bytes (left "
             f"unquantized) and the rest at {t.weight_bytes:g}" if t.unquantized_params_b
             else "")
+    share = t.kv_share(tp)
+    per_gpu = f" ({t.kv_bytes_per_token * share:.0f} on each GPU)" if tp > 1 else ""
+    whole = (f", {t.replicated_params_b:.2f}B held whole on every GPU"
+             if t.replicated_params_b and tp > 1 else "")
     err.print(f"{escape(t.name)}: {t.total_params_b:.2f}B parameters ({t.active_params_b:.2f}B "
-              f"active{kept}), {t.kv_bytes_per_token:.0f} KV bytes per token; "
+              f"active{kept}{whole}), {t.kv_bytes_per_token:.0f} KV bytes per token{per_gpu}; "
               f"{_drafts(profile)}; {tp} x {escape(profile.hardware.gpu)}", highlight=False)
     if output is None:
         sys.stdout.write(yaml.safe_dump(profile.to_dict(), sort_keys=False))

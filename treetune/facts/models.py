@@ -132,6 +132,9 @@ class ModelFacts:
     # embedding and the hidden state, norms, router and shared experts, or a dense MLP; its
     # routed experts are the target's shape, in `moe`) and its KV bytes per token.
     # mtp_moe: its MLP is an MoE layer of the target's shape (False: a dense one).
+    # Of the parameters every pass reads, those SGLang holds whole on every tensor-parallel
+    # GPU (`_replicated_params`).
+    replicated_params: int = 0
     mtp_layers: int = 0
     mtp_dense_params: int = 0
     mtp_kv_bytes_per_token: float = 0.0
@@ -435,6 +438,7 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         kv_lora_rank=c.int("kv_lora_rank") if _is_mla(c) else 0,
         rope_dim=c.int("qk_rope_head_dim") if _is_mla(c) else 0,
         unquantized_params=unquantized, sparse_index=c.get("index_topk") is not None,
+        replicated_params=attention_layers * _replicated_params(c, h),
         mtp_layers=mtp_layers, mtp_dense_params=mtp_dense,
         mtp_kv_bytes_per_token=_layer_kv_bytes(c, h, kv_bytes) if mtp_layers else 0.0,
         mtp_moe=mtp_moe,
@@ -457,6 +461,8 @@ def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         hidden_size=h, vocab_size=draft_vocab, dtype=dtype, weight_bytes=weight_bytes,
         quantization=quantization, kv_bytes_per_token=layers * _kv_elements(c, h) * kv_bytes,
         state_bytes_per_request=0.0, mla=False, moe=None, eagle3=True,
+        attention_heads=c.int("num_attention_heads", default=0),
+        kv_heads=c.int("num_key_value_heads", "num_attention_heads", default=0),
         target_hidden_size=target_hidden,
         target_vocab_size=full_vocab if full_vocab != draft_vocab else 0)
 
@@ -528,6 +534,18 @@ def _attention_params(c: _Config, h: int, in_dim: int) -> int:
     if c.get("attention_bias", False):
         params += q_out + 2 * kv_heads * hd
     return params + 2 * hd  # q/k norms where present: noise, kept for Qwen3's sake
+
+
+def _replicated_params(c: _Config, h: int) -> int:
+    """Parameters of one attention layer that SGLang holds whole on every tensor-parallel
+    GPU (ReplicatedLinear in its deepseek_v2.py): MLA's down-projections of the query (when
+    it has a low rank) and of the latent with its rotary key, and DeepSeek Sparse
+    Attention's indexer. Other attention splits by heads."""
+    if not _is_mla(c):
+        return 0
+    q_rank = c.int("q_lora_rank", default=0)
+    latent = h * (q_rank + c.int("kv_lora_rank") + c.int("qk_rope_head_dim"))
+    return latent + _indexer_params(c, h, q_rank or h)
 
 
 def _indexer_params(c: _Config, h: int, q_in: int) -> int:

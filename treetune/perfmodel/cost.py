@@ -99,16 +99,20 @@ class CostModel:
             params += distinct_experts(routed, t.moe.experts, t.moe.experts_per_token) * (
                 t.expert_params
             )
-        weight_s = t.weight_bytes_of(params) / (self.bandwidth * c.weight_bandwidth_eff)
+        # The bandwidth is all GPUs': a replicated parameter is read by each of them.
+        weight_s = (t.weight_bytes_of(params) + t.replicated_extra_bytes(self.tp)) / (
+            self.bandwidth * c.weight_bandwidth_eff)
         # Linear-attention layers read each request's recurrent state once and, to roll back
         # rejected drafts, write one state per processed token (a tree node forks the state).
         state = t.state_bytes_per_request * (2 if prefill else 1 + tokens_per_request)
-        # Each rank reads its share of the KV cache, or all of it when TP cannot split it
-        # (an MLA latent); sliding-window layers read no more than their window.
-        kv = t.kv_bytes(context) * (self.tp if t.kv_replicated else 1)
+        # Each rank reads its share of the KV cache: all of an MLA latent, a copied head's
+        # whole (fewer KV heads than GPUs); sliding-window layers read no more than their
+        # window.
+        kv = t.kv_bytes(context) * t.kv_share(self.tp) * self.tp
         kv_bytes = requests * (kv + state)
         kv_s = kv_bytes / (self.bandwidth * c.kv_bandwidth_eff)
-        flops = 2.0 * t.active_params_b * 1e9 * tokens
+        replicated = (self.tp - 1) * t.replicated_params_b * 1e9
+        flops = 2.0 * (t.active_params_b * 1e9 + replicated) * tokens
         compute_s = flops / (self.flops_peak * c.compute_eff)
         return (
             c.step_overhead_ms * 1e-3
@@ -134,7 +138,8 @@ class CostModel:
         standalone model: all its layers)."""
         c = self.profile.calibration
         weight_s = d.params_m * 1e6 * d.weight_bytes / (self.bandwidth * c.weight_bandwidth_eff)
-        kv_s = requests * context * d.kv_bytes_per_token / (self.bandwidth * c.kv_bandwidth_eff)
+        kv = d.kv_bytes_per_token * self.method.kv_share(self.profile.target, self.tp) * self.tp
+        kv_s = requests * context * kv / (self.bandwidth * c.kv_bandwidth_eff)
         compute_s = 2.0 * d.params_m * 1e6 * tokens / (self.flops_peak * c.compute_eff)
         return (
             self._pass_overhead_s
@@ -164,8 +169,8 @@ class CostModel:
         wide = min(t.lm_head_params, t.unquantized_params_b * 1e9)
         read_bytes = (read - wide) * t.weight_bytes + wide * t.unquantized_bytes
         weight_s = read_bytes / (self.bandwidth * c.weight_bandwidth_eff)
-        # Its attention is the target's kind: an MLA latent is read whole by every rank.
-        kv = mtp.kv_bytes_per_token * (self.tp if t.kv_replicated else 1)
+        # Its attention is the target's kind, split as the target's.
+        kv = mtp.kv_bytes_per_token * t.kv_share(self.tp) * self.tp
         kv_s = requests * context * kv / (self.bandwidth * c.kv_bandwidth_eff)
         flops = 2.0 * (layer * tokens + t.lm_head_params * requests)
         compute_s = flops / (self.flops_peak * c.compute_eff)

@@ -44,20 +44,20 @@ def check_memory(
     t, server = profile.target, profile.server
     draft = method if isinstance(method, Method) else profile.method(method)
     available = profile.hardware.memory_gb * GB * fraction
-    weights = t.weight_bytes_of(t.total_params_b * 1e9) / tp
+    weights = (t.weight_bytes_of(t.total_params_b * 1e9) + t.replicated_extra_bytes(tp)) / tp
     slots = max(server.reserve_context_tokens, context_tokens or 0)
     in_flight = max_running_requests
     draft_kv_per_token = 0.0
     if config is not BASELINE:
         assert isinstance(config, TreeConfig)
         weights += draft.resident_bytes(t) / tp
-        # An MTP layer of an MLA target caches the latent too, whole on every rank.
-        replicated = draft.mtp is not None and t.kv_replicated
-        draft_kv_per_token = draft.kv_bytes_per_token / (1 if replicated else tp)
+        # An MTP layer caches as the target's attention (an MLA latent whole on every rank).
+        draft_kv_per_token = draft.kv_bytes_per_token * draft.kv_share(t, tp)
         slots += config.kv_slots_per_round if draft.has_draft_forward else config.draft_tokens
         in_flight *= config.draft_tokens
-    # An MLA latent is not split by tensor parallelism: every rank holds all of it.
-    target_kv = t.kv_bytes(slots) / (1 if t.kv_replicated else tp)
+    # An MLA latent is not split by tensor parallelism (every rank holds all of it), nor
+    # is a KV head copied to several ranks.
+    target_kv = t.kv_bytes(slots) * t.kv_share(tp)
     kv = max_running_requests * (target_kv + slots * draft_kv_per_token
                                  + t.state_bytes_per_request / tp)
     per_token = server.activation_bytes_per_token or (

@@ -109,12 +109,27 @@ class Target:
     # embedding out: a pass gathers a few of its rows (priced as the quantized bulk).
     unquantized_params_b: float = 0.0
     unquantized_bytes: float = 2.0
+    # Key/value heads of a full-attention layer (0: not given, the cache taken as split
+    # evenly). SGLang gives each tensor-parallel GPU a whole share of them, and with fewer
+    # heads than GPUs copies each head to tp / kv_heads GPUs: each GPU then holds and reads
+    # 1 / kv_heads of the KV cache, not 1 / tp (Qwen3-Next's 2 heads on 4 GPUs: twice).
+    kv_heads: int = 0
+    # Of the parameters every pass reads, those every tensor-parallel GPU holds and reads
+    # whole (SGLang's ReplicatedLinear: MLA's fused query and latent down-projection,
+    # DeepSeek Sparse Attention's indexer), at `weight_bytes`.
+    replicated_params_b: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "total_params_b", "active_params_b", "layers", "hidden_size",
                   "weight_bytes", "unquantized_bytes")
         if self.active_params_b > self.total_params_b:
             raise ValueError("active_params_b cannot exceed total_params_b")
+        if self.kv_heads < 0:
+            raise FieldError("kv_heads", f"must be >= 0, got {self.kv_heads}")
+        if not 0 <= self.replicated_params_b * 1e9 <= self.always_read_params * 1.000001:
+            raise FieldError("replicated_params_b", (
+                f"must be in 0..{self.always_read_params / 1e9:g} (the parameters every "
+                f"pass reads), got {self.replicated_params_b:g}"))
         if not 0 <= self.unquantized_params_b * 1e9 <= self.always_read_params * 1.000001:
             raise FieldError("unquantized_params_b", (
                 f"must be in 0..{self.always_read_params / 1e9:g} (the parameters every "
@@ -145,11 +160,16 @@ class Target:
         """Layers that hold a KV cache (hybrid models' linear-attention layers hold none)."""
         return self.attention_layers or self.layers
 
-    @property
-    def kv_replicated(self) -> bool:
-        """Whether every tensor-parallel rank holds the whole KV cache: an MLA latent is
-        one "head" shared by all heads, so TP cannot split it (SGLang replicates it)."""
-        return self.mla is not None
+    def kv_share(self, tp: int) -> float:
+        """The share of the whole KV cache each of `tp` GPUs holds and reads: all of an MLA
+        latent (one "head" shared by all heads, which TP cannot split), 1 / kv_heads when
+        there are fewer KV heads than GPUs, else 1 / tp."""
+        return 1.0 if self.mla is not None else _kv_share(self.kv_heads, tp)
+
+    def replicated_extra_bytes(self, tp: int) -> float:
+        """What `tp` GPUs hold (and a pass reads) beyond the weights split over them: the
+        replicated parameters' tp - 1 further copies."""
+        return (tp - 1) * self.replicated_params_b * 1e9 * self.weight_bytes
 
     def kv_bytes(self, context: float) -> float:
         """Bytes of one request's KV cache at `context` tokens, whole model: what a decode
@@ -191,9 +211,12 @@ class Draft:
     weight_bytes: float = 2.0
     kv_bytes_per_token: float = 0.0
     layers: int = 1
+    kv_heads: int = 0  # its attention's key/value heads (0: not given; see Target.kv_heads)
 
     def __post_init__(self) -> None:
         _positive(self, "params_m", "weight_bytes", "layers")
+        if self.kv_heads < 0:
+            raise FieldError("kv_heads", f"must be >= 0, got {self.kv_heads}")
 
 
 # The method the top-level `draft` and the datasets' `acceptance` describe.
@@ -295,6 +318,13 @@ class Method:
         if self.draft is not None:
             return self.draft.kv_bytes_per_token
         return self.mtp.kv_bytes_per_token if self.mtp is not None else 0.0
+
+    def kv_share(self, target: Target, tp: int) -> float:
+        """The share of the draft's KV cache each of `tp` GPUs holds: its own heads' for a
+        draft model, the target's for an MTP layer (an attention layer of the target's)."""
+        if self.draft is not None:
+            return _kv_share(self.draft.kv_heads, tp)
+        return target.kv_share(tp)
 
 
 @dataclass(frozen=True)
@@ -456,10 +486,23 @@ class Profile:
         if not self.target.unquantized_params_b:  # nor do those of one weight width
             data["target"].pop("unquantized_params_b")
             data["target"].pop("unquantized_bytes")
+        for part, key in (("target", "kv_heads"), ("target", "replicated_params_b"),
+                          ("draft", "kv_heads")):
+            if part in data and not data[part].get(key):  # nor those that leave them out
+                data[part].pop(key, None)
+        for method in data.get("methods", {}).values():
+            if "draft" in method and not method["draft"].get("kv_heads"):
+                method["draft"].pop("kv_heads", None)
         return {"name": data.pop("name"), "description": data.pop("description"), **data}
 
     def save(self, path: str | Path) -> None:
         dump_yaml(self.to_dict(), path)
+
+
+def _kv_share(kv_heads: int, tp: int) -> float:
+    """Each of `tp` GPUs' share of a cache of `kv_heads` heads (0: split evenly): SGLang
+    copies a head to several GPUs when there are fewer heads than GPUs."""
+    return 1.0 / min(tp, kv_heads) if kv_heads else 1.0 / tp
 
 
 def _plain(value: Any) -> Any:
