@@ -432,19 +432,28 @@ def test_mla_s_down_projections_and_dsa_s_indexer_are_held_whole_on_every_gpu(tm
     indexer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
     replicated = 61 * (7168 * (1536 + 512 + 64) + indexer)
     assert v32.target.replicated_params_b * 1e9 == replicated
-    # Memory: the split share plus seven more copies of one byte (fp8) a parameter.
+    # Of them, the indexer's weights_proj stays bf16 in the fp8 checkpoint.
+    assert v32.target.replicated_unquantized_b * 1e9 == 61 * 7168 * 64
+    copy = replicated + 61 * 7168 * 64  # bytes: fp8, and bf16 for weights_proj
+    # Memory: the split share plus seven more copies.
     check = check_memory(v32, BASELINE, 1, tp=8)
     split = v32.target.weight_bytes_of(v32.target.total_params_b * 1e9) / 8
-    assert f"weights {(split + 7 / 8 * replicated) / 1e9:.1f} GB" in check.reason
+    assert f"weights {(split + 7 / 8 * copy) / 1e9:.1f} GB" in check.reason
     # A pass reads them whole on each GPU: 7 more copies' bytes at all GPUs' bandwidth.
-    unsplit = dataclasses.replace(v32, target=dataclasses.replace(v32.target,
-                                                                 replicated_params_b=0.0))
+    unsplit = dataclasses.replace(v32, target=dataclasses.replace(
+        v32.target, replicated_params_b=0.0, replicated_unquantized_b=0.0))
     data = v32.datasets["mt-bench"]
     extra = PerfModel(v32, 8).cost.target_pass(1, 1, data) - PerfModel(
         unsplit, 8).cost.target_pass(1, 1, data)
     cost = PerfModel(v32, 8).cost
-    assert extra == pytest.approx(7 * replicated * v32.target.weight_bytes / (
+    assert extra == pytest.approx(7 * copy / (
         cost.bandwidth * v32.calibration.weight_bandwidth_eff))
+    # And each GPU computes them for every token: a compute-bound pass of 64k tokens.
+    tokens = 65536
+    extra = PerfModel(v32, 8).cost.target_pass(1, tokens, data) - PerfModel(
+        unsplit, 8).cost.target_pass(1, tokens, data)
+    assert extra == pytest.approx(2 * 7 * replicated * tokens / (
+        cost.flops_peak * v32.calibration.compute_eff))
     with pytest.raises(FieldError, match=r"must be in 0\.\.17\.9\d* \(the parameters every "
                        r"pass reads\), got 671"):
         dataclasses.replace(v32.target, replicated_params_b=v32.target.total_params_b)
@@ -453,6 +462,64 @@ def test_mla_s_down_projections_and_dsa_s_indexer_are_held_whole_on_every_gpu(tm
     # Attention of other kinds splits by heads: nothing is replicated.
     assert prior_of("Qwen/Qwen3-8B", fixture("thoughtworks/Qwen3-8B-Eagle3"), "H100-SXM",
                     1).target.replicated_params_b == 0
+
+
+def test_replicated_attention_a_checkpoint_keeps_unquantized_is_held_at_its_dtype(tmp_path):
+    """A checkpoint that leaves attention out of its quantization (Kimi-K2-Thinking's int4
+    experts beside bf16 attention) holds MLA's replicated down-projections in bf16 on
+    every GPU: 2 bytes a parameter, not the experts' width (a helper's review: 0.45 GB
+    counted for 1.62 GB on each of 8 GPUs)."""
+    config = json.loads((Path(fixture("deepseek-ai/DeepSeek-V3")) / "config.json").read_text())
+    config["quantization_config"] = {**config["quantization_config"],
+                                     "modules_to_not_convert": ["self_attn"]}
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "config.json").write_text(json.dumps(config))
+    prior = auto_prior(model_facts(str(tmp_path / "kept")),
+                       model_facts(eagle3_head(tmp_path, 7168, 18432)), gpu_facts("H200"), 8)
+    t = prior.target
+    replicated = 61 * 7168 * (1536 + 512 + 64)
+    assert t.replicated_unquantized_b == t.replicated_params_b == replicated / 1e9
+    assert t.replicated_extra_bytes(8) == pytest.approx(7 * replicated * 2)
+    with pytest.raises(FieldError, match=r"replicated_params_b, those among"):
+        dataclasses.replace(t, replicated_unquantized_b=t.replicated_params_b * 2)
+
+
+def test_a_draft_and_an_mtp_layer_copy_their_kv_heads_too(tmp_path):
+    """An EAGLE3 head's own 4 KV heads on 8 GPUs, and Qwen3-Coder-Next's MTP layer (the
+    target's 2 heads) on 4: each GPU holds and reads a quarter, then a half, of their
+    caches, as SGLang sizes each attention's pool by its own heads."""
+    from treetune.config import TreeConfig
+    from treetune.perfmodel import PerfModel
+
+    prior = prior_of("Qwen/Qwen3-Coder-Next", fixture("thoughtworks/Qwen3-Coder-Next-Eagle3"),
+                     "H200", 8)
+    tree, requests, context = TreeConfig(3, 1, 4), 8, 32768
+    for tp, method, per_gpu in ((8, "EAGLE3", 2048 / 4), (4, "NEXTN", 2048 / 2)):
+        check = check_memory(prior, tree, requests, tp=tp, method=method,
+                             context_tokens=context)
+        slots = context + tree.kv_slots_per_round
+        target = 24576 / 2  # the target's own 2 heads: half on each GPU
+        state = prior.target.state_bytes_per_request / tp
+        kv_gb = requests * (slots * (target + per_gpu) + state) / 1e9
+        assert f"KV {kv_gb:.1f} GB for {requests} requests" in check.reason, (method,
+                                                                             check.reason)
+        cost = PerfModel(prior, tp, method).cost
+        read = cost.draft_pass(8, 8, 4096) - cost.draft_pass(8, 8, 2048)
+        per_token = read * cost.bandwidth * prior.calibration.kv_bandwidth_eff / (8 * 2048)
+        assert per_token == pytest.approx(tp * per_gpu), method
+    # An MLA draft (a standalone DeepSeek-V2-Lite) keeps its whole latent on every GPU.
+    lite = {"architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 2048,
+            "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+            "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+            "v_head_dim": 128, "intermediate_size": 10944, "vocab_size": 102400,
+            "torch_dtype": "bfloat16"}
+    (tmp_path / "lite").mkdir()
+    (tmp_path / "lite" / "config.json").write_text(json.dumps(lite))
+    draft = model_facts(str(tmp_path / "lite"))
+    standalone = auto_prior(model_facts(fixture("deepseek-ai/DeepSeek-V3")), draft,
+                            gpu_facts("H200"), 8, algorithm="STANDALONE")
+    method = standalone.method("STANDALONE")
+    assert method.kv_share(standalone.target, 8) == 1.0
 
 
 @pytest.mark.parametrize(("target", "window", "layers"), [

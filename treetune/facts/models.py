@@ -133,8 +133,10 @@ class ModelFacts:
     # routed experts are the target's shape, in `moe`) and its KV bytes per token.
     # mtp_moe: its MLP is an MoE layer of the target's shape (False: a dense one).
     # Of the parameters every pass reads, those SGLang holds whole on every tensor-parallel
-    # GPU (`_replicated_params`).
+    # GPU (`_replicated_params`), and of them those a quantized checkpoint keeps at its
+    # dtype (among `unquantized_params`).
     replicated_params: int = 0
+    replicated_unquantized: int = 0
     mtp_layers: int = 0
     mtp_dense_params: int = 0
     mtp_kv_bytes_per_token: float = 0.0
@@ -385,15 +387,23 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
     kinds = _layer_kinds(c, layers)
     moe = _moe(c, h, layers)
     attention = _attention_params(c, h, h)
+    replicated_layer = _replicated_params(c, h)
     linear = _linear_attention_params(c, h) if "linear" in kinds else 0
     # Gated (SwiGLU) MLPs; Llama 4's dense layers have their own, wider size.
     dense_mlp = 3 * h * c.int("intermediate_size_mlp", "intermediate_size", default=0)
-    total = active = unquantized = 0
+    total = active = unquantized = replicated = replicated_kept = 0
     for i, mixer_type in enumerate(kinds):
         mixer = attention if mixer_type == "attention" else linear
         norms = 2 * h
+        if mixer_type == "attention":
+            replicated += replicated_layer
         if kept is not None:
-            unquantized += norms + mixer * kept.layer(i, mixer_type)
+            whole = kept.layer(i, mixer_type)
+            unquantized += norms + mixer * whole
+            if mixer_type == "attention":  # a DSA indexer's weights_proj is never quantized
+                kept_part = replicated_layer if whole else _indexer_weights_proj(c, h)
+                replicated_kept += kept_part
+                unquantized += 0 if whole else kept_part
         if moe is not None and i in moe.layers:
             total += mixer + norms + moe.router + moe.shared + moe.spec.experts * moe.expert
             active += mixer + norms + moe.router + moe.shared + (
@@ -438,7 +448,7 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         kv_lora_rank=c.int("kv_lora_rank") if _is_mla(c) else 0,
         rope_dim=c.int("qk_rope_head_dim") if _is_mla(c) else 0,
         unquantized_params=unquantized, sparse_index=c.get("index_topk") is not None,
-        replicated_params=attention_layers * _replicated_params(c, h),
+        replicated_params=replicated, replicated_unquantized=replicated_kept,
         mtp_layers=mtp_layers, mtp_dense_params=mtp_dense,
         mtp_kv_bytes_per_token=_layer_kv_bytes(c, h, kv_bytes) if mtp_layers else 0.0,
         mtp_moe=mtp_moe,
@@ -555,7 +565,13 @@ def _indexer_params(c: _Config, h: int, q_in: int) -> int:
     if c.get("index_topk") is None:
         return 0
     heads, dim = c.int("index_n_heads"), c.int("index_head_dim")
-    return q_in * heads * dim + h * dim + 2 * dim + h * heads
+    return q_in * heads * dim + h * dim + 2 * dim + _indexer_weights_proj(c, h)
+
+
+def _indexer_weights_proj(c: _Config, h: int) -> int:
+    """The DSA indexer's per-head weights from the hidden state (0 without an indexer):
+    SGLang loads it unquantized whatever the checkpoint's quantization."""
+    return h * c.int("index_n_heads") if c.get("index_topk") is not None else 0
 
 
 def _layer_kv_bytes(c: _Config, h: int, kv_bytes: float) -> float:

@@ -49,7 +49,7 @@ def auto_prior(target: ModelFacts, draft: ModelFacts | None, gpu: GpuFacts, tp: 
     drafted = None if draft is None else Draft(
         name=draft.name, params_m=draft.total_params / 1e6,
         weight_bytes=draft.weight_bytes, kv_bytes_per_token=draft.kv_bytes_per_token,
-        layers=draft.layers, kv_heads=draft.kv_heads)
+        layers=draft.layers, kv_heads=1 if draft.mla else draft.kv_heads)
     standalone = algorithm == STANDALONE and drafted is not None
     methods = {STANDALONE: Method("standalone", {"neutral": NEUTRAL_ACCEPTANCE},
                                   draft=drafted)} if standalone else {}
@@ -78,6 +78,7 @@ def auto_prior(target: ModelFacts, draft: ModelFacts | None, gpu: GpuFacts, tp: 
             vocab_size=target.vocab_size, attention_layers=target.attention_layers,
             kv_heads=0 if target.mla else target.kv_heads,
             replicated_params_b=target.replicated_params / 1e9,
+            replicated_unquantized_b=target.replicated_unquantized / 1e9,
             mla=_mla(target),
             sliding_window=(SlidingWindow(window=target.window, layers=target.window_layers)
                             if target.window_layers else None),

@@ -116,8 +116,10 @@ class Target:
     kv_heads: int = 0
     # Of the parameters every pass reads, those every tensor-parallel GPU holds and reads
     # whole (SGLang's ReplicatedLinear: MLA's fused query and latent down-projection,
-    # DeepSeek Sparse Attention's indexer), at `weight_bytes`.
+    # DeepSeek Sparse Attention's indexer), and of them those at `unquantized_bytes`
+    # (among unquantized_params_b; the rest at `weight_bytes`).
     replicated_params_b: float = 0.0
+    replicated_unquantized_b: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "total_params_b", "active_params_b", "layers", "hidden_size",
@@ -130,6 +132,12 @@ class Target:
             raise FieldError("replicated_params_b", (
                 f"must be in 0..{self.always_read_params / 1e9:g} (the parameters every "
                 f"pass reads), got {self.replicated_params_b:g}"))
+        if not 0 <= self.replicated_unquantized_b <= min(
+                self.replicated_params_b, self.unquantized_params_b) * 1.000001:
+            raise FieldError("replicated_unquantized_b", (
+                f"must be in 0..{min(self.replicated_params_b, self.unquantized_params_b):g} "
+                "(of replicated_params_b, those among unquantized_params_b), got "
+                f"{self.replicated_unquantized_b:g}"))
         if not 0 <= self.unquantized_params_b * 1e9 <= self.always_read_params * 1.000001:
             raise FieldError("unquantized_params_b", (
                 f"must be in 0..{self.always_read_params / 1e9:g} (the parameters every "
@@ -169,7 +177,9 @@ class Target:
     def replicated_extra_bytes(self, tp: int) -> float:
         """What `tp` GPUs hold (and a pass reads) beyond the weights split over them: the
         replicated parameters' tp - 1 further copies."""
-        return (tp - 1) * self.replicated_params_b * 1e9 * self.weight_bytes
+        kept = self.replicated_unquantized_b
+        return (tp - 1) * 1e9 * ((self.replicated_params_b - kept) * self.weight_bytes
+                                 + kept * self.unquantized_bytes)
 
     def kv_bytes(self, context: float) -> float:
         """Bytes of one request's KV cache at `context` tokens, whole model: what a decode
@@ -487,7 +497,7 @@ class Profile:
             data["target"].pop("unquantized_params_b")
             data["target"].pop("unquantized_bytes")
         for part, key in (("target", "kv_heads"), ("target", "replicated_params_b"),
-                          ("draft", "kv_heads")):
+                          ("target", "replicated_unquantized_b"), ("draft", "kv_heads")):
             if part in data and not data[part].get(key):  # nor those that leave them out
                 data[part].pop(key, None)
         for method in data.get("methods", {}).values():
