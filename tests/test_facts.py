@@ -484,6 +484,35 @@ def test_replicated_attention_a_checkpoint_keeps_unquantized_is_held_at_its_dtyp
         dataclasses.replace(t, replicated_unquantized_b=t.replicated_params_b * 2)
 
 
+def test_an_mtp_layer_s_eh_proj_and_mla_down_projections_are_held_whole_in_bf16():
+    """SGLang's DeepSeek NEXTN layer fuses embedding and hidden state with a plain bf16
+    nn.Linear (eh_proj, 2 x 7168 -> 7168) and holds its MLA down-projections as
+    ReplicatedLinear: whole on each of 8 GPUs. The prior split them over the 8 at fp8:
+    about 200 MB short on each GPU, read on every draft pass."""
+    from treetune.config import TreeConfig
+    from treetune.perfmodel import PerfModel
+
+    prior = auto_prior(model_facts(fixture("deepseek-ai/DeepSeek-V3")), None,
+                       gpu_facts("H200"), 8)
+    mtp = prior.method("NEXTN").mtp
+    replicated = 2 * 7168 * 7168 + 7168 * (1536 + 512 + 64)
+    assert mtp.replicated_params_m * 1e6 == replicated
+    split = dataclasses.replace(prior, methods={"NEXTN": dataclasses.replace(
+        prior.methods["NEXTN"], mtp=dataclasses.replace(mtp, replicated_params_m=0.0))})
+    # Each GPU holds 2 bytes of each, where the split share was 1 byte / 8.
+    tree = TreeConfig(3, 1, 4)
+    held, short = (check_memory(p, tree, 1, tp=8, method="NEXTN").required_gb
+                   for p in (prior, split))
+    assert held - short == pytest.approx(replicated * (2 - 1 / 8) / 1e9, abs=1e-6)
+    # And reads them so on every pass.
+    cost, was = PerfModel(prior, 8, "NEXTN").cost, PerfModel(split, 8, "NEXTN").cost
+    extra = cost.draft_pass(1, 1, 1024) - was.draft_pass(1, 1, 1024)
+    assert extra == pytest.approx(replicated * (8 * 2 - 1) / (
+        cost.bandwidth * prior.calibration.weight_bandwidth_eff))
+    with pytest.raises(FieldError, match=r"must be in 0\.\.\d+.* \(of dense_params_m\)"):
+        dataclasses.replace(mtp, replicated_params_m=mtp.dense_params_m + 1)
+
+
 def test_a_draft_and_an_mtp_layer_copy_their_kv_heads_too(tmp_path):
     """An EAGLE3 head's own 4 KV heads on 8 GPUs, and Qwen3-Coder-Next's MTP layer (the
     target's 2 heads) on 4: each GPU holds and reads a quarter, then a half, of their

@@ -139,6 +139,7 @@ class ModelFacts:
     replicated_unquantized: int = 0
     mtp_layers: int = 0
     mtp_dense_params: int = 0
+    mtp_replicated_params: int = 0  # of them, those SGLang holds whole on every GPU
     mtp_kv_bytes_per_token: float = 0.0
     mtp_moe: bool = False
 
@@ -434,6 +435,8 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         architecture not in DENSE_MTP_ARCHITECTURES)
     mlp = moe.router + moe.shared if moe is not None and mtp_moe else dense_mlp
     mtp_dense = attention + 2 * h + mlp + 2 * h * h + 3 * h if mtp_layers else 0
+    # Of it, held whole on every GPU: eh_proj (a plain Linear) and MLA's down-projections.
+    mtp_replicated = 2 * h * h + replicated_layer if mtp_layers else 0
     return ModelFacts(
         name=name, config_path=str(path), architecture=architecture, total_params=total,
         active_params=active, layers=layers, attention_layers=attention_layers,
@@ -450,6 +453,7 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         unquantized_params=unquantized, sparse_index=c.get("index_topk") is not None,
         replicated_params=replicated, replicated_unquantized=replicated_kept,
         mtp_layers=mtp_layers, mtp_dense_params=mtp_dense,
+        mtp_replicated_params=mtp_replicated,
         mtp_kv_bytes_per_token=_layer_kv_bytes(c, h, kv_bytes) if mtp_layers else 0.0,
         mtp_moe=mtp_moe,
         **_windowed(c, architecture, layers))

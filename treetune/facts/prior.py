@@ -102,6 +102,7 @@ def _mtp_method(target: ModelFacts) -> dict[str, Method]:
     if not target.mtp_layers:
         return {}
     mtp = MTP(dense_params_m=target.mtp_dense_params / 1e6,
+              replicated_params_m=target.mtp_replicated_params / 1e6,
               kv_bytes_per_token=target.mtp_kv_bytes_per_token,
               routed_experts=target.mtp_moe)
     return {MTP_METHOD: Method("mtp", {"neutral": NEUTRAL_ACCEPTANCE}, mtp=mtp)}

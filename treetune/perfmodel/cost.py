@@ -167,11 +167,13 @@ class CostModel:
             read += distinct_experts(routed, t.moe.experts, t.moe.experts_per_token) * expert
             layer += t.moe.experts_per_token * expert
         wide = min(t.lm_head_params, t.unquantized_params_b * 1e9)
-        read_bytes = (read - wide) * t.weight_bytes + wide * t.unquantized_bytes
+        read_bytes = ((read - wide) * t.weight_bytes + wide * t.unquantized_bytes
+                      + mtp.whole_extra_bytes(t, self.tp))
         weight_s = read_bytes / (self.bandwidth * c.weight_bandwidth_eff)
         # Its attention is the target's kind, split as the target's.
         kv = mtp.kv_bytes_per_token * t.kv_share(self.tp) * self.tp
         kv_s = requests * context * kv / (self.bandwidth * c.kv_bandwidth_eff)
+        layer += (self.tp - 1) * mtp.replicated_params_m * 1e6  # each GPU computes it whole
         flops = 2.0 * (layer * tokens + t.lm_head_params * requests)
         compute_s = flops / (self.flops_peak * c.compute_eff)
         return (

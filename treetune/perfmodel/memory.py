@@ -50,7 +50,7 @@ def check_memory(
     draft_kv_per_token = 0.0
     if config is not BASELINE:
         assert isinstance(config, TreeConfig)
-        weights += draft.resident_bytes(t) / tp
+        weights += draft.resident_bytes(t, tp) / tp
         # An MTP layer caches as the target's attention (an MLA latent whole on every rank).
         draft_kv_per_token = draft.kv_bytes_per_token * draft.kv_share(t, tp)
         slots += config.kv_slots_per_round if draft.has_draft_forward else config.draft_tokens

@@ -250,9 +250,23 @@ class MTP:
     # Its MLP is one MoE layer of the target's shape (target.moe): a pass reads the experts
     # its tokens route to, and all of them stay resident. False: a dense MLP, in dense_params_m.
     routed_experts: bool = True
+    # Of dense_params_m, those every tensor-parallel GPU holds and reads whole, at the
+    # target's unquantized width: the projection fusing embedding and hidden state (a plain
+    # bf16 Linear in SGLang's MTP layers) and an MLA layer's down-projections.
+    replicated_params_m: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "dense_params_m", "kv_bytes_per_token")
+        if not 0 <= self.replicated_params_m <= self.dense_params_m:
+            raise FieldError("replicated_params_m", (
+                f"must be in 0..{self.dense_params_m:g} (of dense_params_m), got "
+                f"{self.replicated_params_m:g}"))
+
+    def whole_extra_bytes(self, target: Target, tp: int) -> float:
+        """What `tp` GPUs hold (and a pass reads) of the replicated part beyond its split
+        share at the target's weight width: every GPU's whole copy at the unquantized one."""
+        return self.replicated_params_m * 1e6 * (
+            tp * target.unquantized_bytes - target.weight_bytes)
 
 
 @dataclass(frozen=True)
@@ -319,9 +333,13 @@ class Method:
             return self.mtp.dense_params_m * 1e6 + experts
         return 0.0
 
-    def resident_bytes(self, target: Target) -> float:
-        weight_bytes = self.draft.weight_bytes if self.draft is not None else target.weight_bytes
-        return self.resident_params(target) * weight_bytes
+    def resident_bytes(self, target: Target, tp: int = 1) -> float:
+        """Bytes the draft adds to the `tp` GPUs together (an MTP layer's replicated part
+        whole on each)."""
+        if self.draft is not None:
+            return self.resident_params(target) * self.draft.weight_bytes
+        whole = self.mtp.whole_extra_bytes(target, tp) if self.mtp is not None else 0.0
+        return self.resident_params(target) * target.weight_bytes + whole
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -501,8 +519,9 @@ class Profile:
             if part in data and not data[part].get(key):  # nor those that leave them out
                 data[part].pop(key, None)
         for method in data.get("methods", {}).values():
-            if "draft" in method and not method["draft"].get("kv_heads"):
-                method["draft"].pop("kv_heads", None)
+            for part, key in (("draft", "kv_heads"), ("mtp", "replicated_params_m")):
+                if part in method and not method[part].get(key):
+                    method[part].pop(key, None)
         return {"name": data.pop("name"), "description": data.pop("description"), **data}
 
     def save(self, path: str | Path) -> None:
