@@ -427,14 +427,15 @@ def test_mla_s_down_projections_and_dsa_s_indexer_are_held_whole_on_every_gpu(tm
 
     head = eagle3_head(tmp_path, 7168, 18432)
     v3 = prior_of("deepseek-ai/DeepSeek-V3", head, "H200", 8).target
-    assert v3.replicated_params_b * 1e9 == 61 * 7168 * (1536 + 512 + 64)
+    routers = 58 * (7168 * 256 + 256)  # 58 MoE layers' gates and score-correction biases
+    assert v3.replicated_params_b * 1e9 == 61 * 7168 * (1536 + 512 + 64) + routers
     v32 = prior_of("deepseek-ai/DeepSeek-V3.2", head, "H200", 8)
     indexer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
-    replicated = 61 * (7168 * (1536 + 512 + 64) + indexer)
+    replicated = 61 * (7168 * (1536 + 512 + 64) + indexer) + routers
     assert v32.target.replicated_params_b * 1e9 == replicated
-    # Of them, the indexer's weights_proj stays bf16 in the fp8 checkpoint.
-    assert v32.target.replicated_unquantized_b * 1e9 == 61 * 7168 * 64
-    copy = replicated + 61 * 7168 * 64  # bytes: fp8, and bf16 for weights_proj
+    # Of them, the indexer's weights_proj and the routers stay bf16 in the fp8 checkpoint.
+    assert v32.target.replicated_unquantized_b * 1e9 == 61 * 7168 * 64 + routers
+    copy = replicated + 61 * 7168 * 64 + routers  # bytes: fp8, and bf16 for those
     # Memory: the split share plus seven more copies.
     check = check_memory(v32, BASELINE, 1, tp=8)
     split = v32.target.weight_bytes_of(v32.target.total_params_b * 1e9) / 8
@@ -477,7 +478,7 @@ def test_replicated_attention_a_checkpoint_keeps_unquantized_is_held_at_its_dtyp
     prior = auto_prior(model_facts(str(tmp_path / "kept")),
                        model_facts(eagle3_head(tmp_path, 7168, 18432)), gpu_facts("H200"), 8)
     t = prior.target
-    replicated = 61 * 7168 * (1536 + 512 + 64)
+    replicated = 61 * 7168 * (1536 + 512 + 64) + 58 * (7168 * 256 + 256)  # and the routers
     assert t.replicated_unquantized_b == t.replicated_params_b == replicated / 1e9
     assert t.replicated_extra_bytes(8) == pytest.approx(7 * replicated * 2)
     with pytest.raises(FieldError, match=r"replicated_params_b, those among"):
@@ -495,7 +496,7 @@ def test_an_mtp_layer_s_eh_proj_and_mla_down_projections_are_held_whole_in_bf16(
     prior = auto_prior(model_facts(fixture("deepseek-ai/DeepSeek-V3")), None,
                        gpu_facts("H200"), 8)
     mtp = prior.method("NEXTN").mtp
-    replicated = 2 * 7168 * 7168 + 7168 * (1536 + 512 + 64)
+    replicated = 2 * 7168 * 7168 + 7168 * (1536 + 512 + 64) + 7168 * 256 + 256  # + router
     assert mtp.replicated_params_m * 1e6 == replicated
     split = dataclasses.replace(prior, methods={"NEXTN": dataclasses.replace(
         prior.methods["NEXTN"], mtp=dataclasses.replace(mtp, replicated_params_m=0.0))})
@@ -988,7 +989,7 @@ def test_the_auto_prior_reads_and_holds_the_unquantized_parts_at_their_width():
     from treetune.perfmodel.cost import CostModel
 
     bulk_only = dataclasses.replace(profile, target=dataclasses.replace(
-        t, unquantized_params_b=0.0))
+        t, unquantized_params_b=0.0, replicated_unquantized_b=0.0))
     data = next(iter(profile.datasets.values()))
     step, priced_short = (CostModel(p).target_pass(1, 1, data) for p in (profile, bulk_only))
     extra = t.unquantized_params_b * 1e9 * (2 - t.weight_bytes) / (

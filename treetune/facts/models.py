@@ -409,8 +409,10 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
             total += mixer + norms + moe.router + moe.shared + moe.spec.experts * moe.expert
             active += mixer + norms + moe.router + moe.shared + (
                 moe.spec.experts_per_token * moe.expert)
+            replicated += moe.router  # a router is whole on every GPU, never quantized
             if kept is not None:
                 unquantized += moe.router + moe.shared * kept.layer(i, "shared")
+                replicated_kept += moe.router
         else:
             total += mixer + norms + dense_mlp
             active += mixer + norms + dense_mlp
@@ -435,8 +437,10 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         architecture not in DENSE_MTP_ARCHITECTURES)
     mlp = moe.router + moe.shared if moe is not None and mtp_moe else dense_mlp
     mtp_dense = attention + 2 * h + mlp + 2 * h * h + 3 * h if mtp_layers else 0
-    # Of it, held whole on every GPU: eh_proj (a plain Linear) and MLA's down-projections.
-    mtp_replicated = 2 * h * h + replicated_layer if mtp_layers else 0
+    # Of it, held whole on every GPU: eh_proj (a plain Linear), MLA's down-projections and
+    # the router.
+    mtp_replicated = (2 * h * h + replicated_layer + (moe.router if moe is not None and mtp_moe
+                                                      else 0)) if mtp_layers else 0
     return ModelFacts(
         name=name, config_path=str(path), architecture=architecture, total_params=total,
         active_params=active, layers=layers, attention_layers=attention_layers,
@@ -554,7 +558,8 @@ def _replicated_params(c: _Config, h: int) -> int:
     """Parameters of one attention layer that SGLang holds whole on every tensor-parallel
     GPU (ReplicatedLinear in its deepseek_v2.py): MLA's down-projections of the query (when
     it has a low rank) and of the latent with its rotary key, and DeepSeek Sparse
-    Attention's indexer. Other attention splits by heads."""
+    Attention's indexer. Other attention splits by heads. (An MoE layer's router is whole
+    on every GPU too: counted with the layer.)"""
     if not _is_mla(c):
         return 0
     q_rank = c.int("q_lora_rank", default=0)
