@@ -38,9 +38,11 @@ def test_treetune_prior_writes_a_profile_that_loads_and_predicts(capsys, tmp_pat
     assert code == 0, err
     profile = load_profile(out)
     assert profile.tp == 4 and profile.hardware.gpu == "H200"
-    # FP8 weights, but its head, norms and routers in bf16: said beside the counts.
-    assert "3.87B active, 0.36B of them at 2 bytes (left unquantized) and the rest at 1)" \
-        in err, err
+    # FP8 weights, but its head, norms and routers in bf16: said beside the counts, with
+    # the routers every GPU holds whole and the KV each GPU holds of its 2 heads (half).
+    assert ("3.87B active, 0.36B of them at 2 bytes (left unquantized) and the rest at 1, "
+            "0.05B held whole on every GPU), 24576 KV bytes per token (12288 on each GPU)"
+            ) in " ".join(err.split()), err
     assert profile.target.attention_layers == 12 and profile.target.weight_bytes == 1.0
     assert set(profile.datasets) >= {"mt-bench", "humaneval", "swebench-verified"}
     assert "wrote" in err
