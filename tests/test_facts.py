@@ -219,6 +219,10 @@ def test_llama4_counts_its_interleaved_moe_layers_and_its_shared_expert(name, to
     assert f.moe is not None and (f.moe.layers, f.moe.shared_experts) == (moe_layers, 1)
     assert within(f.total_params / 1e9, total, 0.02) and within(f.active_params / 1e9, 17, 0.02)
     assert f.kv_bytes_per_token == 48 * 2 * 8 * 128 * 2
+    # The MoE layers' routers (5120 x experts, SGLang's ReplicatedLinear) are whole on
+    # every GPU; the dense layers have none.
+    experts = f.moe.experts
+    assert f.replicated_params == moe_layers * 5120 * experts
 
 
 def test_ernie_4_5_counts_its_experts_from_its_own_keys_and_its_mtp_layer_as_dense():
@@ -235,6 +239,10 @@ def test_ernie_4_5_counts_its_experts_from_its_own_keys_and_its_mtp_layer_as_den
     attention = h * (64 * 128 + 2 * 8 * 128) + 64 * 128 * h + 2 * 128  # (q/k norms' noise)
     assert (f.mtp_layers, f.mtp_moe) == (1, False)
     assert f.mtp_dense_params == attention + 3 * h * 28672 + 2 * h * h + 5 * h
+    # Whole on every GPU: the 51 MoE layers' routers (with their score-correction bias);
+    # of the MTP layer, its fusing projection only (a dense MLP has no router).
+    assert f.replicated_params == 51 * (h * 64 + 64)
+    assert f.mtp_replicated_params == 2 * h * h
     method = auto_prior(f, None, gpu_facts("H200"), 8, algorithm="NEXTN").method("NEXTN")
     assert method.mtp is not None and not method.mtp.routed_experts
     # An MoE target's MTP layer elsewhere is an MoE layer of its shape.
@@ -341,6 +349,12 @@ def test_qwen3_5_s_mtp_layer_matches_the_shipped_397b_profile_s_nextn_within_1_p
     assert within(counted.dense_params_m, shipped.dense_params_m, 0.01), counted
     assert counted.kv_bytes_per_token == shipped.kv_bytes_per_token
     assert counted.routed_experts and shipped.routed_experts
+    # What every GPU holds whole: the MTP layer's fc and router, the target's 60 routers;
+    # and the 2 KV heads each GPU of 8 holds a copy of.
+    assert within(counted.replicated_params_m, shipped.replicated_params_m, 0.01), counted
+    target = load_profile("qwen3.5-397b-a17b-h200").target
+    assert within(prior.target.replicated_params_b, target.replicated_params_b, 0.01)
+    assert prior.target.kv_heads == target.kv_heads == 2
 
 
 def prior_of(target: str, draft: str, gpu: str, tp: int):
@@ -485,33 +499,67 @@ def test_replicated_attention_a_checkpoint_keeps_unquantized_is_held_at_its_dtyp
         dataclasses.replace(t, replicated_unquantized_b=t.replicated_params_b * 2)
 
 
-def test_an_mtp_layer_s_eh_proj_and_mla_down_projections_are_held_whole_in_bf16():
-    """SGLang's DeepSeek NEXTN layer fuses embedding and hidden state with a plain bf16
-    nn.Linear (eh_proj, 2 x 7168 -> 7168) and holds its MLA down-projections as
-    ReplicatedLinear: whole on each of 8 GPUs. The prior split them over the 8 at fp8:
-    about 200 MB short on each GPU, read on every draft pass."""
+def test_an_mtp_layer_s_fusing_projection_down_projections_and_router_are_held_whole():
+    """SGLang's DeepSeek NEXTN layer fuses embedding and hidden state with a plain
+    nn.Linear (eh_proj, 2 x 7168 -> 7168, never quantized), holds its MLA down-projections
+    as ReplicatedLinear (fp8 in this checkpoint) and its router as a plain bf16 parameter:
+    all whole on each of 8 GPUs. The prior split them over the 8 at fp8: about 200 MB
+    short on each GPU, read on every draft pass."""
     from treetune.config import TreeConfig
     from treetune.perfmodel import PerfModel
 
     prior = auto_prior(model_facts(fixture("deepseek-ai/DeepSeek-V3")), None,
                        gpu_facts("H200"), 8)
     mtp = prior.method("NEXTN").mtp
-    replicated = 2 * 7168 * 7168 + 7168 * (1536 + 512 + 64) + 7168 * 256 + 256  # + router
-    assert mtp.replicated_params_m * 1e6 == replicated
+    bf16 = 2 * 7168 * 7168 + 7168 * 256 + 256  # eh_proj, the router and its bias
+    fp8 = 7168 * (1536 + 512 + 64)
+    assert mtp.replicated_params_m * 1e6 == bf16 + fp8
+    assert mtp.replicated_unquantized_m * 1e6 == bf16 and not mtp.unquantized
     split = dataclasses.replace(prior, methods={"NEXTN": dataclasses.replace(
-        prior.methods["NEXTN"], mtp=dataclasses.replace(mtp, replicated_params_m=0.0))})
-    # Each GPU holds 2 bytes of each, where the split share was 1 byte / 8.
+        prior.methods["NEXTN"], mtp=dataclasses.replace(
+            mtp, replicated_params_m=0.0, replicated_unquantized_m=0.0))})
+    # Each GPU holds all of them, at 2 and 1 bytes, where its split share was 1 byte / 8.
+    whole = bf16 * (8 * 2 - 1) + fp8 * (8 - 1)  # beyond the split share, all GPUs
     tree = TreeConfig(3, 1, 4)
     held, short = (check_memory(p, tree, 1, tp=8, method="NEXTN").required_gb
                    for p in (prior, split))
-    assert held - short == pytest.approx(replicated * (2 - 1 / 8) / 1e9, abs=1e-6)
-    # And reads them so on every pass.
+    assert held - short == pytest.approx(whole / 8 / 1e9, abs=1e-6)
+    # And reads them so on every pass,
     cost, was = PerfModel(prior, 8, "NEXTN").cost, PerfModel(split, 8, "NEXTN").cost
     extra = cost.draft_pass(1, 1, 1024) - was.draft_pass(1, 1, 1024)
-    assert extra == pytest.approx(replicated * (8 * 2 - 1) / (
+    assert extra == pytest.approx(whole / (
         cost.bandwidth * prior.calibration.weight_bandwidth_eff))
+    # and computes them for every token (a compute-bound pass of 64k tokens).
+    tokens = 65536
+    extra = cost.draft_pass(tokens, 1, 1024) - was.draft_pass(tokens, 1, 1024)
+    assert extra == pytest.approx(2 * 7 * (bf16 + fp8) * tokens / (
+        cost.flops_peak * prior.calibration.compute_eff))
     with pytest.raises(FieldError, match=r"must be in 0\.\.\d+.* \(of dense_params_m\)"):
         dataclasses.replace(mtp, replicated_params_m=mtp.dense_params_m + 1)
+    with pytest.raises(FieldError, match=r"must be in 0\.\.\d+.* \(of replicated_params_m\)"):
+        dataclasses.replace(mtp, replicated_unquantized_m=mtp.replicated_params_m + 1)
+
+
+def test_a_modelopt_nvfp4_deepseek_s_mtp_layer_is_held_and_read_in_bf16():
+    """SGLang builds a ModelOpt NVFP4 DeepSeek checkpoint's NextN layer without its
+    quantization (deepseek_nextn.py: "Overriding ... quant config for modelopt_fp4"): the
+    layer and its 256 experts are bf16, 23 GB over 8 GPUs, where the prior held them at
+    0.5625 bytes (6.5 GB)."""
+    from treetune.config import TreeConfig
+
+    prior = auto_prior(model_facts(fixture("nvidia/DeepSeek-V3-0324-FP4")), None,
+                       gpu_facts("B200"), 8)
+    mtp = prior.method("NEXTN").mtp
+    assert mtp.unquantized and prior.target.weight_bytes == 0.5625
+    assert not auto_prior(model_facts(fixture("deepseek-ai/DeepSeek-V3")), None,
+                          gpu_facts("H200"), 8).method("NEXTN").mtp.unquantized
+    tree = TreeConfig(3, 1, 4)
+    weights = [float(re.search(r"weights ([\d.]+) GB", check_memory(
+        prior, config, 1, tp=8, method="NEXTN").reason).group(1)) for config in (tree, BASELINE)]
+    layer = mtp.dense_params_m * 1e6 + 256 * 3 * 7168 * 2048  # its experts, all resident
+    expected = (layer * 2 + mtp.replicated_params_m * 1e6 * 7 * 2) / 8 / 1e9
+    assert weights[0] - weights[1] == pytest.approx(expected, abs=0.15)
+    assert expected > 2.9
 
 
 def test_a_draft_and_an_mtp_layer_copy_their_kv_heads_too(tmp_path):

@@ -55,6 +55,11 @@ MTP_LAYERS_UNNAMED = {"Qwen3NextForCausalLM": 1}
 # MoE architectures whose MTP layer has a dense MLP of the target's `intermediate_size`, not
 # an MoE one (SGLang's Ernie4DecoderLayer with is_mtp).
 DENSE_MTP_ARCHITECTURES = frozenset({"Ernie4_5_MoeForCausalLM"})
+# SGLang's DeepSeek NextN layer drops a ModelOpt NVFP4 checkpoint's quantization
+# (deepseek_nextn.py: "Overriding ... quant config for modelopt_fp4"): the checkpoint keeps
+# that layer in bf16, experts included.
+BF16_MTP_UNDER_MODELOPT_NVFP4 = frozenset({"DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"})
+MODELOPT_NVFP4 = "nvfp4 (modelopt)"
 ATTENTION_KINDS = ("full_attention", "attention", "sliding_attention", "chunked_attention")
 LINEAR_KINDS = ("linear_attention", "mamba", "mamba2", "recurrent", "conv")
 
@@ -142,6 +147,10 @@ class ModelFacts:
     mtp_replicated_params: int = 0  # of them, those SGLang holds whole on every GPU
     mtp_kv_bytes_per_token: float = 0.0
     mtp_moe: bool = False
+    # Of those, the ones a quantized checkpoint keeps at its dtype (the fusing projection,
+    # the router, unless its attention is kept too); and whether the whole layer is kept so.
+    mtp_replicated_unquantized: int = 0
+    mtp_unquantized: bool = False
 
     def tp_problem(self, tp: int) -> str:
         """Why SGLang cannot split this model's attention over `tp` GPUs ("" when it can):
@@ -439,8 +448,12 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
     mtp_dense = attention + 2 * h + mlp + 2 * h * h + 3 * h if mtp_layers else 0
     # Of it, held whole on every GPU: eh_proj (a plain Linear), MLA's down-projections and
     # the router.
-    mtp_replicated = (2 * h * h + replicated_layer + (moe.router if moe is not None and mtp_moe
-                                                      else 0)) if mtp_layers else 0
+    router = moe.router if moe is not None and mtp_moe else 0
+    mtp_replicated = 2 * h * h + replicated_layer + router if mtp_layers else 0
+    mtp_replicated_kept = 0
+    if mtp_layers and kept is not None:  # the MTP layer is numbered after the last layer
+        mtp_replicated_kept = 2 * h * h + router + (
+            replicated_layer if kept.layer(layers, "attention") else _indexer_weights_proj(c, h))
     return ModelFacts(
         name=name, config_path=str(path), architecture=architecture, total_params=total,
         active_params=active, layers=layers, attention_layers=attention_layers,
@@ -457,7 +470,9 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         unquantized_params=unquantized, sparse_index=c.get("index_topk") is not None,
         replicated_params=replicated, replicated_unquantized=replicated_kept,
         mtp_layers=mtp_layers, mtp_dense_params=mtp_dense,
-        mtp_replicated_params=mtp_replicated,
+        mtp_replicated_params=mtp_replicated, mtp_replicated_unquantized=mtp_replicated_kept,
+        mtp_unquantized=bool(mtp_layers) and quantization == MODELOPT_NVFP4 and (
+            architecture in BF16_MTP_UNDER_MODELOPT_NVFP4),
         mtp_kv_bytes_per_token=_layer_kv_bytes(c, h, kv_bytes) if mtp_layers else 0.0,
         mtp_moe=mtp_moe,
         **_windowed(c, architecture, layers))

@@ -167,7 +167,8 @@ class CostModel:
             read += distinct_experts(routed, t.moe.experts, t.moe.experts_per_token) * expert
             layer += t.moe.experts_per_token * expert
         wide = min(t.lm_head_params, t.unquantized_params_b * 1e9)
-        read_bytes = ((read - wide) * t.weight_bytes + wide * t.unquantized_bytes
+        head_bytes = (t.lm_head_params - wide) * t.weight_bytes + wide * t.unquantized_bytes
+        read_bytes = ((read - t.lm_head_params) * mtp.width(t) + head_bytes
                       + mtp.whole_extra_bytes(t, self.tp))
         weight_s = read_bytes / (self.bandwidth * c.weight_bandwidth_eff)
         # Its attention is the target's kind, split as the target's.

@@ -251,10 +251,15 @@ class MTP:
     # Its MLP is one MoE layer of the target's shape (target.moe): a pass reads the experts
     # its tokens route to, and all of them stay resident. False: a dense MLP, in dense_params_m.
     routed_experts: bool = True
-    # Of dense_params_m, those every tensor-parallel GPU holds and reads whole, at the
-    # target's unquantized width: the projection fusing embedding and hidden state (a plain
-    # bf16 Linear in SGLang's MTP layers) and an MLA layer's down-projections.
+    # Of dense_params_m, those every tensor-parallel GPU holds and reads whole: the
+    # projection fusing embedding and hidden state (a plain Linear in SGLang's MTP layers,
+    # never quantized), an MLA layer's down-projections and the router; and of them, those
+    # at the target's unquantized width (the fusing projection and the router).
     replicated_params_m: float = 0.0
+    replicated_unquantized_m: float = 0.0
+    # The whole layer (dense part and experts) at the target's unquantized width: SGLang
+    # builds a ModelOpt NVFP4 DeepSeek checkpoint's NextN layer unquantized (bf16).
+    unquantized: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "dense_params_m", "kv_bytes_per_token")
@@ -262,12 +267,22 @@ class MTP:
             raise FieldError("replicated_params_m", (
                 f"must be in 0..{self.dense_params_m:g} (of dense_params_m), got "
                 f"{self.replicated_params_m:g}"))
+        if not 0 <= self.replicated_unquantized_m <= self.replicated_params_m:
+            raise FieldError("replicated_unquantized_m", (
+                f"must be in 0..{self.replicated_params_m:g} (of replicated_params_m), got "
+                f"{self.replicated_unquantized_m:g}"))
+
+    def width(self, target: Target) -> float:
+        """Bytes per parameter of the layer's own weights (the head is the target's)."""
+        return target.unquantized_bytes if self.unquantized else target.weight_bytes
 
     def whole_extra_bytes(self, target: Target, tp: int) -> float:
         """What `tp` GPUs hold (and a pass reads) of the replicated part beyond its split
-        share at the target's weight width: every GPU's whole copy at the unquantized one."""
-        return self.replicated_params_m * 1e6 * (
-            tp * target.unquantized_bytes - target.weight_bytes)
+        share at the layer's width: every GPU's whole copy, its unquantized part at the
+        target's unquantized width."""
+        width, kept = self.width(target), self.replicated_unquantized_m * 1e6
+        rest = self.replicated_params_m * 1e6 - kept
+        return rest * (tp - 1) * width + kept * (tp * target.unquantized_bytes - width)
 
 
 @dataclass(frozen=True)
@@ -339,8 +354,10 @@ class Method:
         whole on each)."""
         if self.draft is not None:
             return self.resident_params(target) * self.draft.weight_bytes
-        whole = self.mtp.whole_extra_bytes(target, tp) if self.mtp is not None else 0.0
-        return self.resident_params(target) * target.weight_bytes + whole
+        if self.mtp is None:
+            return self.resident_params(target) * target.weight_bytes
+        return (self.resident_params(target) * self.mtp.width(target)
+                + self.mtp.whole_extra_bytes(target, tp))
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -520,7 +537,8 @@ class Profile:
             if part in data and not data[part].get(key):  # nor those that leave them out
                 data[part].pop(key, None)
         for method in data.get("methods", {}).values():
-            for part, key in (("draft", "kv_heads"), ("mtp", "replicated_params_m")):
+            for part, key in (("draft", "kv_heads"), ("mtp", "replicated_params_m"),
+                              ("mtp", "replicated_unquantized_m"), ("mtp", "unquantized")):
                 if part in method and not method[part].get(key):
                     method[part].pop(key, None)
         return {"name": data.pop("name"), "description": data.pop("description"), **data}
