@@ -111,8 +111,12 @@ def test_treetune_prior_prints_the_shipped_profiles_schema_with_neutral_free_val
     data = yaml.safe_load(stdout)
     shipped = load_profile("qwen3-8b-h100").to_dict()
     assert set(data) == set(shipped)
+    # The shipped profiles were calibrated with the head's fc read on every draft pass;
+    # the prior says which of its parameters the fc is (read in the extend pass only).
     for section in ("hardware", "target", "draft", "calibration", "noise"):
-        assert set(data[section]) <= set(shipped[section]) | {"attention_layers"}, section
+        extra = {"attention_layers"} | ({"fc_params_m"} if section == "draft" else set())
+        assert set(data[section]) <= set(shipped[section]) | extra, section
+    assert data["draft"]["fc_params_m"] == pytest.approx(3 * 4096 * 4096 / 1e6, rel=1e-4)
     profile = build(Profile, data, "stdout")
     assert list(profile.datasets) == ["mt-bench", "sharegpt"]
     acceptance = {d.acceptance for d in profile.datasets.values()}

@@ -562,6 +562,35 @@ def test_a_modelopt_nvfp4_deepseek_s_mtp_layer_is_held_and_read_in_bf16():
     assert expected > 2.9
 
 
+def test_an_eagle3_head_s_fc_runs_in_the_extend_pass_only_and_is_whole_on_every_gpu(tmp_path):
+    """SGLang's EAGLE3 head projects the target's three hidden states with a plain Linear
+    (`fc`, 3 x 7168 -> 7168 for a DeepSeek-V3 head: 154M of its parameters), whole on
+    every GPU, and runs it only when fed those states: the draft extend over a round's
+    accepted tokens (and the prefill), not the draft-decode passes, whose input is the
+    head's own state. The prior read it on every pass, split over the GPUs."""
+    from treetune.config import TreeConfig
+    from treetune.perfmodel import PerfModel
+
+    prior = prior_of("deepseek-ai/DeepSeek-V3", eagle3_head(tmp_path, 7168, 18432), "H200", 8)
+    fc = 3 * 7168 * 7168
+    assert prior.draft.fc_params_m * 1e6 == fc
+    flat = dataclasses.replace(prior, draft=dataclasses.replace(prior.draft, fc_params_m=0.0))
+    cost, was = PerfModel(prior, 8).cost, PerfModel(flat, 8).cost
+    per_byte = cost.bandwidth * prior.calibration.weight_bandwidth_eff
+    decode = cost.draft_pass(1, 1, 1024) - was.draft_pass(1, 1, 1024)
+    extend = cost.draft_pass(4, 1, 1024, extend=True) - was.draft_pass(4, 1, 1024, extend=True)
+    assert decode == pytest.approx(-fc * 2 / per_byte)  # not read at all
+    assert extend == pytest.approx((8 - 1) * fc * 2 / per_byte)  # read whole on each GPU
+    # A round: one extend and steps - 1 decode passes.
+    tree, data = TreeConfig(3, 1, 4), prior.datasets["mt-bench"]
+    more = (cost.spec_round(tree, 1, data).draft_s - was.spec_round(tree, 1, data).draft_s)
+    assert more == pytest.approx(((8 - 1) - 2) * fc * 2 / per_byte)
+    held, short = (check_memory(p, tree, 1, tp=8).required_gb for p in (prior, flat))
+    assert held - short == pytest.approx(7 / 8 * fc * 2 / 1e9, abs=1e-6)
+    with pytest.raises(FieldError, match=r"must be in 0\.\.\d+.* \(of params_m\)"):
+        dataclasses.replace(prior.draft, fc_params_m=prior.draft.params_m + 1)
+
+
 def test_a_draft_and_an_mtp_layer_copy_their_kv_heads_too(tmp_path):
     """An EAGLE3 head's own 4 KV heads on 8 GPUs, and Qwen3-Coder-Next's MTP layer (the
     target's 2 heads) on 4: each GPU holds and reads a quarter, then a half, of their

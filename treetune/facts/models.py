@@ -113,6 +113,8 @@ class ModelFacts:
     # An EAGLE3 head's: the vocabulary of the target it was trained on, when its config
     # names one apart from its own draft vocabulary (0: it does not).
     target_vocab_size: int = 0
+    # An EAGLE3 head's: its fc over the target's three hidden states (3 x target x hidden).
+    fc_params: int = 0
     attention_heads: int = 0  # query heads of a full-attention layer (0: not read)
     kv_heads: int = 0  # its key/value heads (MLA: its heads, sharing one latent)
     # MLA's latent and its rotary key, per token and layer (0 without MLA): SGLang keeps the
@@ -496,7 +498,7 @@ def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         state_bytes_per_request=0.0, mla=False, moe=None, eagle3=True,
         attention_heads=c.int("num_attention_heads", default=0),
         kv_heads=c.int("num_key_value_heads", "num_attention_heads", default=0),
-        target_hidden_size=target_hidden,
+        target_hidden_size=target_hidden, fc_params=3 * target_hidden * h,
         target_vocab_size=full_vocab if full_vocab != draft_vocab else 0)
 
 

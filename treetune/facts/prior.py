@@ -49,7 +49,8 @@ def auto_prior(target: ModelFacts, draft: ModelFacts | None, gpu: GpuFacts, tp: 
     drafted = None if draft is None else Draft(
         name=draft.name, params_m=draft.total_params / 1e6,
         weight_bytes=draft.weight_bytes, kv_bytes_per_token=draft.kv_bytes_per_token,
-        layers=draft.layers, kv_heads=1 if draft.mla else draft.kv_heads)
+        layers=draft.layers, kv_heads=1 if draft.mla else draft.kv_heads,
+        fc_params_m=draft.fc_params / 1e6)
     standalone = algorithm == STANDALONE and drafted is not None
     methods = {STANDALONE: Method("standalone", {"neutral": NEUTRAL_ACCEPTANCE},
                                   draft=drafted)} if standalone else {}

@@ -122,25 +122,28 @@ class CostModel:
         )
 
     def draft_pass(self, tokens: float, requests: float, context: float,
-                   routing_diversity: float = 1.0) -> float:
+                   routing_diversity: float = 1.0, *, extend: bool = False) -> float:
         """One forward of the method's draft over `tokens` tokens from `requests` requests
         (0 for n-gram lookup, which has none). `routing_diversity`: the workload's, for an
-        MoE MTP layer."""
+        MoE MTP layer; `extend`: a pass fed the target's hidden states (a round's draft
+        extend, a prefill), the only ones an EAGLE3 head's fc runs in."""
         m = self.method
         if m.draft is not None:
-            return self._model_pass(m.draft, tokens, requests, context)
+            return self._model_pass(m.draft, tokens, requests, context, extend)
         if m.mtp is not None:
             return self._mtp_pass(m.mtp, tokens, requests, context, routing_diversity)
         return 0.0
 
-    def _model_pass(self, d: Draft, tokens: float, requests: float, context: float) -> float:
-        """A draft with weights of its own (EAGLE3: one layer plus its LM head; a
-        standalone model: all its layers)."""
+    def _model_pass(self, d: Draft, tokens: float, requests: float, context: float,
+                    extend: bool) -> float:
+        """A draft with weights of its own (EAGLE3: one layer plus its LM head, and its fc
+        whole on every GPU in an extend; a standalone model: all its layers)."""
         c = self.profile.calibration
-        weight_s = d.params_m * 1e6 * d.weight_bytes / (self.bandwidth * c.weight_bandwidth_eff)
+        params = d.params_m - d.fc_params_m + (self.tp * d.fc_params_m if extend else 0.0)
+        weight_s = params * 1e6 * d.weight_bytes / (self.bandwidth * c.weight_bandwidth_eff)
         kv = d.kv_bytes_per_token * self.method.kv_share(self.profile.target, self.tp) * self.tp
         kv_s = requests * context * kv / (self.bandwidth * c.kv_bandwidth_eff)
-        compute_s = 2.0 * d.params_m * 1e6 * tokens / (self.flops_peak * c.compute_eff)
+        compute_s = 2.0 * params * 1e6 * tokens / (self.flops_peak * c.compute_eff)
         return (
             self._pass_overhead_s
             + max(weight_s + kv_s, compute_s)
@@ -203,7 +206,8 @@ class CostModel:
         if not self.method.has_draft_forward:
             return RoundTime(0.0, verify, overhead + batch * self.method.lookup_us * 1e-6)
         diversity = data.routing_diversity
-        draft = self.draft_pass(batch * (config.steps + 1), batch, ctx, diversity) + (
+        draft = self.draft_pass(batch * (config.steps + 1), batch, ctx, diversity,
+                                extend=True) + (
             config.steps - 1
         ) * self.draft_pass(batch * config.topk, batch, ctx, diversity)
         return RoundTime(draft, verify, overhead)

@@ -180,7 +180,7 @@ class PerfModel:
         seconds = self.cost.target_pass(requests, prompt_tokens, data, prefill=True)
         if isinstance(config, TreeConfig):
             seconds += self.cost.draft_pass(requests * prompt_tokens, requests, prompt_tokens,
-                                            data.routing_diversity)
+                                            data.routing_diversity, extend=True)
         return seconds
 
     def request_throughput(self, config: ServerConfig, dataset: str) -> float:

@@ -223,11 +223,19 @@ class Draft:
     kv_bytes_per_token: float = 0.0
     layers: int = 1
     kv_heads: int = 0  # its attention's key/value heads (0: not given; see Target.kv_heads)
+    # Of params_m, an EAGLE3 head's projection of the target's three hidden states (`fc`):
+    # a plain Linear in SGLang, whole on every GPU, which only a pass fed the target's
+    # states runs (the draft extend over a round's accepted tokens, and the prefill), not
+    # the draft-decode passes that follow.
+    fc_params_m: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "params_m", "weight_bytes", "layers")
         if self.kv_heads < 0:
             raise FieldError("kv_heads", f"must be >= 0, got {self.kv_heads}")
+        if not 0 <= self.fc_params_m <= self.params_m:
+            raise FieldError("fc_params_m", f"must be in 0..{self.params_m:g} (of params_m), "
+                             f"got {self.fc_params_m:g}")
 
 
 # The method the top-level `draft` and the datasets' `acceptance` describe.
@@ -351,9 +359,10 @@ class Method:
 
     def resident_bytes(self, target: Target, tp: int = 1) -> float:
         """Bytes the draft adds to the `tp` GPUs together (an MTP layer's replicated part
-        whole on each)."""
+        and an EAGLE3 head's fc whole on each)."""
         if self.draft is not None:
-            return self.resident_params(target) * self.draft.weight_bytes
+            d = self.draft
+            return (d.params_m + (tp - 1) * d.fc_params_m) * 1e6 * d.weight_bytes
         if self.mtp is None:
             return self.resident_params(target) * target.weight_bytes
         return (self.resident_params(target) * self.mtp.width(target)
@@ -533,11 +542,13 @@ class Profile:
             data["target"].pop("unquantized_params_b")
             data["target"].pop("unquantized_bytes")
         for part, key in (("target", "kv_heads"), ("target", "replicated_params_b"),
-                          ("target", "replicated_unquantized_b"), ("draft", "kv_heads")):
+                          ("target", "replicated_unquantized_b"), ("draft", "kv_heads"),
+                          ("draft", "fc_params_m")):
             if part in data and not data[part].get(key):  # nor those that leave them out
                 data[part].pop(key, None)
         for method in data.get("methods", {}).values():
-            for part, key in (("draft", "kv_heads"), ("mtp", "replicated_params_m"),
+            for part, key in (("draft", "kv_heads"), ("draft", "fc_params_m"),
+                              ("mtp", "replicated_params_m"),
                               ("mtp", "replicated_unquantized_m"), ("mtp", "unquantized")):
                 if part in method and not method[part].get(key):
                     method[part].pop(key, None)
