@@ -435,8 +435,8 @@ def test_kv_heads_fewer_than_the_gpus_are_copied_so_each_gpu_holds_half_the_cach
 def test_mla_s_down_projections_and_dsa_s_indexer_are_held_whole_on_every_gpu(tmp_path):
     """SGLang holds MLA's fused query and latent down-projection and DeepSeek Sparse
     Attention's indexer as ReplicatedLinear: whole on each of the 8 GPUs, and read whole
-    by each of them every pass. The prior split them over the 8 (DeepSeek-V3.2: 1.7B
-    parameters, 1.5 GB short on each GPU)."""
+    by each of them every pass, as it holds the MoE layers' routers. The prior split them
+    over the 8 (DeepSeek-V3.2: 1.88B parameters, 1.6 GB short on each GPU)."""
     from treetune.perfmodel import PerfModel
 
     head = eagle3_head(tmp_path, 7168, 18432)
@@ -587,6 +587,13 @@ def test_an_eagle3_head_s_fc_runs_in_the_extend_pass_only_and_is_whole_on_every_
     assert more == pytest.approx(((8 - 1) - 2) * fc * 2 / per_byte)
     held, short = (check_memory(p, tree, 1, tp=8).required_gb for p in (prior, flat))
     assert held - short == pytest.approx(7 / 8 * fc * 2 / 1e9, abs=1e-6)
+    # A prefill feeds the head the target's states too: its fc runs, whole on each GPU
+    # (one request of one token: weight-bound).
+    now, then = (PerfModel(p, 8).prefill_time(tree, 1, 1, "mt-bench") for p in (prior, flat))
+    assert now - then == pytest.approx((8 - 1) * fc * 2 / per_byte)
+    # Only a head has one: a standalone model reads all its parameters on every pass.
+    with pytest.raises(FieldError, match=r"only a draft head \(EAGLE3\) has an fc"):
+        dataclasses.replace(prior.method(), drafter="standalone")
     with pytest.raises(FieldError, match=r"must be in 0\.\.\d+.* \(of params_m\)"):
         dataclasses.replace(prior.draft, fc_params_m=prior.draft.params_m + 1)
 
@@ -627,6 +634,19 @@ def test_a_draft_and_an_mtp_layer_copy_their_kv_heads_too(tmp_path):
                             gpu_facts("H200"), 8, algorithm="STANDALONE")
     method = standalone.method("STANDALONE")
     assert method.kv_share(standalone.target, 8) == 1.0
+    # And so does an MLA EAGLE3 head (SGLang's Eagle3DeepseekV2ForCausalLM).
+    head = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "hidden_size": 7168,
+            "num_hidden_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128,
+            "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 128, "v_head_dim": 128, "intermediate_size": 18432,
+            "vocab_size": 129280, "draft_vocab_size": 32000, "torch_dtype": "bfloat16"}
+    (tmp_path / "mla-head").mkdir()
+    (tmp_path / "mla-head" / "config.json").write_text(json.dumps(head))
+    facts = model_facts(str(tmp_path / "mla-head"))
+    assert facts.eagle3 and facts.mla and facts.kv_bytes_per_token == (512 + 64) * 2
+    prior = auto_prior(model_facts(fixture("deepseek-ai/DeepSeek-V3")), facts,
+                       gpu_facts("H200"), 8)
+    assert prior.method().kv_share(prior.target, 8) == 1.0
 
 
 @pytest.mark.parametrize(("target", "window", "layers"), [

@@ -150,7 +150,8 @@ class ModelFacts:
     mtp_kv_bytes_per_token: float = 0.0
     mtp_moe: bool = False
     # Of those, the ones a quantized checkpoint keeps at its dtype (the fusing projection,
-    # the router, unless its attention is kept too); and whether the whole layer is kept so.
+    # the router, and its down-projections where its attention is kept; DSA's weights_proj
+    # always); and whether the whole layer is kept so.
     mtp_replicated_unquantized: int = 0
     mtp_unquantized: bool = False
 
@@ -495,7 +496,7 @@ def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         active_params=total, layers=layers, attention_layers=layers, linear_layers=0,
         hidden_size=h, vocab_size=draft_vocab, dtype=dtype, weight_bytes=weight_bytes,
         quantization=quantization, kv_bytes_per_token=layers * _kv_elements(c, h) * kv_bytes,
-        state_bytes_per_request=0.0, mla=False, moe=None, eagle3=True,
+        state_bytes_per_request=0.0, mla=_is_mla(c), moe=None, eagle3=True,
         attention_heads=c.int("num_attention_heads", default=0),
         kv_heads=c.int("num_key_value_heads", "num_attention_heads", default=0),
         target_hidden_size=target_hidden, fc_params=3 * target_hidden * h,

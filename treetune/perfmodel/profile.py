@@ -332,6 +332,10 @@ class Method:
                 raise FieldError(part, f"a {self.drafter} method needs its {part} facts")
             if part != needs and given:
                 raise FieldError(part, f"a {self.drafter} method has no {part} section")
+        if self.drafter != "head" and self.draft is not None and self.draft.fc_params_m:
+            raise FieldError("draft.fc_params_m", "only a draft head (EAGLE3) has an fc over "
+                             "the target's hidden states; a standalone model reads all its "
+                             "parameters on every pass")
         if self.lookup_us < 0:
             raise FieldError("lookup_us", f"must be >= 0, got {self.lookup_us}")
         if self.lookup_us and self.drafter != "ngram":
