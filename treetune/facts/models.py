@@ -133,25 +133,26 @@ class ModelFacts:
     # config): each query attends to the `index_topk` tokens its indexer picks. SGLang
     # 0.5.23 serves it on its own attention backend, on 64-token pages.
     sparse_index: bool = False
+    # Of the parameters every pass reads, those SGLang holds whole on every tensor-parallel
+    # GPU (`_replicated_params`), and of them those a quantized checkpoint keeps at its
+    # dtype (among `unquantized_params`).
+    replicated_params: int = 0
+    replicated_unquantized: int = 0
     # Its multi-token-prediction layers (`num_nextn_predict_layers`, Qwen3.5's
     # `mtp_num_hidden_layers`; 0: none named), which SGLang's NEXTN drafts with, and one
     # such layer's parameters every draft pass reads (attention, the projection fusing the
     # embedding and the hidden state, norms, router and shared experts, or a dense MLP; its
     # routed experts are the target's shape, in `moe`) and its KV bytes per token.
     # mtp_moe: its MLP is an MoE layer of the target's shape (False: a dense one).
-    # Of the parameters every pass reads, those SGLang holds whole on every tensor-parallel
-    # GPU (`_replicated_params`), and of them those a quantized checkpoint keeps at its
-    # dtype (among `unquantized_params`).
-    replicated_params: int = 0
-    replicated_unquantized: int = 0
     mtp_layers: int = 0
     mtp_dense_params: int = 0
     mtp_replicated_params: int = 0  # of them, those SGLang holds whole on every GPU
     mtp_kv_bytes_per_token: float = 0.0
     mtp_moe: bool = False
-    # Of those, the ones a quantized checkpoint keeps at its dtype (the fusing projection,
-    # the router, and its down-projections where its attention is kept; DSA's weights_proj
-    # always); and whether the whole layer is kept so.
+    # Of mtp_replicated_params, the ones a quantized checkpoint keeps at its dtype (the
+    # fusing projection, the router, and its down-projections where its attention is kept;
+    # DSA's weights_proj always); and whether SGLang keeps the whole layer so (a ModelOpt
+    # NVFP4 DeepSeek's NextN layer).
     mtp_replicated_unquantized: int = 0
     mtp_unquantized: bool = False
 

@@ -117,8 +117,7 @@ class Target:
     # Of the parameters every pass reads, those every tensor-parallel GPU holds and reads
     # whole (SGLang's ReplicatedLinear: MLA's fused query and latent down-projection,
     # DeepSeek Sparse Attention's indexer, MoE routers), and of them those at
-    # `unquantized_bytes`
-    # (among unquantized_params_b; the rest at `weight_bytes`).
+    # `unquantized_bytes` (among unquantized_params_b; the rest at `weight_bytes`).
     replicated_params_b: float = 0.0
     replicated_unquantized_b: float = 0.0
 
