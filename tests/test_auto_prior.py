@@ -844,3 +844,40 @@ def test_a_note_from_the_search_is_printed_once_above_the_progress_line(tmp_path
     assert _run_with_progress(sglang_study(tmp_path), fake_run) == "done"
     err = capsys.readouterr().err
     assert err.count("note: strategy tpe: no performance-model prior (a reason)") == 1
+
+
+def test_an_eagle3_head_under_a_plain_architecture_is_refused_with_the_way_out(tmp_path,
+                                                                               capsys):
+    """EAGLE3 heads as first published (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B) name
+    draft_vocab_size under `architectures: ["LlamaForCausalLM"]`: SGLang picks the class by
+    that name, loads a plain Llama and fails as the draft worker sets up. It was taken
+    for an EAGLE3 head and priced; its fixed copies name LlamaForCausalLMEagle3."""
+    config = json.loads((HF / "thoughtworks/Qwen3-8B-Eagle3/config.json").read_text())
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(
+        {**config, "architectures": ["LlamaForCausalLM"]}))
+    code, _, err = run_cli(capsys, "prior", "--model", fixture("Qwen/Qwen3-8B"), "--draft",
+                           str(tmp_path / "plain"), "--gpu", "H100-SXM")
+    text = " ".join(err.split())
+    assert code == 2 and "is an EAGLE3 head (its config names draft_vocab_size) under the " \
+        "plain architecture LlamaForCausalLM" in text and "LlamaForCausalLMEagle3" in text, err
+    code, _, err = run_cli(capsys, "prior", "--model", fixture("Qwen/Qwen3-8B"), "--draft",
+                           fixture("thoughtworks/Qwen3-8B-Eagle3"), "--gpu", "H100-SXM")
+    assert code == 0, err
+
+
+def test_a_draft_whose_heads_do_not_split_over_tp_is_refused_with_the_sizes_that_fit(
+        tmp_path, capsys):
+    """The draft runs on the target's GPUs, its attention split as the target's: a head of
+    20 attention heads cannot be split over 8 GPUs, and SGLang fails as it builds it."""
+    config = json.loads((HF / "thoughtworks/Qwen3-8B-Eagle3/config.json").read_text())
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text(json.dumps(
+        {**config, "num_attention_heads": 20, "num_key_value_heads": 4, "head_dim": 128}))
+    code, _, err = run_cli(capsys, "prior", "--model", fixture("Qwen/Qwen3-8B"), "--draft",
+                           str(tmp_path / "odd"), "--gpu", "H100-SXM", "--tp", "8")
+    text = " ".join(err.split())
+    assert code == 2 and "--tp 8: SGLang cannot split the draft" in text \
+        and "its 20 attention heads do not split evenly over 8 GPUs" in text \
+        and "tp sizes that fit both models: 1, 2, 4" in text, err
+

@@ -292,6 +292,43 @@ def test_an_eagle3_head_counts_its_layer_fc_and_draft_vocabulary_head_not_the_em
     assert f.kv_bytes_per_token == 2 * 4 * 128 * 2
 
 
+def test_an_eagle3_head_s_further_layers_and_a_llama4_head_s_mlp_count_as_sglang_builds_them(
+        tmp_path):
+    """SGLang's LlamaForCausalLMEagle3 feeds only its first layer [embedding, hidden] (2 x
+    h); further layers read the hidden state. A Llama 4 head (model_type llama4_text)
+    takes the MLP width of Llama 4's dense layers, intermediate_size_mlp (the count took
+    intermediate_size: 126M short for Maverick's head)."""
+    config = json.loads((HF / "thoughtworks/Qwen3-Coder-Next-Eagle3/config.json").read_text())
+    one = model_facts(fixture("thoughtworks/Qwen3-Coder-Next-Eagle3"))
+    (tmp_path / "two").mkdir()
+    (tmp_path / "two" / "config.json").write_text(json.dumps({**config,
+                                                             "num_hidden_layers": 2}))
+    h = 2048
+    layer = h * (32 * 128 + 2 * 4 * 128) + 32 * 128 * h + 3 * h * 5120 + 3 * h
+    two = model_facts(str(tmp_path / "two"))
+    assert within(two.total_params - one.total_params, layer, 0.001)
+    assert two.kv_bytes_per_token == 2 * one.kv_bytes_per_token
+    llama4 = {**config, "model_type": "llama4_text", "intermediate_size": 8192,
+              "intermediate_size_mlp": 16384}
+    (tmp_path / "llama4").mkdir()
+    (tmp_path / "llama4" / "config.json").write_text(json.dumps(llama4))
+    wide = model_facts(str(tmp_path / "llama4"))
+    assert wide.total_params - one.total_params == 3 * h * (16384 - 5120)
+
+
+def test_a_modelopt_export_that_quantized_nothing_is_its_dtype(tmp_path):
+    """NVIDIA's Llama-4-Maverick EAGLE3 head ships an hf_quant_config.json with
+    `quant_algo: null`: a ModelOpt export that quantized nothing. It was refused as an
+    algorithm treetune does not know."""
+    config = json.loads((HF / "thoughtworks/Qwen3-Coder-Next-Eagle3/config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({
+        "producer": {"name": "modelopt", "version": "0.29.0"},
+        "quantization": {"quant_algo": None, "kv_cache_quant_algo": None}}))
+    f = model_facts(str(tmp_path))
+    assert (f.weight_bytes, f.quantization) == (2.0, "")
+
+
 def test_an_mtp_layer_is_counted_apart_as_what_a_nextn_draft_pass_reads():
     """DeepSeek-V3's MTP layer (its 62nd, an MoE layer): MLA attention, eh_proj fusing
     [embedding, hidden], router, shared expert and norms every pass reads; its 256 routed

@@ -115,6 +115,9 @@ class ModelFacts:
     target_vocab_size: int = 0
     # An EAGLE3 head's: its fc over the target's three hidden states (3 x target x hidden).
     fc_params: int = 0
+    # An EAGLE3 head's: whether its architecture names an EAGLE3 class SGLang loads it as
+    # (an EAGLE3 head's config under a plain architecture, as first published: no).
+    eagle3_class: bool = True
     attention_heads: int = 0  # query heads of a full-attention layer (0: not read)
     kv_heads: int = 0  # its key/value heads (MLA: its heads, sharing one latent)
     # MLA's latent and its rotary key, per token and layer (0 without MLA): SGLang keeps the
@@ -489,9 +492,14 @@ def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
     draft_vocab = c.int("draft_vocab_size", "vocab_size")
     target_hidden = c.int("target_hidden_size", default=h)
     full_vocab = c.int("vocab_size", default=0)
-    # SGLang's LlamaForCausalLMEagle3: attention reads [embedding, fused hidden] (2 x h).
-    per_layer = _attention_params(c, h, 2 * h) + 3 * h * c.int("intermediate_size") + 3 * h
-    total = layers * per_layer + 3 * target_hidden * h + draft_vocab * h + h
+    # SGLang's LlamaForCausalLMEagle3: its first layer's attention reads [embedding, fused
+    # hidden] (2 x h), any further layer's the hidden state alone; Llama 4's heads take
+    # the MLP width of its dense layers.
+    mlp = 3 * h * c.int("intermediate_size_mlp" if c.get("model_type") == "llama4_text"
+                        else "intermediate_size")
+    per_layer = _attention_params(c, h, h) + mlp + 3 * h
+    first = _attention_params(c, h, 2 * h) + mlp + 3 * h
+    total = first + (layers - 1) * per_layer + 3 * target_hidden * h + draft_vocab * h + h
     return ModelFacts(
         name=name, config_path=str(path), architecture=architecture, total_params=total,
         active_params=total, layers=layers, attention_layers=layers, linear_layers=0,
@@ -501,7 +509,14 @@ def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         attention_heads=c.int("num_attention_heads", default=0),
         kv_heads=c.int("num_key_value_heads", "num_attention_heads", default=0),
         target_hidden_size=target_hidden, fc_params=3 * target_hidden * h,
-        target_vocab_size=full_vocab if full_vocab != draft_vocab else 0)
+        target_vocab_size=full_vocab if full_vocab != draft_vocab else 0,
+        eagle3_class=_names_eagle3(architecture, c))
+
+
+def _names_eagle3(architecture: str, c: _Config) -> bool:
+    """Whether SGLang loads this config as an EAGLE3 head: it picks the model class by the
+    architecture's name alone (an `...Eagle3...` class), or converts a `speculators` one."""
+    return "eagle3" in architecture.lower() or c.get("speculators_model_type") == "eagle3"
 
 
 def _layer_kinds(c: _Config, layers: int) -> list[str]:
@@ -904,6 +919,10 @@ def _weight_bytes(quant: Any, dtype_bytes: float, path: Path) -> tuple[float, st
         return MXFP4_BYTES, "mxfp4"
     if method == "modelopt":
         algo = str(quant.get("quant_algo", "")).upper()
+        if algo in ("", "NONE") and not quant.get("quantized_layers"):
+            # A ModelOpt export that quantized nothing (NVIDIA's Llama-4-Maverick EAGLE3
+            # head: `quant_algo: null`): its weights are the config's dtype.
+            return dtype_bytes, ""
         scheme = "modelopt"
         if algo == "MIXED_PRECISION":
             # Per-layer algorithms: the routed experts' (most of an MoE's bytes), else the

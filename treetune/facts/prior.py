@@ -123,13 +123,23 @@ def _mla(target: ModelFacts) -> MLA | None:
 def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
                  algorithm: str = "EAGLE3") -> str:
     """Why SGLang cannot serve `draft` as the draft of `model` by `algorithm` ("" when it
-    can): a target that is itself an EAGLE3 head, a plain model given as an EAGLE3 head,
-    an EAGLE3 head drafted by EAGLE or given as a STANDALONE draft, a STANDALONE draft of
-    another vocabulary size, or an EAGLE3 head trained for a target of another width (its
-    first layer takes three of the target's hidden states)."""
+    can): a target that is itself an EAGLE3 head, an EAGLE3 head under a plain
+    architecture, a plain model given as an EAGLE3 head, an EAGLE3 head drafted by EAGLE
+    or given as a STANDALONE draft, a STANDALONE draft of another vocabulary size, or an
+    EAGLE3 head trained for a target of another width (its first layer takes three of the
+    target's hidden states)."""
     if target.eagle3:
         return (f"'{model}' ({target.config_path}) is an EAGLE3 draft head, not a target "
                 "model: give it as the draft")
+    if head.eagle3 and not head.eagle3_class:
+        # SGLang picks the model class by the architecture's name: such a head loads as a
+        # plain model and fails as the draft worker sets up (its hot_token_id, fc).
+        return (f"draft '{draft}' ({head.config_path}) is an EAGLE3 head (its config names "
+                f"draft_vocab_size) under the plain architecture {head.architecture}, which "
+                "SGLang loads as a plain model, and then fails to start. Give a copy whose "
+                "config.json names an EAGLE3 class (architectures: "
+                "[\"LlamaForCausalLMEagle3\"], as the re-uploads SGLang's docs use, such as "
+                "jamesliu1/sglang-EAGLE3-Llama-3.1-Instruct-8B, do)")
     if algorithm == "EAGLE3" and not head.eagle3:
         # SGLang 0.5.23 loads the whole model as the draft, then fails in the draft
         # worker's set-up (no set_embed or hot_token_id on a plain model's class).
@@ -214,6 +224,14 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
             raise TreetuneError(problem)
     if refusal := target_facts.tp_refusal(model, tp, attention_dp):
         raise TreetuneError(f"--tp {tp}: {refusal}")
+    if draft_facts is not None and attention_dp == 1 and (
+            problem := draft_facts.tp_problem(tp)):
+        # The draft runs on the target's GPUs, split as the target is.
+        fits = [t for t in (1, 2, 4, 8, 16) if not draft_facts.tp_problem(t)
+                and not target_facts.tp_problem(t)]
+        raise TreetuneError(f"--tp {tp}: SGLang cannot split the draft '{draft}' over {tp} "
+                            f"GPUs: {problem} ({draft_facts.config_path}); tp sizes that fit "
+                            f"both models: {', '.join(map(str, fits)) or 'none up to 16'}")
     gpu_entry = gpu_facts(gpu, "--gpu") if gpu else detect_gpu(env)
     if kv_cache_bytes is None and target_facts.sparse_index and gpu_entry.name in BLACKWELL_GPUS:
         # --kv-cache-dtype auto: SGLang stores a DeepSeek Sparse Attention target's cache in
