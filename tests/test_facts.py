@@ -316,6 +316,45 @@ def test_an_eagle3_head_s_further_layers_and_a_llama4_head_s_mlp_count_as_sglang
     assert wide.total_params - one.total_params == 3 * h * (16384 - 5120)
 
 
+def test_an_eagle3_head_holds_its_own_embedding_or_the_target_s_head_as_sglang_loads_it(
+        tmp_path):
+    """SGLang shares the target's embedding only with a head of the target's width
+    (llama.py's set_embed returns early otherwise: Llama-3.3-70B's 6144-wide head keeps
+    its own, 128256 x 6144), and a head naming no draft vocabulary reads the target's
+    lm_head instead of holding one (gpt-oss-120b's). Both read as before; they hold more,
+    and less."""
+    from treetune.config import TreeConfig
+
+    config = json.loads((HF / "thoughtworks/Qwen3-8B-Eagle3/config.json").read_text())
+    h, vocab = config["hidden_size"], config["vocab_size"]
+    plain = model_facts(fixture("thoughtworks/Qwen3-8B-Eagle3"))
+    assert plain.resident_params == plain.total_params
+    for name, change, held in (
+            ("narrow", {"target_hidden_size": 2 * h}, +vocab * h),
+            ("borrowing", {"draft_vocab_size": None}, -vocab * h)):
+        data = {**config, **change}
+        if data["draft_vocab_size"] is None:
+            del data["draft_vocab_size"]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(data))
+        f = model_facts(str(tmp_path / name))
+        assert f.resident_params - f.total_params == held, name
+        target = dict(json.loads((HF / "Qwen/Qwen3-8B/config.json").read_text()))
+        target["hidden_size"] = f.target_hidden_size
+        (tmp_path / f"{name}-target").mkdir()
+        (tmp_path / f"{name}-target" / "config.json").write_text(json.dumps(target))
+        prior = auto_prior(model_facts(str(tmp_path / f"{name}-target")), f,
+                           gpu_facts("H100-SXM"), 1)
+        assert prior.draft.resident_params_m * 1e6 == f.resident_params
+        tree = TreeConfig(3, 1, 4)
+        with_head, without = (check_memory(prior, c, 1).required_gb for c in (tree, BASELINE))
+        counted = dataclasses.replace(prior, draft=dataclasses.replace(
+            prior.draft, resident_params_m=0.0))
+        before = check_memory(counted, tree, 1).required_gb
+        assert (with_head - without) - (before - without) == pytest.approx(
+            held * 2 / 1e9, abs=1e-6), name
+
+
 def test_a_modelopt_export_that_quantized_nothing_is_its_dtype(tmp_path):
     """NVIDIA's Llama-4-Maverick EAGLE3 head ships an hf_quant_config.json with
     `quant_algo: null`: a ModelOpt export that quantized nothing. It was refused as an

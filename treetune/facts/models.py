@@ -118,6 +118,8 @@ class ModelFacts:
     # An EAGLE3 head's: whether its architecture names an EAGLE3 class SGLang loads it as
     # (an EAGLE3 head's config under a plain architecture, as first published: no).
     eagle3_class: bool = True
+    # An EAGLE3 head's: what it holds in GPU memory, when not its parameters (0: they are).
+    resident_params: int = 0
     attention_heads: int = 0  # query heads of a full-attention layer (0: not read)
     kv_heads: int = 0  # its key/value heads (MLA: its heads, sharing one latent)
     # MLA's latent and its rotary key, per token and layer (0 without MLA): SGLang keeps the
@@ -500,6 +502,12 @@ def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
     per_layer = _attention_params(c, h, h) + mlp + 3 * h
     first = _attention_params(c, h, 2 * h) + mlp + 3 * h
     total = first + (layers - 1) * per_layer + 3 * target_hidden * h + draft_vocab * h + h
+    # What it holds besides: SGLang shares the target's embedding only with a head of the
+    # target's width (llama.py's set_embed), and lends it the target's lm_head when it
+    # names no draft vocabulary (load_lm_head_from_target): read, not its own.
+    own_embedding = c.int("vocab_size", default=draft_vocab) * h if target_hidden != h else 0
+    borrowed_head = (draft_vocab * h if c.get("draft_vocab_size") is None
+                     and not c.get("tie_word_embeddings", False) else 0)
     return ModelFacts(
         name=name, config_path=str(path), architecture=architecture, total_params=total,
         active_params=total, layers=layers, attention_layers=layers, linear_layers=0,
@@ -510,7 +518,8 @@ def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         kv_heads=c.int("num_key_value_heads", "num_attention_heads", default=0),
         target_hidden_size=target_hidden, fc_params=3 * target_hidden * h,
         target_vocab_size=full_vocab if full_vocab != draft_vocab else 0,
-        eagle3_class=_names_eagle3(architecture, c))
+        eagle3_class=_names_eagle3(architecture, c),
+        resident_params=total + own_embedding - borrowed_head)
 
 
 def _names_eagle3(architecture: str, c: _Config) -> bool:

@@ -50,7 +50,9 @@ def auto_prior(target: ModelFacts, draft: ModelFacts | None, gpu: GpuFacts, tp: 
         name=draft.name, params_m=draft.total_params / 1e6,
         weight_bytes=draft.weight_bytes, kv_bytes_per_token=draft.kv_bytes_per_token,
         layers=draft.layers, kv_heads=1 if draft.mla else draft.kv_heads,
-        fc_params_m=draft.fc_params / 1e6)
+        fc_params_m=draft.fc_params / 1e6,
+        resident_params_m=(0.0 if draft.resident_params in (0, draft.total_params)
+                           else draft.resident_params / 1e6))
     standalone = algorithm == STANDALONE and drafted is not None
     methods = {STANDALONE: Method("standalone", {"neutral": NEUTRAL_ACCEPTANCE},
                                   draft=drafted)} if standalone else {}

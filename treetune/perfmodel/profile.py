@@ -227,9 +227,17 @@ class Draft:
     # states runs (the draft extend over a round's accepted tokens, and the prefill), not
     # the draft-decode passes that follow.
     fc_params_m: float = 0.0
+    # What it holds in GPU memory when not params_m (0: params_m): an EAGLE3 head of
+    # another width than the target's keeps an embedding of its own (SGLang shares the
+    # target's only with a head of its width), one that names no draft vocabulary reads
+    # the target's lm_head instead of holding one.
+    resident_params_m: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "params_m", "weight_bytes", "layers")
+        if self.resident_params_m < 0:
+            raise FieldError("resident_params_m",
+                             f"must be >= 0, got {self.resident_params_m:g}")
         if self.kv_heads < 0:
             raise FieldError("kv_heads", f"must be >= 0, got {self.kv_heads}")
         if not 0 <= self.fc_params_m <= self.params_m:
@@ -365,7 +373,8 @@ class Method:
         and an EAGLE3 head's fc whole on each)."""
         if self.draft is not None:
             d = self.draft
-            return (d.params_m + (tp - 1) * d.fc_params_m) * 1e6 * d.weight_bytes
+            held = d.resident_params_m or d.params_m
+            return (held + (tp - 1) * d.fc_params_m) * 1e6 * d.weight_bytes
         if self.mtp is None:
             return self.resident_params(target) * target.weight_bytes
         return (self.resident_params(target) * self.mtp.width(target)
@@ -546,12 +555,12 @@ class Profile:
             data["target"].pop("unquantized_bytes")
         for part, key in (("target", "kv_heads"), ("target", "replicated_params_b"),
                           ("target", "replicated_unquantized_b"), ("draft", "kv_heads"),
-                          ("draft", "fc_params_m")):
+                          ("draft", "fc_params_m"), ("draft", "resident_params_m")):
             if part in data and not data[part].get(key):  # nor those that leave them out
                 data[part].pop(key, None)
         for method in data.get("methods", {}).values():
             for part, key in (("draft", "kv_heads"), ("draft", "fc_params_m"),
-                              ("mtp", "replicated_params_m"),
+                              ("draft", "resident_params_m"), ("mtp", "replicated_params_m"),
                               ("mtp", "replicated_unquantized_m"), ("mtp", "unquantized")):
                 if part in method and not method[part].get(key):
                     method[part].pop(key, None)
