@@ -304,9 +304,9 @@ def test_an_eagle3_head_s_further_layers_and_a_llama4_head_s_mlp_count_as_sglang
     (tmp_path / "two" / "config.json").write_text(json.dumps({**config,
                                                              "num_hidden_layers": 2}))
     h = 2048
-    layer = h * (32 * 128 + 2 * 4 * 128) + 32 * 128 * h + 3 * h * 5120 + 3 * h
+    layer = h * (32 * 128 + 2 * 4 * 128) + 32 * 128 * h + 3 * h * 5120 + 2 * h  # 2 norms
     two = model_facts(str(tmp_path / "two"))
-    assert within(two.total_params - one.total_params, layer, 0.001)
+    assert two.total_params - one.total_params == layer + 2 * 128  # and its q/k norms
     assert two.kv_bytes_per_token == 2 * one.kv_bytes_per_token
     llama4 = {**config, "model_type": "llama4_text", "intermediate_size": 8192,
               "intermediate_size_mlp": 16384}
@@ -321,20 +321,24 @@ def test_an_eagle3_head_holds_its_own_embedding_or_the_target_s_head_as_sglang_l
     """SGLang shares the target's embedding only with a head of the target's width
     (llama.py's set_embed returns early otherwise: Llama-3.3-70B's 6144-wide head keeps
     its own, 128256 x 6144), and a head naming no draft vocabulary reads the target's
-    lm_head instead of holding one (gpt-oss-120b's). Both read as before; they hold more,
-    and less."""
+    lm_head instead of holding one (gpt-oss-120b's); a tied head's lm_head is its
+    embedding, the target's at the target's width. They read as before; they hold more,
+    or less."""
     from treetune.config import TreeConfig
 
     config = json.loads((HF / "thoughtworks/Qwen3-8B-Eagle3/config.json").read_text())
     h, vocab = config["hidden_size"], config["vocab_size"]
     plain = model_facts(fixture("thoughtworks/Qwen3-8B-Eagle3"))
     assert plain.resident_params == plain.total_params
+    draft_vocab = config["draft_vocab_size"]
     for name, change, held in (
             ("narrow", {"target_hidden_size": 2 * h}, +vocab * h),
-            ("borrowing", {"draft_vocab_size": None}, -vocab * h)):
+            # gpt-oss-120b's head writes it as null
+            ("borrowing", {"draft_vocab_size": None}, -vocab * h),
+            ("tied", {"tie_word_embeddings": True}, -draft_vocab * h),
+            ("tied-narrow", {"tie_word_embeddings": True, "target_hidden_size": 2 * h},
+             vocab * h - draft_vocab * h)):
         data = {**config, **change}
-        if data["draft_vocab_size"] is None:
-            del data["draft_vocab_size"]
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(data))
         f = model_facts(str(tmp_path / name))

@@ -499,15 +499,21 @@ def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
     # the MLP width of its dense layers.
     mlp = 3 * h * c.int("intermediate_size_mlp" if c.get("model_type") == "llama4_text"
                         else "intermediate_size")
-    per_layer = _attention_params(c, h, h) + mlp + 3 * h
+    per_layer = _attention_params(c, h, h) + mlp + 2 * h  # two norms: no input norm
     first = _attention_params(c, h, 2 * h) + mlp + 3 * h
     total = first + (layers - 1) * per_layer + 3 * target_hidden * h + draft_vocab * h + h
-    # What it holds besides: SGLang shares the target's embedding only with a head of the
-    # target's width (llama.py's set_embed), and lends it the target's lm_head when it
-    # names no draft vocabulary (load_lm_head_from_target): read, not its own.
-    own_embedding = c.int("vocab_size", default=draft_vocab) * h if target_hidden != h else 0
-    borrowed_head = (draft_vocab * h if c.get("draft_vocab_size") is None
-                     and not c.get("tie_word_embeddings", False) else 0)
+    # What it holds: SGLang lends an untied head naming no draft vocabulary the target's
+    # embedding and lm_head (load_lm_head_from_target, set_embed_and_head); any other head
+    # the target's embedding only at the target's width (llama.py's set_embed), which is
+    # also a tied head's lm_head. Its own head is in `total`; its embedding is not.
+    head_params = draft_vocab * h
+    embedding = c.int("vocab_size", default=draft_vocab) * h if target_hidden != h else 0
+    if c.get("tie_word_embeddings", False):
+        held = total - head_params + embedding
+    elif c.get("draft_vocab_size") is None:
+        held = total - head_params
+    else:
+        held = total + embedding
     return ModelFacts(
         name=name, config_path=str(path), architecture=architecture, total_params=total,
         active_params=total, layers=layers, attention_layers=layers, linear_layers=0,
@@ -519,7 +525,7 @@ def _eagle3(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         target_hidden_size=target_hidden, fc_params=3 * target_hidden * h,
         target_vocab_size=full_vocab if full_vocab != draft_vocab else 0,
         eagle3_class=_names_eagle3(architecture, c),
-        resident_params=total + own_embedding - borrowed_head)
+        resident_params=held)
 
 
 def _names_eagle3(architecture: str, c: _Config) -> bool:

@@ -134,14 +134,15 @@ def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
         return (f"'{model}' ({target.config_path}) is an EAGLE3 draft head, not a target "
                 "model: give it as the draft")
     if head.eagle3 and not head.eagle3_class:
-        # SGLang picks the model class by the architecture's name: such a head loads as a
-        # plain model and fails as the draft worker sets up (its hot_token_id, fc).
+        # SGLang 0.5.x picks the model class by the architecture's name and remaps only
+        # MTP classes for drafts: such a head loads as a plain model and fails as the
+        # draft worker sets up (its hot_token_id, its weights' names).
         return (f"draft '{draft}' ({head.config_path}) is an EAGLE3 head (its config names "
                 f"draft_vocab_size) under the plain architecture {head.architecture}, which "
                 "SGLang loads as a plain model, and then fails to start. Give a copy whose "
                 "config.json names an EAGLE3 class (architectures: "
                 "[\"LlamaForCausalLMEagle3\"], as the re-uploads SGLang's docs use, such as "
-                "jamesliu1/sglang-EAGLE3-Llama-3.1-Instruct-8B, do)")
+                "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B, do)")
     if algorithm == "EAGLE3" and not head.eagle3:
         # SGLang 0.5.23 loads the whole model as the draft, then fails in the draft
         # worker's set-up (no set_embed or hot_token_id on a plain model's class).
@@ -226,9 +227,9 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
             raise TreetuneError(problem)
     if refusal := target_facts.tp_refusal(model, tp, attention_dp):
         raise TreetuneError(f"--tp {tp}: {refusal}")
-    if draft_facts is not None and attention_dp == 1 and (
-            problem := draft_facts.tp_problem(tp)):
-        # The draft runs on the target's GPUs, split as the target is.
+    if draft_facts is not None and (problem := draft_facts.tp_problem(tp)):
+        # The draft runs on the target's GPUs with the target's tp, its attention split
+        # over all of them whatever the data-parallel attention (LlamaAttention's asserts).
         fits = [t for t in (1, 2, 4, 8, 16) if not draft_facts.tp_problem(t)
                 and not target_facts.tp_problem(t)]
         raise TreetuneError(f"--tp {tp}: SGLang cannot split the draft '{draft}' over {tp} "
