@@ -61,6 +61,8 @@ DENSE_MTP_ARCHITECTURES = frozenset({"Ernie4_5_MoeForCausalLM"})
 BF16_MTP_UNDER_MODELOPT_NVFP4 = frozenset({"DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"})
 MODELOPT_NVFP4 = "nvfp4 (modelopt)"
 ATTENTION_KINDS = ("full_attention", "attention", "sliding_attention", "chunked_attention")
+# The tensor-parallel sizes a refusal offers in its stead.
+TP_SIZES = (1, 2, 4, 8, 16)
 LINEAR_KINDS = ("linear_attention", "mamba", "mamba2", "recurrent", "conv")
 
 
@@ -185,7 +187,7 @@ class ModelFacts:
         problem = self.tp_problem(tp // attention_dp if grouped else tp)
         if not problem:
             return ""
-        fits = [t for t in (1, 2, 4, 8, 16) if not self.tp_problem(t)]
+        fits = [t for t in TP_SIZES if not self.tp_problem(t)]
         if grouped:
             fits = [t for t in fits if t <= tp]
             return (f"SGLang cannot serve '{model}' on {tp} GPUs in {attention_dp} "
@@ -419,8 +421,8 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         if kept is not None:
             whole = kept.layer(i, mixer_type)
             unquantized += norms + mixer * whole
-            if mixer_type == "attention":  # a DSA indexer's weights_proj is never quantized
-                kept_part = replicated_layer if whole else _indexer_weights_proj(c, h)
+            if mixer_type == "attention":
+                kept_part = _replicated_kept(c, h, whole)
                 replicated_kept += kept_part
                 unquantized += 0 if whole else kept_part
         if moe is not None and i in moe.layers:
@@ -461,8 +463,8 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
     mtp_replicated = 2 * h * h + replicated_layer + router if mtp_layers else 0
     mtp_replicated_kept = 0
     if mtp_layers and kept is not None:  # the MTP layer is numbered after the last layer
-        mtp_replicated_kept = 2 * h * h + router + (
-            replicated_layer if kept.layer(layers, "attention") else _indexer_weights_proj(c, h))
+        mtp_replicated_kept = 2 * h * h + router + _replicated_kept(
+            c, h, kept.layer(layers, "attention"))
     return ModelFacts(
         name=name, config_path=str(path), architecture=architecture, total_params=total,
         active_params=active, layers=layers, attention_layers=attention_layers,
@@ -614,6 +616,13 @@ def _replicated_params(c: _Config, h: int) -> int:
     q_rank = c.int("q_lora_rank", default=0)
     latent = h * (q_rank + c.int("kv_lora_rank") + c.int("qk_rope_head_dim"))
     return latent + _indexer_params(c, h, q_rank or h)
+
+
+def _replicated_kept(c: _Config, h: int, whole: int) -> int:
+    """Of one attention layer's replicated part, what a quantized checkpoint keeps at its
+    dtype: all of it where it keeps the layer's attention (`whole`), else DSA's
+    weights_proj, which SGLang never quantizes."""
+    return _replicated_params(c, h) if whole else _indexer_weights_proj(c, h)
 
 
 def _indexer_params(c: _Config, h: int, q_in: int) -> int:

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from treetune.datasets import builtin_names
 from treetune.errors import TreetuneError
 from treetune.facts.gpus import BLACKWELL_GPUS, GpuFacts, detect_gpu, gpu_facts
-from treetune.facts.models import DTYPE_BYTES, ModelFacts, model_facts
+from treetune.facts.models import DTYPE_BYTES, TP_SIZES, ModelFacts, model_facts
 from treetune.perfmodel.prior import NEUTRAL_ACCEPTANCE, neutral_prior
 from treetune.perfmodel.profile import (
     MLA,
@@ -230,7 +230,7 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
     if draft_facts is not None and (problem := draft_facts.tp_problem(tp)):
         # The draft runs on the target's GPUs with the target's tp, its attention split
         # over all of them whatever the data-parallel attention (LlamaAttention's asserts).
-        fits = [t for t in (1, 2, 4, 8, 16) if not draft_facts.tp_problem(t)
+        fits = [t for t in TP_SIZES if not draft_facts.tp_problem(t)
                 and not target_facts.tp_problem(t)]
         raise TreetuneError(f"--tp {tp}: SGLang cannot split the draft '{draft}' over {tp} "
                             f"GPUs: {problem} ({draft_facts.config_path}); tp sizes that fit "

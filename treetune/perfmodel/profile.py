@@ -553,21 +553,27 @@ class Profile:
         if not self.target.unquantized_params_b:  # nor do those of one weight width
             data["target"].pop("unquantized_params_b")
             data["target"].pop("unquantized_bytes")
-        for part, key in (("target", "kv_heads"), ("target", "replicated_params_b"),
-                          ("target", "replicated_unquantized_b"), ("draft", "kv_heads"),
-                          ("draft", "fc_params_m"), ("draft", "resident_params_m")):
-            if part in data and not data[part].get(key):  # nor those that leave them out
-                data[part].pop(key, None)
-        for method in data.get("methods", {}).values():
-            for part, key in (("draft", "kv_heads"), ("draft", "fc_params_m"),
-                              ("draft", "resident_params_m"), ("mtp", "replicated_params_m"),
-                              ("mtp", "replicated_unquantized_m"), ("mtp", "unquantized")):
-                if part in method and not method[part].get(key):
-                    method[part].pop(key, None)
+        for sections in (data, *data.get("methods", {}).values()):
+            _drop_unset(sections)  # nor do those that leave the per-GPU facts out
         return {"name": data.pop("name"), "description": data.pop("description"), **data}
 
     def save(self, path: str | Path) -> None:
         dump_yaml(self.to_dict(), path)
+
+
+# Per-GPU facts a profile leaves out while they hold their default (0, false), by section.
+UNSET_DROPPED = {"target": ("kv_heads", "replicated_params_b", "replicated_unquantized_b"),
+                 "draft": ("kv_heads", "fc_params_m", "resident_params_m"),
+                 "mtp": ("replicated_params_m", "replicated_unquantized_m", "unquantized")}
+
+
+def _drop_unset(sections: dict[str, Any]) -> None:
+    """Drop UNSET_DROPPED's keys at their defaults from a profile's (or a method's)
+    sections, in place."""
+    for part, keys in UNSET_DROPPED.items():
+        for key in keys:
+            if part in sections and not sections[part].get(key):
+                sections[part].pop(key, None)
 
 
 def _kv_share(kv_heads: int, tp: int) -> float:
