@@ -10,7 +10,15 @@ from collections.abc import Mapping, Sequence
 from treetune.datasets import builtin_names
 from treetune.errors import TreetuneError
 from treetune.facts.gpus import BLACKWELL_GPUS, GpuFacts, detect_gpu, gpu_facts
-from treetune.facts.models import DTYPE_BYTES, TP_SIZES, ModelFacts, model_facts
+from treetune.facts.models import (
+    DTYPE_BYTES,
+    TP_SIZES,
+    ModelFacts,
+    facts_from_config,
+    find_config,
+    model_facts,
+    read_config,
+)
 from treetune.perfmodel.prior import NEUTRAL_ACCEPTANCE, neutral_prior
 from treetune.perfmodel.profile import (
     MLA,
@@ -208,7 +216,9 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
     draft method `draft` runs by; `attention_dp`: the attention's data-parallel groups (its
     heads split over tp / that); NEXTN takes no draft (the target's MTP layer drafts).
     Raises TreetuneError saying what is missing."""
-    target_facts = model_facts(model, env, kv_cache_bytes)
+    path = find_config(model, env)
+    config = read_config(path)  # once: a DSA target on Blackwell is counted again below
+    target_facts = facts_from_config(config, model, path, kv_cache_bytes)
     draft_facts = None
     if algorithm == MTP_METHOD:
         if not target_facts.mtp_layers:
@@ -239,7 +249,7 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
     if kv_cache_bytes is None and target_facts.sparse_index and gpu_entry.name in BLACKWELL_GPUS:
         # --kv-cache-dtype auto: SGLang stores a DeepSeek Sparse Attention target's cache in
         # fp8 on Blackwell, bf16 below it (server_args' _set_default_nsa_kv_cache_dtype).
-        target_facts = model_facts(model, env, DSA_BLACKWELL_KV_BYTES)
+        target_facts = facts_from_config(config, model, path, DSA_BLACKWELL_KV_BYTES)
     return auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets, name, algorithm)
 
 
