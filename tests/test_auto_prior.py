@@ -305,6 +305,35 @@ def test_a_nextn_study_on_sglang_searches_with_its_mtp_layers_prior(tmp_path):
     assert "names no multi-token-prediction layer" in planner.note
 
 
+@pytest.mark.parametrize("of_methods", [False, True])
+def test_a_nextn_study_of_a_target_without_an_mtp_layer_is_refused_before_ray(
+        tmp_path, of_methods):
+    """NEXTN drafts with the target's own MTP layer. A study of NEXTN on a target whose
+    config.json names none searched by TPE (no prior) and every launch then failed in
+    SGLang after Ray started: refused here now, as `treetune prior` refuses it; a target
+    with an MTP layer passes."""
+    from treetune.backends.sglang import check_models
+    from treetune.study.preflight import check_study
+
+    plain, deepseek = fixture("Qwen/Qwen3-8B"), fixture("deepseek-ai/DeepSeek-V3")
+    if of_methods:
+        over = {"draft": fixture("thoughtworks/Qwen3-8B-Eagle3"),
+                "methods": ["EAGLE3", "NEXTN"]}
+        prefix = "NEXTN: "
+    else:
+        over, prefix = {"draft": None, "algorithm": "NEXTN"}, ""
+    spec = sglang_study(tmp_path, model=plain, tp=1, backend={"gpu": "H100-SXM"}, **over)
+    refused = (rf"^{prefix}'.*Qwen3-8B' \(.*config\.json\) names no multi-token-prediction "
+               r"layer \(num_nextn_predict_layers, mtp_num_hidden_layers\), which NEXTN "
+               r"drafts with: give its draft model and another algorithm \(EAGLE3\)$")
+    with pytest.raises(TreetuneError, match=refused):
+        check_models(spec.launch_spec(), {})
+    with pytest.raises(TreetuneError, match=refused):
+        check_study(spec)
+    check_models(sglang_study(tmp_path, model=deepseek, draft=None, algorithm="NEXTN", tp=8,
+                              backend={"gpu": "H200"}).launch_spec(), {})
+
+
 def test_an_emulated_study_of_one_draft_method_is_searched_with_that_methods_prior(tmp_path):
     """The 397B profile describes its EAGLE3 head and its MTP layer (NEXTN): a study of
     NEXTN alone fitted and proposed with the head's draft costs."""

@@ -921,12 +921,13 @@ def check_sglang(python: str, env: Mapping[str, str] | None = None) -> str:
 
 
 def check_models(launch: LaunchSpec, env: Mapping[str, str]) -> None:
-    """The target's attention splits over `launch.tp` GPUs, and the draft is one SGLang can
-    serve with it, when their config.json are here to say (a local folder or this machine's
+    """The target's attention splits over `launch.tp` GPUs, the draft is one SGLang can
+    serve with it, and a target drafted by NEXTN has an MTP layer, when their config.json
+    are here to say (a local folder or this machine's
     Hugging Face cache): else every launch (the baseline's, or every tree's) would fail in
     SGLang after Ray started. Models found only on the nodes are left to them."""
     from treetune.facts import model_facts
-    from treetune.facts.prior import pair_problem
+    from treetune.facts.prior import MTP_METHOD, mtp_problem, pair_problem
 
     try:
         facts = model_facts(launch.model_path, env)
@@ -936,6 +937,8 @@ def check_models(launch: LaunchSpec, env: Mapping[str, str]) -> None:
     if refusal := facts.tp_refusal(launch.model_path, launch.tp, groups):
         raise TreetuneError(f"tp {launch.tp} (--tp): {refusal}")
     for algorithm, draft in ((launch.algorithm, launch.draft_model_path), *launch.methods):
+        if algorithm == MTP_METHOD and (problem := mtp_problem(launch.model_path, facts)):
+            raise TreetuneError(f"{algorithm}: {problem}" if launch.methods else problem)
         if draft is None or not needs_draft_model(algorithm):
             continue
         try:

@@ -194,6 +194,17 @@ def pair_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts,
     return ""
 
 
+def mtp_problem(model: str, target: ModelFacts) -> str:
+    """Why NEXTN cannot draft for `model` ("" when it can): it drafts with the target's own
+    MTP layer, and SGLang fails to start a target whose config.json names none (no draft
+    path to load, or a layer not in the checkpoint)."""
+    if target.mtp_layers:
+        return ""
+    return (f"'{model}' ({target.config_path}) names no multi-token-prediction layer "
+            "(num_nextn_predict_layers, mtp_num_hidden_layers), which NEXTN drafts with: "
+            "give its draft model and another algorithm (EAGLE3)")
+
+
 def vocabulary_problem(model: str, target: ModelFacts, draft: str, head: ModelFacts) -> str:
     """Why the auto prior will not take `draft` for `model` ("" when it will): an EAGLE3
     head that names a target vocabulary other than `model`'s was trained for another
@@ -221,12 +232,8 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
     target_facts = facts_from_config(config, model, path, kv_cache_bytes)
     draft_facts = None
     if algorithm == MTP_METHOD:
-        if not target_facts.mtp_layers:
-            raise TreetuneError(
-                f"'{model}' ({target_facts.config_path}) names no multi-token-prediction "
-                "layer (num_nextn_predict_layers, mtp_num_hidden_layers), which NEXTN "
-                "drafts with: give its draft model and another algorithm (EAGLE3), or "
-                "--prior NAME_OR_FILE")
+        if problem := mtp_problem(model, target_facts):
+            raise TreetuneError(problem)
     elif draft is None:
         raise TreetuneError(f"the auto prior of {algorithm} needs its draft model's "
                             "config.json, and none is given (--draft)")
