@@ -139,6 +139,53 @@ def test_expert_parallel_slows_small_batches_most_and_lifts_wide_trees():
     assert speedup(truth, wide, 32, "mt-bench") > speedup(own, wide, 32, "mt-bench") + 0.03
 
 
+def test_attention_dp_reads_the_attention_copies_and_waits_for_the_busiest_group():
+    """Data-parallel attention over 4 GPUs in 4 groups: every pass reads 3 more copies of
+    the attention weights; the group with the most requests reads their whole KV cache
+    and recurrent state, where tensor parallelism spreads every request's over 4 GPUs."""
+    world = load_world("attention-dp")
+    truth, own = world.model(), PerfModel(world.facts)
+    assert world.facts == world.profile  # the prior is told tensor parallelism's facts
+    t, c = world.profile.target, world.profile.calibration
+    dp = world.effects.attention_dp
+    bandwidth = 4 * world.profile.hardware.bandwidth_tb_s * 1e12
+    copies_s = 3 * dp.attention_params_b * 1e9 * t.weight_bytes / (
+        bandwidth * c.weight_bandwidth_eff)
+    context = world.profile.dataset("terminal-bench").context_tokens
+
+    def extra(batch, per_request):
+        return truth._attention_groups_s(batch, per_request, "terminal-bench", dp)
+
+    # A batch that fills the four groups evenly reads the KV and state it did.
+    assert extra(32, 1) == pytest.approx(copies_s)
+    # One request: one GPU reads its whole cache and state, where four read a quarter each.
+    whole = t.kv_bytes(context) + 2 * t.state_bytes_per_request
+    assert extra(1, 1) == pytest.approx(copies_s + 0.75 * whole / (
+        bandwidth / 4 * c.kv_bandwidth_eff))
+    # Five requests: the busiest group has two (least loaded first), against 5/4 spread.
+    assert extra(5, 1) == pytest.approx(copies_s + (2 - 1.25) * whole / (
+        bandwidth / 4 * c.kv_bandwidth_eff))
+
+    def slowdown(config, batch, dataset="terminal-bench"):
+        return own.throughput(config, batch, dataset) / truth.throughput(config, batch,
+                                                                          dataset)
+
+    assert slowdown(BASELINE, 1) > slowdown(BASELINE, 32) > 1.05
+    # The draft head runs within a group, on one GPU here, for the busiest group's requests.
+    from treetune.perfmodel.cost import CostModel
+
+    one_gpu = CostModel(world.profile, 1).spec_round(
+        CHAIN, 2, world.profile.dataset("terminal-bench"))
+    assert truth.round_time(CHAIN, 5, "terminal-bench").draft_s == pytest.approx(
+        one_gpu.draft_s)
+    assert one_gpu.draft_s > own.round_time(CHAIN, 5, "terminal-bench").draft_s
+    # Every target pass pays for the copies: a tree's fewer passes per token pay less of
+    # them, more than its slower draft takes back.
+    for batch in (1, 32):
+        assert speedup(truth, CHAIN, batch, "terminal-bench") > speedup(
+            own, CHAIN, batch, "terminal-bench") + 0.03
+
+
 def test_acceptance_shape_is_a_plateau_then_a_drop_with_a_dataset_rank_two_share():
     world = load_world("acceptance-shape")
     humaneval = world.profile.dataset("humaneval").acceptance
@@ -322,7 +369,7 @@ def served(emulators, world: str, config: TreeConfig, batch: int, *flags: str):
     return asyncio.run(measure())
 
 
-@pytest.mark.parametrize("world", ["replay-published", "moe-dispatch"])
+@pytest.mark.parametrize("world", ["replay-published", "moe-dispatch", "attention-dp"])
 def test_the_emulator_serves_a_world_at_its_truths_throughput(emulators, world):
     truth = load_world(world).model(4)
     cell = served(emulators, world, WIDE, 8, "--tp-size", "4")
@@ -581,6 +628,33 @@ def test_expert_parallel_over_ranks_that_cannot_hold_the_experts_is_refused(
                     f"  expert_parallel: {{ranks: {ranks}}}\n")
     with pytest.raises(ConfigFileError, match=said):
         load_world(path)
+
+
+@pytest.mark.parametrize(("effect", "said"), [
+    ("{groups: 3, attention_params_b: 1.5}",
+     r"key 'effects.attention_dp': 3 attention groups do not split the profile's 4 GPUs"),
+    ("{groups: 1, attention_params_b: 1.5}",
+     r"key 'effects.attention_dp': attention_dp.groups must be >= 2"),
+    ("{groups: 2, attention_params_b: 0}",
+     r"key 'effects.attention_dp': attention_dp.attention_params_b must be > 0"),
+    ("{groups: 2, attention_params_b: 5}",
+     r"key 'effects.attention_dp': attention_params_b 5 exceeds the parameters a pass "
+     r"reads \(3.87B, active_params_b\)"),
+])
+def test_attention_dp_groups_that_cannot_split_the_gpus_are_refused(tmp_path, effect, said):
+    path = tmp_path / "dp.yaml"
+    path.write_text(f"name: d\nprofile: qwen3-coder-next-h200\neffects:\n"
+                    f"  attention_dp: {effect}\n")
+    with pytest.raises(ConfigFileError, match=said):
+        load_world(path)
+
+
+def test_attention_dp_in_more_groups_than_the_server_has_gpus_is_refused():
+    world = load_world("attention-dp")
+    assert world.model(tp=8).throughput(BASELINE, 1, "mt-bench") > 0  # 4 groups of 2
+    with pytest.raises(TreetuneError, match="attention_dp in 4 groups needs a tensor-parallel "
+                       "size that is a multiple of it, and this server's is 2"):
+        world.model(tp=2)
 
 
 def test_a_world_telling_a_draft_head_s_facts_over_a_profile_without_one_names_it(
