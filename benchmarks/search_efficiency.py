@@ -156,6 +156,10 @@ def study_spec(world_name: str, strategy: str, seed: int, max_launches: int, noi
     default when None); `method`, the draft method it searches (NEXTN: no draft model)."""
     world = load_world(world_name)
     source = {"profile": world_name} if world.own_model else {"world": world_name}
+    # A profile of servers whose attention runs in groups is the search's own model only
+    # when the study's servers say so (a world's groups are hidden from its prior).
+    groups = world.profile.server.attention_dp if world.own_model else 1
+    flags = {"--enable-dp-attention": None, "--dp-size": str(groups)} if groups > 1 else {}
     builtins = builtin_names()
     drafter = world.profile.method(profile_method(method)).draft
     return load_study(None, {
@@ -165,7 +169,7 @@ def study_spec(world_name: str, strategy: str, seed: int, max_launches: int, noi
                      for name in world.profile.datasets],  # in-process: no prompt is read
         "batch": list(batches),
         "space": "default", "budget": {"launches": max_launches}, "seed": seed,
-        "backend": {"kind": "emulator", **source},
+        "backend": {"kind": "emulator", **source}, "server_flags": flags,
         "search": {"strategy": strategy, "launch_cv": noise,
                    **({"prior": prior} if prior is not None else {})},
         **({"measurement": {"duration_s": duration_s}} if duration_s is not None else {}),

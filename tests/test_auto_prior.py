@@ -18,7 +18,7 @@ from test_facts import HF, ROCM_SMI_MI300X, cache_with, fixture, stand_in_nvidia
 from treetune.errors import TreetuneError
 from treetune.facts import auto_prior, gpu_facts, model_facts
 from treetune.perfmodel import load_profile
-from treetune.perfmodel.profile import Profile
+from treetune.perfmodel.profile import Profile, with_attention_dp
 from treetune.space import load_space
 from treetune.study.planner import Planner
 from treetune.study.spec import load_study
@@ -112,9 +112,11 @@ def test_treetune_prior_prints_the_shipped_profiles_schema_with_neutral_free_val
     shipped = load_profile("qwen3-8b-h100").to_dict()
     assert set(data) == set(shipped)
     # The shipped profiles were calibrated with the head's fc read on every draft pass;
-    # the prior says which of its parameters the fc is (read in the extend pass only).
+    # the prior says which of its parameters the fc is (read in the extend pass only), and
+    # the attention a data-parallel attention group holds a copy of.
     for section in ("hardware", "target", "draft", "calibration", "noise"):
-        extra = {"attention_layers"} | ({"fc_params_m"} if section == "draft" else set())
+        extra = {"attention_layers"} | ({"fc_params_m"} if section == "draft" else set()) | (
+            {"attention_params_b"} if section == "target" else set())
         assert set(data[section]) <= set(shipped[section]) | extra, section
     assert data["draft"]["fc_params_m"] == pytest.approx(3 * 4096 * 4096 / 1e6, rel=1e-4)
     profile = build(Profile, data, "stdout")
@@ -786,11 +788,10 @@ def test_a_study_on_sglang_gathers_its_prior_on_a_worker_and_runs_the_model_sear
     # the auto prior prices its expert parallelism as tensor parallelism.
     assert outcome.strategy == "model" and [n for n in notes if "no attention backend pinned"
                                             not in n] == [
-        "server_flags --ep-size: the performance model prices the servers as tensor "
-        "parallel (experts and attention split over tp, all-reduces), not as expert parallel "
-        "or with data-parallel attention; the search corrects it from the launches, but its "
-        "first proposals may be off (at small batches most: the busiest expert rank sets the "
-        "pace)"], notes
+        "server_flags --ep-size: the performance model prices the experts as tensor "
+        "parallel (a share of every expert on each GPU, all-reduces), not as expert "
+        "parallel; the search corrects it from the launches, but its first proposals may be "
+        "off (at small batches most: the busiest expert rank sets the pace)"], notes
     assert len(outcome.results) == 2 and all(r.ok for r in outcome.results), [
         (r.reason, r.log_tail) for r in outcome.results]
     # Ray gave the worker 4 GPUs: nvidia-smi was asked about those, not the whole node.
@@ -910,3 +911,39 @@ def test_a_draft_whose_heads_do_not_split_over_tp_is_refused_with_the_sizes_that
         and "its 20 attention heads do not split evenly over 8 GPUs" in text \
         and "tp sizes that fit both models: 1, 2, 4" in text, err
 
+
+
+@pytest.mark.parametrize(("flags", "groups"), [
+    ({}, 1), ({"--attn-dp-size": 2}, 2), ({"--enable-dp-attention": None, "--dp-size": 4}, 4),
+    ({"--enable-dp-attention": None}, 1),  # alone, 0.5.23 runs one group
+])
+def test_a_study_s_data_parallel_attention_groups_reach_its_prior(tmp_path, flags, groups):
+    """The study's server flags say how its servers run their attention: the model search
+    prices that many groups, whatever prior it starts from (the auto prior; a profile
+    written for other servers)."""
+    spec = sglang_study(tmp_path, server_flags=flags, backend={"gpu": "H200"})
+    prior = planner_for(spec).strategy.context.prior
+    assert prior.server.attention_dp == groups
+    assert prior.target.attention_params_b == pytest.approx(1.541, abs=1e-3)
+    written = tmp_path / "written.yaml"
+    with_attention_dp(load_profile("qwen3-coder-next-h200"), 2).save(written)
+    spec = sglang_study(tmp_path, server_flags=flags, backend={"gpu": "H200"},
+                        search={"prior": str(written)})
+    assert planner_for(spec).strategy.context.prior.server.attention_dp == groups
+
+
+def test_treetune_prior_prices_data_parallel_attention_groups(capsys):
+    code, stdout, err = run_cli(capsys, "prior", "--model", TARGET, "--draft", DRAFT,
+                                "--tp", "4", "--attn-dp-size", "4", "--gpu", "H200")
+    assert code == 0, err
+    data = yaml.safe_load(stdout)
+    assert data["server"]["attention_dp"] == 4
+    assert data["target"]["attention_params_b"] == pytest.approx(1.541, abs=1e-3)
+    assert "its 1.54B of attention copied to each of its 4 data-parallel attention " \
+        "groups" in err, err
+    code, stdout, _ = run_cli(capsys, "prior", "--model", TARGET, "--draft", DRAFT, "--tp",
+                              "4", "--gpu", "H200")
+    assert code == 0 and "attention_dp" not in yaml.safe_load(stdout)["server"]
+    code, _, err = run_cli(capsys, "prior", "--model", TARGET, "--draft", DRAFT, "--tp", "4",
+                           "--attn-dp-size", "3", "--gpu", "H200")
+    assert code == 2 and "--attn-dp-size must divide --tp (4), got 3" in err, err

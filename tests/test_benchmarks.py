@@ -149,6 +149,25 @@ def test_the_scaling_benchmark_s_cell_window_reaches_the_simulated_study():
                                                                  - 30.0)
 
 
+def test_a_profile_of_attention_groups_is_searched_by_servers_that_say_so(tmp_path):
+    """A profile whose servers run data-parallel attention is the search's own model only
+    if the study's servers say so (the prior then prices the groups); the attention-dp
+    world's servers do not (its prior prices tensor parallelism)."""
+    from search_efficiency import study_spec
+
+    from treetune.perfmodel import load_profile
+    from treetune.perfmodel.profile import with_attention_dp
+    from treetune.study.planner import study_prior
+
+    path = tmp_path / "dp4.yaml"
+    with_attention_dp(load_profile("qwen3-coder-next-h200"), 4).save(path)
+    own = study_spec(str(path), "model", 0, 10, 0.03, (1, 32))
+    assert own.server_flags == {"--enable-dp-attention": None, "--dp-size": "4"}
+    assert study_prior(own)[0].server.attention_dp == 4
+    hidden = study_spec("attention-dp", "model", 0, 10, 0.03, (1, 32))
+    assert hidden.server_flags == {} and study_prior(hidden)[0].server.attention_dp == 1
+
+
 def test_a_study_of_another_draft_method_is_judged_by_that_method_s_truth():
     """`--method NEXTN`: the studies search the 397B's MTP layer, with no draft model, and
     are judged against NEXTN's speedups, not the EAGLE3 head's."""

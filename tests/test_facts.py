@@ -1166,7 +1166,8 @@ def test_the_auto_prior_reads_and_holds_the_unquantized_parts_at_their_width():
     from treetune.perfmodel.cost import CostModel
 
     bulk_only = dataclasses.replace(profile, target=dataclasses.replace(
-        t, unquantized_params_b=0.0, replicated_unquantized_b=0.0))
+        t, unquantized_params_b=0.0, replicated_unquantized_b=0.0,
+        attention_unquantized_b=0.0))
     data = next(iter(profile.datasets.values()))
     step, priced_short = (CostModel(p).target_pass(1, 1, data) for p in (profile, bulk_only))
     extra = t.unquantized_params_b * 1e9 * (2 - t.weight_bytes) / (
@@ -1329,3 +1330,82 @@ def test_an_fp8_checkpoint_with_nvfp4_experts_and_a_group_size_is_priced_by_its_
     assert facts_from_config(data, "q", Path("q.json")).weight_bytes == (4 + 8 / 16) / 8
     plain = {**data, "quantization_config": {"quant_method": "fp8", "group_size": 128}}
     assert facts_from_config(plain, "q", Path("q.json")).weight_bytes == 1.0
+
+
+def test_data_parallel_attention_copies_the_attention_and_reads_the_busiest_groups_cache():
+    """SGLang's data-parallel attention in G groups (--enable-dp-attention --dp-size G):
+    each group holds the attention (and linear attention) split over tp / G GPUs and runs
+    it for its own requests; the MoE stays over tp. A pass reads G copies of the attention
+    and waits for the group with the most requests, whose GPUs read their KV cache and
+    recurrent state; the EAGLE3 head drafts within its group (draft_tp_context). Qwen3-Coder-
+    Next over 4 GPUs in 4 groups (its cache split evenly in the shipped profile)."""
+    from treetune.perfmodel.cost import CostModel
+    from treetune.perfmodel.profile import with_attention_dp
+
+    profile = load_profile("qwen3-coder-next-h200")
+    t, c = profile.target, profile.calibration
+    grouped = with_attention_dp(profile, 4)
+    one, four = CostModel(profile), CostModel(grouped)
+    data = profile.dataset("terminal-bench")
+    bandwidth = 4 * profile.hardware.bandwidth_tb_s * 1e12
+    copies_s = 3 * 1.541e9 * t.weight_bytes / (bandwidth * c.weight_bandwidth_eff)
+    whole = t.kv_bytes(data.context_tokens) + 2 * t.state_bytes_per_request
+    per_gpu_s = whole / (bandwidth / 4 * c.kv_bandwidth_eff)  # one request, one GPU
+
+    def extra(batch):
+        return four.target_pass(batch, 1, data) - one.target_pass(batch, 1, data)
+
+    # Four groups of eight read what four GPUs read of 32 requests split evenly.
+    assert extra(32) == pytest.approx(copies_s)
+    # One request: one GPU reads its whole cache and state, where four read a quarter.
+    assert extra(1) == pytest.approx(copies_s + 0.75 * per_gpu_s)
+    # Five: the busiest group has two (the least loaded is given the next), not 5 / 4.
+    assert extra(5) == pytest.approx(copies_s + (2 - 1.25) * per_gpu_s)
+    # The head drafts the busiest group's requests on one GPU, no all-reduce.
+    context = data.context_tokens
+    assert four.draft_pass(5 * 3, 5, context, extend=True) == pytest.approx(
+        CostModel(profile, 1).draft_pass(2 * 3, 2, context, extend=True))
+    assert four.draft_pass(5, 5, context) > one.draft_pass(5, 5, context)
+    with pytest.raises(TreetuneError, match=r"3 data-parallel attention groups "
+                       r"\(server.attention_dp\) do not split tp 4 evenly"):
+        CostModel(with_attention_dp(profile, 3))
+
+
+def test_data_parallel_attention_keeps_one_mla_latent_per_request_not_one_per_gpu():
+    """DeepSeek-V3's latent is whole on every GPU of a tensor-parallel server: with 8
+    attention groups of one GPU each holds its own requests' only, so 512 requests of 4k
+    tokens fit on 8 x H200 where they did not, and the pass reads an eighth of the cache
+    it did; each GPU holds the whole attention (10.49B fp8 of it split over tp)."""
+    from treetune.perfmodel.cost import CostModel
+    from treetune.perfmodel.profile import with_attention_dp
+
+    facts = model_facts(fixture("deepseek-ai/DeepSeek-V3"))
+    split = 1536 + 1536 * 128 * 192 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
+    assert facts.attention_params == 61 * split and facts.attention_unquantized == 0
+    prior = auto_prior(facts, None, gpu_facts("H200"), 8, attention_dp=8)
+    assert prior.server.attention_dp == 8 and prior.target.attention_params_b == 61 * split / 1e9
+    tp = with_attention_dp(prior, 1)
+    assert not check_memory(tp, BASELINE, 512).fits and check_memory(prior, BASELINE, 512).fits
+    held = check_memory(prior, BASELINE, 64).required_gb - check_memory(
+        tp, BASELINE, 64).required_gb
+    cache = 64 * tp.target.kv_bytes(tp.server.reserve_context_tokens) / 1e9
+    assert held == pytest.approx(61 * split * 7 / 8 / 1e9 - cache * 7 / 8)
+    data = next(iter(prior.datasets.values()))
+    grouped = dataclasses.replace(data, context_tokens=32768.0)
+    assert CostModel(prior).target_pass(64, 1, grouped) < CostModel(tp).target_pass(
+        64, 1, grouped)
+    assert prior.target.attention_extra_bytes(8) == pytest.approx(7 * 61 * split)  # fp8
+
+
+def test_attention_a_checkpoint_keeps_unquantized_is_copied_at_its_width(tmp_path):
+    """Each attention group's copy of attention a checkpoint leaves out of its fp8 is bf16."""
+    config = json.loads((Path(fixture("deepseek-ai/DeepSeek-V3")) / "config.json").read_text())
+    config["quantization_config"] = {**config["quantization_config"],
+                                     "modules_to_not_convert": ["self_attn"]}
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "config.json").write_text(json.dumps(config))
+    t = auto_prior(model_facts(str(tmp_path / "kept")), None, gpu_facts("H200"), 8).target
+    assert t.attention_unquantized_b == t.attention_params_b > 10
+    assert t.attention_extra_bytes(2) == pytest.approx(t.attention_params_b * 1e9 * 2)
+    with pytest.raises(FieldError, match=r"attention_params_b, those among"):
+        dataclasses.replace(t, attention_unquantized_b=t.attention_params_b * 2)

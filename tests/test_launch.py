@@ -87,12 +87,13 @@ def test_emulator_command_takes_the_same_server_flags():
 @pytest.mark.parametrize(("flags", "named"), [
     ({"--ep-size": 8}, "--ep-size"), ({"--ep": "8"}, "--ep"),
     ({"--expert-parallel-size": [8]}, "--expert-parallel-size"),
-    ({"--enable-dp-attention": None, "--dp-size": 8}, "--enable-dp-attention"),
     ({"--moe-a2a-backend": "deepep"}, "--moe-a2a-backend"),
     ({"--ep-size": 1, "--moe-a2a-backend": "none"}, None),
-    ({"--enable-dp-attention": None}, None),  # alone, 0.5.23 keeps one attention group
+    # Data-parallel attention is priced (its groups reach the prior): not named.
+    ({"--enable-dp-attention": None, "--dp-size": 8}, None),
+    ({"--attn-dp-size": 2, "--ep-size": 8}, "--ep-size"),
 ])
-def test_expert_parallel_and_attention_dp_servers_are_said_to_be_priced_as_tp(flags, named):
+def test_expert_parallel_servers_are_said_to_be_priced_as_tp(flags, named):
     from treetune.backends.sglang import tp_priced
 
     word = tp_priced(flags)
@@ -100,7 +101,7 @@ def test_expert_parallel_and_attention_dp_servers_are_said_to_be_priced_as_tp(fl
         assert word == ""
     else:
         assert word.startswith(f"server_flags {named}: the performance model prices the "
-                               "servers as tensor parallel"), word
+                               "experts as tensor parallel"), word
 
 
 DEEPEP = {"--moe-a2a-backend": "deepep"}

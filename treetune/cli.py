@@ -437,6 +437,11 @@ def prior(
     draft: Annotated[str | None, typer.Option(
         help="Draft model, found the same way (not for --algorithm NEXTN).")] = None,
     tp: Annotated[int, typer.Option(help="Tensor-parallel size (GPUs per server).")] = 1,
+    attn_dp_size: Annotated[int, typer.Option(
+        help="Data-parallel attention groups (SGLang's --attn-dp-size, or --dp-size with "
+        "--enable-dp-attention): each runs the attention of its own requests on tp / this "
+        "GPUs, with its own copy of the attention weights. A study sets it from its "
+        "server_flags.")] = 1,
     gpu: Annotated[str | None, typer.Option(
         help="The GPU, by its name in treetune's GPU table (A100-40GB-SXM, A100-80GB-SXM, "
         "A100-40GB-PCIe, A100-80GB-PCIe, H100-SXM, H100-PCIe, H100-NVL, H800, H20, H200, "
@@ -473,6 +478,8 @@ def prior(
 
     if tp < 1:
         raise TreetuneError(f"--tp must be >= 1, got {tp}")
+    if attn_dp_size < 1 or tp % attn_dp_size:
+        raise TreetuneError(f"--attn-dp-size must divide --tp ({tp}), got {attn_dp_size}")
     drafted = [a for a in ALGORITHMS if needs_draft_model(a)]
     if algorithm.upper() not in ALGORITHMS:
         raise TreetuneError(f"--algorithm '{algorithm}' is not one the auto prior describes "
@@ -491,7 +498,8 @@ def prior(
                                 f"{', '.join(KV_CACHE_BYTES)}")
         kv_bytes = KV_CACHE_BYTES[kv_cache_dtype]
     profile = build_prior(model, draft, tp, gpu, kv_cache_bytes=kv_bytes,
-                          datasets=datasets or (), name=name, algorithm=algorithm.upper())
+                          datasets=datasets or (), name=name, algorithm=algorithm.upper(),
+                          attention_dp=attn_dp_size)
     t = profile.target
     kept = (f", {t.unquantized_params_b:.2f}B of them at {t.unquantized_bytes:g} bytes (left "
             f"unquantized) and the rest at {t.weight_bytes:g}" if t.unquantized_params_b
@@ -500,6 +508,12 @@ def prior(
     per_gpu = f" ({t.kv_bytes_per_token * share:.0f} on each GPU)" if tp > 1 else ""
     whole = (f", {t.replicated_params_b:.2f}B held whole on every GPU"
              if t.replicated_params_b and tp > 1 else "")
+    if attn_dp_size > 1:
+        share = t.kv_share(tp // attn_dp_size)
+        per_gpu = (f" (on each GPU, {t.kv_bytes_per_token * share:.0f} of its attention "
+                   f"group's requests)")
+        whole += (f", its {t.attention_params_b:.2f}B of attention copied to each of its "
+                  f"{attn_dp_size} data-parallel attention groups")
     err.print(f"{escape(t.name)}: {t.total_params_b:.2f}B parameters ({t.active_params_b:.2f}B "
               f"active{kept}{whole}), {t.kv_bytes_per_token:.0f} KV bytes per token{per_gpu}; "
               f"{_drafts(profile)}; {tp} x {escape(profile.hardware.gpu)}", highlight=False)

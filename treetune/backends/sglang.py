@@ -566,21 +566,21 @@ def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
 
 def tp_priced(flags: Mapping[str, Any]) -> str:
     """The word for a model search when the study's server flags ask for expert
-    parallelism or data-parallel attention ("" when they do not): its performance model
-    prices the servers as tensor parallel, where a step is as slow as its busiest expert
-    rank, experts move by all-to-all, and attention is replicated; the search's learned
-    correction has to make up for it."""
+    parallelism ("" when they do not): its performance model prices the experts as tensor
+    parallel, where a step is as slow as its busiest expert rank and experts move by
+    all-to-all; the search's learned correction has to make up for it. (Data-parallel
+    attention it prices: CostModel.)"""
     parallel = ServerFlags(flags)
     all_to_all = parallel.value("--moe-a2a-backend") not in (None, "none")
-    used = [f for f in (parallel.above("--ep-size", 1), parallel.attention_dp,
+    used = [f for f in (parallel.above("--ep-size", 1),
                         parallel.given("--moe-a2a-backend") if all_to_all else None) if f]
     if not used:
         return ""
-    return (f"server_flags {', '.join(used)}: the performance model prices the servers as "
-            "tensor parallel (experts and attention split over tp, all-reduces), not as "
-            "expert parallel or with data-parallel attention; the search corrects it from "
-            "the launches, but its first proposals may be off (at small batches most: the "
-            "busiest expert rank sets the pace)")
+    return (f"server_flags {', '.join(used)}: the performance model prices the experts as "
+            "tensor parallel (a share of every expert on each GPU, all-reduces), not as "
+            "expert parallel; the search corrects it from the launches, but its first "
+            "proposals may be off (at small batches most: the busiest expert rank sets the "
+            "pace)")
 
 
 def version_of(launch: LaunchSpec) -> str:

@@ -15,6 +15,7 @@ from treetune.emulator.server import EmulatedServer, log
 from treetune.errors import TreetuneError
 from treetune.perfmodel import PerfModel, check_memory, load_profile
 from treetune.perfmodel.memory import MemoryCheck
+from treetune.perfmodel.profile import with_attention_dp
 from treetune.worlds import load_world
 
 
@@ -28,10 +29,15 @@ def main(argv: list[str] | None = None) -> int:
         # A profile (or world) without an entry for the launch's draft method refuses here.
         if settings.world is not None:
             world = load_world(settings.world)
+            if settings.attention_dp > 1:  # the server's groups, as its flags ask
+                world = dataclasses.replace(world, profile=with_attention_dp(
+                    world.profile, settings.attention_dp))
             profile, model = world.profile, world.model(settings.tp, method=settings.method)
         else:
             assert settings.profile is not None  # parse() wants one of the two
             profile = load_profile(settings.profile)
+            if settings.attention_dp > 1:
+                profile = with_attention_dp(profile, settings.attention_dp)
             model = PerfModel(profile, settings.tp, method=settings.method)
     except TreetuneError as exc:
         print(f"[emulator] ERROR: {exc}", file=sys.stderr, flush=True)

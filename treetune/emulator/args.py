@@ -117,6 +117,9 @@ class EmulatorSettings:
     # (None: no limit, the emulator knows no model's); --allow-auto-truncate cuts it instead.
     context_length: int | None = None
     allow_auto_truncate: bool = False
+    # Data-parallel attention groups (--attn-dp-size, or --dp-size with
+    # --enable-dp-attention; 1: none), each taking max_running_requests // groups requests.
+    attention_dp: int = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -269,6 +272,17 @@ def parse(argv: list[str]) -> EmulatorSettings:
     )
     if isinstance(config, TreeConfig) and algorithm:
         _check_drafting(algorithm, attention, config.topk, unknown)
+    parallel = ServerFlags(_flags_of(unknown))
+    groups = parallel.attention_dp_size
+    if groups > 1:
+        if ns.tp_size % groups:
+            raise LaunchError(f"AssertionError: tp_size ({ns.tp_size}) must be divisible by "
+                              f"the data-parallel attention size ({groups})")
+        used = {parallel.given(f) for f in ("--attn-dp-size", "--enable-dp-attention",
+                                            "--dp-size")}
+        ignored = [a for a in ignored if a.partition("=")[0] not in used]
+        # Each group runs max_running_requests // groups requests at most.
+        max_running = max(max_running // groups, 1) * groups
     return EmulatorSettings(
         profile=ns.profile,
         world=ns.world,
@@ -298,6 +312,7 @@ def parse(argv: list[str]) -> EmulatorSettings:
         fail_on_startup=ns.fail_on_startup,
         sglang_version=ns.emulate_version,
         ignored_flags=ignored,
+        attention_dp=groups,
         raw_args={k: v for k, v in vars(ns).items() if k not in EMULATOR_KEYS},
         adaptive=adaptive,
         adaptive_fallback=fallback,

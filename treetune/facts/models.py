@@ -145,6 +145,12 @@ class ModelFacts:
     # dtype (among `unquantized_params`).
     replicated_params: int = 0
     replicated_unquantized: int = 0
+    # Of the parameters every pass reads, the attention's and linear attention's that
+    # tensor parallelism splits over the GPUs (all layers; the replicated part aside), and
+    # of them those a quantized checkpoint keeps at its dtype: what each data-parallel
+    # attention group holds a copy of.
+    attention_params: int = 0
+    attention_unquantized: int = 0
     # Its multi-token-prediction layers (`num_nextn_predict_layers`, Qwen3.5's
     # `mtp_num_hidden_layers`; 0: none named), which SGLang's NEXTN drafts with, and one
     # such layer's parameters every draft pass reads (attention, the projection fusing the
@@ -413,13 +419,17 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
     # Gated (SwiGLU) MLPs; Llama 4's dense layers have their own, wider size.
     dense_mlp = 3 * h * c.int("intermediate_size_mlp", "intermediate_size", default=0)
     total = active = unquantized = replicated = replicated_kept = 0
+    split = split_kept = 0  # the attention tensor parallelism splits, and of it kept
     for i, mixer_type in enumerate(kinds):
         mixer = attention if mixer_type == "attention" else linear
         norms = 2 * h
+        own = mixer - (replicated_layer if mixer_type == "attention" else 0)
+        split += own
         if mixer_type == "attention":
             replicated += replicated_layer
         if kept is not None:
             whole = kept.layer(i, mixer_type)
+            split_kept += own * whole
             unquantized += norms + mixer * whole
             if mixer_type == "attention":
                 kept_part = _replicated_kept(c, h, whole)
@@ -480,6 +490,7 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
         rope_dim=c.int("qk_rope_head_dim") if _is_mla(c) else 0,
         unquantized_params=unquantized, sparse_index=c.get("index_topk") is not None,
         replicated_params=replicated, replicated_unquantized=replicated_kept,
+        attention_params=split, attention_unquantized=split_kept,
         mtp_layers=mtp_layers, mtp_dense_params=mtp_dense,
         mtp_replicated_params=mtp_replicated, mtp_replicated_unquantized=mtp_replicated_kept,
         mtp_unquantized=bool(mtp_layers) and quantization == MODELOPT_NVFP4 and (

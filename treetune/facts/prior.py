@@ -46,13 +46,14 @@ DSA_BLACKWELL_KV_BYTES = 1.0
 
 def auto_prior(target: ModelFacts, draft: ModelFacts | None, gpu: GpuFacts, tp: int,
                datasets: Sequence[str] = (), name: str | None = None,
-               algorithm: str = "EAGLE3") -> Profile:
+               algorithm: str = "EAGLE3", attention_dp: int = 1) -> Profile:
     """A profile of `target` + `draft` on `tp` x `gpu`: facts only, every free parameter
     (calibration, per-dataset acceptance and context) at the neutral value the search
     starts from. `datasets` default to the built-in prompt sets. `draft` is the profile's
     draft head, or with `algorithm` STANDALONE its STANDALONE method (priced alike: its
     own weights and KV cache). A target with MTP layers also gets the NEXTN method (its
-    first MTP layer as the draft); without `draft`, that is the profile's only method."""
+    first MTP layer as the draft); without `draft`, that is the profile's only method.
+    `attention_dp`: the servers' data-parallel attention groups."""
     moe = target.moe
     drafted = None if draft is None else Draft(
         name=draft.name, params_m=draft.total_params / 1e6,
@@ -90,6 +91,8 @@ def auto_prior(target: ModelFacts, draft: ModelFacts | None, gpu: GpuFacts, tp: 
             kv_heads=0 if target.mla else target.kv_heads,
             replicated_params_b=target.replicated_params / 1e9,
             replicated_unquantized_b=target.replicated_unquantized / 1e9,
+            attention_params_b=target.attention_params / 1e9,
+            attention_unquantized_b=target.attention_unquantized / 1e9,
             mla=_mla(target),
             sliding_window=(SlidingWindow(window=target.window, layers=target.window_layers)
                             if target.window_layers else None),
@@ -102,7 +105,7 @@ def auto_prior(target: ModelFacts, draft: ModelFacts | None, gpu: GpuFacts, tp: 
         datasets={"neutral": Dataset(acceptance=NEUTRAL_ACCEPTANCE)},
         methods={**methods, **_mtp_method(target)},
         calibration=Calibration(),
-        server=ServerDefaults(tp=tp),
+        server=ServerDefaults(tp=tp, attention_dp=attention_dp),
     )
     return neutral_prior(profile, list(datasets) or builtin_names())
 
@@ -257,7 +260,8 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
         # --kv-cache-dtype auto: SGLang stores a DeepSeek Sparse Attention target's cache in
         # fp8 on Blackwell, bf16 below it (server_args' _set_default_nsa_kv_cache_dtype).
         target_facts = facts_from_config(config, model, path, DSA_BLACKWELL_KV_BYTES)
-    return auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets, name, algorithm)
+    return auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets, name, algorithm,
+                      attention_dp)
 
 
 def _slug(name: str) -> str:

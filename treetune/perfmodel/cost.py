@@ -13,6 +13,7 @@ no forward at all, only a CPU trie match per request and round.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from treetune.config import TreeConfig
@@ -55,17 +56,35 @@ def independent_tokens(
 
 
 class CostModel:
-    """Forward-pass and round times for one profile, draft method and tensor-parallel size."""
+    """Forward-pass and round times for one profile, draft method and tensor-parallel size.
+
+    With data-parallel attention in G groups (`server.attention_dp`, or `attention_dp`
+    here), each group runs the attention of its own requests on tp / G GPUs: a target pass
+    reads G copies of the attention weights and waits for the group with the most
+    requests, whose GPUs read their KV cache (at a share of tp / G GPUs) and recurrent
+    state; the MoE, the lm_head and the all-reduces stay as over tp. A draft head drafts
+    within its group (SGLang's draft_tp_context): a server of tp / G GPUs drafting the
+    busiest group's requests. An MTP layer's KV is read by group; its weights as over tp.
+    Requests go to the least loaded group, as treetune launches such servers."""
 
     def __init__(self, profile: Profile, tp: int | None = None,
-                 method: Method | str | None = None) -> None:
+                 method: Method | str | None = None, attention_dp: int | None = None) -> None:
         self.profile = profile
         self.method = method if isinstance(method, Method) else profile.method(method)
         self.tp = tp or profile.tp
+        self.groups = attention_dp or profile.attention_groups(self.tp)
         hw = profile.hardware
         self.bandwidth = hw.bandwidth_tb_s * 1e12 * self.tp
         self.flops_peak = hw.peak_tflops * 1e12 * self.tp
         self.link = hw.interconnect_gb_s * 1e9
+        # One attention group's GPUs, and the server a draft head drafts as in one.
+        self.group_gpus = self.tp // self.groups
+        self._group = None if self.groups == 1 else CostModel(
+            profile, self.group_gpus, self.method, attention_dp=1)
+
+    def busiest(self, requests: float) -> float:
+        """The requests of the busiest attention group (all of them without groups)."""
+        return requests if self.groups == 1 else math.ceil(requests / self.groups - 1e-9)
 
     @property
     def _pass_overhead_s(self) -> float:
@@ -99,18 +118,21 @@ class CostModel:
             params += distinct_experts(routed, t.moe.experts, t.moe.experts_per_token) * (
                 t.expert_params
             )
-        # The bandwidth is all GPUs': a replicated parameter is read by each of them.
-        weight_s = (t.weight_bytes_of(params) + t.replicated_extra_bytes(self.tp)) / (
+        # The bandwidth is all GPUs': a replicated parameter is read by each of them, an
+        # attention group's copy by each of its GPUs.
+        weight_s = (t.weight_bytes_of(params) + t.replicated_extra_bytes(self.tp)
+                    + t.attention_extra_bytes(self.groups)) / (
             self.bandwidth * c.weight_bandwidth_eff)
         # Linear-attention layers read each request's recurrent state once and, to roll back
         # rejected drafts, write one state per processed token (a tree node forks the state).
         state = t.state_bytes_per_request * (2 if prefill else 1 + tokens_per_request)
-        # Each rank reads its share of the KV cache: all of an MLA latent, a copied head's
-        # whole (fewer KV heads than GPUs); sliding-window layers read no more than their
-        # window.
-        kv = t.kv_bytes(context) * t.kv_share(self.tp) * self.tp
-        kv_bytes = requests * (kv + state)
-        kv_s = kv_bytes / (self.bandwidth * c.kv_bandwidth_eff)
+        # Each rank reads its share of its attention group's KV cache: all of an MLA
+        # latent, a copied head's whole (fewer KV heads than the group's GPUs);
+        # sliding-window layers read no more than their window. The pass waits for the
+        # busiest group.
+        kv = t.kv_bytes(context) * t.kv_share(self.group_gpus) * self.group_gpus
+        kv_bytes = self.busiest(requests) * (kv + state)
+        kv_s = kv_bytes / (self.bandwidth / self.groups * c.kv_bandwidth_eff)
         replicated = (self.tp - 1) * t.replicated_params_b * 1e9
         flops = 2.0 * (t.active_params_b * 1e9 + replicated) * tokens
         compute_s = flops / (self.flops_peak * c.compute_eff)
@@ -128,6 +150,10 @@ class CostModel:
         MoE MTP layer; `extend`: a pass fed the target's hidden states (a round's draft
         extend, a prefill), the only ones an EAGLE3 head's fc runs in."""
         m = self.method
+        if m.draft is not None and self._group is not None:
+            busiest = self.busiest(requests)
+            return self._group.draft_pass(tokens * busiest / max(requests, 1e-9), busiest,
+                                          context, routing_diversity, extend=extend)
         if m.draft is not None:
             return self._model_pass(m.draft, tokens, requests, context, extend)
         if m.mtp is not None:
@@ -174,9 +200,10 @@ class CostModel:
         read_bytes = ((read - t.lm_head_params) * mtp.width(t) + head_bytes
                       + mtp.whole_extra_bytes(t, self.tp))
         weight_s = read_bytes / (self.bandwidth * c.weight_bandwidth_eff)
-        # Its attention is the target's kind, split as the target's.
-        kv = mtp.kv_bytes_per_token * t.kv_share(self.tp) * self.tp
-        kv_s = requests * context * kv / (self.bandwidth * c.kv_bandwidth_eff)
+        # Its attention is the target's kind, split as the target's (by attention group).
+        kv = mtp.kv_bytes_per_token * t.kv_share(self.group_gpus) * self.group_gpus
+        kv_s = self.busiest(requests) * context * kv / (
+            self.bandwidth / self.groups * c.kv_bandwidth_eff)
         layer += (self.tp - 1) * mtp.replicated_params_m * 1e6  # each GPU computes it whole
         flops = 2.0 * (layer * tokens + t.lm_head_params * requests)
         compute_s = flops / (self.flops_peak * c.compute_eff)

@@ -44,22 +44,32 @@ def check_memory(
     t, server = profile.target, profile.server
     draft = method if isinstance(method, Method) else profile.method(method)
     available = profile.hardware.memory_gb * GB * fraction
-    weights = (t.weight_bytes_of(t.total_params_b * 1e9) + t.replicated_extra_bytes(tp)) / tp
+    # With data-parallel attention, each of its groups holds a copy of the attention on its
+    # tp / groups GPUs, and the KV cache of its own share of the requests (SGLang gives
+    # each max_running_requests // groups).
+    groups = profile.attention_groups(tp)
+    gpus = tp // groups
+    weights = (t.weight_bytes_of(t.total_params_b * 1e9) + t.replicated_extra_bytes(tp)
+               + t.attention_extra_bytes(groups)) / tp
     slots = max(server.reserve_context_tokens, context_tokens or 0)
     in_flight = max_running_requests
     draft_kv_per_token = 0.0
     if config is not BASELINE:
         assert isinstance(config, TreeConfig)
-        weights += draft.resident_bytes(t, tp) / tp
+        # A draft head is held whole within each attention group; an MTP layer as the
+        # target's layers are.
+        head = draft.draft is not None
+        weights += (draft.resident_bytes(t, gpus) / gpus if head
+                    else draft.resident_bytes(t, tp) / tp)
         # An MTP layer caches as the target's attention (an MLA latent whole on every rank).
-        draft_kv_per_token = draft.kv_bytes_per_token * draft.kv_share(t, tp)
+        draft_kv_per_token = draft.kv_bytes_per_token * draft.kv_share(t, gpus)
         slots += config.kv_slots_per_round if draft.has_draft_forward else config.draft_tokens
         in_flight *= config.draft_tokens
     # An MLA latent is not split by tensor parallelism (every rank holds all of it), nor
     # is a KV head copied to several ranks.
-    target_kv = t.kv_bytes(slots) * t.kv_share(tp)
-    kv = max_running_requests * (target_kv + slots * draft_kv_per_token
-                                 + t.state_bytes_per_request / tp)
+    target_kv = t.kv_bytes(slots) * t.kv_share(gpus)
+    kv = -(-max_running_requests // groups) * (
+        target_kv + slots * draft_kv_per_token + t.state_bytes_per_request / gpus)
     per_token = server.activation_bytes_per_token or (
         t.vocab_size * LOGIT_BYTES + 16 * t.hidden_size * 2
     )

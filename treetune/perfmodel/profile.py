@@ -120,6 +120,12 @@ class Target:
     # `unquantized_bytes` (among unquantized_params_b; the rest at `weight_bytes`).
     replicated_params_b: float = 0.0
     replicated_unquantized_b: float = 0.0
+    # Of the parameters every pass reads, the attention's (and linear attention's) that
+    # tensor parallelism splits over tp, all layers, and of them those at
+    # `unquantized_bytes`: with data-parallel attention (`server.attention_dp`) each group
+    # holds and reads a copy of its own (0: not given, no copy priced).
+    attention_params_b: float = 0.0
+    attention_unquantized_b: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "total_params_b", "active_params_b", "layers", "hidden_size",
@@ -142,6 +148,17 @@ class Target:
             raise FieldError("unquantized_params_b", (
                 f"must be in 0..{self.always_read_params / 1e9:g} (the parameters every "
                 f"pass reads), got {self.unquantized_params_b:g}"))
+        split = self.always_read_params / 1e9 - self.replicated_params_b
+        if not 0 <= self.attention_params_b <= split * 1.000001:
+            raise FieldError("attention_params_b", (
+                f"must be in 0..{split:g} (the parameters every pass reads, less "
+                f"replicated_params_b), got {self.attention_params_b:g}"))
+        if not 0 <= self.attention_unquantized_b <= min(
+                self.attention_params_b, self.unquantized_params_b) * 1.000001:
+            raise FieldError("attention_unquantized_b", (
+                f"must be in 0..{min(self.attention_params_b, self.unquantized_params_b):g} "
+                "(of attention_params_b, those among unquantized_params_b), got "
+                f"{self.attention_unquantized_b:g}"))
         if self.attention_layers is not None and not 0 < self.attention_layers <= self.layers:
             raise FieldError("attention_layers", f"must be in 1..layers ({self.layers}), "
                              f"got {self.attention_layers}")
@@ -180,6 +197,13 @@ class Target:
         kept = self.replicated_unquantized_b
         return (tp - 1) * 1e9 * ((self.replicated_params_b - kept) * self.weight_bytes
                                  + kept * self.unquantized_bytes)
+
+    def attention_extra_bytes(self, groups: int) -> float:
+        """What `groups` data-parallel attention groups hold (and a pass reads) beyond one
+        split of the attention: its groups - 1 further copies."""
+        kept = self.attention_unquantized_b
+        return (groups - 1) * 1e9 * ((self.attention_params_b - kept) * self.weight_bytes
+                                     + kept * self.unquantized_bytes)
 
     def kv_bytes(self, context: float) -> float:
         """Bytes of one request's KV cache at `context` tokens, whole model: what a decode
@@ -446,6 +470,10 @@ class Noise:
 @dataclass(frozen=True)
 class ServerDefaults:
     tp: int | None = None  # defaults to hardware.gpus
+    # Data-parallel attention groups (SGLang's --attn-dp-size, or --dp-size with
+    # --enable-dp-attention; 1: none): each group runs the attention of its own requests
+    # on tp / attention_dp GPUs, the MoE and the lm_head still over all tp.
+    attention_dp: int = 1
     mem_fraction_static: float = 0.85
     reserve_context_tokens: int = 4096  # KV each running request must be able to hold
     activation_bytes_per_token: float = 0.0  # workspace per token in flight (0: derived)
@@ -453,6 +481,8 @@ class ServerDefaults:
     def __post_init__(self) -> None:
         if self.tp is not None and self.tp < 1:
             raise FieldError("tp", f"must be >= 1, got {self.tp}")
+        if self.attention_dp < 1:
+            raise FieldError("attention_dp", f"must be >= 1, got {self.attention_dp}")
         if not 0 < self.mem_fraction_static <= 1:  # SGLang's share of each GPU's memory
             raise FieldError("mem_fraction_static",
                              f"must be in (0, 1], got {self.mem_fraction_static:g}")
@@ -507,6 +537,14 @@ class Profile:
     def tp(self) -> int:
         return self.server.tp or self.hardware.gpus
 
+    def attention_groups(self, tp: int) -> int:
+        """The data-parallel attention groups of a server of `tp` GPUs (1: none)."""
+        groups = self.server.attention_dp
+        if tp % groups:
+            raise TreetuneError(f"{groups} data-parallel attention groups "
+                                f"(server.attention_dp) do not split tp {tp} evenly")
+        return groups
+
     def dataset(self, name: str) -> Dataset:
         try:
             return self.datasets[name]
@@ -555,14 +593,22 @@ class Profile:
             data["target"].pop("unquantized_bytes")
         for sections in (data, *data.get("methods", {}).values()):
             _drop_unset(sections)  # nor do those that leave the per-GPU facts out
+        if self.server.attention_dp == 1:
+            data["server"].pop("attention_dp")  # nor those without attention groups
         return {"name": data.pop("name"), "description": data.pop("description"), **data}
 
     def save(self, path: str | Path) -> None:
         dump_yaml(self.to_dict(), path)
 
 
+def with_attention_dp(profile: Profile, groups: int) -> Profile:
+    """`profile` served with its attention in `groups` data-parallel groups."""
+    return profile.replace(server=dataclasses.replace(profile.server, attention_dp=groups))
+
+
 # Per-GPU facts a profile leaves out while they hold their default (0, false), by section.
-UNSET_DROPPED = {"target": ("kv_heads", "replicated_params_b", "replicated_unquantized_b"),
+UNSET_DROPPED = {"target": ("kv_heads", "replicated_params_b", "replicated_unquantized_b",
+                            "attention_params_b", "attention_unquantized_b"),
                  "draft": ("kv_heads", "fc_params_m", "resident_params_m"),
                  "mtp": ("replicated_params_m", "replicated_unquantized_m", "unquantized")}
 

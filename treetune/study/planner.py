@@ -29,10 +29,12 @@ from dataclasses import dataclass
 
 from treetune import strategies
 from treetune.backends import BackendFacts, gather_facts
+from treetune.backends.sglang import attention_dp_size
 from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.objectives import Objective
 from treetune.perfmodel import Profile, load_profile
 from treetune.perfmodel.prior import neutral_prior, with_datasets
+from treetune.perfmodel.profile import with_attention_dp
 from treetune.results import LaunchResult, config_key
 from treetune.space import SearchSpace
 from treetune.strategies import BatchStudies, Proposal, SearchContext
@@ -141,6 +143,11 @@ def study_prior(spec: StudySpec, facts: BackendFacts | None = None
         if facts.profile is None:
             return None, facts.why_not
         prior = neutral_prior(facts.profile, spec.dataset_names)
+    # The study's servers run their attention in the groups their flags ask for, whatever
+    # the profile was written for.
+    groups = attention_dp_size(spec.server_flags)
+    if groups != prior.server.attention_dp and spec.tp % groups == 0:
+        prior = with_attention_dp(prior, groups)
     if spec.methods:
         return prior, ""
     if spec.algorithm == "STANDALONE" and "STANDALONE" not in prior.methods \

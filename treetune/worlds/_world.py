@@ -16,7 +16,7 @@ and, as its prior, only the world's `facts`.
       verify_cliffs: {buckets: [8, 16, 32, 64, 128, 256], jump: 0.12}
       moe_dispatch: {per_token_us: 0.05, exponent: 1.5, saturation_ms: 8}
       expert_parallel: {ranks: 4}     # experts split whole over 4 GPUs (--ep-size 4)
-      attention_dp: {groups: 4, attention_params_b: 1.54}  # --enable-dp-attention --dp-size 4
+      attention_dp: {groups: 4}       # --enable-dp-attention --dp-size 4, the prior not told
       launch_bias: {spread: 0.03, seed: 7}
       slow_launches: {rate: 0.1, speed: 0.88}
       acceptance:
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -43,7 +42,8 @@ from treetune.config import ServerConfig, TreeConfig
 from treetune.errors import ConfigFileError, TreetuneError
 from treetune.perfmodel import PerfModel, Profile, load_profile, resolve_profile_path
 from treetune.perfmodel.acceptance import Acceptance
-from treetune.perfmodel.cost import CostModel, RoundTime, distinct_experts, independent_tokens
+from treetune.perfmodel.cost import RoundTime, distinct_experts, independent_tokens
+from treetune.perfmodel.profile import with_attention_dp
 from treetune.results import config_key
 from treetune.yamlio import build, closest, load_yaml
 
@@ -120,35 +120,19 @@ class ExpertParallel:
 
 @dataclass(frozen=True)
 class AttentionDP:
-    """Data-parallel attention (SGLang's --enable-dp-attention --dp-size G): each of G
-    groups runs the attention of its own requests on tp / G GPUs, with its own copy of the
-    attention weights, where the model prices attention as tensor parallelism does, every
-    request's split over all tp GPUs. A target pass then reads G copies of the attention
-    weights (`attention_params_b`: every layer's attention and linear-attention weights,
-    those the model splits over tp, at the target's weight width), and waits for the group
-    with the most requests (ceil(batch / G): requests go to the least loaded group), whose
-    GPUs each read those requests' KV cache at a share of tp / G GPUs (a copied head's
-    whole) and their recurrent state split over tp / G, against every request's at a share
-    of tp in the model. So small batches pay for it, and a batch that fills every group
-    evenly reads the KV it did (less, where heads were copied over tp). A draft head (EAGLE3
-    and the like) runs within its group (SGLang's draft_tp_context): its whole weights on
-    tp / G GPUs, the busiest group's requests, no all-reduce beyond the group; an MTP
-    layer's passes are left as the model prices them. Requests go to the least loaded
-    group as treetune launches such servers (--load-balance-method total_requests; SGLang's
-    default round robin lets the groups drift apart). Not priced: the groups' extra
-    all-gather, the MoE's padding to the busiest group, a prefill in one group taking every
-    group off CUDA graphs, and memory (the copies take about 1.2 GB a GPU and the embedding
-    0.5 GB more; each request's KV is stored once, not a copied head on two GPUs)."""
+    """Servers that run their attention in `groups` data-parallel groups (SGLang's
+    --enable-dp-attention --dp-size G) where the prior is told tensor parallelism: the
+    truth is the profile's model with `server.attention_dp: groups` (each group's copy of
+    the attention, a pass waiting for the busiest group, the draft head within a group;
+    see CostModel), the search's facts the profile as it is. The profile must say its
+    attention weights (`target.attention_params_b`)."""
 
     groups: int
-    attention_params_b: float
 
     def __post_init__(self) -> None:
         if self.groups < 2:
             raise ValueError("attention_dp.groups must be >= 2 (one group is tensor "
                              "parallelism)")
-        if self.attention_params_b <= 0:
-            raise ValueError("attention_dp.attention_params_b must be > 0")
 
 
 @dataclass(frozen=True)
@@ -241,14 +225,6 @@ class WorldModel(PerfModel):
             raise TreetuneError(f"expert_parallel over {ep.ranks} GPUs needs a tensor-parallel "
                                 f"size that is a multiple of it, and this server's is "
                                 f"{self.cost.tp}")
-        dp = effects.attention_dp
-        if dp is not None and self.cost.tp % dp.groups:
-            raise TreetuneError(f"attention_dp in {dp.groups} groups needs a tensor-parallel "
-                                f"size that is a multiple of it, and this server's is "
-                                f"{self.cost.tp}")
-        # A draft head's passes run within one attention group, on tp / G GPUs.
-        self.group_cost = None if dp is None else CostModel(
-            profile, self.cost.tp // dp.groups, self.method)
 
     def for_method(self, method: str) -> WorldModel:
         return WorldModel(self.profile, self.effects, self.cost.tp, method)
@@ -262,31 +238,7 @@ class WorldModel(PerfModel):
             out += e.moe_dispatch.seconds(tokens)
         if e.expert_parallel and moe is not None:
             out += self._busiest_rank_s(batch, per_request, dataset, e.expert_parallel)
-        if e.attention_dp:
-            out += self._attention_groups_s(batch, per_request, dataset, e.attention_dp)
         return out
-
-    def _attention_groups_s(self, batch: float, per_request: int, dataset: str,
-                            dp: AttentionDP) -> float:
-        """What data-parallel attention adds to a target pass over the model's tensor
-        parallel pricing (less, where it reads less): the weights' further copies, and the
-        busiest group's KV cache and recurrent state against every request's split."""
-        t, c, cost = self.profile.target, self.profile.calibration, self.cost
-        copies = (dp.groups - 1) * dp.attention_params_b * 1e9 * t.weight_bytes
-        weight_s = copies / (cost.bandwidth * c.weight_bandwidth_eff)
-        kv = t.kv_bytes(self.profile.dataset(dataset).context_tokens)
-        state = t.state_bytes_per_request * (1 + per_request)
-        group_gpus = cost.tp // dp.groups
-        split = batch * (kv * t.kv_share(cost.tp) + state / cost.tp)
-        grouped = self._busiest_group(batch) * (
-            kv * t.kv_share(group_gpus) + state / group_gpus)
-        kv_s = (grouped - split) / (cost.bandwidth / cost.tp * c.kv_bandwidth_eff)
-        return weight_s + kv_s
-
-    def _busiest_group(self, batch: float) -> int:
-        dp = self.effects.attention_dp
-        assert dp is not None
-        return math.ceil(batch / dp.groups - 1e-9)
 
     def _busiest_rank_s(self, batch: float, per_request: int, dataset: str,
                         ep: ExpertParallel) -> float:
@@ -306,13 +258,8 @@ class WorldModel(PerfModel):
         per_request = config.draft_tokens if isinstance(config, TreeConfig) else 1
         verify = base.verify_s + self._target_extra(batch, per_request, dataset,
                                                     base.verify_s)
-        draft = base.draft_s
-        if (self.group_cost is not None and isinstance(config, TreeConfig)
-                and self.method.draft is not None):
-            draft = self.group_cost.spec_round(config, self._busiest_group(batch),
-                                               self.profile.dataset(dataset)).draft_s
         bias = self.effects.launch_bias.factor(config) if self.effects.launch_bias else 1.0
-        return RoundTime(draft / bias, verify / bias, base.overhead_s / bias)
+        return RoundTime(base.draft_s / bias, verify / bias, base.overhead_s / bias)
 
     def launch_speed(self, rng: np.random.Generator) -> float:
         slow = self.effects.slow_launches
@@ -396,16 +343,18 @@ def load_world(name_or_path: str | Path) -> World:
     if dp is not None and base.tp % dp.groups:
         raise ConfigFileError(path, f"{dp.groups} attention groups do not split the "
                               f"profile's {base.tp} GPUs evenly", "effects.attention_dp")
-    if dp is not None and dp.attention_params_b > base.target.active_params_b:
-        raise ConfigFileError(path, f"attention_params_b {dp.attention_params_b:g} exceeds "
-                              f"the parameters a pass reads ({base.target.active_params_b:g}"
-                              "B, active_params_b)", "effects.attention_dp")
+    if dp is not None and not base.target.attention_params_b:
+        raise ConfigFileError(path, f"profile '{base.name}' does not say its attention "
+                              "weights (target.attention_params_b), which each attention "
+                              "group holds a copy of", "effects.attention_dp")
     ep = raw.effects.expert_parallel
     if ep is not None and base.target.moe is not None and (
             base.target.moe.experts % (ep.ranks or base.tp)):
         raise ConfigFileError(path, f"{base.target.moe.experts} experts do not split evenly "
                               f"over {ep.ranks or base.tp} GPUs", "effects.expert_parallel")
     truth = _with_acceptance(base, raw.effects.acceptance, path)
+    if dp is not None:
+        truth = with_attention_dp(truth, dp.groups)
     facts = _with_facts(base, raw.facts, path)
     replay = None
     if raw.replay is not None:
