@@ -610,6 +610,7 @@ def test_unknown_sglang_flags_are_ignored_with_a_warning_and_the_server_serves(e
     (["--enable-dp-attention", "--dp-size", "4"], 4, 32),
     (["--attn-dp-size=2"], 2, 34),
     (["--dp-size", "2"], 1, 35),  # replicas, not attention groups: ignored here
+    (["--attn-dp-size", "2", "--dp-size", "2"], 2, 34),  # and replicas beside the groups
 ])
 def test_data_parallel_attention_flags_are_read_not_ignored(flags, groups, running):
     """The emulator runs a server's attention in the groups its flags ask for, each taking
@@ -617,7 +618,8 @@ def test_data_parallel_attention_flags_are_read_not_ignored(flags, groups, runni
     settings = parse(["--profile", "qwen3-coder-next-h200", "--model-path", "m",
                       "--tp-size", "4", "--max-running-requests", "35", *flags])
     assert settings.attention_dp == groups and settings.max_running_requests == running
-    assert bool(settings.ignored_flags) == (groups == 1)
+    assert settings.ignored_flags == (["--dp-size"] if "--dp-size" in flags
+                                      and (groups == 1 or "--attn-dp-size" in flags) else [])
     with pytest.raises(LaunchError, match=r"tp_size \(4\) must be divisible by the "
                        r"data-parallel attention size \(3\)"):
         parse(["--profile", "qwen3-coder-next-h200", "--model-path", "m", "--tp-size", "4",

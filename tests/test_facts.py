@@ -1389,7 +1389,8 @@ def test_data_parallel_attention_keeps_one_mla_latent_per_request_not_one_per_gp
     held = check_memory(prior, BASELINE, 64).required_gb - check_memory(
         tp, BASELINE, 64).required_gb
     cache = 64 * tp.target.kv_bytes(tp.server.reserve_context_tokens) / 1e9
-    assert held == pytest.approx(61 * split * 7 / 8 / 1e9 - cache * 7 / 8)
+    copies = (61 * split + prior.target.lm_head_params) * 7 / 8 / 1e9  # and the embedding
+    assert held == pytest.approx(copies - cache * 7 / 8)
     data = next(iter(prior.datasets.values()))
     grouped = dataclasses.replace(data, context_tokens=32768.0)
     assert CostModel(prior).target_pass(64, 1, grouped) < CostModel(tp).target_pass(
@@ -1409,3 +1410,54 @@ def test_attention_a_checkpoint_keeps_unquantized_is_copied_at_its_width(tmp_pat
     assert t.attention_extra_bytes(2) == pytest.approx(t.attention_params_b * 1e9 * 2)
     with pytest.raises(FieldError, match=r"attention_params_b, those among"):
         dataclasses.replace(t, attention_unquantized_b=t.attention_params_b * 2)
+
+
+def test_data_parallel_attention_holds_each_groups_share_of_the_requests_and_a_head_whole():
+    """Memory with 4 attention groups over Qwen3-Coder-Next's 4 GPUs, 6 requests (SGLang
+    gives each group 6 // 4; treetune counts the busiest, 2): each GPU holds the whole
+    attention and embedding, its 2 requests' whole KV cache and state, and the draft head
+    whole with its KV for them."""
+    from treetune.config import TreeConfig
+    from treetune.perfmodel.profile import with_attention_dp
+
+    profile = load_profile("qwen3-coder-next-h200")
+    t, d, tree = profile.target, profile.draft, TreeConfig(3, 1, 4)
+    one, four = (check_memory(p, tree, 6).required_gb
+                 for p in (profile, with_attention_dp(profile, 4)))
+    slots = profile.server.reserve_context_tokens + tree.kv_slots_per_round
+    kv = t.kv_bytes(slots) + slots * d.kv_bytes_per_token + t.state_bytes_per_request
+    extra = (3 / 4 * (t.attention_params_b * 1e9 + t.lm_head_params) * t.weight_bytes
+             + 3 / 4 * d.params_m * 1e6 * d.weight_bytes
+             + 2 * kv - 6 * kv / 4)
+    assert four - one == pytest.approx(extra / 1e9)
+
+
+def test_an_mtp_layer_s_attention_is_copied_to_each_group_and_reads_its_groups_cache():
+    """SGLang builds DeepSeek's NextN layer as a target layer: with 8 attention groups of
+    one GPU, each holds its attention whole (171.97M split over tp, fp8) and reads its own
+    requests' latent only."""
+    from treetune.config import TreeConfig
+    from treetune.perfmodel.cost import CostModel
+    from treetune.perfmodel.profile import with_attention_dp
+
+    prior = auto_prior(model_facts(fixture("deepseek-ai/DeepSeek-V3")), None,
+                       gpu_facts("H200"), 8)
+    mtp = prior.method("NEXTN").mtp
+    split = 1536 + 1536 * 128 * 192 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
+    assert mtp.attention_params_m * 1e6 == split
+    grouped = with_attention_dp(prior, 8)
+    c = prior.calibration
+    bandwidth = 8 * prior.hardware.bandwidth_tb_s * 1e12
+    copies_s = 7 * split / (bandwidth * c.weight_bandwidth_eff)
+    context = 4096.0  # 8 requests: each GPU reads 1 latent of them, not all 8
+    latent_s = (8 - 1) * context * mtp.kv_bytes_per_token / (bandwidth / 8 * c.kv_bandwidth_eff)
+    tp, dp = (CostModel(p, method="NEXTN") for p in (prior, grouped))
+    assert dp.draft_pass(8, 8, context) - tp.draft_pass(8, 8, context) == pytest.approx(
+        copies_s - latent_s)
+    tree, t = TreeConfig(2, 1, 3), prior.target
+    held = (check_memory(grouped, tree, 8, method="NEXTN").required_gb
+            - check_memory(prior, tree, 8, method="NEXTN").required_gb)
+    slots = prior.server.reserve_context_tokens + tree.kv_slots_per_round
+    latents = t.kv_bytes(slots) + slots * mtp.kv_bytes_per_token  # whole on every GPU
+    copies = 7 / 8 * (t.attention_params_b * 1e9 + t.lm_head_params + split) * t.weight_bytes
+    assert held == pytest.approx((copies - (8 - 1) * latents) / 1e9)

@@ -104,6 +104,25 @@ def test_expert_parallel_servers_are_said_to_be_priced_as_tp(flags, named):
                                "experts as tensor parallel"), word
 
 
+def test_attention_groups_a_prior_cannot_copy_are_said_once_priced_without_the_copies():
+    """A prior that does not say its attention weights (a profile written before they were
+    a fact) prices a study's attention groups' KV but not their copies: said."""
+    import dataclasses
+
+    from treetune.backends.sglang import groups_unpriced
+    from treetune.perfmodel import load_profile
+
+    dp = {"--enable-dp-attention": None, "--dp-size": 4}
+    coder = load_profile("qwen3-coder-next-h200")
+    assert groups_unpriced(dp, coder) == "" and groups_unpriced({}, coder) == ""
+    bare = coder.replace(target=dataclasses.replace(coder.target, attention_params_b=0.0))
+    assert groups_unpriced({}, bare) == "" and groups_unpriced(dp, None) == ""
+    assert groups_unpriced(dp, bare).startswith(
+        "server_flags --enable-dp-attention: the prior 'qwen3-coder-next-h200' does not say "
+        "its attention weights (target.attention_params_b), so the copy each data-parallel "
+        "attention group holds is not priced"), groups_unpriced(dp, bare)
+
+
 DEEPEP = {"--moe-a2a-backend": "deepep"}
 CAP = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
 

@@ -583,6 +583,19 @@ def tp_priced(flags: Mapping[str, Any]) -> str:
             "pace)")
 
 
+def groups_unpriced(flags: Mapping[str, Any], prior: Profile | None) -> str:
+    """The word for a model search whose servers run data-parallel attention while its
+    prior does not say the attention's weights, which each group holds a copy of ("" when
+    they do not, or it does)."""
+    parallel = ServerFlags(flags)
+    if prior is None or parallel.attention_dp is None or prior.target.attention_params_b:
+        return ""
+    return (f"server_flags {parallel.attention_dp}: the prior '{prior.name}' does not say its "
+            "attention weights (target.attention_params_b), so the copy each data-parallel "
+            "attention group holds is not priced (its KV cache by group is); the search "
+            "corrects it from the launches")
+
+
 def version_of(launch: LaunchSpec) -> str:
     return launch.engine_version or DEFAULT_SGLANG_VERSION
 

@@ -278,8 +278,10 @@ def parse(argv: list[str]) -> EmulatorSettings:
         if ns.tp_size % groups:
             raise LaunchError(f"AssertionError: tp_size ({ns.tp_size}) must be divisible by "
                               f"the data-parallel attention size ({groups})")
-        used = {parallel.given(f) for f in ("--attn-dp-size", "--enable-dp-attention",
-                                            "--dp-size")}
+        # --dp-size beside an --attn-dp-size above 1 starts replicas: not modelled.
+        sources = (("--attn-dp-size",) if parallel.above("--attn-dp-size", 1)
+                   else ("--enable-dp-attention", "--dp-size"))
+        used = {parallel.given(f) for f in sources}
         ignored = [a for a in ignored if a.partition("=")[0] not in used]
         # Each group runs max_running_requests // groups requests at most.
         max_running = max(max_running // groups, 1) * groups

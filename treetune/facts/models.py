@@ -168,6 +168,7 @@ class ModelFacts:
     # NVFP4 DeepSeek's NextN layer).
     mtp_replicated_unquantized: int = 0
     mtp_unquantized: bool = False
+    mtp_attention_params: int = 0  # of mtp_dense_params, the attention tp splits
 
     def tp_problem(self, tp: int) -> str:
         """Why SGLang cannot split this model's attention over `tp` GPUs ("" when it can):
@@ -497,6 +498,7 @@ def _decoder(c: _Config, name: str, path: Path, architecture: str, dtype: str,
             architecture in BF16_MTP_UNDER_MODELOPT_NVFP4),
         mtp_kv_bytes_per_token=_layer_kv_bytes(c, h, kv_bytes) if mtp_layers else 0.0,
         mtp_moe=mtp_moe,
+        mtp_attention_params=attention - replicated_layer if mtp_layers else 0,
         **_windowed(c, architecture, layers))
 
 

@@ -119,6 +119,7 @@ def _mtp_method(target: ModelFacts) -> dict[str, Method]:
               replicated_params_m=target.mtp_replicated_params / 1e6,
               replicated_unquantized_m=target.mtp_replicated_unquantized / 1e6,
               unquantized=target.mtp_unquantized,
+              attention_params_m=target.mtp_attention_params / 1e6,
               kv_bytes_per_token=target.mtp_kv_bytes_per_token,
               routed_experts=target.mtp_moe)
     return {MTP_METHOD: Method("mtp", {"neutral": NEUTRAL_ACCEPTANCE}, mtp=mtp)}

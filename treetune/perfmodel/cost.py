@@ -64,8 +64,9 @@ class CostModel:
     requests, whose GPUs read their KV cache (at a share of tp / G GPUs) and recurrent
     state; the MoE, the lm_head and the all-reduces stay as over tp. A draft head drafts
     within its group (SGLang's draft_tp_context): a server of tp / G GPUs drafting the
-    busiest group's requests. An MTP layer's KV is read by group; its weights as over tp.
-    Requests go to the least loaded group, as treetune launches such servers."""
+    busiest group's requests (an EAGLE head, which SGLang builds over all tp, is priced
+    alike). An MTP layer's attention is a target layer's: a copy a group, its KV read by
+    group. Requests go to the least loaded group, as treetune launches such servers."""
 
     def __init__(self, profile: Profile, tp: int | None = None,
                  method: Method | str | None = None, attention_dp: int | None = None) -> None:
@@ -198,7 +199,8 @@ class CostModel:
         wide = min(t.lm_head_params, t.unquantized_params_b * 1e9)
         head_bytes = (t.lm_head_params - wide) * t.weight_bytes + wide * t.unquantized_bytes
         read_bytes = ((read - t.lm_head_params) * mtp.width(t) + head_bytes
-                      + mtp.whole_extra_bytes(t, self.tp))
+                      + mtp.whole_extra_bytes(t, self.tp)
+                      + mtp.attention_extra_bytes(t, self.groups))
         weight_s = read_bytes / (self.bandwidth * c.weight_bandwidth_eff)
         # Its attention is the target's kind, split as the target's (by attention group).
         kv = mtp.kv_bytes_per_token * t.kv_share(self.group_gpus) * self.group_gpus

@@ -51,6 +51,8 @@ def check_memory(
     gpus = tp // groups
     weights = (t.weight_bytes_of(t.total_params_b * 1e9) + t.replicated_extra_bytes(tp)
                + t.attention_extra_bytes(groups)) / tp
+    if groups > 1:  # and SGLang holds the embedding whole on every GPU (at the bulk's width)
+        weights += (tp - 1) / tp * t.lm_head_params * t.weight_bytes
     slots = max(server.reserve_context_tokens, context_tokens or 0)
     in_flight = max_running_requests
     draft_kv_per_token = 0.0
@@ -59,8 +61,9 @@ def check_memory(
         # A draft head is held whole within each attention group; an MTP layer as the
         # target's layers are.
         head = draft.draft is not None
-        weights += (draft.resident_bytes(t, gpus) / gpus if head
-                    else draft.resident_bytes(t, tp) / tp)
+        weights += (draft.resident_bytes(t, gpus) / gpus if head else (
+            draft.resident_bytes(t, tp)
+            + (draft.mtp.attention_extra_bytes(t, groups) if draft.mtp else 0.0)) / tp)
         # An MTP layer caches as the target's attention (an MLA latent whole on every rank).
         draft_kv_per_token = draft.kv_bytes_per_token * draft.kv_share(t, gpus)
         slots += config.kv_slots_per_round if draft.has_draft_forward else config.draft_tokens

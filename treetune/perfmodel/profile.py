@@ -299,6 +299,9 @@ class MTP:
     # The whole layer (dense part and experts) at the target's unquantized width: SGLang
     # builds a ModelOpt NVFP4 DeepSeek checkpoint's NextN layer unquantized (bf16).
     unquantized: bool = False
+    # Of dense_params_m, its attention's that tensor parallelism splits: what each
+    # data-parallel attention group holds a copy of (0: not given, no copy priced).
+    attention_params_m: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "dense_params_m", "kv_bytes_per_token")
@@ -310,6 +313,11 @@ class MTP:
             raise FieldError("replicated_unquantized_m", (
                 f"must be in 0..{self.replicated_params_m:g} (of replicated_params_m), got "
                 f"{self.replicated_unquantized_m:g}"))
+        split = self.dense_params_m - self.replicated_params_m
+        if not 0 <= self.attention_params_m <= split * 1.000001:
+            raise FieldError("attention_params_m", (
+                f"must be in 0..{split:g} (of dense_params_m, less replicated_params_m), "
+                f"got {self.attention_params_m:g}"))
 
     def width(self, target: Target) -> float:
         """Bytes per parameter of the layer's own weights (the head is the target's)."""
@@ -322,6 +330,11 @@ class MTP:
         width, kept = self.width(target), self.replicated_unquantized_m * 1e6
         rest = self.replicated_params_m * 1e6 - kept
         return rest * (tp - 1) * width + kept * (tp * target.unquantized_bytes - width)
+
+    def attention_extra_bytes(self, target: Target, groups: int) -> float:
+        """What `groups` data-parallel attention groups hold (and a pass reads) of its
+        attention beyond one split: groups - 1 further copies, at the layer's width."""
+        return (groups - 1) * self.attention_params_m * 1e6 * self.width(target)
 
 
 @dataclass(frozen=True)
@@ -610,7 +623,8 @@ def with_attention_dp(profile: Profile, groups: int) -> Profile:
 UNSET_DROPPED = {"target": ("kv_heads", "replicated_params_b", "replicated_unquantized_b",
                             "attention_params_b", "attention_unquantized_b"),
                  "draft": ("kv_heads", "fc_params_m", "resident_params_m"),
-                 "mtp": ("replicated_params_m", "replicated_unquantized_m", "unquantized")}
+                 "mtp": ("replicated_params_m", "replicated_unquantized_m", "unquantized",
+                         "attention_params_m")}
 
 
 def _drop_unset(sections: dict[str, Any]) -> None:

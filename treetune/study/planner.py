@@ -143,10 +143,10 @@ def study_prior(spec: StudySpec, facts: BackendFacts | None = None
         if facts.profile is None:
             return None, facts.why_not
         prior = neutral_prior(facts.profile, spec.dataset_names)
-    # The study's servers run their attention in the groups their flags ask for, whatever
-    # the profile was written for.
+    # The study's servers run their attention in the groups their flags ask for (a divisor
+    # of its tp: the study's flags are refused otherwise), whatever the profile says.
     groups = attention_dp_size(spec.server_flags)
-    if groups != prior.server.attention_dp and spec.tp % groups == 0:
+    if groups != prior.server.attention_dp:
         prior = with_attention_dp(prior, groups)
     if spec.methods:
         return prior, ""

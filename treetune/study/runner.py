@@ -18,7 +18,7 @@ from typing import Any
 
 from treetune import stopping
 from treetune.backends import BackendFacts
-from treetune.backends.sglang import tp_priced
+from treetune.backends.sglang import groups_unpriced, tp_priced
 from treetune.config import BASELINE, TreeConfig
 from treetune.datasets import load_datasets
 from treetune.errors import TreetuneError, clip
@@ -725,14 +725,15 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         spaces = [space, *(method_spaces(spec, space).values() if spec.methods else ())]
         if (unpinned := unpinned_attention(spec, spaces, resumed=bool(launched))) is not None:
             progress.notes.append(unpinned)
-        priced = tp_priced(spec.server_flags)
+        priced: str | None = tp_priced(spec.server_flags)
 
         def tell_priced() -> None:
             """Said once the model search runs: at the start, or when it takes over."""
             nonlocal priced
-            if priced and planner is not None and planner.uses_model:
-                progress.notes.append(priced)
-                priced = ""
+            if priced is not None and planner is not None and planner.uses_model:
+                said = (priced, groups_unpriced(spec.server_flags, planner.context.prior))
+                progress.notes.extend(note for note in said if note)
+                priced = None
 
         tell_priced()
         notify(progress)
