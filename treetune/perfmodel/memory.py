@@ -46,7 +46,7 @@ def check_memory(
     available = profile.hardware.memory_gb * GB * fraction
     # With data-parallel attention, each of its groups holds a copy of the attention on its
     # tp / groups GPUs, and the KV cache of its own share of the requests (SGLang gives
-    # each max_running_requests // groups).
+    # each max_running_requests // groups; counted here for the busiest, rounded up).
     groups = profile.attention_groups(tp)
     gpus = tp // groups
     weights = (t.weight_bytes_of(t.total_params_b * 1e9) + t.replicated_extra_bytes(tp)

@@ -194,16 +194,18 @@ class Target:
     def replicated_extra_bytes(self, tp: int) -> float:
         """What `tp` GPUs hold (and a pass reads) beyond the weights split over them: the
         replicated parameters' tp - 1 further copies."""
-        kept = self.replicated_unquantized_b
-        return (tp - 1) * 1e9 * ((self.replicated_params_b - kept) * self.weight_bytes
-                                 + kept * self.unquantized_bytes)
+        return self._copies(tp - 1, self.replicated_params_b, self.replicated_unquantized_b)
 
     def attention_extra_bytes(self, groups: int) -> float:
         """What `groups` data-parallel attention groups hold (and a pass reads) beyond one
         split of the attention: its groups - 1 further copies."""
-        kept = self.attention_unquantized_b
-        return (groups - 1) * 1e9 * ((self.attention_params_b - kept) * self.weight_bytes
-                                     + kept * self.unquantized_bytes)
+        return self._copies(groups - 1, self.attention_params_b, self.attention_unquantized_b)
+
+    def _copies(self, copies: int, params_b: float, unquantized_b: float) -> float:
+        """Bytes of `copies` copies of `params_b` billion parameters, `unquantized_b` of
+        them at the unquantized width."""
+        return copies * 1e9 * ((params_b - unquantized_b) * self.weight_bytes
+                               + unquantized_b * self.unquantized_bytes)
 
     def kv_bytes(self, context: float) -> float:
         """Bytes of one request's KV cache at `context` tokens, whole model: what a decode
