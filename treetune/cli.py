@@ -504,14 +504,13 @@ def prior(
     kept = (f", {t.unquantized_params_b:.2f}B of them at {t.unquantized_bytes:g} bytes (left "
             f"unquantized) and the rest at {t.weight_bytes:g}" if t.unquantized_params_b
             else "")
-    share = t.kv_share(tp)
-    per_gpu = f" ({t.kv_bytes_per_token * share:.0f} on each GPU)" if tp > 1 else ""
+    # Each GPU's share of a request's KV: of its attention group's GPUs (tp without groups).
+    per_request = t.kv_bytes_per_token * t.kv_share(tp // attn_dp_size)
+    per_gpu = (f" (on each GPU, {per_request:.0f} of its attention group's requests)"
+               if attn_dp_size > 1 else f" ({per_request:.0f} on each GPU)" if tp > 1 else "")
     whole = (f", {t.replicated_params_b:.2f}B held whole on every GPU"
              if t.replicated_params_b and tp > 1 else "")
     if attn_dp_size > 1:
-        share = t.kv_share(tp // attn_dp_size)
-        per_gpu = (f" (on each GPU, {t.kv_bytes_per_token * share:.0f} of its attention "
-                   f"group's requests)")
         whole += (f", its {t.attention_params_b:.2f}B of attention copied to each of its "
                   f"{attn_dp_size} data-parallel attention groups")
     err.print(f"{escape(t.name)}: {t.total_params_b:.2f}B parameters ({t.active_params_b:.2f}B "

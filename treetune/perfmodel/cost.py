@@ -55,6 +55,12 @@ def independent_tokens(
     return 1.0 + (requests - 1.0) * diversity + extra * tree_diversity
 
 
+def busiest_group(requests: float, groups: int) -> float:
+    """The requests of the busiest of `groups` data-parallel attention groups, each new
+    request given to the least loaded (all of them with one group)."""
+    return requests if groups == 1 else math.ceil(requests / groups - 1e-9)
+
+
 class CostModel:
     """Forward-pass and round times for one profile, draft method and tensor-parallel size.
 
@@ -85,7 +91,7 @@ class CostModel:
 
     def busiest(self, requests: float) -> float:
         """The requests of the busiest attention group (all of them without groups)."""
-        return requests if self.groups == 1 else math.ceil(requests / self.groups - 1e-9)
+        return busiest_group(requests, self.groups)
 
     @property
     def _pass_overhead_s(self) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.perfmodel.cost import busiest_group
 from treetune.perfmodel.profile import Method, Profile
 
 GB = 1e9
@@ -58,12 +59,12 @@ def check_memory(
     draft_kv_per_token = 0.0
     if config is not BASELINE:
         assert isinstance(config, TreeConfig)
-        # A draft head is held whole within each attention group; an MTP layer as the
-        # target's layers are.
-        head = draft.draft is not None
-        weights += (draft.resident_bytes(t, gpus) / gpus if head else (
-            draft.resident_bytes(t, tp)
-            + (draft.mtp.attention_extra_bytes(t, groups) if draft.mtp else 0.0)) / tp)
+        if draft.draft is not None:  # a draft head: held whole within each attention group
+            weights += draft.resident_bytes(t, gpus) / gpus
+        else:  # an MTP layer: as the target's layers, its attention copied to each group
+            weights += draft.resident_bytes(t, tp) / tp
+            if draft.mtp is not None:
+                weights += draft.mtp.attention_extra_bytes(t, groups) / tp
         # An MTP layer caches as the target's attention (an MLA latent whole on every rank).
         draft_kv_per_token = draft.kv_bytes_per_token * draft.kv_share(t, gpus)
         slots += config.kv_slots_per_round if draft.has_draft_forward else config.draft_tokens
@@ -71,7 +72,7 @@ def check_memory(
     # An MLA latent is not split by tensor parallelism (every rank holds all of it), nor
     # is a KV head copied to several ranks.
     target_kv = t.kv_bytes(slots) * t.kv_share(gpus)
-    kv = -(-max_running_requests // groups) * (
+    kv = busiest_group(max_running_requests, groups) * (
         target_kv + slots * draft_kv_per_token + t.state_bytes_per_request / gpus)
     per_token = server.activation_bytes_per_token or (
         t.vocab_size * LOGIT_BYTES + 16 * t.hidden_size * 2

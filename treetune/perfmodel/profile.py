@@ -134,31 +134,19 @@ class Target:
             raise ValueError("active_params_b cannot exceed total_params_b")
         if self.kv_heads < 0:
             raise FieldError("kv_heads", f"must be >= 0, got {self.kv_heads}")
-        if not 0 <= self.replicated_params_b * 1e9 <= self.always_read_params * 1.000001:
-            raise FieldError("replicated_params_b", (
-                f"must be in 0..{self.always_read_params / 1e9:g} (the parameters every "
-                f"pass reads), got {self.replicated_params_b:g}"))
-        if not 0 <= self.replicated_unquantized_b <= min(
-                self.replicated_params_b, self.unquantized_params_b) * 1.000001:
-            raise FieldError("replicated_unquantized_b", (
-                f"must be in 0..{min(self.replicated_params_b, self.unquantized_params_b):g} "
-                "(of replicated_params_b, those among unquantized_params_b), got "
-                f"{self.replicated_unquantized_b:g}"))
-        if not 0 <= self.unquantized_params_b * 1e9 <= self.always_read_params * 1.000001:
-            raise FieldError("unquantized_params_b", (
-                f"must be in 0..{self.always_read_params / 1e9:g} (the parameters every "
-                f"pass reads), got {self.unquantized_params_b:g}"))
-        split = self.always_read_params / 1e9 - self.replicated_params_b
-        if not 0 <= self.attention_params_b <= split * 1.000001:
-            raise FieldError("attention_params_b", (
-                f"must be in 0..{split:g} (the parameters every pass reads, less "
-                f"replicated_params_b), got {self.attention_params_b:g}"))
-        if not 0 <= self.attention_unquantized_b <= min(
-                self.attention_params_b, self.unquantized_params_b) * 1.000001:
-            raise FieldError("attention_unquantized_b", (
-                f"must be in 0..{min(self.attention_params_b, self.unquantized_params_b):g} "
-                "(of attention_params_b, those among unquantized_params_b), got "
-                f"{self.attention_unquantized_b:g}"))
+        read, slack = self.always_read_params, 1.000001  # counts rounded in a file
+        _in_share(self, "replicated_params_b", read, "the parameters every pass reads",
+                  scale=1e9, slack=slack)
+        _in_share(self, "replicated_unquantized_b",
+                  min(self.replicated_params_b, self.unquantized_params_b),
+                  "of replicated_params_b, those among unquantized_params_b", slack=slack)
+        _in_share(self, "unquantized_params_b", read, "the parameters every pass reads",
+                  scale=1e9, slack=slack)
+        _in_share(self, "attention_params_b", read / 1e9 - self.replicated_params_b,
+                  "the parameters every pass reads, less replicated_params_b", slack=slack)
+        _in_share(self, "attention_unquantized_b",
+                  min(self.attention_params_b, self.unquantized_params_b),
+                  "of attention_params_b, those among unquantized_params_b", slack=slack)
         if self.attention_layers is not None and not 0 < self.attention_layers <= self.layers:
             raise FieldError("attention_layers", f"must be in 1..layers ({self.layers}), "
                              f"got {self.attention_layers}")
@@ -266,9 +254,7 @@ class Draft:
                              f"must be >= 0, got {self.resident_params_m:g}")
         if self.kv_heads < 0:
             raise FieldError("kv_heads", f"must be >= 0, got {self.kv_heads}")
-        if not 0 <= self.fc_params_m <= self.params_m:
-            raise FieldError("fc_params_m", f"must be in 0..{self.params_m:g} (of params_m), "
-                             f"got {self.fc_params_m:g}")
+        _in_share(self, "fc_params_m", self.params_m, "of params_m")
 
 
 # The method the top-level `draft` and the datasets' `acceptance` describe.
@@ -307,19 +293,11 @@ class MTP:
 
     def __post_init__(self) -> None:
         _positive(self, "dense_params_m", "kv_bytes_per_token")
-        if not 0 <= self.replicated_params_m <= self.dense_params_m:
-            raise FieldError("replicated_params_m", (
-                f"must be in 0..{self.dense_params_m:g} (of dense_params_m), got "
-                f"{self.replicated_params_m:g}"))
-        if not 0 <= self.replicated_unquantized_m <= self.replicated_params_m:
-            raise FieldError("replicated_unquantized_m", (
-                f"must be in 0..{self.replicated_params_m:g} (of replicated_params_m), got "
-                f"{self.replicated_unquantized_m:g}"))
-        split = self.dense_params_m - self.replicated_params_m
-        if not 0 <= self.attention_params_m <= split * 1.000001:
-            raise FieldError("attention_params_m", (
-                f"must be in 0..{split:g} (of dense_params_m, less replicated_params_m), "
-                f"got {self.attention_params_m:g}"))
+        _in_share(self, "replicated_params_m", self.dense_params_m, "of dense_params_m")
+        _in_share(self, "replicated_unquantized_m", self.replicated_params_m,
+                  "of replicated_params_m")
+        _in_share(self, "attention_params_m", self.dense_params_m - self.replicated_params_m,
+                  "of dense_params_m, less replicated_params_m", slack=1.000001)
 
     def width(self, target: Target) -> float:
         """Bytes per parameter of the layer's own weights (the head is the target's)."""
@@ -654,6 +632,15 @@ def _plain(value: Any) -> Any:
         return float(f"{value:.5g}")  # fitted values: no false precision in the YAML
     # Whole numbers are counted facts (147456 KV bytes per token), kept exact.
     return value
+
+
+def _in_share(obj: object, name: str, limit: float, what: str, *, scale: float = 1.0,
+              slack: float = 1.0) -> None:
+    """Refuse field `name` of `obj` outside 0..`limit` (`what` the limit is; `scale`: the
+    field's units in the limit's, `slack`: a margin for counts rounded in a file)."""
+    value = getattr(obj, name)
+    if not 0 <= value * scale <= limit * slack:
+        raise FieldError(name, f"must be in 0..{limit / scale:g} ({what}), got {value:g}")
 
 
 def _positive(obj: object, *names: str) -> None:
