@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import importlib
 import os
 import secrets
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -120,9 +122,10 @@ class _Ray:
                     # Workers at the driver's niceness (Ray's default adds 15): they launch
                     # the servers and measure them, and must not get the CPU after
                     # everything else on the machine.
-                    ray.init(num_cpus=workers + 1, resources=resources,
-                             _system_config={"worker_niceness": 0},
-                             **({"_temp_dir": temp} if temp else {}), **kwargs)
+                    with _own_process_groups():
+                        ray.init(num_cpus=workers + 1, resources=resources,
+                                 _system_config={"worker_niceness": 0},
+                                 **({"_temp_dir": temp} if temp else {}), **kwargs)
         except BaseException:
             # Failed or stopped midway: what ray.init started goes (its agents outlived an
             # interrupted start), and the environment is as it was.
@@ -179,6 +182,39 @@ class _Ray:
         if self.started_here:
             self.ray.shutdown()
         self._restore_env()
+
+
+@contextlib.contextmanager
+def _own_process_groups() -> Iterator[None]:
+    """The processes a local ray.init starts (GCS, raylet, and through the raylet its agents
+    and workers) in process groups of their own, as `ray start` puts its own: a SIGTERM to
+    the search's process group, as `timeout` and job schedulers send it, then reaches the
+    search alone, which stops its servers and shuts its Ray down. Sent to Ray too, it let
+    the dying raylet end the search first (Ray's core worker exits 1 when its raylet is
+    gone): no hint to rerun, its launches left running. Ray already blocks Ctrl-C in those
+    processes for the same reason. They still die with the search (Ray's parent-death
+    signal). Ray starts them through `ray._private.services.ConsolePopen`; where a Ray has
+    none, its processes stay in the search's group."""
+    try:
+        services = importlib.import_module("ray._private.services")
+    except ImportError:
+        services = None
+    popen = getattr(services, "ConsolePopen", None)
+    if os.name != "posix" or not isinstance(popen, type) or not issubclass(
+            popen, subprocess.Popen):
+        yield
+        return
+
+    class Grouped(popen):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = Grouped
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen
 
 
 @contextlib.contextmanager
