@@ -86,6 +86,16 @@ def test_the_auto_prior_counts_the_shipped_profiles_draft_parameters_within_3_pe
 
 
 @pytest.mark.parametrize(("profile_name", "target", "draft"), SHIPPED)
+def test_the_auto_prior_counts_the_shipped_profiles_attention_within_3_percent(
+        profile_name, target, draft):
+    """What each data-parallel attention group holds a copy of: a shipped profile without
+    it cannot price (or emulate) a server whose flags ask for groups."""
+    shipped, prior = auto_for(profile_name, target, draft)
+    assert shipped.target.attention_params_b > 0
+    assert within(prior.target.attention_params_b, shipped.target.attention_params_b, 0.03)
+
+
+@pytest.mark.parametrize(("profile_name", "target", "draft"), SHIPPED)
 def test_the_auto_prior_matches_the_shipped_profiles_kv_bytes_per_token_within_3_percent(
         profile_name, target, draft):
     shipped, prior = auto_for(profile_name, target, draft)
