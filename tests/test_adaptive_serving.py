@@ -197,10 +197,20 @@ def test_adaptive_mode_fills_in_topk_1_the_middle_candidate_and_steps_plus_one_t
      "speculative_eagle_topk=4 (only topk=1 is supported)"),
     (flags("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d"),
      "speculative_algorithm=STANDALONE (only EAGLE/EAGLE3 are supported)"),
-], ids=["topk 4", "standalone draft"])
+    (spec_flags("--attn-dp-size", "2"), "enable_dp_attention=True is not supported "
+     "(adaptive tier decisions are not synchronized across DP ranks)"),
+    (spec_flags("--enable-dp-attention", "--dp-size", "4"), "enable_dp_attention=True is "
+     "not supported (adaptive tier decisions are not synchronized across DP ranks)"),
+], ids=["topk 4", "standalone draft", "attention dp", "attention dp, 0.5.23's old flags"])
 def test_where_adaptive_mode_cannot_run_the_flags_give_a_static_server(args, reason):
     settings = parse([*args, *ADAPTIVE])
     assert settings.adaptive is None and settings.adaptive_fallback == reason
+
+
+def test_enable_dp_attention_alone_leaves_adaptive_mode_on():
+    # --enable-dp-attention with --dp-size 1 runs no data-parallel attention in 0.5.23.
+    settings = parse(spec_flags("--enable-dp-attention", *ADAPTIVE))
+    assert settings.adaptive is not None and settings.adaptive_fallback is None
 
 
 def test_an_adaptive_config_sglang_refuses_is_refused_at_parse_time(tmp_path):

@@ -121,16 +121,24 @@ def initial_steps(config: Mapping[str, Any], given: int | None) -> int:
     return given
 
 
-def unsupported_reason(algorithm: str | None, topk: int | None) -> str | None:
+DP_ATTENTION_REASON = ("enable_dp_attention=True is not supported (adaptive tier decisions "
+                       "are not synchronized across DP ranks)")
+
+
+def unsupported_reason(algorithm: str | None, topk: int | None,
+                       attention_dp: bool = False) -> str | None:
     """Why SGLang would not run adaptive mode with these flags (it then logs a warning
-    and serves static trees), or None. Of SGLang's reasons, treetune launches only these
-    two; attention DP, multi-layer EAGLE, two-batch overlap and PD-mux it never passes."""
+    and serves static trees), or None: SGLang's reasons in its order, of those a study's
+    flags can ask for (data-parallel attention through its `server_flags`); multi-layer
+    EAGLE, two-batch overlap and PD-mux treetune never passes."""
     if algorithm is not None:
         algorithm = ALIASES.get(algorithm.upper(), algorithm.upper())
     if algorithm is None or algorithm not in ALGORITHMS:
         return f"speculative_algorithm={algorithm} (only EAGLE/EAGLE3 are supported)"
     if topk is not None and topk != 1:
         return f"speculative_eagle_topk={topk} (only topk=1 is supported)"
+    if attention_dp:
+        return DP_ATTENTION_REASON
     return None
 
 

@@ -260,7 +260,8 @@ def parse(argv: list[str]) -> EmulatorSettings:
         raise LaunchError(f"--context-length must be >= 1, got {ns.context_length}")
     if ns.max_running_requests is not None and ns.max_running_requests < 1:
         raise LaunchError(f"--max-running-requests must be >= 1, got {ns.max_running_requests}")
-    adaptive, fallback = _adaptive(ns)
+    parallel = ServerFlags(_flags_of(unknown))
+    adaptive, fallback = _adaptive(ns, parallel.attention_dp is not None)
     config = _tree(ns, adaptive)
     algorithm = ns.speculative_algorithm.upper() if config is not BASELINE else None
     attention = ns.attention_backend or (
@@ -272,7 +273,6 @@ def parse(argv: list[str]) -> EmulatorSettings:
     )
     if isinstance(config, TreeConfig) and algorithm:
         _check_drafting(algorithm, attention, config.topk, unknown)
-    parallel = ServerFlags(_flags_of(unknown))
     groups = parallel.attention_dp_size
     if groups > 1:
         if ns.tp_size % groups:
@@ -388,14 +388,16 @@ def _flags_of(args: list[str]) -> dict[str, str | None]:
     return flags
 
 
-def _adaptive(ns: argparse.Namespace) -> tuple[AdaptiveLaunch | None, str | None]:
+def _adaptive(ns: argparse.Namespace, attention_dp: bool
+              ) -> tuple[AdaptiveLaunch | None, str | None]:
     """`--speculative-adaptive` as SGLang takes it: dropped, with only a warning, when it
-    cannot run; else its config is loaded and checked, and the starting steps must be one
-    of its candidates (the middle one when not given)."""
+    cannot run (data-parallel attention among the reasons); else its config is loaded and
+    checked, and the starting steps must be one of its candidates (the middle one when not
+    given)."""
     if not ns.speculative_adaptive:
         return None, None
     reason = sglang_adaptive.unsupported_reason(ns.speculative_algorithm,
-                                                ns.speculative_eagle_topk)
+                                                ns.speculative_eagle_topk, attention_dp)
     if reason is not None:
         return None, reason
     try:
