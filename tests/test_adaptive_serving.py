@@ -201,7 +201,10 @@ def test_adaptive_mode_fills_in_topk_1_the_middle_candidate_and_steps_plus_one_t
      "(adaptive tier decisions are not synchronized across DP ranks)"),
     (spec_flags("--enable-dp-attention", "--dp-size", "4"), "enable_dp_attention=True is "
      "not supported (adaptive tier decisions are not synchronized across DP ranks)"),
-], ids=["topk 4", "standalone draft", "attention dp", "attention dp, 0.5.23's old flags"])
+    (spec_flags("--enable-two-batch-overlap"), "enable_two_batch_overlap=True is not "
+     "supported (adaptive state swap would discard the TboAttnBackend wrapper)"),
+], ids=["topk 4", "standalone draft", "attention dp", "attention dp, 0.5.23's old flags",
+        "two-batch overlap"])
 def test_where_adaptive_mode_cannot_run_the_flags_give_a_static_server(args, reason):
     settings = parse([*args, *ADAPTIVE])
     assert settings.adaptive is None and settings.adaptive_fallback == reason

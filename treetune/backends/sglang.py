@@ -24,7 +24,11 @@ from treetune.backends._base import (
     parse_version,
     register,
 )
-from treetune.backends.sglang_adaptive import fallback_reason
+from treetune.backends.sglang_adaptive import (
+    DP_ATTENTION_REASON,
+    STATIC_WITH,
+    fallback_reason,
+)
 from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.errors import FieldError, InvalidTreeError, TreetuneError
 from treetune.facts.gpus import BLACKWELL_GPUS
@@ -298,6 +302,16 @@ class ServerFlags:
         flag = self.above("--dp-size", 1)
         converted = self.given("--enable-dp-attention") and not self.above("--attn-dp-size", 1)
         return flag if flag and not converted else None
+
+
+def adaptive_blocker(flags: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The server flag with which SGLang serves static trees though adaptive steps were
+    asked for (it only logs why), and its reason; None when there is none."""
+    parallel = ServerFlags(flags)
+    if flag := parallel.attention_dp:
+        return flag, DP_ATTENTION_REASON
+    return next(((flag, reason) for name, reason in STATIC_WITH.items()
+                 if (flag := parallel.given(name))), None)
 
 
 def attention_dp_size(flags: Mapping[str, Any]) -> int:

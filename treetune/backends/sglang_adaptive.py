@@ -123,22 +123,29 @@ def initial_steps(config: Mapping[str, Any], given: int | None) -> int:
 
 DP_ATTENTION_REASON = ("enable_dp_attention=True is not supported (adaptive tier decisions "
                        "are not synchronized across DP ranks)")
+# Switches with which SGLang serves static trees though adaptive steps were asked for, and
+# its reason (adaptive_unsupported_reason, in its order after data-parallel attention;
+# SGLang's parser takes a prefix of each too: `sglang.adaptive_blocker`).
+STATIC_WITH = {
+    "--enable-multi-layer-eagle": "enable_multi_layer_eagle=True is not supported "
+                                  "(MultiLayerEagleWorker does not implement adaptive)",
+    "--enable-two-batch-overlap": "enable_two_batch_overlap=True is not supported (adaptive "
+                                  "state swap would discard the TboAttnBackend wrapper)",
+    "--enable-pdmux": "enable_pdmux=True is not supported (adaptive state swap does not "
+                      "update decode_attn_backend_group)",
+}
 
 
-def unsupported_reason(algorithm: str | None, topk: int | None,
-                       attention_dp: bool = False) -> str | None:
-    """Why SGLang would not run adaptive mode with these flags (it then logs a warning
-    and serves static trees), or None: SGLang's reasons in its order, of those a study's
-    flags can ask for (data-parallel attention through its `server_flags`); multi-layer
-    EAGLE, two-batch overlap and PD-mux treetune never passes."""
+def unsupported_reason(algorithm: str | None, topk: int | None) -> str | None:
+    """Why SGLang would not run adaptive mode with this algorithm and topk (it then logs a
+    warning and serves static trees), or None: SGLang's first two reasons; the server
+    flags' come after them (`sglang.adaptive_blocker`)."""
     if algorithm is not None:
         algorithm = ALIASES.get(algorithm.upper(), algorithm.upper())
     if algorithm is None or algorithm not in ALGORITHMS:
         return f"speculative_algorithm={algorithm} (only EAGLE/EAGLE3 are supported)"
     if topk is not None and topk != 1:
         return f"speculative_eagle_topk={topk} (only topk=1 is supported)"
-    if attention_dp:
-        return DP_ATTENTION_REASON
     return None
 
 

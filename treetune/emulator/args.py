@@ -28,6 +28,7 @@ from treetune.backends.sglang import (
     REJECTION_SAMPLING_FLAGS,
     SPEC_DEFAULT_MAX_RUNNING,
     ServerFlags,
+    adaptive_blocker,
     command_line_only,
     needs_draft_model,
     ngram_tree,
@@ -261,7 +262,7 @@ def parse(argv: list[str]) -> EmulatorSettings:
     if ns.max_running_requests is not None and ns.max_running_requests < 1:
         raise LaunchError(f"--max-running-requests must be >= 1, got {ns.max_running_requests}")
     parallel = ServerFlags(_flags_of(unknown))
-    adaptive, fallback = _adaptive(ns, parallel.attention_dp is not None)
+    adaptive, fallback = _adaptive(ns, parallel)
     config = _tree(ns, adaptive)
     algorithm = ns.speculative_algorithm.upper() if config is not BASELINE else None
     attention = ns.attention_backend or (
@@ -388,16 +389,17 @@ def _flags_of(args: list[str]) -> dict[str, str | None]:
     return flags
 
 
-def _adaptive(ns: argparse.Namespace, attention_dp: bool
+def _adaptive(ns: argparse.Namespace, parallel: ServerFlags
               ) -> tuple[AdaptiveLaunch | None, str | None]:
     """`--speculative-adaptive` as SGLang takes it: dropped, with only a warning, when it
-    cannot run (data-parallel attention among the reasons); else its config is loaded and
-    checked, and the starting steps must be one of its candidates (the middle one when not
-    given)."""
+    cannot run (`parallel`: the flags the emulator does not model, data-parallel attention
+    and two-batch overlap among them); else its config is loaded and checked, and the
+    starting steps must be one of its candidates (the middle one when not given)."""
     if not ns.speculative_adaptive:
         return None, None
-    reason = sglang_adaptive.unsupported_reason(ns.speculative_algorithm,
-                                                ns.speculative_eagle_topk, attention_dp)
+    blocker = adaptive_blocker(parallel.flags)
+    reason = sglang_adaptive.unsupported_reason(
+        ns.speculative_algorithm, ns.speculative_eagle_topk) or (blocker and blocker[1])
     if reason is not None:
         return None, reason
     try:

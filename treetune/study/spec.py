@@ -32,8 +32,8 @@ from treetune.backends.sglang import (
     KNOWN_ALGORITHMS,
     NGRAM,
     ONE_VALUE_FLAGS,
-    ServerFlags,
     SGLangBackend,
+    adaptive_blocker,
     flag_not_in_release,
     managed_flag,
     method_tree_problem,
@@ -41,11 +41,7 @@ from treetune.backends.sglang import (
     parallel_flag_problem,
     parse_method_tree,
 )
-from treetune.backends.sglang_adaptive import (
-    DP_ATTENTION_REASON,
-    SLOT_CONFIG_SINCE,
-    unsupported_reason,
-)
+from treetune.backends.sglang_adaptive import SLOT_CONFIG_SINCE, unsupported_reason
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.datasets import DatasetSpec, builtin_names
 from treetune.errors import (
@@ -437,13 +433,12 @@ class StudySpec:
         if problem := parallel_flag_problem(self.server_flags, self.method_names, self.tp,
                                             self.max_batch):
             raise FieldError("server_flags", f"server_flags: {problem}")
-        flag = ServerFlags(self.server_flags).attention_dp if self.adaptive else None
-        if flag is not None:
+        if self.adaptive and (blocker := adaptive_blocker(self.server_flags)):
             # SGLang would serve the adaptive launches as static chains, labeled adaptive.
+            flag, reason = blocker
             raise FieldError("adaptive", f"adaptive: SGLang's adaptive steps do not run with "
-                             f"data-parallel attention (server_flags: '{flag}'; "
-                             f"{DP_ATTENTION_REASON}): give adaptive: false, or drop the "
-                             "data-parallel attention flags")
+                             f"server_flags '{flag}' ({reason}): give adaptive: false, or "
+                             f"leave '{flag}' out")
 
     def _check_objective(self) -> None:
         if not isinstance(self.objective, Objective):
