@@ -193,6 +193,24 @@ def test_a_dataset_served_alone_whose_batch_sizes_want_different_trees_has_its_p
     assert "| 3 | 1 | (3,4,8) | `launch/humaneval-batch1.sh` |" in alone
 
 
+def test_pools_on_one_host_bind_no_port_twice_with_data_parallel_attention(tmp_path):
+    """With data-parallel attention SGLang binds ports derived from --port (PortArgs:
+    --port + 233 to + 240; the DP handshake at --port + 13): pools on consecutive ports
+    shared six of them, and the second pool never started (a helper's audit)."""
+    pools = (written(tmp_path) / "POOLS.md").read_text()
+    lines = [shlex.split(line) for line in pools.splitlines()
+             if line.startswith(("python -m sglang.launch_server --model-path",
+                                 "python -m sglang_router.launch_router"))]
+    taken: list[int] = []
+    for argv in lines:
+        port = int(argv[argv.index("--port") + 1])
+        if "sglang.launch_server" in argv:
+            taken += [port, port + 13, *range(port + 233, port + 241)]
+        else:
+            taken += [port, int(argv[argv.index("--prometheus-port") + 1])]
+    assert len(lines) == 8 and len(taken) == len(set(taken)), sorted(taken)
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "10.1.2.3"])
 def test_the_routers_listen_where_the_study_s_servers_do(tmp_path, host):
     pools = (written(tmp_path, host=host) / "POOLS.md").read_text()

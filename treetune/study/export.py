@@ -35,8 +35,12 @@ ADAPTIVE_FILE = "ADAPTIVE.md"
 # Where a launch script's adaptive config is: next to the script, wherever it is run from.
 # The word stands for it in the command line until the script says it in shell.
 _NEXT_TO_SCRIPT = "TREETUNE_ADAPTIVE_CONFIG"
-SERVER_PORT_BASE = 30000  # pool i serves on 30000 + i
-ROUTER_PORT_BASE = 31000  # its router on 31000 + i
+# Pool i serves on 30001 + 100 (i - 1), its router 50 above. Spaced: with data-parallel
+# attention SGLang also binds ports derived from --port (its ZMQ and rendezvous ports at
+# --port + 233 to + 240, a handshake at --port + 13), which consecutive ports would share.
+SERVER_PORT_BASE = 30001
+POOL_PORT_STEP = 100
+ROUTER_PORT_OFFSET = 50
 ROUTER_METRICS_PORT_BASE = 29000  # the router's Prometheus port defaults to 29000: one each
 
 
@@ -199,11 +203,11 @@ class Pool:
 
     @property
     def port(self) -> int:
-        return SERVER_PORT_BASE + self.index
+        return SERVER_PORT_BASE + POOL_PORT_STEP * (self.index - 1)
 
     @property
     def router_port(self) -> int:
-        return ROUTER_PORT_BASE + self.index
+        return self.port + ROUTER_PORT_OFFSET
 
     @property
     def metrics_port(self) -> int:
