@@ -209,12 +209,10 @@ def test_a_flag_the_targeted_sglang_renamed_is_refused_with_its_name_there(
     ({"--enable-dp-attention": None, "--dp-size": 2}, "", "2 data-parallel attention "
      "groups do not divide tp 1"),
     ({"--attn-dp-size": ["2"]}, "tp: 2\nbatch: [1, 8]\n", None),
-    ({"--attn-dp-size": 4}, "tp: 4\nbatch: [1, 3]\n", None),  # 3 groups of one request
-    # Each attention group takes max_running_requests // groups: batch 6 over 4 never forms.
-    ({"--attn-dp-size": 4}, "tp: 4\nbatch: [1, 6]\n", "'--attn-dp-size': SGLang 0.5.23 gives "
-     "each of the 4 data-parallel attention groups max_running_requests // 4 requests, and "
-     "treetune sets max_running_requests to the largest batch size, 6: only 4 would run at "
-     "once, so that batch never forms. Give batch sizes whose largest is a multiple of 4"),
+    # Each attention group takes max_running_requests // groups: launched with a multiple
+    # of them (test_launch.py), batch 3 or 6 over 4 groups forms.
+    ({"--attn-dp-size": 4}, "tp: 4\nbatch: [1, 3]\n", None),
+    ({"--attn-dp-size": 4}, "tp: 4\nbatch: [1, 6]\n", None),
     ({"--nnodes": 1, "--node-rank": 0, "--pp-size": 1, "--dp-size": 1}, "", None),
     # A review's cases: a one-value list is the value; --dp-size beside --attn-dp-size
     # above 1 still counts replicas; --enable-dp-attention alone does nothing in 0.5.23;
@@ -248,6 +246,33 @@ def test_parallelism_flags_that_would_fail_every_launch_are_refused_before_ray(
         load_study(path)
     message = str(info.value)
     assert refused in message and "key 'server_flags'" in message, message
+
+
+@pytest.mark.parametrize(("flags", "batch", "running"), [
+    ("{--attn-dp-size: 4}", "[1, 3]", 4), ("{--attn-dp-size: 4}", "[1, 6]", 8),
+    ("{--attn-dp-size: 4}", "[1, 8]", 8),
+    ("{--enable-dp-attention: null, --dp-size: 2}", "[1, 3]", 4), ("{}", "[1, 6]", 6)])
+def test_each_attention_group_is_launched_with_at_least_its_share_of_the_largest_batch(
+        tmp_path, flags, batch, running):
+    """SGLang gives each of D attention groups max_running_requests // D requests and
+    asserts that is one or more: launched with the largest batch, 3 over 4 groups failed
+    every launch at start-up, and 6 was refused (a helper's audit). A multiple of D."""
+    path = tmp_path / "s.yaml"
+    path.write_text(f"model: m\ndraft: d\ndatasets: [humaneval]\ntp: 4\nbatch: {batch}\n"
+                    f"server_flags: {flags}\n")
+    launch = load_study(path).launch_spec()
+    assert launch.max_running_requests == running
+    from treetune.emulator.args import LaunchError, parse
+
+    args = [a for pair in launch.extra_flags for a in (pair[0], *([] if pair[1] is None else
+                                                                 [str(pair[1])]))]
+    settings = parse(["--profile", "qwen3-coder-next-h200", "--model-path", "m",
+                      "--tp-size", "4", "--max-running-requests", str(running), *args])
+    assert settings.max_running_requests == running
+    if "dp" in flags:  # as SGLang 0.5.23's tp_worker.py asserts
+        with pytest.raises(LaunchError, match="AssertionError: max_running_request is zero"):
+            parse(["--profile", "qwen3-coder-next-h200", "--model-path", "m", "--tp-size",
+                   "4", "--max-running-requests", "1", *args])
 
 
 def test_a_server_flag_written_with_its_value_in_the_key_is_refused(tmp_path):

@@ -489,10 +489,11 @@ def deepep_problem(flags: Mapping[str, Any], env: Mapping[str, str], tp: int,
                 f"{DEEPEP_MAX_CAP} tokens per GPU")
     groups = parallel.attention_dp_size
     group_gpus = tp // groups if tp % groups == 0 else tp
-    # An attention group's share of the largest batch, as SGLang sizes its request pool,
-    # padded to a multiple of the group's GPUs as it sizes its largest CUDA graph (with an
+    # An attention group's share of the largest batch, as SGLang sizes its request pool
+    # (max_running_requests // groups, treetune launching running_requests_for), padded
+    # to a multiple of the group's GPUs as it sizes its largest CUDA graph (with an
     # all-to-all backend, the group's tokens are spread evenly over its GPUs).
-    requests = max(1, max_batch // groups)
+    requests = running_requests_for(max_batch, flags) // groups
     padded = -(-requests // group_gpus) * group_gpus
 
     def per_gpu(tokens: int) -> int:
@@ -522,16 +523,15 @@ def deepep_problem(flags: Mapping[str, Any], env: Mapping[str, str], tp: int,
 
 
 def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
-                          tp: int = 1, max_batch: int = 1) -> str:
+                          tp: int = 1) -> str:
     """Why a study's server flags would make SGLang (0.5.23) fail every launch, or use
     GPUs its worker was not given ("" when none): a flag SGLang dropped; a server spanning
     nodes; pipeline parallelism (tp x pp GPUs, and no EAGLE3 or STANDALONE draft with it);
     data-parallel replicas (tp x dp GPUs); STANDALONE or NGRAM with attention data
-    parallelism, or
-    an attention data-parallel size that does not divide `tp`, or a `max_batch` above it
-    (each group takes max_running_requests // its count, at least one, so a largest batch
-    it does not divide never forms).
-    Expert parallelism and attention data parallelism live within the tp GPUs: allowed."""
+    parallelism, or an attention data-parallel size that does not divide `tp`. Expert
+    parallelism and attention data parallelism live within the tp GPUs: allowed (each
+    attention group takes max_running_requests // its count: treetune launches a multiple
+    of it, `running_requests_for`)."""
     parallel = ServerFlags(flags)
     for dropped, instead in DROPPED_FLAGS.items():
         if dropped in flags:  # by its whole name: a prefix may be another flag's now
@@ -569,12 +569,6 @@ def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
     if flag and tp % groups:
         return (f"'{flag}': {groups} data-parallel attention groups do not divide tp {tp} "
                 "(SGLang 0.5.23 asserts tp is a multiple of them): give a divisor of tp")
-    if flag and max_batch > groups and max_batch % groups:
-        return (f"'{flag}': SGLang 0.5.23 gives each of the {groups} data-parallel attention "
-                f"groups max_running_requests // {groups} requests, and treetune sets "
-                f"max_running_requests to the largest batch size, {max_batch}: only "
-                f"{max_batch // groups * groups} would run at once, so that batch "
-                f"never forms. Give batch sizes whose largest is a multiple of {groups}")
     return ""
 
 

@@ -284,8 +284,13 @@ def parse(argv: list[str]) -> EmulatorSettings:
                    else ("--enable-dp-attention", "--dp-size"))
         used = {parallel.given(f) for f in sources}
         ignored = [a for a in ignored if a.partition("=")[0] not in used]
-        # Each group runs max_running_requests // groups requests at most.
-        max_running = max(max_running // groups, 1) * groups
+        # Each group runs max_running_requests // groups requests at most (tp_worker.py
+        # asserts that is one or more).
+        if max_running < groups:
+            raise LaunchError("AssertionError: max_running_request is zero (each of the "
+                              f"{groups} data-parallel attention groups takes "
+                              f"max_running_requests // {groups} = 0 requests)")
+        max_running = max_running // groups * groups
     return EmulatorSettings(
         profile=ns.profile,
         world=ns.world,

@@ -40,6 +40,7 @@ from treetune.backends.sglang import (
     needs_draft_model,
     parallel_flag_problem,
     parse_method_tree,
+    running_requests_for,
 )
 from treetune.backends.sglang_adaptive import SLOT_CONFIG_SINCE, unsupported_reason
 from treetune.config import BASELINE, ServerConfig, TreeConfig
@@ -430,8 +431,7 @@ class StudySpec:
                 raise FieldError("server_flags", f"server_flags: {what} is set by treetune "
                                  f"for every launch ({where}); given here too, it would "
                                  "override that (the last value wins)")
-        if problem := parallel_flag_problem(self.server_flags, self.method_names, self.tp,
-                                            self.max_batch):
+        if problem := parallel_flag_problem(self.server_flags, self.method_names, self.tp):
             raise FieldError("server_flags", f"server_flags: {problem}")
         if self.adaptive and (blocker := adaptive_blocker(self.server_flags)):
             # SGLang would serve the adaptive launches as static chains, labeled adaptive.
@@ -585,7 +585,9 @@ class StudySpec:
             tp=self.tp,
             host=host or self.host,
             port=port,
-            max_running_requests=self.max_batch,
+            # With D attention groups each takes max_running_requests // D: a multiple
+            # of D lets the largest batch form (SGLang asserts each gets one or more).
+            max_running_requests=running_requests_for(self.max_batch, self.server_flags),
             cuda_graph_max_bs=self.max_batch,
             attention_backend=attention,
             mem_fraction_static=float(mem_fraction) if mem_fraction else None,
