@@ -297,6 +297,23 @@ def test_production_servers_with_attention_groups_hold_a_whole_share_of_their_ba
     assert sized == {1: 4, 6: 8, 32: 32}
 
 
+def test_a_batch_1_script_with_two_gpus_per_attention_group_leaves_a_graph_to_capture(
+        tmp_path):
+    """SGLang captures only multiples of an attention group's GPUs there: capped at 1,
+    the batch-1 script captured nothing and failed at start-up (a helper's audit)."""
+    import dataclasses
+
+    from treetune.study.export import launch_argv
+
+    s = spec(tmp_path, tp=8, server_flags={"--attn-dp-size": 4})
+    recs = recommend(s, [BASE, WIDE, NARROW], BASE)
+    caps = {}
+    for batch in (1, 32):
+        argv = launch_argv(s, dataclasses.replace(recs[0], batch=batch))
+        caps[batch] = int(argv[argv.index("--cuda-graph-max-bs-decode") + 1])
+    assert caps == {1: 2, 32: 32}
+
+
 def test_flags_sglangs_config_reader_refuses_stay_on_the_command_line_after_the_file(tmp_path):
     """SGLang 0.5.23's --config reader takes plain store_true flags only: a config file
     holding `enable-dp-attention: true` (a deprecated switch) or a --no-X failed at start-up

@@ -411,3 +411,21 @@ def test_a_local_gpu_node_s_own_gpu_decides_and_an_emulated_study_s_never_does(
     with pytest.raises(TreetuneError, match=r"trtllm_mha attention backend, which SGLang "
                        r"picks for GptOssForCausalLM on B200, drafts chains only"):
         check_study(real)
+
+
+@pytest.mark.parametrize(("batch", "flags", "tp", "cap"), [
+    (1, {}, 8, 1), (3, {}, 8, 3),
+    # Two GPUs per attention group: a cap of 1 leaves SGLang no batch size to capture.
+    (1, {"--attn-dp-size": 4}, 8, 2), (8, {"--attn-dp-size": 4}, 8, 8),
+    (1, {"--attn-dp-size": 8}, 8, 1),  # one GPU per group: any size
+    (1, {"--moe-a2a-backend": "deepep"}, 8, 8), (1, {"--moe-a2a-backend": "deepep"}, 1, 1),
+    (1, {"--enable-two-batch-overlap": None}, 1, 2),
+    (1, {"--attn-dp-size": 4, "--enable-two-batch-overlap": None}, 8, 4),
+    (16, {"--attn-dp-size": 2, "--enable-two-batch-overlap": None}, 8, 16)])
+def test_the_cuda_graph_cap_leaves_sglang_a_batch_size_to_capture(batch, flags, tp, cap):
+    """get_batch_sizes_to_capture keeps only multiples of the attention group's GPUs where
+    tokens are gathered (twice that with two-batch overlap) and fails when none is left
+    (a helper's audit: an exported batch-1 script with two GPUs per group)."""
+    from treetune.backends.sglang import cuda_graphs_for
+
+    assert cuda_graphs_for(batch, flags, tp) == cap

@@ -320,6 +320,26 @@ def attention_dp_size(flags: Mapping[str, Any]) -> int:
     return ServerFlags(flags).attention_dp_size
 
 
+def cuda_graphs_for(batch: int, flags: Mapping[str, Any], tp: int) -> int:
+    """The --cuda-graph-max-bs(-decode) for servers of `batch` requests. SGLang captures
+    only batch sizes that are multiples of 2 with two-batch overlap, and, where the
+    attention's tokens are gathered (data-parallel attention, or an all-to-all MoE backend
+    over tp > 1), of an attention group's GPUs too (`get_batch_sizes_to_capture`); it fails
+    at start-up when none is at or below the cap (a cap of 1 with two GPUs per group
+    captured nothing). So the cap reaches a group's share of `batch` rounded up to that
+    multiple; otherwise it is `batch`."""
+    parallel = ServerFlags(flags)
+    groups = parallel.attention_dp_size
+    if tp % groups:
+        return batch
+    a2a = (parallel.value("--moe-a2a-backend") or "none") != "none"
+    multiple = tp // groups if groups > 1 or a2a else 1
+    if parallel.given("--enable-two-batch-overlap"):
+        multiple *= 2
+    share = -(-batch // groups)
+    return max(batch, -(-share // multiple) * multiple)
+
+
 def running_requests_for(batch: int, flags: Mapping[str, Any]) -> int:
     """The --max-running-requests that lets `batch` requests run at once: with D
     data-parallel attention groups each takes max_running_requests // D, so a multiple of

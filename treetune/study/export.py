@@ -17,7 +17,7 @@ import yaml
 
 from treetune.backends import Deployment, shell_line
 from treetune.backends.chain_schedules import ChainSchedule, trtllm_schedule, vllm_schedule
-from treetune.backends.sglang import running_requests_for
+from treetune.backends.sglang import cuda_graphs_for, running_requests_for
 from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.study.recommend import (
     ADAPTIVE,
@@ -95,7 +95,8 @@ def deployment(spec: StudySpec, rec: Recommendation, port: int | None = None,
         path = adaptive_path or Path(adaptive_name(rec.workload)).name
     launch = dataclasses.replace(
         base, max_running_requests=running_requests_for(batch, spec.server_flags),
-        cuda_graph_max_bs=batch, adaptive_config_path=path)
+        cuda_graph_max_bs=cuda_graphs_for(batch, spec.server_flags, spec.tp),
+        adaptive_config_path=path)
     return spec.backend.deployment(launch, rec.config)
 
 

@@ -34,6 +34,7 @@ from treetune.backends.sglang import (
     ONE_VALUE_FLAGS,
     SGLangBackend,
     adaptive_blocker,
+    cuda_graphs_for,
     flag_not_in_release,
     managed_flag,
     method_tree_problem,
@@ -588,7 +589,7 @@ class StudySpec:
             # With D attention groups each takes max_running_requests // D: a multiple
             # of D lets the largest batch form (SGLang asserts each gets one or more).
             max_running_requests=running_requests_for(self.max_batch, self.server_flags),
-            cuda_graph_max_bs=self.max_batch,
+            cuda_graph_max_bs=cuda_graphs_for(self.max_batch, self.server_flags, self.tp),
             attention_backend=attention,
             mem_fraction_static=float(mem_fraction) if mem_fraction else None,
             extra_flags=tuple((k, tuple(v) if isinstance(v, list) else v)
