@@ -190,6 +190,13 @@ def test_a_study_whose_trees_deepep_cannot_dispatch_is_refused_before_ray(tmp_pa
     # The study's env raises the cap to its widest pass: refused no more.
     check_study(load_study(None, small_study(tmp_path, batch=[1, 32], server_flags=flags,
                                              env={CAP: "256"})))
+    # This shell's value is not the study's: the exported scripts and other nodes' servers
+    # would not get it (a helper's audit: the shell's passed, the scripts failed).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CAP, "512")
+        with pytest.raises(TreetuneError, match=f"{CAP} is set in this shell, but the launch "
+                           "scripts and the servers on other nodes get only the study's env"):
+            check_study(spec)
 
 
 def test_the_widest_pass_of_each_draft_method_counts_its_space_its_compared_trees_and_nextn_topk(
@@ -429,3 +436,35 @@ def test_the_cuda_graph_cap_leaves_sglang_a_batch_size_to_capture(batch, flags, 
     from treetune.backends.sglang import cuda_graphs_for
 
     assert cuda_graphs_for(batch, flags, tp) == cap
+
+
+@pytest.mark.parametrize(("flags", "tp", "refused"), [
+    ({"--ep-size": 4}, 4, None), ({"--ep-size": 2}, 4, None),
+    ({"--ep-size": 8}, 4, "'--ep-size' 8: the expert-parallel ranks are a divisor of tp 4"),
+    ({"--ep": 3}, 4, "'--ep' 3: the expert-parallel ranks are a divisor of tp 4"),
+    ({"--moe-dense-tp-size": 1}, 4, None), ({"--moe-dense-tp-size": 4}, 4, None),
+    ({"--moe-dense-tp-size": 2}, 4, "SGLang asserts the dense layers' tp is 1 or the "
+     "server's, 4"),
+    ({"--enable-two-batch-overlap": None}, 4, "'--enable-two-batch-overlap': SGLang runs "
+     "two-batch overlap only with an all-to-all MoE backend"),
+    ({"--enable-two-batch-overlap": None, "--moe-a2a-backend": "deepep"}, 4, None),
+    ({"--enable-two-batch-overlap": None, "--attn-dp-size": 2}, 4, None)])
+def test_expert_parallel_and_overlap_flags_sglang_fails_at_start_up_are_refused(
+        flags, tp, refused):
+    """SGLang divides tp by the expert-parallel size, asserts moe_dense_tp_size in (None,
+    1, tp), and refuses two-batch overlap without an all-to-all backend or data-parallel
+    attention (a helper's audit: each study loaded and every launch failed)."""
+    from treetune.backends.sglang import parallel_flag_problem
+
+    problem = parallel_flag_problem(flags, {"EAGLE3"}, tp)
+    if refused is None:
+        assert problem == ""
+    else:
+        assert refused in problem, problem
+
+
+def test_dense_layers_on_one_gpu_gather_the_attention_as_data_parallel_attention_does():
+    from treetune.backends.sglang import cuda_graphs_for
+
+    assert cuda_graphs_for(1, {"--moe-dense-tp-size": "1"}, 2) == 2
+    assert cuda_graphs_for(1, {"--moe-dense-tp-size": "2"}, 2) == 1

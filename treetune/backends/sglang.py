@@ -323,17 +323,18 @@ def attention_dp_size(flags: Mapping[str, Any]) -> int:
 def cuda_graphs_for(batch: int, flags: Mapping[str, Any], tp: int) -> int:
     """The --cuda-graph-max-bs(-decode) for servers of `batch` requests. SGLang captures
     only batch sizes that are multiples of 2 with two-batch overlap, and, where the
-    attention's tokens are gathered (data-parallel attention, or an all-to-all MoE backend
-    over tp > 1), of an attention group's GPUs too (`get_batch_sizes_to_capture`); it fails
-    at start-up when none is at or below the cap (a cap of 1 with two GPUs per group
-    captured nothing). So the cap reaches a group's share of `batch` rounded up to that
-    multiple; otherwise it is `batch`."""
+    attention's tokens are gathered (data-parallel attention, an all-to-all MoE backend or
+    dense layers on one GPU, over tp > 1), of an attention group's GPUs too
+    (`get_batch_sizes_to_capture`); it fails at start-up when none is at or below the cap
+    (a cap of 1 with two GPUs per group captured nothing). So the cap reaches a group's
+    share of `batch` rounded up to that multiple; otherwise it is `batch`."""
     parallel = ServerFlags(flags)
     groups = parallel.attention_dp_size
     if tp % groups:
         return batch
-    a2a = (parallel.value("--moe-a2a-backend") or "none") != "none"
-    multiple = tp // groups if groups > 1 or a2a else 1
+    gathered = (groups > 1 or (parallel.value("--moe-a2a-backend") or "none") != "none"
+                or parallel.number("--moe-dense-tp-size") == 1)
+    multiple = tp // groups if gathered else 1
     if parallel.given("--enable-two-batch-overlap"):
         multiple *= 2
     share = -(-batch // groups)
@@ -548,10 +549,12 @@ def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
     GPUs its worker was not given ("" when none): a flag SGLang dropped; a server spanning
     nodes; pipeline parallelism (tp x pp GPUs, and no EAGLE3 or STANDALONE draft with it);
     data-parallel replicas (tp x dp GPUs); STANDALONE or NGRAM with attention data
-    parallelism, or an attention data-parallel size that does not divide `tp`. Expert
-    parallelism and attention data parallelism live within the tp GPUs: allowed (each
-    attention group takes max_running_requests // its count: treetune launches a multiple
-    of it, `running_requests_for`)."""
+    parallelism; an attention data-parallel size or an expert-parallel size that does not
+    divide `tp`; dense layers' tp neither 1 nor `tp`; two-batch overlap with neither an
+    all-to-all MoE backend nor data-parallel attention. Expert parallelism and attention
+    data parallelism live within the tp GPUs: allowed (each attention group takes
+    max_running_requests // its count: treetune launches a multiple of it,
+    `running_requests_for`)."""
     parallel = ServerFlags(flags)
     for dropped, instead in DROPPED_FLAGS.items():
         if dropped in flags:  # by its whole name: a prefix may be another flag's now
@@ -589,6 +592,20 @@ def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
     if flag and tp % groups:
         return (f"'{flag}': {groups} data-parallel attention groups do not divide tp {tp} "
                 "(SGLang 0.5.23 asserts tp is a multiple of them): give a divisor of tp")
+    ep = parallel.number("--ep-size")
+    if ep is not None and (ep < 1 or ep > tp or tp % ep):
+        return (f"'{parallel.given('--ep-size')}' {ep}: the expert-parallel ranks are a "
+                f"divisor of tp {tp} (SGLang splits each server's tp GPUs among them, and "
+                "fails at start-up otherwise): give one, or leave it out")
+    dense = parallel.number("--moe-dense-tp-size")
+    if dense is not None and dense not in (1, tp):
+        return (f"'{parallel.given('--moe-dense-tp-size')}' {dense}: SGLang asserts the "
+                f"dense layers' tp is 1 or the server's, {tp}")
+    overlap = parallel.given("--enable-two-batch-overlap")
+    if overlap and not flag and (parallel.value("--moe-a2a-backend") or "none") == "none":
+        return (f"'{overlap}': SGLang runs two-batch overlap only with an all-to-all MoE "
+                "backend (--moe-a2a-backend) or data-parallel attention, and fails at "
+                "start-up without: add one, or leave it out")
     return ""
 
 

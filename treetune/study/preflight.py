@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from treetune import strategies
-from treetune.backends.sglang import branching_problem, deepep_problem
+from treetune.backends.sglang import DEEPEP_CAP_VARIABLE, branching_problem, deepep_problem
 from treetune.datasets import load_datasets
 from treetune.errors import TreetuneError
 from treetune.facts import model_facts, seen_model
@@ -37,8 +37,13 @@ def check_study(spec: StudySpec) -> None:
     load_datasets(spec.datasets, Path(spec.base_dir))
     spaces = study_spaces(spec)
     env = {**os.environ, **spec.env}
-    if problem := deepep_problem(spec.server_flags, env, spec.tp, spec.max_batch,
+    # The study's env alone: it is what the exported scripts carry (and remote workers).
+    if problem := deepep_problem(spec.server_flags, spec.env, spec.tp, spec.max_batch,
                                  widest_passes(spec, spaces)):
+        if DEEPEP_CAP_VARIABLE in os.environ and DEEPEP_CAP_VARIABLE not in spec.env:
+            problem += (f" ({DEEPEP_CAP_VARIABLE} is set in this shell, but the launch "
+                        "scripts and the servers on other nodes get only the study's env: "
+                        "set it there)")
         raise TreetuneError(f"server_flags: {problem}")
     check_branching(spec, spaces, env)
     why = strategies.missing_requirement(spec.search.strategy)
