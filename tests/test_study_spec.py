@@ -262,6 +262,8 @@ def test_each_attention_group_is_launched_with_at_least_its_share_of_the_largest
                     f"server_flags: {flags}\n")
     launch = load_study(path).launch_spec()
     assert launch.max_running_requests == running
+    # One GPU per group at tp 4 and 4 groups: SGLang captures any batch size.
+    assert launch.cuda_graph_max_bs == int(batch.strip("[]").split(", ")[-1])
     from treetune.emulator.args import LaunchError, parse
 
     args = [a for pair in launch.extra_flags for a in (pair[0], *([] if pair[1] is None else
@@ -273,6 +275,31 @@ def test_each_attention_group_is_launched_with_at_least_its_share_of_the_largest
         with pytest.raises(LaunchError, match="AssertionError: max_running_request is zero"):
             parse(["--profile", "qwen3-coder-next-h200", "--model-path", "m", "--tp-size",
                    "4", "--max-running-requests", "1", *args])
+
+
+def test_a_study_s_servers_get_a_cuda_graph_cap_sglang_can_capture_under(tmp_path):
+    """tp 8 in 4 attention groups: SGLang captures only even batch sizes, so a cap of 1
+    (the largest batch) left it nothing to capture, and every launch failed."""
+    path = tmp_path / "s.yaml"
+    path.write_text("model: m\ndraft: d\ndatasets: [humaneval]\ntp: 8\nbatch: [1]\n"
+                    "server_flags: {--attn-dp-size: 4}\n")
+    launch = load_study(path).launch_spec()
+    assert (launch.max_running_requests, launch.cuda_graph_max_bs) == (4, 2)
+
+
+@pytest.mark.parametrize(("extra", "refused"), [
+    (["--cuda-graph-max-bs-decode", "1"], True), (["--cuda-graph-max-bs-decode", "2"], False),
+    (["--cuda-graph-max-bs-decode", "1", "--disable-cuda-graph"], False), ([], False)])
+def test_the_emulator_fails_as_sglang_does_with_no_batch_size_to_capture(extra, refused):
+    from treetune.emulator.args import LaunchError, parse
+
+    args = ["--profile", "qwen3-coder-next-h200", "--model-path", "m", "--tp-size", "4",
+            "--attn-dp-size", "2", *extra]
+    if refused:
+        with pytest.raises(LaunchError, match=r"AssertionError: capture_bs=\[\]"):
+            parse(args)
+    else:
+        assert parse(args).attention_dp == 2
 
 
 def test_a_server_flag_written_with_its_value_in_the_key_is_refused(tmp_path):

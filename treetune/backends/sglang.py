@@ -176,10 +176,12 @@ MANAGED_FLAGS = {
     "--tp-size": "the study's tp", "--tp": "the study's tp",
     "--tensor-parallel-size": "the study's tp",
     "--host": "the study's host", "--port": "a free port per server",
-    "--max-running-requests": "the largest batch size, so every batch can form",
-    "--cuda-graph-max-bs": "the largest batch size, under the flag the SGLang version knows",
-    "--cuda-graph-max-bs-decode": "the largest batch size, under the flag the SGLang version "
-                                  "knows",
+    "--max-running-requests": "the largest batch size (a multiple of the data-parallel "
+                              "attention groups), so every batch can form",
+    "--cuda-graph-max-bs": "the largest batch size (or the least SGLang can capture), under "
+                           "the flag the SGLang version knows",
+    "--cuda-graph-max-bs-decode": "the largest batch size (or the least SGLang can capture), "
+                                  "under the flag the SGLang version knows",
     "--api-key": "from the environment variable named by api_key_env: a secret does "
                  "not belong in a study file",
 }
@@ -320,24 +322,28 @@ def attention_dp_size(flags: Mapping[str, Any]) -> int:
     return ServerFlags(flags).attention_dp_size
 
 
-def cuda_graphs_for(batch: int, flags: Mapping[str, Any], tp: int) -> int:
-    """The --cuda-graph-max-bs(-decode) for servers of `batch` requests. SGLang captures
-    only batch sizes that are multiples of 2 with two-batch overlap, and, where the
-    attention's tokens are gathered (data-parallel attention, an all-to-all MoE backend or
-    dense layers on one GPU, over tp > 1), of an attention group's GPUs too
-    (`get_batch_sizes_to_capture`); it fails at start-up when none is at or below the cap
-    (a cap of 1 with two GPUs per group captured nothing). So the cap reaches a group's
-    share of `batch` rounded up to that multiple; otherwise it is `batch`."""
+def capture_multiple(flags: Mapping[str, Any], tp: int) -> int:
+    """What every batch size SGLang captures in a CUDA graph is a multiple of: 2 with
+    two-batch overlap, times an attention group's GPUs where the attention's tokens are
+    gathered (data-parallel attention, an all-to-all MoE backend or dense layers on one
+    GPU, over tp > 1; `get_batch_sizes_to_capture`). It fails at start-up when no size up
+    to its cap is one."""
     parallel = ServerFlags(flags)
     groups = parallel.attention_dp_size
     if tp % groups:
-        return batch
+        return 1
     gathered = (groups > 1 or (parallel.value("--moe-a2a-backend") or "none") != "none"
                 or parallel.number("--moe-dense-tp-size") == 1)
     multiple = tp // groups if gathered else 1
-    if parallel.given("--enable-two-batch-overlap"):
-        multiple *= 2
-    share = -(-batch // groups)
+    return multiple * (2 if parallel.given("--enable-two-batch-overlap") else 1)
+
+
+def cuda_graphs_for(batch: int, flags: Mapping[str, Any], tp: int) -> int:
+    """The --cuda-graph-max-bs(-decode) for servers of `batch` requests: `batch`, or a
+    group's share of it rounded up to the `capture_multiple` (a cap of 1 with two GPUs per
+    attention group captured nothing)."""
+    multiple = capture_multiple(flags, tp)
+    share = -(-batch // ServerFlags(flags).attention_dp_size)
     return max(batch, -(-share // multiple) * multiple)
 
 

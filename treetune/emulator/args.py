@@ -29,6 +29,7 @@ from treetune.backends.sglang import (
     SPEC_DEFAULT_MAX_RUNNING,
     ServerFlags,
     adaptive_blocker,
+    capture_multiple,
     command_line_only,
     needs_draft_model,
     ngram_tree,
@@ -291,6 +292,12 @@ def parse(argv: list[str]) -> EmulatorSettings:
                               f"{groups} data-parallel attention groups takes "
                               f"max_running_requests // {groups} = 0 requests)")
         max_running = max_running // groups * groups
+    cuda_graphs = ns.cuda_graph_max_bs_decode or ns.cuda_graph_max_bs
+    multiple = capture_multiple(parallel.flags, ns.tp_size)
+    if cuda_graphs is not None and cuda_graphs < multiple and not parallel.given(
+            "--disable-cuda-graph"):
+        raise LaunchError(f"AssertionError: capture_bs=[] (SGLang captures only multiples of "
+                          f"{multiple} here, and --cuda-graph-max-bs is {cuda_graphs})")
     return EmulatorSettings(
         profile=ns.profile,
         world=ns.world,

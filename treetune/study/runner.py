@@ -12,6 +12,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -187,21 +188,24 @@ class _Ray:
 @contextlib.contextmanager
 def _own_process_groups() -> Iterator[None]:
     """The processes a local ray.init starts (GCS, raylet, and through the raylet its agents
-    and workers) in process groups of their own, as `ray start` puts its own: a SIGTERM to
-    the search's process group, as `timeout` and job schedulers send it, then reaches the
-    search alone, which stops its servers and shuts its Ray down. Sent to Ray too, it let
-    the dying raylet end the search first (Ray's core worker exits 1 when its raylet is
-    gone): no hint to rerun, its launches left running. Ray already blocks Ctrl-C in those
-    processes for the same reason. They still die with the search (Ray's parent-death
-    signal). Ray starts them through `ray._private.services.ConsolePopen`; where a Ray has
-    none, its processes stay in the search's group."""
+    and workers) in process groups of their own: a SIGTERM to the search's process group,
+    as `timeout` and job schedulers send it, then reaches the search alone, which stops
+    its servers and shuts its Ray down. Sent to Ray too, it let the dying raylet end the
+    search first (Ray's core worker exits 1 when its raylet is gone): no hint to rerun,
+    its launches left running. Ray already blocks Ctrl-C in those processes for the same
+    reason. Only where they still die with the search by the kernel's parent-death signal
+    (Linux): elsewhere Ray's reaper ends them by signalling its own process group, which
+    they must then share. Ray starts them through `ray._private.services.ConsolePopen`;
+    where a Ray has none, its processes stay in the search's group."""
     try:
         services = importlib.import_module("ray._private.services")
+        utils = importlib.import_module("ray._private.utils")
     except ImportError:
-        services = None
+        services = utils = None
     popen = getattr(services, "ConsolePopen", None)
-    if os.name != "posix" or not isinstance(popen, type) or not issubclass(
-            popen, subprocess.Popen):
+    fate_shared = getattr(utils, "detect_fate_sharing_support", lambda: False)
+    if (not sys.platform.startswith("linux") or not isinstance(popen, type)
+            or not issubclass(popen, subprocess.Popen) or not fate_shared()):
         yield
         return
 
