@@ -132,9 +132,11 @@ def test_method_names_are_read_in_any_case_as_sglang_reads_them(tmp_path):
     ({"adaptive": True, "tp": 4, "server_flags": {"--attn-dp-size": 2}}, "adaptive",
      "do not run with server_flags '--attn-dp-size' (enable_dp_attention=True is not "
      "supported"),
-    # Abbreviated, as SGLang's parser takes it.
-    ({"adaptive": True, "server_flags": {"--enable-two-batch": None}}, "adaptive",
-     "server_flags '--enable-two-batch' (enable_two_batch_overlap=True is not supported"),
+    # Abbreviated, as SGLang's parser takes it; with the all-to-all backend it needs.
+    ({"adaptive": True, "tp": 4, "server_flags": {"--enable-two-batch": None,
+                                                  "--moe-a2a-backend": "deepep"}},
+     "adaptive", "server_flags '--enable-two-batch' (enable_two_batch_overlap=True is not "
+     "supported"),
     ({"methods": [], "algorithm": "NGRAM", "compare": []}, "algorithm", "list it in methods"),
     ({"methods": ["NGRAM"], "draft": None, "compare": []}, None, None),
 ])
