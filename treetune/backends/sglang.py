@@ -298,6 +298,13 @@ class ServerFlags:
         return (self.number("--dp-size") or 1) if self.attention_dp else 1
 
     @property
+    def all_to_all(self) -> str | None:
+        """The flag that sets an all-to-all MoE backend (--moe-a2a-backend other than
+        none)."""
+        flag = self.given("--moe-a2a-backend")
+        return flag if self.value("--moe-a2a-backend") not in (None, "none") else None
+
+    @property
     def replicas(self) -> str | None:
         """--dp-size above 1 that starts replicas of tp GPUs each: without
         --enable-dp-attention, or beside an --attn-dp-size above 1 (then both count)."""
@@ -332,7 +339,7 @@ def capture_multiple(flags: Mapping[str, Any], tp: int) -> int:
     groups = parallel.attention_dp_size
     if tp % groups:
         return 1
-    gathered = (groups > 1 or (parallel.value("--moe-a2a-backend") or "none") != "none"
+    gathered = (groups > 1 or parallel.all_to_all is not None
                 or parallel.number("--moe-dense-tp-size") == 1)
     multiple = tp // groups if gathered else 1
     return multiple * (2 if parallel.given("--enable-two-batch-overlap") else 1)
@@ -608,7 +615,7 @@ def parallel_flag_problem(flags: Mapping[str, Any], algorithms: Collection[str],
         return (f"'{parallel.given('--moe-dense-tp-size')}' {dense}: SGLang asserts the "
                 f"dense layers' tp is 1 or the server's, {tp}")
     overlap = parallel.given("--enable-two-batch-overlap")
-    if overlap and not flag and (parallel.value("--moe-a2a-backend") or "none") == "none":
+    if overlap and not flag and parallel.all_to_all is None:
         return (f"'{overlap}': SGLang runs two-batch overlap only with an all-to-all MoE "
                 "backend (--moe-a2a-backend) or data-parallel attention, and fails at "
                 "start-up without: add one, or leave it out")
@@ -622,9 +629,7 @@ def tp_priced(flags: Mapping[str, Any]) -> str:
     all-to-all; the search's learned correction has to make up for it. (Data-parallel
     attention it prices: CostModel.)"""
     parallel = ServerFlags(flags)
-    all_to_all = parallel.value("--moe-a2a-backend") not in (None, "none")
-    used = [f for f in (parallel.above("--ep-size", 1),
-                        parallel.given("--moe-a2a-backend") if all_to_all else None) if f]
+    used = [f for f in (parallel.above("--ep-size", 1), parallel.all_to_all) if f]
     if not used:
         return ""
     return (f"server_flags {', '.join(used)}: the performance model prices the experts as "

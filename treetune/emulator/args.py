@@ -404,9 +404,10 @@ def _flags_of(args: list[str]) -> dict[str, str | None]:
 def _adaptive(ns: argparse.Namespace, parallel: ServerFlags
               ) -> tuple[AdaptiveLaunch | None, str | None]:
     """`--speculative-adaptive` as SGLang takes it: dropped, with only a warning, when it
-    cannot run (`parallel`: the flags the emulator does not model, data-parallel attention
-    and two-batch overlap among them); else its config is loaded and checked, and the
-    starting steps must be one of its candidates (the middle one when not given)."""
+    cannot run (`parallel`: the flags beside the ones the emulator parses, data-parallel
+    attention and two-batch overlap among them); else its config is loaded and checked,
+    and the starting steps must be one of its candidates (the middle one when not
+    given)."""
     if not ns.speculative_adaptive:
         return None, None
     blocker = adaptive_blocker(parallel.flags)
