@@ -316,7 +316,10 @@ def test_a_cell_has_one_throughput_per_repeat_no_errors_and_latencies_in_server_
     # Beside heavy tests and a CPU hog, a 1024-token cell once measured 1 / TPOT 17% below
     # that (109.7 against 132.5 tok/s): a server or client starved for part of the cell
     # delivers its tokens late. A study then measures the cell again and marks it lagged
-    # if it lags again; such a cell's latencies are not claimed, its mark is.
+    # if it lags again; such a cell's latencies are not claimed, its mark is. In a suite,
+    # 117.5 against 131.5 tok/s while the client's timers ran 2.6 ms late on average: its
+    # requests end together, and one stall then delays the stamps of all; the client's lag
+    # now holds the stall its median request's stamps may hold (test_clock_lag.py).
     steady = cells("tree", batch, steady=True).cell
     if on_time(cell, steady):
         assert 1 / cell.tpot.p50 == pytest.approx(steady.output_tok_s / batch, rel=0.10), (

@@ -89,8 +89,9 @@ class CellResult:
     # study's measurement.max_clock_lag_s even when measured again (this or `client_lag_s`).
     clock_lag_s: float | None = None
     lagged: bool = False
-    # How late the load generator ran its own timers, mean over the cell, server seconds
-    # (None: not watched): a starved client measures late on any server.
+    # How late the load generator ran its own timers, mean over the cell, or the stall its
+    # median completed request's latencies may hold if later, server seconds (None: not
+    # watched): a starved client measures late on any server.
     client_lag_s: float | None = None
     # Per launch, when several launches are merged: each launch's value of every
     # non-throughput objective (study/evidence.py `merge`; ms for latencies, None where a
