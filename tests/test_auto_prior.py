@@ -367,6 +367,35 @@ def test_a_server_flag_for_an_fp8_kv_cache_reaches_the_prior(tmp_path):
     assert prior.draft.kv_bytes_per_token == 2 * 4 * 128
 
 
+
+@pytest.mark.parametrize(("batch", "fraction", "fit"), [
+    (128, None, 43), (128, "0.8", 6), (144, None, 0), (144, "0.9", 43)])
+def test_the_studys_static_memory_fraction_decides_the_trees_the_search_proposes(
+        tmp_path, batch, fraction, fit):
+    """The model search proposes only trees that can start. It judged them at the prior's
+    share of GPU memory (0.85), whatever the study's --mem-fraction-static: at 0.8 and
+    batch 128 the 30B-A3B on an H100 starts 6 of 43 trees, and the search could propose
+    any (a launch that fails for memory); at 0.9 and batch 144 it starts all, and the
+    search, seeing none, left the study to TPE."""
+    from treetune.perfmodel import check_memory
+
+    flags = {"--mem-fraction-static": fraction} if fraction else {}
+    spec = load_study(None, small_study(
+        tmp_path, model="Qwen/Qwen3-30B-A3B", draft="Tengyunw/qwen3_30b_moe_eagle3", tp=1,
+        batch=[1, batch], server_flags=flags,
+        backend={"kind": "emulator", "profile": "qwen3-30b-a3b-h100"}))
+    strategy = planner_for(spec).strategy
+    assert strategy.context.prior.server.mem_fraction_static == float(fraction or 0.85)
+    assert len(strategy.candidates) == fit
+    # The trees the emulator starts with the study's flags (its truth: the same profile).
+    truth = load_profile("qwen3-30b-a3b-h100")
+    launch = spec.launch_spec()
+    starts = [c for c in load_space(spec.space).configs()
+              if check_memory(truth, c, launch.max_running_requests, tp=1,
+                              mem_fraction_static=launch.mem_fraction_static).fits]
+    assert strategy.candidates == starts
+
+
 def test_without_a_config_auto_falls_back_to_tpe_and_says_why_in_one_line(tmp_path):
     spec = sglang_study(tmp_path, model=str(tmp_path / "no-such-model"),
                         backend={"gpu": "H200"})

@@ -148,6 +148,11 @@ def study_prior(spec: StudySpec, facts: BackendFacts | None = None
     groups = attention_dp_size(spec.server_flags)
     if groups != prior.server.attention_dp:
         prior = with_attention_dp(prior, groups)
+    # And in the share of each GPU's memory their flags give SGLang, which decides the
+    # trees that can start (the search proposes no other).
+    if fraction := spec.launch_spec().mem_fraction_static:
+        prior = prior.replace(server=dataclasses.replace(prior.server,
+                                                         mem_fraction_static=fraction))
     if spec.methods:
         return prior, ""
     if spec.algorithm == "STANDALONE" and "STANDALONE" not in prior.methods \
