@@ -15,6 +15,7 @@ import yaml
 from studykit import fake_sglang, run_cli, small_study
 from test_facts import HF, ROCM_SMI_MI300X, cache_with, fixture, stand_in_nvidia_smi
 
+from treetune.config import BASELINE, TreeConfig
 from treetune.errors import TreetuneError
 from treetune.facts import auto_prior, gpu_facts, model_facts
 from treetune.perfmodel import load_profile
@@ -394,6 +395,51 @@ def test_the_studys_static_memory_fraction_decides_the_trees_the_search_proposes
               if check_memory(truth, c, launch.max_running_requests, tp=1,
                               mem_fraction_static=launch.mem_fraction_static).fits]
     assert strategy.candidates == starts
+
+
+
+@pytest.mark.parametrize("flags", [{}, {"--mem-fraction-static": "0.85"}])
+def test_the_share_of_memory_sglang_chose_for_a_tree_decides_the_trees_proposed(
+        tmp_path, flags):
+    """Left to choose, SGLang sizes its share of GPU memory by itself (by the GPU's
+    memory, the chunked prefill, the CUDA-graph cap and the parallel size, differently
+    from release to release), not as the prior's 0.85.
+    Once a tree's server says what it took, the model search judges which trees can start
+    at that share, and a word says so; a resumed study starts there. A share the study
+    gives stands."""
+    from treetune.results import CellResult, LaunchResult
+
+    spec = load_study(None, small_study(
+        tmp_path, model="Qwen/Qwen3-30B-A3B", draft="Tengyunw/qwen3_30b_moe_eagle3", tp=1,
+        batch=[1, 128], server_flags=flags,
+        backend={"kind": "emulator", "profile": "qwen3-30b-a3b-h100"}))
+    planner = planner_for(spec)
+    assert len(planner.strategy.candidates) == 43
+
+    def absorb(config, index: int = 0, share: float = 0.8) -> None:
+        cell = CellResult("humaneval", 128, 1000.0, None, 100, 10_000, 6.0, None, None,
+                          repeats=(1000.0, 1000.0))
+        planner.absorb(LaunchResult(config, ok=True, cells=[cell],
+                                    server_info={"mem_fraction_static": share}), index)
+
+    absorb(BASELINE)  # no speculation: SGLang reserves less, and no tree was judged by it
+    assert planner.memory_notes() == []
+    absorb(TreeConfig(3, 1, 4))
+    notes = planner.memory_notes()
+    if flags:
+        assert notes == [] and len(planner.strategy.candidates) == 43
+        return
+    assert len(notes) == 1 and notes[0].startswith(
+        "SGLang took 0.8 of each GPU's memory for weights and KV cache (its own choice, the "
+        "study's server_flags leave it; the prior assumed 0.85): from launch 3 on, the model "
+        "search proposes the trees that can start at that share"), notes
+    assert planner.strategy_name == "model" and len(planner.strategy.candidates) == 6
+    assert planner.memory_notes() == []  # said once
+    # On a node of larger GPUs SGLang took more: a tree must start on either node.
+    absorb(TreeConfig(2, 1, 3), share=0.9)
+    assert planner.memory_notes() == [] and len(planner.strategy.candidates) == 6
+    again = Planner(spec, planner.store, load_space(spec.space), planner.launched, tp=1)
+    assert len(again.strategy.candidates) == 6 and again.memory_notes() == []
 
 
 def test_without_a_config_auto_falls_back_to_tpe_and_says_why_in_one_line(tmp_path):

@@ -142,6 +142,8 @@ def test_the_sglang_backend_runs_the_same_code_pointed_at_the_emulator(tmp_path,
     assert any("emulating" in p.read_text() for p in logs)
     tree = next(r for r in outcome.results if config_key(r.config) != "baseline")
     assert tree.server_info["speculative_num_steps"] == tree.config.steps
+    # The share of memory it took, which the search judges the trees that can start by.
+    assert tree.server_info["mem_fraction_static"] == 0.85
 
 
 def test_failed_launches_are_recorded_with_their_cause_and_never_retried(tmp_path,

@@ -156,7 +156,8 @@ SGLANG_API = ServerApi(
     health_log=("Health check failed",),
     info_keys=("version", "attention_backend", "max_running_requests", "speculative_algorithm",
                "speculative_num_steps", "speculative_eagle_topk",
-               "speculative_num_draft_tokens", "tp_size", ADAPTIVE_INFO_KEY),
+               "speculative_num_draft_tokens", "tp_size", "mem_fraction_static",
+               ADAPTIVE_INFO_KEY),
     adaptive_state=adaptive_state,
     launch_warnings=launch_warnings,
 )

@@ -599,6 +599,13 @@ def with_attention_dp(profile: Profile, groups: int) -> Profile:
     return profile.replace(server=dataclasses.replace(profile.server, attention_dp=groups))
 
 
+def with_memory_share(profile: Profile, share: float) -> Profile:
+    """`profile` served with `share` of each GPU's memory for weights and KV cache
+    (SGLang's --mem-fraction-static)."""
+    return profile.replace(server=dataclasses.replace(profile.server,
+                                                      mem_fraction_static=share))
+
+
 # Per-GPU facts a profile leaves out while they hold their default (0, false), by section.
 UNSET_DROPPED = {"target": ("kv_heads", "replicated_params_b", "replicated_unquantized_b",
                             "attention_params_b", "attention_unquantized_b"),

@@ -34,7 +34,7 @@ from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.objectives import Objective
 from treetune.perfmodel import Profile, load_profile
 from treetune.perfmodel.prior import neutral_prior, with_datasets
-from treetune.perfmodel.profile import with_attention_dp
+from treetune.perfmodel.profile import with_attention_dp, with_memory_share
 from treetune.results import LaunchResult, config_key
 from treetune.space import SearchSpace
 from treetune.strategies import BatchStudies, Proposal, SearchContext
@@ -150,9 +150,8 @@ def study_prior(spec: StudySpec, facts: BackendFacts | None = None
         prior = with_attention_dp(prior, groups)
     # And in the share of each GPU's memory their flags give SGLang, which decides the
     # trees that can start (the search proposes no other).
-    if fraction := spec.launch_spec().mem_fraction_static:
-        prior = prior.replace(server=dataclasses.replace(prior.server,
-                                                         mem_fraction_static=fraction))
+    if share := spec.launch_spec().mem_fraction_static:
+        prior = with_memory_share(prior, share)
     if spec.methods:
         return prior, ""
     if spec.algorithm == "STANDALONE" and "STANDALONE" not in prior.methods \
@@ -202,7 +201,7 @@ class Planner:
         self.studies = BatchStudies(store, space)
         if facts is None and not spec.search.prior:
             facts = local_facts(spec)
-        prior, why_not = study_prior(spec, facts)
+        prior, why_not = self._prior(facts)
         self.context = context = SearchContext(
             space=space, studies=self.studies, batches=sorted(spec.batch),
             datasets=spec.dataset_names, tolerance=spec.tolerance, seed=spec.seed,
@@ -238,7 +237,7 @@ class Planner:
         far (as a resumed study's search starts). Asked until then, or until a tree's
         launch has fetched the draft too and the facts still fail. Returns a line for the
         user when the strategy changed, or when it stays for good ('' otherwise)."""
-        prior, why_not = study_prior(self.spec, facts)
+        prior, why_not = self._prior(facts)
         if prior is None:
             self.awaiting_facts = facts.later and not tree_launched
             if self.awaiting_facts:
@@ -831,6 +830,50 @@ class Planner:
         return ["no chain is yet surely faster than no speculation at any batch size, so "
                 "the adaptive config tuned from the chains waits: the tuning is redone after "
                 "each launch, and SGLang's default adaptive config is measured meanwhile"]
+
+    def _prior(self, facts: BackendFacts | None) -> tuple[Profile | None, str]:
+        """`study_prior`, at the share of memory the study's trees' servers took
+        (`memory_notes`: a resumed study's, or one whose facts came later)."""
+        prior, why_not = study_prior(self.spec, facts)
+        if prior is not None and (share := self._served_share()) is not None \
+                and not self.spec.methods:
+            prior = with_memory_share(prior, share)
+        return prior, why_not
+
+    def _served_share(self) -> float | None:
+        """The share of each GPU's memory SGLang took for weights and KV cache in the
+        study's trees of its own method (`server_info`), the least where they differ (a
+        tree must start on whichever node runs it: unlike GPUs take unlike shares), when
+        the study's flags leave it to SGLang; None until such a server said."""
+        if "--mem-fraction-static" in self.spec.server_flags:
+            return None
+        shares = [float(value) for result in self.launched
+                  if result.ok and isinstance(result.config, TreeConfig)
+                  and not result.config.method
+                  and isinstance(value := result.server_info.get("mem_fraction_static"),
+                                 int | float) and 0 < value <= 1]
+        return min(shares, default=None)
+
+    def memory_notes(self) -> list[str]:
+        """The model search proposes only the trees that can start at the study's largest
+        batch, judged at the prior's share of GPU memory. Left to choose, SGLang sizes
+        that share by itself (by the GPU's memory, the parallel size, the CUDA-graph cap,
+        the draft, and differently from release to release): once a tree's server says
+        what it took, the search judges at that share, and a word says so. Not in a study
+        of several draft methods, whose servers reserve unlike room for their drafts."""
+        share, prior = self._served_share(), self.context.prior
+        if (share is None or prior is None or self.method_search is not None
+                or abs(share - prior.server.mem_fraction_static) < 5e-4):
+            return []
+        before = prior.server.mem_fraction_static
+        self.context = dataclasses.replace(self.context, prior=with_memory_share(prior, share))
+        if self.strategy_name == "model":  # which trees can start is its candidates
+            self.strategy = strategies.make(self.strategy_name, self.context)
+        return [f"SGLang took {share:g} of each GPU's memory for weights and KV cache (its "
+                f"own choice, the study's server_flags leave it; the prior assumed "
+                f"{before:g}): from launch {self.launches + 1} on, the model search "
+                "proposes the trees that can start at that share (--mem-fraction-static in "
+                "server_flags chooses it)"]
 
     def kernel_notes(self) -> list[str]:
         """A word for the user, once per attention backend, when a tree's server resolved

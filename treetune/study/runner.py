@@ -890,6 +890,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                     progress.notes += planner.odd_notes(task.key)
                     progress.notes += planner.node_notes()
                     progress.notes += planner.kernel_notes()
+                    progress.notes += planner.memory_notes()
                     progress.notes += planner.trend_notes()
                     progress.notes += planner.tuning_notes()
                 for warning in result.warnings:  # in full once, then by reference
