@@ -15,6 +15,7 @@ from treetune.perfmodel import (
     load_profile,
     shipped_profiles,
 )
+from treetune.perfmodel.profile import with_memory_share
 from treetune.space import load_space
 
 PROFILES = shipped_profiles()
@@ -173,14 +174,30 @@ def test_wide_trees_cost_more_to_verify_at_large_batch_on_moe():
             model.round_time(narrow, 32, dataset).verify_s
 
 
-def test_memory_model_marks_large_trees_out_of_memory_at_high_concurrency():
+def test_memory_model_refuses_only_what_sglang_cannot_start_and_caps_what_it_queues():
+    """SGLang's static share holds the weights and the KV pool, and the server refuses to
+    start only when the weights leave no pool; the workspace for the tokens in flight
+    (logits, activations, captured in CUDA graphs) lives in the rest. The model counted
+    the workspace in the static share: (2,8,44) at 128 running requests was out of memory
+    on the 30B's H100 (68.03 GB against 68.0), and the search never proposed 414 of 1648
+    trees there. A pool too small for the requests asked for runs as many as it holds."""
     profile = load_profile("qwen3-30b-a3b-h100")
     big, small = TreeConfig.of(2, 8, 44), TreeConfig.of(3, 1, 4)
-    assert not check_memory(profile, big, 128).fits
-    assert check_memory(profile, small, 128).fits
-    assert check_memory(profile, BASELINE, 128).fits
-    assert check_memory(profile, big, 16).fits
-    assert "out of memory" in check_memory(profile, big, 128).reason
-    model = PerfModel(profile)
-    assert model.predict(big, "mt-bench", 128).oom
-    assert not model.predict(big, "mt-bench", 8).oom
+    assert check_memory(profile, big, 128).fits and check_memory(profile, small, 128).fits
+    # The weights leave no pool: refused.
+    no_pool = check_memory(profile, small, 128, mem_fraction_static=0.38)
+    assert not no_pool.starts and "no room for a KV cache" in no_pool.reason
+    # A larger static share leaves too little for the workspace of 128 x 64 tokens.
+    widest = check_memory(profile, TreeConfig.of(8, 8, 64), 128, mem_fraction_static=0.95)
+    assert not widest.starts and "workspace of 5.5 GB" in widest.reason
+    assert check_memory(profile, TreeConfig.of(8, 8, 64), 128).starts
+    # A small pool: it starts, and runs 7 of 128 requests at once.
+    tight = check_memory(profile, big, 128, mem_fraction_static=0.41)
+    assert tight.starts and not tight.fits and tight.running(128) == 7
+    assert "its KV pool holds 7 of 128 running requests" in tight.reason
+    model = PerfModel(with_memory_share(profile, 0.41))
+    held = model.predict(big, "mt-bench", 128)
+    assert not held.oom and held.spec_tok_s == pytest.approx(
+        model.throughput(big, 7, "mt-bench"))
+    assert model.predict(big, "mt-bench", 4).spec_tok_s == pytest.approx(
+        model.throughput(big, 4, "mt-bench"))

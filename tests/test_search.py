@@ -148,12 +148,13 @@ def test_the_sglang_backend_runs_the_same_code_pointed_at_the_emulator(tmp_path,
 
 def test_failed_launches_are_recorded_with_their_cause_and_never_retried(tmp_path,
                                                                           ray_cluster):
-    # At --mem-fraction-static 0.41 one H100 holds the 30B MoE without speculation but not
-    # with the draft head and its KV slots: every tree runs out of memory at start-up.
+    # At --mem-fraction-static 0.383 the 30B MoE's weights leave one H100 a small KV pool
+    # (0.1 GB: one request at a time) and its weights with the draft head's none: every
+    # tree fails at start-up, "Not enough memory", as SGLang does.
     study = small_study(
         tmp_path, name="oom", tp=1, datasets=["humaneval"], batch=[8], workers=1,
         budget={"launches": 3}, compare=["3,4,8"],
-        server_flags={"--mem-fraction-static": "0.41"},
+        server_flags={"--mem-fraction-static": "0.383"},
         backend={"kind": "emulator", "profile": "qwen3-30b-a3b-h100", "time_scale": 20.0,
                  "load_time_s": 10.0, "noise": False}, ray_address=ray_cluster)
     spec = load_study(None, study)

@@ -785,28 +785,40 @@ def grid(
             f"{model.method_name} draft head only: give a space of (steps, topk, "
             "draft_tokens) trees, such as default or bench-speculative")
     every = tree_space.configs()
-    trees = [c for c in every
-             if check_memory(found.profile, c, max(batch), tp=found.profile.tp).fits]
+    # A study's server is asked to hold its largest batch size's requests at once; one
+    # whose KV pool holds fewer runs that many, the others waiting (as the emulator does).
+    memory = {c: check_memory(found.profile, c, max(batch), tp=found.profile.tp)
+              for c in (BASELINE, *every)}
+    trees = [c for c in every if memory[c].starts]
     if not trees:
         raise TreetuneError(
-            f"no tree of --space {space} fits in memory at batch {max(batch)} on "
-            f"{found.profile.name} (a study's server holds the largest batch size's "
-            "requests at once): give smaller batch sizes, or a world with more memory")
+            f"no tree of --space {space} starts at batch {max(batch)} on "
+            f"{found.profile.name} (a study's server is asked to hold the largest batch "
+            "size's requests at once): give smaller batch sizes, or a world with more memory")
+    fewer = sum(memory[c].running(max(batch)) < max(batch) for c in trees)
+
+    def throughput(config: ServerConfig, size: int, dataset: str) -> float:
+        return model.throughput(config, min(size, memory[config].running(max(batch))),
+                                dataset)
+
     rows = []  # all of them before the file is opened: an error leaves no partial table
     for b in batch:
         for dataset in found.profile.datasets:
             rows.append(["", "", "", b, dataset,
-                         f"{model.throughput(BASELINE, b, dataset):.6g}", ""])
+                         f"{throughput(BASELINE, b, dataset):.6g}", ""])
             rows.extend([c.steps, c.topk, c.draft_tokens, b, dataset,
-                         f"{model.throughput(c, b, dataset):.6g}",
+                         f"{throughput(c, b, dataset):.6g}",
                          f"{model.accept_length(c, dataset):.6g}"] for c in trees)
     with output.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["steps", "topk", "draft_tokens", "batch", "dataset", "throughput",
                          "accept_length"])
         writer.writerows(rows)
-    dropped = (f" ({len(every) - len(trees)} of the space's trees run out of memory at batch "
+    dropped = (f" ({len(every) - len(trees)} of the space's trees cannot start at batch "
                f"{max(batch)} and are left out)" if len(trees) < len(every) else "")
+    if fewer:
+        dropped += (f" ({fewer} trees' KV pools hold fewer than {max(batch)} requests: "
+                    "their rows are of as many as they hold)")
     out.print(f"wrote {escape(str(output))}: {len(trees)} trees and the baseline at batch "
               f"{', '.join(map(str, batch))} on {len(found.profile.datasets)} datasets"
               f"{dropped}")

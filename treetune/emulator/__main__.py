@@ -14,7 +14,6 @@ from treetune.emulator.args import LaunchError, parse, warn_ignored
 from treetune.emulator.server import EmulatedServer, log
 from treetune.errors import TreetuneError
 from treetune.perfmodel import PerfModel, check_memory, load_profile
-from treetune.perfmodel.memory import MemoryCheck
 from treetune.perfmodel.profile import with_attention_dp
 from treetune.worlds import load_world
 
@@ -50,28 +49,24 @@ def main(argv: list[str] | None = None) -> int:
               f"'{profile.name}' has {profile.hardware.gpus} {profile.hardware.gpu}",
               file=sys.stderr, flush=True)
         return 1
-    def memory_at(running: int) -> MemoryCheck:
-        return check_memory(profile, settings.config, running, tp=settings.tp,
-                            mem_fraction_static=settings.mem_fraction_static,
-                            method=model.method)
-
-    memory = memory_at(settings.max_running_requests)
-    if not memory.fits and not settings.max_running_requests_set:
-        # Without --max-running-requests SGLang sizes the running batch to its KV pool:
-        # the most requests that fit, not an out-of-memory exit.
-        low, high = 0, settings.max_running_requests
-        while low < high:
-            middle = (low + high + 1) // 2
-            low, high = (middle, high) if memory_at(middle).fits else (low, middle - 1)
-        if low >= 1:
-            settings = dataclasses.replace(settings, max_running_requests=low)
-            memory = memory_at(low)
-    if not memory.fits:
+    memory = check_memory(profile, settings.config, settings.max_running_requests,
+                          tp=settings.tp, mem_fraction_static=settings.mem_fraction_static,
+                          method=model.method)
+    if not memory.starts:
         print(f"[emulator] ERROR: RuntimeError: Not enough memory. Please try to increase "
-              f"--mem-fraction-static or reduce --max-running-requests. ({memory.reason})",
-              file=sys.stderr, flush=True)
+              f"--mem-fraction-static. ({memory.reason})", file=sys.stderr, flush=True)
         return 1
-    server = EmulatedServer(settings, profile, model)
+    # A pool too small for every running request's reserve: SGLang admits requests while
+    # it has room and retracts them when it runs short, so about as many run at once as
+    # it holds. Without --max-running-requests, that is how many it runs.
+    running = memory.running(settings.max_running_requests)
+    if not settings.max_running_requests_set:
+        settings = dataclasses.replace(settings, max_running_requests=running)
+    elif running < settings.max_running_requests:
+        log(f"the KV pool holds {running} of the {settings.max_running_requests} running "
+            f"requests asked for ({memory.reason}): the others wait, as SGLang admits "
+            "requests while its pool has room and retracts them when it runs short")
+    server = EmulatedServer(settings, profile, model, running)
     method = f" ({model.method_name})" if settings.method else ""
     speculation = (f"adaptive steps (sized for {settings.config})"
                    if settings.adaptive else f"speculative config {settings.config}{method}")

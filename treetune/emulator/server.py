@@ -72,7 +72,9 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
 
 class EmulatedServer:
     def __init__(self, settings: EmulatorSettings, profile: Profile,
-                 model: PerfModel | None = None) -> None:
+                 model: PerfModel | None = None, running: int | None = None) -> None:
+        """`running`: how many requests the KV pool lets run at once, when fewer than
+        --max-running-requests (the rest wait, as SGLang admits and retracts them)."""
         self.settings = settings
         self.profile = profile
         self.ready = False
@@ -87,7 +89,7 @@ class EmulatedServer:
             profile,
             settings.config,
             tp=settings.tp,
-            max_running_requests=settings.max_running_requests,
+            max_running_requests=running or settings.max_running_requests,
             time_scale=settings.time_scale,
             noise=NoiseModel.from_profile(profile.noise, settings.noise),
             rng=rng,

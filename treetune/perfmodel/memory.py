@@ -1,11 +1,17 @@
-"""Memory model: does a server fit in GPU memory at a given --max-running-requests?
+"""Memory model: does a server start, and how many running requests does its KV pool hold?
 
-SGLang takes `mem_fraction_static` of each GPU for weights plus the KV pool; speculation
-adds the draft's weights and KV, reserves max(S*K, N) extra slots per running request,
-and needs workspace (logits, activations) for batch * N tokens in flight. The draft's
-weights depend on the method: a draft head's or standalone model's own; an MTP layer's
-(all its experts resident; embedding and lm_head shared with the target); none for n-gram
-lookup, which reserves only its N verify slots.
+SGLang takes `mem_fraction_static` of each GPU for weights plus the KV pool: the pool is
+whatever the static share leaves after the weights (the draft's included), and the server
+refuses to start only when that is nothing ("Not enough memory"). Speculation adds the
+draft's weights and KV, and reserves max(S*K, N) extra slots per running request. What the
+static share leaves out (1 - mem_fraction_static) holds the workspace, logits and
+activations for batch * N tokens in flight, which CUDA-graph capture allocates at start:
+a server whose workspace outgrows it is taken not to start either. A pool too small for
+the running requests' reserve does not stop a server: SGLang admits requests while the pool
+has room and retracts them when it runs short, so the server runs as many as the pool
+holds (`MemoryCheck.holds`). The draft's weights depend on the method: a draft head's or
+standalone model's own; an MTP layer's (all its experts resident; embedding and lm_head
+shared with the target); none for n-gram lookup, which reserves only its N verify slots.
 """
 
 from __future__ import annotations
@@ -22,10 +28,17 @@ LOGIT_BYTES = 4  # fp32 logits for sampling and verification
 
 @dataclass(frozen=True)
 class MemoryCheck:
-    fits: bool
-    required_gb: float  # per GPU
+    fits: bool  # it starts, and its pool holds every running request asked for
+    required_gb: float  # per GPU: weights and the KV reserve of the requests asked for
     available_gb: float  # per GPU, after mem_fraction_static
     reason: str
+    starts: bool = True  # SGLang starts it (a KV pool left, the workspace in the rest)
+    holds: int = 0  # running requests whose KV reserve the pool holds at once
+
+    def running(self, asked: int) -> int:
+        """How many of `asked` running requests the server runs at once: what its pool
+        holds, at least one (a short request still runs in a small pool)."""
+        return max(1, min(asked, self.holds))
 
 
 def check_memory(
@@ -72,22 +85,34 @@ def check_memory(
     # An MLA latent is not split by tensor parallelism (every rank holds all of it), nor
     # is a KV head copied to several ranks.
     target_kv = t.kv_bytes(slots) * t.kv_share(gpus)
-    kv = busiest_group(max_running_requests, groups) * (
-        target_kv + slots * draft_kv_per_token + t.state_bytes_per_request / gpus)
+    per_request = target_kv + slots * draft_kv_per_token + t.state_bytes_per_request / gpus
+    kv = busiest_group(max_running_requests, groups) * per_request
+    pool = available - weights
+    holds = int(pool // per_request) * groups if pool > 0 and per_request > 0 else 0
     per_token = server.activation_bytes_per_token or (
         t.vocab_size * LOGIT_BYTES + 16 * t.hidden_size * 2
     )
     workspace = in_flight * per_token / tp
-    required = weights + kv + workspace
+    rest = profile.hardware.memory_gb * GB - available
+    required = weights + kv
     parts = (
         f"weights {weights / GB:.1f} GB + KV {kv / GB:.1f} GB for {max_running_requests} "
-        f"requests + workspace {workspace / GB:.1f} GB for {in_flight} tokens in flight"
+        f"requests; workspace {workspace / GB:.1f} GB for {in_flight} tokens in flight"
     )
+    leaves = (f"{fraction:g} x {profile.hardware.memory_gb:g} GB leaves "
+              f"{available / GB:.1f} GB")
+    if pool <= 0:
+        reason = (f"out of memory: {config} needs {weights / GB:.1f} GB per GPU of weights "
+                  f"but {leaves}: no room for a KV cache ({parts})")
+        return MemoryCheck(False, required / GB, available / GB, reason, starts=False)
+    if workspace > rest:
+        reason = (f"out of memory: {config} at --max-running-requests {max_running_requests} "
+                  f"needs a workspace of {workspace / GB:.1f} GB per GPU for {in_flight} "
+                  f"tokens in flight (logits and activations, captured in CUDA graphs) but "
+                  f"{leaves} and {rest / GB:.1f} GB to the rest")
+        return MemoryCheck(False, required / GB, available / GB, reason, starts=False)
     if required > available:
-        reason = (
-            f"out of memory: {config} at --max-running-requests {max_running_requests} needs "
-            f"{required / GB:.1f} GB per GPU ({parts}) but {fraction:g} x "
-            f"{profile.hardware.memory_gb:g} GB leaves {available / GB:.1f} GB"
-        )
-        return MemoryCheck(False, required / GB, available / GB, reason)
-    return MemoryCheck(True, required / GB, available / GB, f"fits: {parts}")
+        reason = (f"its KV pool holds {holds} of {max_running_requests} running requests: "
+                  f"{config} needs {required / GB:.1f} GB per GPU ({parts}) but {leaves}")
+        return MemoryCheck(False, required / GB, available / GB, reason, holds=holds)
+    return MemoryCheck(True, required / GB, available / GB, f"fits: {parts}", holds=holds)

@@ -217,24 +217,27 @@ class PerfModel:
         `max_running_requests` at once (default: the batch; required for a rate)."""
         if (batch is None) == (rate is None):
             raise ValueError("give a batch (closed loop) or a rate (open loop), not both")
-        if batch is not None:
-            if batch < 1:
-                raise ValueError(f"batch must be >= 1, got {batch}")
-            cap = max_running_requests or batch
-            base = self.closed_loop(BASELINE, dataset, shape, batch, cap)
-            spec = self.closed_loop(config, dataset, shape, batch, cap)
-        else:
+        if batch is not None and batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        if batch is None and max_running_requests is None:
+            raise ValueError("an open loop needs max_running_requests")
+        cap = max_running_requests or batch
+        assert cap is not None
+
+        def served(of: ServerConfig) -> tuple[Serving, bool]:
+            # Every running request holds its whole prompt and output in the KV pool: as
+            # many run at once as it holds.
+            memory = check_memory(self.profile, of, cap, tp=self.cost.tp, method=self.method,
+                                  context_tokens=shape.prompt_tokens + shape.output_tokens)
+            running = memory.running(cap)
+            if batch is not None:
+                return self.closed_loop(of, dataset, shape, batch, running), memory.starts
             assert rate is not None
-            if max_running_requests is None:
-                raise ValueError("an open loop needs max_running_requests")
-            cap = max_running_requests
-            base = self.open_loop(BASELINE, dataset, shape, rate, cap)
-            spec = self.open_loop(config, dataset, shape, rate, cap)
-        # Every running request must hold its whole prompt and output in the KV pool.
-        memory = check_memory(self.profile, config, cap, tp=self.cost.tp, method=self.method,
-                              context_tokens=shape.prompt_tokens + shape.output_tokens)
+            return self.open_loop(of, dataset, shape, rate, running), memory.starts
+
+        (base, _), (spec, starts) = served(BASELINE), served(config)
         return ServingPrediction(config, dataset, shape, batch or 0, rate, cap, base, spec,
-                                 self.accept_length(config, dataset), not memory.fits)
+                                 self.accept_length(config, dataset), not starts)
 
     def predict(
         self,
@@ -243,10 +246,18 @@ class PerfModel:
         batch: int,
         max_running_requests: int | None = None,
     ) -> Prediction:
-        baseline = self.throughput(BASELINE, batch, dataset)
-        spec = self.throughput(config, batch, dataset)
-        memory = check_memory(self.profile, config, max_running_requests or batch,
-                              tp=self.cost.tp, method=self.method)
+        asked = max_running_requests or batch
+
+        def running(of: ServerConfig) -> tuple[int, bool]:
+            """How many of the batch run at once (what the KV pool holds), and whether
+            the server starts at all."""
+            memory = check_memory(self.profile, of, asked, tp=self.cost.tp,
+                                  method=self.method)
+            return min(batch, memory.running(asked)), memory.starts
+
+        baseline = self.throughput(BASELINE, running(BASELINE)[0], dataset)
+        size, starts = running(config)
+        spec = self.throughput(config, size, dataset)
         return Prediction(
             config=config,
             dataset=dataset,
@@ -255,6 +266,6 @@ class PerfModel:
             spec_tok_s=spec,
             speedup=spec / baseline,
             accept_length=self.accept_length(config, dataset),
-            step_time_s=self.round_time(config, batch, dataset).total_s,
-            oom=not memory.fits,
+            step_time_s=self.round_time(config, size, dataset).total_s,
+            oom=not starts,
         )

@@ -355,10 +355,12 @@ class ModelStrategy:
         self.accepted: dict[tuple[TreeConfig, str], float] = {}
         # Nothing left but configs the memory model says cannot start: TPE's own fallback.
         self.fallback = TPEStrategy(context)
-        # Configs the memory model says cannot start are never proposed (facts, not fits).
+        # Configs the memory model says cannot start are never proposed (facts, not fits);
+        # one whose KV pool holds fewer requests than the largest batch starts, and runs
+        # fewer at once (measured so: it may still be the best at a smaller batch).
         self.candidates = [c for c in context.space.configs()
                            if check_memory(context.prior, c, context.max_batch,
-                                           tp=context.tp).fits]
+                                           tp=context.tp).starts]
 
     def refresh(self) -> list[TreeConfig]:
         """Refit when there is news (a new measured tree, or a re-measurement); returns

@@ -74,10 +74,13 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
     # SGLang sizes an adaptive server for its longest candidate chain.
     sized = config.longest if isinstance(config, AdaptiveConfig) else config
     shapes, most = spec.request_shapes(), max(spec.batch)
-    if not check_memory(truth.profile, sized, most, tp=truth.cost.tp,
-                        method=truth.method).fits:
+    memory = check_memory(truth.profile, sized, most, tp=truth.cost.tp, method=truth.method,
+                          mem_fraction_static=spec.launch_spec().mem_fraction_static)
+    if not memory.starts:
         return LaunchResult(config, reason="RuntimeError: Not enough memory (emulated)",
                             exit_code=1)
+    # A pool that holds fewer requests than asked runs that many at once (the emulator's).
+    running = memory.running(most)
     launch = lognormal_factor(noise.launch_cv, rng) * truth.launch_speed(rng) * speed
     repeats = spec.measurement.repeats
 
@@ -89,12 +92,14 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
         for dataset in spec.dataset_names:
             served = None
             if isinstance(config, AdaptiveConfig):
-                tput, accept = adaptive_throughput(truth, config, batch, dataset, most)
+                tput, accept = adaptive_throughput(truth, config, min(batch, running),
+                                                   dataset, most)
             elif dataset in shapes:
-                served = truth.closed_loop(config, dataset, shapes[dataset], batch, most)
+                served = truth.closed_loop(config, dataset, shapes[dataset], batch, running)
                 tput, accept = served.output_tok_s, accept_of(dataset)
             else:
-                tput, accept = truth.throughput(config, batch, dataset), accept_of(dataset)
+                tput = truth.throughput(config, min(batch, running), dataset)
+                accept = accept_of(dataset)
             cells.append(_cell(dataset, batch, None, tput, accept, served, launch, repeats,
                                noise, rng))
     rate_cells = []
@@ -102,7 +107,7 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
         for dataset in spec.dataset_names:
             if dataset not in shapes or isinstance(config, AdaptiveConfig):
                 continue
-            served = truth.open_loop(config, dataset, shapes[dataset], rate, most)
+            served = truth.open_loop(config, dataset, shapes[dataset], rate, running)
             rate_cells.append(_cell(dataset, 0, rate, served.output_tok_s, accept_of(dataset),
                                     served, launch, repeats, noise, rng))
     return LaunchResult(config, ok=True, cells=cells, rate_cells=rate_cells)

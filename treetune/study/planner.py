@@ -842,9 +842,9 @@ class Planner:
 
     def _served_share(self) -> float | None:
         """The share of each GPU's memory SGLang took for weights and KV cache in the
-        study's trees of its own method (`server_info`), the least where they differ (a
-        tree must start on whichever node runs it: unlike GPUs take unlike shares), when
-        the study's flags leave it to SGLang; None until such a server said."""
+        study's trees of its own method (`server_info`), when the study's flags leave it to
+        SGLang; None until such a server said. One for the study, the least where nodes of
+        unlike GPUs took unlike shares (not a new search at every launch)."""
         if "--mem-fraction-static" in self.spec.server_flags:
             return None
         shares = [float(value) for result in self.launched
