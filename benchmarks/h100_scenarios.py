@@ -45,8 +45,8 @@ def main() -> None:
         cells = ", ".join(f"{d} {r:.3f}" for d, r in ratios.items())
         print(f"  batch {batch}: {cells}")
     for size in spec.batch:
-        fits = not truth.predict(PUBLISHED, spec.dataset_names[0], size).oom
-        print(f"  fits in memory at --max-running-requests {size}: {fits}")
+        starts = not truth.predict(PUBLISHED, spec.dataset_names[0], size).oom
+        print(f"  starts at --max-running-requests {size}: {starts}")
     noise = Noise(profile.noise.launch_cv, profile.noise.measurement_cv, 0.01)
     planner = run_offline(spec, truth, args.seed, args.launches, noise)
     print(f"\n{planner.launches} launches, strategy {planner.strategy_name}")

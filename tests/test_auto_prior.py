@@ -425,6 +425,7 @@ def test_the_share_of_memory_sglang_chose_for_a_tree_decides_the_trees_proposed(
     absorb(BASELINE)  # no speculation: SGLang reserves otherwise, and no tree was judged
     assert planner.memory_notes() == []
     absorb(TreeConfig(3, 1, 4))
+    strategy = planner.strategy
     notes = planner.memory_notes()
     if flags:
         assert notes == [] and len(planner.strategy.candidates) == 43
@@ -434,6 +435,9 @@ def test_the_share_of_memory_sglang_chose_for_a_tree_decides_the_trees_proposed(
         "study's server_flags leave it; the prior assumed 0.85): from launch 3 on, the model "
         "search proposes the trees that can start at that share"), notes
     assert planner.strategy_name == "model" and len(planner.strategy.candidates) == 41
+    # The same search, what it learnt kept (a review found it made anew, its fit cold).
+    assert planner.strategy is strategy and strategy.fit.prior is planner.context.prior
+    assert strategy.fit.caps(BASELINE) > strategy.fit.caps(TreeConfig(3, 1, 4)) > 1
     assert planner.memory_notes() == []  # said once
     # On a node of other GPUs SGLang took another share: one for the study, the least,
     # not a new search at every launch.

@@ -382,14 +382,19 @@ def test_a_stall_as_most_requests_end_is_client_lag_though_the_mean_hardly_moves
     assert client_lag(record, window, 10.0) == pytest.approx(10.0 * mean)  # timers alone
 
 
-@pytest.mark.parametrize(("start", "counts"), [
-    (0.91, True),  # sent as the stall began: it waited for its first token (0.93) then
-    (0.5, False),  # between its first and last tokens: its TPOT and e2e hold
+@pytest.mark.parametrize(("start", "first", "counts"), [
+    (0.92, 0.95, True),  # sent as the stall began: sent late
+    (0.9, 0.93, True),  # its first token stamped when the stall ended
+    (0.5, 0.52, False),  # between its first and last tokens: its TPOT and e2e hold
+    (0.5, 1.2, False),  # in its wait for a first token (a queue's): its stamps hold
+    (1.0045, 1.03, False),  # sent just after the stall ended: nothing delayed
 ])
-def test_a_stall_counts_where_it_can_move_a_requests_latencies(start, counts):
+def test_a_stall_counts_where_it_can_move_a_requests_latencies(start, first, counts):
+    """The stall: due at 0.924 s, its beat fired at 1.004 s (a review's cases)."""
     record = Record(workers=1)
     record.beats = beats_with_a_stall(stall_at=0.92, stall_s=0.08)
-    record.streams = [ending(1.5, start=start)]
+    assert [late for at, late in record.beats if 1.0 < at < 1.01] == [0.08]
+    record.streams = [Stream(start=start, chunks=[(first, 1), (1.5, 100)], finished=True)]
     lag = client_lag(record, (0.0, 2.0), 1.0, record.streams)
     assert (lag == pytest.approx(0.08)) is counts
 

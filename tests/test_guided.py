@@ -1406,3 +1406,34 @@ def test_an_api_key_starting_with_a_dash_is_refused_before_any_server(tmp_path, 
         LaunchWorker(spec, 0).ready()
     monkeypatch.setenv("TT_DASH_KEY", "k3y-")
     assert LaunchWorker(spec, 0).ready()[0].startswith("worker-0@")
+
+
+def test_the_model_search_prices_a_server_at_what_its_kv_pool_runs_at_once():
+    """A tree whose KV pool holds fewer requests than the study's largest batch starts,
+    runs that many at once and is measured so; the model search priced it at the whole
+    batch (a review: on the 30B's H100 at batch 256, (3,1,4) predicted 1.05 on mt-bench,
+    served 1.21), and fitted such cells as if the batch ran. Now both go by the pool."""
+    from treetune.perfmodel import RunningCaps
+    from treetune.results import CellResult, LaunchResult
+    from treetune.strategies.model import measurements
+
+    profile = load_profile("qwen3-30b-a3b-h100")
+    caps = RunningCaps(profile, 256, 1)
+    tree = TreeConfig(3, 1, 4)
+    assert (caps(BASELINE), caps(tree)) == (149, 144)
+    model = PerfModel(profile, 1)
+    table = predicted_speedups(profile, [tree], [1, 256], ["mt-bench"], 1, caps)
+    assert table[tree][256][0] == pytest.approx(
+        model.throughput(tree, 144, "mt-bench") / model.throughput(BASELINE, 149, "mt-bench"))
+    assert table[tree][1][0] == pytest.approx(
+        model.throughput(tree, 1, "mt-bench") / model.throughput(BASELINE, 1, "mt-bench"))
+    assert table[tree][256][0] > 1.15 > predicted_speedups(
+        profile, [tree], [256], ["mt-bench"], 1)[tree][256][0]
+
+    def launch(config):
+        return LaunchResult(config, ok=True, cells=[
+            CellResult("mt-bench", b, 1000.0, 2.0 if config is not BASELINE else None, 10,
+                       10_000, 6.0, None, None) for b in (1, 256)])
+
+    points = measurements([launch(tree)], launch(BASELINE), [1, 256], ["mt-bench"], caps=caps)
+    assert [p.batch for p in points] == [1]  # no steady state of 256 running at once

@@ -53,8 +53,14 @@ def main(argv: list[str] | None = None) -> int:
                           tp=settings.tp, mem_fraction_static=settings.mem_fraction_static,
                           method=model.method)
     if not memory.starts:
-        print(f"[emulator] ERROR: RuntimeError: Not enough memory. Please try to increase "
-              f"--mem-fraction-static. ({memory.reason})", file=sys.stderr, flush=True)
+        # SGLang's words when the weights leave no pool; a workspace outgrowing the rest
+        # fails in CUDA-graph capture instead, where a larger share only makes it worse.
+        advice = ("Not enough memory. Please try to increase --mem-fraction-static."
+                  if memory.cause == "weights" else
+                  "CUDA out of memory while capturing CUDA graphs: lower "
+                  "--mem-fraction-static or --max-running-requests.")
+        print(f"[emulator] ERROR: RuntimeError: {advice} ({memory.reason})", file=sys.stderr,
+              flush=True)
         return 1
     # A pool too small for every running request's reserve: SGLang admits requests while
     # it has room and retracts them when it runs short, so about as many run at once as

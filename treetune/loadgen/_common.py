@@ -306,16 +306,17 @@ def stamp_stall(beats: Sequence[tuple[float, float]], ats: Sequence[float],
     """The longest stall of the load generator's event loop that a completed request's
     latencies may hold, wall seconds. A heartbeat L late shows that the loop ran nothing
     for the L before it fired: a token that arrived then was stamped when it ended. So a
-    stall counts when it met the request's wait for its first token (which it may have
-    sent late, or stamped late) or ended at its last token's stamp; one between the two
-    only delays tokens in between, and neither its TPOT nor its end-to-end time. `ats`:
-    the beats' times."""
+    stall counts when it began as the request was being sent (delaying it), or ended at
+    its first or its last token's stamp; one in between only delays what came between
+    (a queue's wait, tokens in the middle), and neither its TTFT's stamps nor its TPOT's.
+    `ats`: the beats' times."""
 
-    def worst(lo: float, hi: float) -> float:
-        """The longest stall seen by a beat whose stalled span [at - L, at] meets [lo, hi]
-        (spans follow one another: each beat is due HEARTBEAT_S after the last fired)."""
+    def worst(lo: float, hi: float, slack: float) -> float:
+        """The longest stall seen by a beat whose stalled span [at - L, at] meets
+        [lo, hi], or ended within `slack` before lo (spans follow one another: each beat
+        is due HEARTBEAT_S after the last fired)."""
         longest = 0.0
-        for i in range(bisect.bisect_left(ats, lo - STAMP_SLACK_S), len(beats)):
+        for i in range(bisect.bisect_left(ats, lo - slack), len(beats)):
             at, lateness = beats[i]
             if at - lateness > hi:
                 break
@@ -323,4 +324,7 @@ def stamp_stall(beats: Sequence[tuple[float, float]], ats: Sequence[float],
         return longest
 
     first, last = stream.chunks[0][0], stream.chunks[-1][0]
-    return max(worst(stream.start, first), worst(last, last))
+    # Sent in the pass that stamped its start (a stall that ended before it did not
+    # delay it); its first and last tokens stamped when a stall ended, maybe just after.
+    return max(worst(stream.start, min(stream.start + HEARTBEAT_S, first), 0.0),
+               worst(first, first, STAMP_SLACK_S), worst(last, last, STAMP_SLACK_S))

@@ -8,7 +8,7 @@ from treetune.perfmodel.acceptance import (
     sample_accepted,
 )
 from treetune.perfmodel.cost import CostModel, RoundTime, distinct_experts, independent_tokens
-from treetune.perfmodel.memory import MemoryCheck, check_memory
+from treetune.perfmodel.memory import MemoryCheck, RunningCaps, check_memory
 from treetune.perfmodel.noise import Drift, NoiseModel, lognormal_factor
 from treetune.perfmodel.predict import PerfModel, Prediction, ServingPrediction
 from treetune.perfmodel.profile import (
@@ -51,6 +51,7 @@ __all__ = [
     "Prediction",
     "Profile",
     "RoundTime",
+    "RunningCaps",
     "Serving",
     "ServingPrediction",
     "Shape",

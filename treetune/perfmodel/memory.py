@@ -34,6 +34,9 @@ class MemoryCheck:
     reason: str
     starts: bool = True  # SGLang starts it (a KV pool left, the workspace in the rest)
     holds: int = 0  # running requests whose KV reserve the pool holds at once
+    # Why it cannot start: "weights" (they leave no KV pool) or "workspace" (it outgrows
+    # what the static share leaves); "" when it starts.
+    cause: str = ""
 
     def running(self, asked: int) -> int:
         """How many of `asked` running requests the server runs at once: what its pool
@@ -104,15 +107,39 @@ def check_memory(
     if pool <= 0:
         reason = (f"out of memory: {config} needs {weights / GB:.1f} GB per GPU of weights "
                   f"but {leaves}: no room for a KV cache ({parts})")
-        return MemoryCheck(False, required / GB, available / GB, reason, starts=False)
+        return MemoryCheck(False, required / GB, available / GB, reason, starts=False,
+                           cause="weights")
     if workspace > rest:
         reason = (f"out of memory: {config} at --max-running-requests {max_running_requests} "
                   f"needs a workspace of {workspace / GB:.1f} GB per GPU for {in_flight} "
                   f"tokens in flight (logits and activations, captured in CUDA graphs) but "
                   f"{leaves} and {rest / GB:.1f} GB to the rest")
-        return MemoryCheck(False, required / GB, available / GB, reason, starts=False)
+        return MemoryCheck(False, required / GB, available / GB, reason, starts=False,
+                           cause="workspace")
     if required > available:
         reason = (f"its KV pool holds {holds} of {max_running_requests} running requests: "
                   f"{config} needs {required / GB:.1f} GB per GPU ({parts}) but {leaves}")
         return MemoryCheck(False, required / GB, available / GB, reason, holds=holds)
     return MemoryCheck(True, required / GB, available / GB, f"fits: {parts}", holds=holds)
+
+
+class RunningCaps:
+    """How many requests each server runs at once when asked to hold `asked` (its KV
+    pool's hold, `check_memory`), per config, computed once: a fit moves no memory fact.
+    A cell at a larger batch is served at that many, the others waiting."""
+
+    def __init__(self, profile: Profile, asked: int, tp: int | None = None,
+                 method: Method | str | None = None) -> None:
+        self.profile, self.asked, self.tp, self.method = profile, asked, tp, method
+        self._running: dict[ServerConfig, int] = {}
+
+    def __call__(self, config: ServerConfig) -> int:
+        if config not in self._running:
+            self._running[config] = check_memory(
+                self.profile, config, self.asked, tp=self.tp, method=self.method
+            ).running(self.asked)
+        return self._running[config]
+
+    def batch(self, config: ServerConfig, batch: int) -> int:
+        """The requests of a `batch`-client cell that run at once."""
+        return min(batch, self(config))

@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping
 
 from treetune.config import BASELINE, ServerConfig
-from treetune.perfmodel import PerfModel, Profile
+from treetune.perfmodel import PerfModel, Profile, RunningCaps
 from treetune.perfmodel.serving import Shape
 
 
@@ -29,9 +29,11 @@ class WholeRequests:
     """The log shift from steady-state speedup to whole-request speedup, per (tree, batch
     size, dataset of fixed-length requests), at one profile (`at`)."""
 
-    def __init__(self, shapes: Mapping[str, Shape], max_batch: int, tp: int | None) -> None:
+    def __init__(self, shapes: Mapping[str, Shape], max_batch: int, tp: int | None,
+                 caps: RunningCaps | None = None) -> None:
+        """`caps`: how many requests each server runs at once (its KV pool's hold)."""
         self.shapes = dict(shapes)
-        self.max_batch, self.tp = max_batch, tp
+        self.max_batch, self.tp, self.caps = max_batch, tp, caps
         self._model: PerfModel | None = None
         self._profile: Profile | None = None
         self._speed: dict[tuple[ServerConfig, int, str], float] = {}
@@ -39,9 +41,10 @@ class WholeRequests:
     def __bool__(self) -> bool:
         return bool(self.shapes)
 
-    def at(self, profile: Profile) -> None:
-        """Shifts from now on are of `profile` (those known of another are forgotten)."""
-        if profile is not self._profile:
+    def at(self, profile: Profile, again: bool = False) -> None:
+        """Shifts from now on are of `profile` (those known of another are forgotten;
+        `again`: of this one too, its servers' caps changed)."""
+        if again or profile is not self._profile:
             self._profile, self._model, self._speed = profile, None, {}
 
     def _log_ratio(self, config: ServerConfig, batch: int, dataset: str) -> float:
@@ -51,9 +54,12 @@ class WholeRequests:
             assert self._profile is not None, "WholeRequests.at first"
             if self._model is None:
                 self._model = PerfModel(self._profile, self.tp)
+            running = max(self.max_batch, batch)
+            if self.caps is not None:
+                running = min(running, self.caps(config))
             served = self._model.closed_loop(config, dataset, self.shapes[dataset], batch,
-                                             max(self.max_batch, batch)).output_tok_s
-            steady = self._model.throughput(config, batch, dataset)
+                                             running).output_tok_s
+            steady = self._model.throughput(config, min(batch, running), dataset)
             self._speed[key] = (math.log(served / steady) if served > 0 and steady > 0
                                 else 0.0)
         return self._speed[key]

@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from treetune.config import BASELINE, TreeConfig
-from treetune.perfmodel import PerfModel, Profile, check_memory
+from treetune.config import BASELINE, ServerConfig, TreeConfig
+from treetune.perfmodel import PerfModel, Profile, RunningCaps, check_memory
 from treetune.perfmodel.calibrate import (
     CALIBRATION_BOUNDS,
     DATASET_BOUNDS,
@@ -129,16 +129,20 @@ INITIAL_DESIGN = (TreeConfig(3, 1, 4), TreeConfig(3, 4, 12))
 
 
 def measurements(results: list[LaunchResult], baseline: LaunchResult, batches: list[int],
-                 datasets: list[str], whole: WholeRequests | None = None
-                 ) -> list[Measurement]:
+                 datasets: list[str], whole: WholeRequests | None = None,
+                 caps: RunningCaps | None = None) -> list[Measurement]:
     """Every measured (tree, batch, dataset) cell with its baseline, as calibrate takes
     (which fits the steady state: a cell of whole requests is read as the steady-state
-    throughputs it implies, by `whole`'s shifts)."""
+    throughputs it implies, by `whole`'s shifts). A cell at a batch that the tree's or the
+    baseline's KV pool cannot run at once (`caps`) is no steady state of that batch: left
+    out of the fit."""
     points = []
     for result in results:
         if not result.ok or not isinstance(result.config, TreeConfig):
             continue
         for batch in batches:
+            if caps is not None and min(caps(result.config), caps(BASELINE)) < batch:
+                continue
             for dataset in datasets:
                 cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
                 if cell and base and cell.output_tok_s > 0 and base.output_tok_s > 0:
@@ -170,16 +174,28 @@ class ModelFit:
         self.result: CalibrationResult | None = None
         self.params: list[Parameter] = []
         self.shared_fit = False  # ONLINE_SHARED_FIT freed (for good) once it fitted better
+        self.max_batch = max_batch or max(batches)
+        # How many of a batch each server runs at once (its KV pool's hold).
+        self.caps = RunningCaps(prior, self.max_batch, tp)
         # The shift to whole requests on datasets of fixed-length requests, at the fit.
-        self.whole = WholeRequests(shapes or {}, max_batch or max(batches), tp)
+        self.whole = WholeRequests(shapes or {}, self.max_batch, tp, self.caps)
         self.whole.at(prior)
+
+    def reshare(self, prior: Profile) -> None:
+        """The servers take another share of GPU memory (`prior`'s): what each runs at
+        once is judged anew; the fit stands (no fitted parameter is a memory fact)."""
+        self.prior = prior
+        self.caps = RunningCaps(prior, self.max_batch, self.tp)
+        self.whole.caps = self.caps
+        self.whole.at(self.profile, again=True)
 
     @property
     def profile(self) -> Profile:
         return self.result.profile if self.result else self.prior
 
     def update(self, results: list[LaunchResult], baseline: LaunchResult) -> None:
-        points = measurements(results, baseline, self.batches, self.datasets, self.whole)
+        points = measurements(results, baseline, self.batches, self.datasets, self.whole,
+                              self.caps)
         if not points:
             return
         per_dataset = free_parameters(self.prior, points, _calibration_fit(self.prior),
@@ -314,13 +330,20 @@ def _dataset_fit(profile: Profile) -> tuple[str, ...]:
 
 
 def predicted_speedups(profile: Profile, configs: list[TreeConfig], batches: list[int],
-                       datasets: list[str], tp: int | None = None
+                       datasets: list[str], tp: int | None = None,
+                       caps: RunningCaps | None = None
                        ) -> dict[TreeConfig, dict[int, list[float]]]:
-    """Noise-free speedup of every config, per batch size, per dataset (in order)."""
+    """Noise-free speedup of every config, per batch size, per dataset (in order); with
+    `caps`, each server runs as many of a batch at once as its KV pool holds."""
     model = PerfModel(profile, tp)
-    base = {(b, d): model.throughput(BASELINE, b, d) for b in batches for d in datasets}
-    return {c: {b: [model.throughput(c, b, d) / base[b, d] for d in datasets] for b in batches}
-            for c in configs}
+
+    def size(config: ServerConfig, batch: int) -> int:
+        return caps.batch(config, batch) if caps is not None else batch
+
+    base = {(b, d): model.throughput(BASELINE, size(BASELINE, b), d)
+            for b in batches for d in datasets}
+    return {c: {b: [model.throughput(c, size(c, b), d) / base[b, d] for d in datasets]
+                for b in batches} for c in configs}
 
 
 def _no_prior(context: SearchContext) -> str | None:
@@ -355,12 +378,27 @@ class ModelStrategy:
         self.accepted: dict[tuple[TreeConfig, str], float] = {}
         # Nothing left but configs the memory model says cannot start: TPE's own fallback.
         self.fallback = TPEStrategy(context)
-        # Configs the memory model says cannot start are never proposed (facts, not fits);
-        # one whose KV pool holds fewer requests than the largest batch starts, and runs
-        # fewer at once (measured so: it may still be the best at a smaller batch).
-        self.candidates = [c for c in context.space.configs()
-                           if check_memory(context.prior, c, context.max_batch,
-                                           tp=context.tp).starts]
+        self.candidates = self._startable(context)
+
+    @staticmethod
+    def _startable(context: SearchContext) -> list[TreeConfig]:
+        """Configs the memory model says cannot start are never proposed (facts, not
+        fits); one whose KV pool holds fewer requests than the largest batch starts, runs
+        fewer at once and is priced so (`ModelFit.caps`): it may be the best at a smaller
+        batch."""
+        assert context.prior is not None
+        return [c for c in context.space.configs()
+                if check_memory(context.prior, c, context.max_batch, tp=context.tp).starts]
+
+    def reshare(self, context: SearchContext) -> None:
+        """The servers took another share of GPU memory than the prior's (`context`'s
+        prior has it, `Planner.memory_notes`): the trees that can start, and how many of
+        a batch each runs at once, are judged anew; the fit and what it learnt stand."""
+        assert context.prior is not None
+        self.context = context
+        self.fallback.context = context
+        self.fit.reshare(context.prior)
+        self.candidates = self._startable(context)
 
     def refresh(self) -> list[TreeConfig]:
         """Refit when there is news (a new measured tree, or a re-measurement); returns
@@ -403,7 +441,7 @@ class ModelStrategy:
         """Every measured cell against the fitted model, with its measurement variance."""
         trees = [r.config for r in measured if isinstance(r.config, TreeConfig)]
         table = predicted_speedups(self.fit.profile, trees, self.fit.batches,
-                                   self.fit.datasets, self.fit.tp)
+                                   self.fit.datasets, self.fit.tp, self.fit.caps)
         for batch in self.fit.batches:
             self.fit.whole.serve(table, trees, batch, self.fit.datasets)
         out = []
@@ -549,7 +587,7 @@ class ModelStrategy:
         the study recommends each dataset its own tree (what a server dedicated to that
         workload runs): the gain is then over each dataset's best."""
         table = predicted_speedups(profile, untried + trees, self.fit.batches,
-                                   self.fit.datasets, self.fit.tp)
+                                   self.fit.datasets, self.fit.tp, self.fit.caps)
         self.corrected(table, draw=draw, measured=trees)
         done: set[tuple[TreeConfig, int]] = set()
         every = tuple(range(len(self.fit.datasets)))
@@ -617,9 +655,10 @@ def model_estimates(fit: ModelFit, configs: list[TreeConfig], rng: np.random.Gen
     the fit and the measurements of every tree, in an 8B study of five trees)."""
     if fit.result is None or not configs:
         return {}
-    fitted = predicted_speedups(fit.profile, configs, fit.batches, fit.datasets, fit.tp)
+    fitted = predicted_speedups(fit.profile, configs, fit.batches, fit.datasets, fit.tp,
+                                fit.caps)
     draws = [predicted_speedups(fit.sample(rng, inflate=1.0), configs, fit.batches,
-                                fit.datasets, fit.tp) for _ in range(samples)]
+                                fit.datasets, fit.tp, fit.caps) for _ in range(samples)]
     out: dict[tuple[TreeConfig, int, str], Estimate] = {}
     for batch in fit.batches:
         for i, dataset in enumerate(fit.datasets):

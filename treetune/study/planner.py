@@ -38,6 +38,7 @@ from treetune.perfmodel.profile import with_attention_dp, with_memory_share
 from treetune.results import LaunchResult, config_key
 from treetune.space import SearchSpace
 from treetune.strategies import BatchStudies, Proposal, SearchContext
+from treetune.strategies.model import ModelStrategy
 from treetune.study.evidence import (
     Z_INTERVAL,
     Estimates,
@@ -867,8 +868,8 @@ class Planner:
             return []
         before = prior.server.mem_fraction_static
         self.context = dataclasses.replace(self.context, prior=with_memory_share(prior, share))
-        if self.strategy_name == "model":  # which trees can start is its candidates
-            self.strategy = strategies.make(self.strategy_name, self.context)
+        if isinstance(self.strategy, ModelStrategy):  # what it learnt stands
+            self.strategy.reshare(self.context)
         return [f"SGLang took {share:g} of each GPU's memory for weights and KV cache (its "
                 f"own choice, the study's server_flags leave it; the prior assumed "
                 f"{before:g}): from launch {self.launches + 1} on, the model search "
