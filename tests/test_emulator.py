@@ -615,6 +615,8 @@ def test_a_kv_pool_smaller_than_the_requests_asked_runs_what_it_holds_and_says_s
             return most
 
     assert 1 <= asyncio.run(load()) <= 7
+    # What SGLang logs as its pool runs full (the study's launch warns of it).
+    assert wait_until(lambda: "KV cache pool is full. Retract requests." in server.stderr, 10)
 
 
 def test_without_max_running_requests_the_server_runs_what_its_kv_pool_holds(emulators):

@@ -172,6 +172,27 @@ def test_failed_launches_are_recorded_with_their_cause_and_never_retried(tmp_pat
     assert len(keys) == len(set(keys)) == 4, "a failed config was launched again"
 
 
+
+def test_a_server_whose_kv_pool_runs_full_is_measured_and_named(tmp_path, ray_cluster):
+    """At --mem-fraction-static 0.41 the 30B MoE's pool on one H100 holds 9 requests
+    without speculation and 7 with (3,1,4): a batch of 12 starts (SGLang refuses only a
+    server without a pool) and runs that many at once, the others waiting, and the server
+    says its pool is full (SGLang at each retraction). The launch is measured and says so."""
+    study = small_study(
+        tmp_path, name="pool", tp=1, datasets=["humaneval"], batch=[12], workers=1,
+        budget={"launches": 2}, compare=["3,1,4"],
+        server_flags={"--mem-fraction-static": "0.41"},
+        backend={"kind": "emulator", "profile": "qwen3-30b-a3b-h100", "time_scale": 20.0,
+                 "load_time_s": 0.5, "noise": False}, ray_address=ray_cluster)
+    outcome = run_study(load_study(None, study))
+    tree = next(r for r in outcome.results if config_key(r.config) == "3,1,4")
+    assert tree.ok, (tree.reason, tree.log_tail)
+    said = [w for w in tree.warnings if "KV cache pool ran full" in w]
+    assert len(said) == 1 and "logged \"KV cache pool is full. Retract requests.\" 1 time)" \
+        in said[0], tree.warnings
+    assert tree.cells[0].output_tok_s > 0
+
+
 def test_a_compared_tree_outside_the_space_is_measured_and_the_search_goes_on(
         tmp_path, ray_cluster):
     # (5,1,6) has draft_tokens 6, which bench-speculative's grid (2,4,8,16,32) cannot hold.

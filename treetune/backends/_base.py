@@ -69,6 +69,9 @@ class ServerApi:
     # (a server still writing its log at its start-up timeout is waited for), as the
     # access lines for the health route are not either.
     health_log: tuple[str, ...] = ()
+    # What the server logs when its KV cache pool runs full while it serves (requests then
+    # run fewer at once than a cell's batch, the others waiting or retracted).
+    pool_full_log: str = ""
 
 
 @dataclass(frozen=True)

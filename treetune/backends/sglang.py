@@ -154,6 +154,8 @@ SGLANG_API = ServerApi(
     prefix_cache=True,
     # http_server.py (0.5.23) logs this for each /health_generate that times out.
     health_log=("Health check failed",),
+    # scheduler.py logs it at each retraction (with the counts after it).
+    pool_full_log="KV cache pool is full. Retract requests.",
     info_keys=("version", "attention_backend", "max_running_requests", "speculative_algorithm",
                "speculative_num_steps", "speculative_eagle_topk",
                "speculative_num_draft_tokens", "tp_size", "mem_fraction_static",

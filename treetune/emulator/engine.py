@@ -100,17 +100,22 @@ class Engine:
         model: PerfModel | None = None,
         schedule: Schedule | None = None,
         log: Callable[[str], None] | None = None,
+        pool_limited: bool = False,
     ) -> None:
         """`model`: the truth's timing and acceptance (a world's); the profile's own
         performance model by default. `schedule`: an adaptive server's controllers, which
         choose each round's chain (`config` is then the longest, for the prefill's draft
-        pass). `log`: where the server's log lines go."""
+        pass). `log`: where the server's log lines go. `pool_limited`: the KV pool, not
+        --max-running-requests, sets `max_running_requests` (SGLang then logs that its
+        pool is full when requests wait)."""
         self.profile = profile
         self.config = config
         self.schedule = schedule
         self._log = log or (lambda line: None)
         self.model = model or PerfModel(profile, tp)
         self.max_running = max_running_requests
+        self.pool_limited = pool_limited
+        self._pool_full = False  # requests wait on a full pool (said once until they do not)
         self.time_scale = time_scale
         self.rng = rng
         self.metrics = metrics
@@ -241,6 +246,11 @@ class Engine:
             self.running.append(req)
             admitted.append(req)
         self.metrics.queue(len(self.waiting))
+        full = self.pool_limited and bool(self.waiting)
+        if full and not self._pool_full:  # SGLang's words as its pool runs full
+            self._log(f"KV cache pool is full. Retract requests. (emulated: the pool holds "
+                      f"{self.max_running} running requests, {len(self.waiting)} wait)")
+        self._pool_full = full
         return admitted
 
     def _speed(self, seconds: float) -> float:

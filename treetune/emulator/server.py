@@ -98,6 +98,7 @@ class EmulatedServer:
             schedule=(adaptive.schedule(settings.max_running_requests,
                                         settings.cuda_graph_max_bs) if adaptive else None),
             log=log,
+            pool_limited=running is not None and running < settings.max_running_requests,
         )
         self.app = web.Application(middlewares=[self._auth, _json_errors])
         self.app.add_routes([

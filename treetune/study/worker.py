@@ -286,6 +286,9 @@ class LaunchWorker:
                                          started[-1]))
             result.ok = True
             result.reason = ""
+            full = pool_full_warning(self.spec.backend.api.pool_full_log, log_path)
+            if full and full not in result.warnings:
+                result.warnings.append(full)
         except Exception as exc:  # the server died or stopped answering mid-benchmark
             result.reason = f"benchmark failed: {_first_line(exc)}"
             crashed = server.exit_code_within(EXIT_GRACE_S)
@@ -373,6 +376,23 @@ class LaunchWorker:
         if check is None:
             return []
         return check(command_flags(command), info, log())
+
+
+def pool_full_warning(said: str, log_path: Path) -> str:
+    """What to tell of a server that logged its KV cache pool full (`said`, the
+    backend's words) while it served ('' when it did not): its largest batches ran fewer
+    requests at once than their clients, so their cells measured that."""
+    if not said or not log_path.exists():
+        return ""
+    with log_path.open(errors="replace") as log:
+        times = sum(said in line for line in log)
+    if not times:
+        return ""
+    return (f"its KV cache pool ran full while it served (the server logged \"{said}\" "
+            f"{times} time{'s' if times > 1 else ''}): at its largest batch sizes fewer "
+            "requests ran at once than the batch, the others waiting, and those cells "
+            "measured that. A larger --mem-fraction-static in server_flags, or smaller "
+            "batch sizes, lets them all run")
 
 
 def failed_requests(cell: CellResult) -> str:
