@@ -146,18 +146,27 @@ def test_the_sglang_backend_runs_the_same_code_pointed_at_the_emulator(tmp_path,
     assert tree.server_info["mem_fraction_static"] == 0.85
 
 
+
+def tight_30b_study(tmp_path, name: str, share: str, *, batch: int, launches: int,
+                    tree: str, load_time_s: float, ray_address: str) -> dict:
+    """A study of the 30B MoE on one H100 at a small --mem-fraction-static (`share`), of
+    the baseline and `tree`, on the emulator without noise."""
+    return small_study(
+        tmp_path, name=name, tp=1, datasets=["humaneval"], batch=[batch], workers=1,
+        budget={"launches": launches}, compare=[tree],
+        server_flags={"--mem-fraction-static": share},
+        backend={"kind": "emulator", "profile": "qwen3-30b-a3b-h100", "time_scale": 20.0,
+                 "load_time_s": load_time_s, "noise": False}, ray_address=ray_address)
+
+
 def test_failed_launches_are_recorded_with_their_cause_and_never_retried(tmp_path,
                                                                           ray_cluster):
     # At --mem-fraction-static 0.383 the 30B MoE's weights leave one H100 a small KV pool
     # (0.1 GB: one request at a time) and its weights with the draft head's none: every
     # tree fails at start-up, "Not enough memory", as SGLang does.
-    study = small_study(
-        tmp_path, name="oom", tp=1, datasets=["humaneval"], batch=[8], workers=1,
-        budget={"launches": 3}, compare=["3,4,8"],
-        server_flags={"--mem-fraction-static": "0.383"},
-        backend={"kind": "emulator", "profile": "qwen3-30b-a3b-h100", "time_scale": 20.0,
-                 "load_time_s": 10.0, "noise": False}, ray_address=ray_cluster)
-    spec = load_study(None, study)
+    spec = load_study(None, tight_30b_study(tmp_path, "oom", "0.383", batch=8, launches=3,
+                                            tree="3,4,8", load_time_s=10.0,
+                                            ray_address=ray_cluster))
     outcome = run_study(spec)
     failed = [r for r in outcome.results if not r.ok]
     assert outcome.baseline is not None and len(failed) == 2
@@ -178,13 +187,9 @@ def test_a_server_whose_kv_pool_runs_full_is_measured_and_named(tmp_path, ray_cl
     without speculation and 7 with (3,1,4): a batch of 12 starts (SGLang refuses only a
     server without a pool) and runs that many at once, the others waiting, and the server
     says its pool is full (SGLang at each retraction). The launch is measured and says so."""
-    study = small_study(
-        tmp_path, name="pool", tp=1, datasets=["humaneval"], batch=[12], workers=1,
-        budget={"launches": 2}, compare=["3,1,4"],
-        server_flags={"--mem-fraction-static": "0.41"},
-        backend={"kind": "emulator", "profile": "qwen3-30b-a3b-h100", "time_scale": 20.0,
-                 "load_time_s": 0.5, "noise": False}, ray_address=ray_cluster)
-    outcome = run_study(load_study(None, study))
+    outcome = run_study(load_study(None, tight_30b_study(
+        tmp_path, "pool", "0.41", batch=12, launches=2, tree="3,1,4", load_time_s=0.5,
+        ray_address=ray_cluster)))
     tree = next(r for r in outcome.results if config_key(r.config) == "3,1,4")
     assert tree.ok, (tree.reason, tree.log_tail)
     said = [w for w in tree.warnings if "KV cache pool ran full" in w]
