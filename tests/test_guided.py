@@ -1435,5 +1435,30 @@ def test_the_model_search_prices_a_server_at_what_its_kv_pool_runs_at_once():
             CellResult("mt-bench", b, 1000.0, 2.0 if config is not BASELINE else None, 10,
                        10_000, 6.0, None, None) for b in (1, 256)])
 
+    # Fitted at what ran: a review found cells past the pools left out of the fit, and a
+    # study of batch 256 alone never fitted at all.
     points = measurements([launch(tree)], launch(BASELINE), [1, 256], ["mt-bench"], caps=caps)
-    assert [p.batch for p in points] == [1]  # no steady state of 256 running at once
+    assert [(p.batch, p.baseline_batch) for p in points] == [(1, 1), (144, 149)]
+    from treetune.perfmodel.calibrate import point_errors
+
+    capped = point_errors(profile, points)[1]
+    assert capped.predicted_baseline == pytest.approx(
+        model.throughput(BASELINE, 149, "mt-bench"))
+    assert capped.predicted_speedup == pytest.approx(table[tree][256][0])
+
+
+def test_a_study_whose_every_batch_outgrows_the_pools_still_fits_its_model(tmp_path):
+    """Batch 256 alone on the 30B's H100: every server runs fewer at once (149 without
+    speculation, 142-144 with). A review found such cells left out of the fit, so the
+    search never fitted and ran on its prior for good."""
+    from studykit import small_study
+
+    from treetune.study.offline import run_offline
+    from treetune.study.spec import load_study
+
+    spec = load_study(None, small_study(
+        tmp_path, model="Qwen/Qwen3-30B-A3B", draft="Tengyunw/qwen3_30b_moe_eagle3", tp=1,
+        batch=[256], datasets=["mt-bench"], compare=[], search={"strategy": "model"},
+        backend={"kind": "emulator", "profile": "qwen3-30b-a3b-h100"}))
+    planner = run_offline(spec, PerfModel(load_profile("qwen3-30b-a3b-h100"), 1), 1, 6)
+    assert planner.strategy_name == "model" and planner.strategy.fit.result is not None

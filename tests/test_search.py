@@ -146,7 +146,6 @@ def test_the_sglang_backend_runs_the_same_code_pointed_at_the_emulator(tmp_path,
     assert tree.server_info["mem_fraction_static"] == 0.85
 
 
-
 def tight_30b_study(tmp_path, name: str, share: str, *, batch: int, launches: int,
                     tree: str, load_time_s: float, ray_address: str) -> dict:
     """A study of the 30B MoE on one H100 at a small --mem-fraction-static (`share`), of
@@ -181,7 +180,6 @@ def test_failed_launches_are_recorded_with_their_cause_and_never_retried(tmp_pat
     assert len(keys) == len(set(keys)) == 4, "a failed config was launched again"
 
 
-
 def test_a_server_whose_kv_pool_runs_full_is_measured_and_named(tmp_path, ray_cluster):
     """At --mem-fraction-static 0.41 the 30B MoE's pool on one H100 holds 9 requests
     without speculation and 7 with (3,1,4): a batch of 12 starts (SGLang refuses only a
@@ -196,6 +194,21 @@ def test_a_server_whose_kv_pool_runs_full_is_measured_and_named(tmp_path, ray_cl
     assert len(said) == 1 and "logged \"KV cache pool is full. Retract requests.\" 1 time)" \
         in said[0], tree.warnings
     assert tree.cells[0].output_tok_s > 0
+
+
+def test_the_pool_full_warning_counts_every_server_of_the_launch(tmp_path):
+    """A launch's second server measures only the cells its first left (a review): what
+    the first logged counts too; a log gone counts nothing."""
+    from treetune.study.worker import pool_full_warning
+
+    said = "KV cache pool is full. Retract requests."
+    first, second = tmp_path / "a.log", tmp_path / "b.log"
+    first.write_text(f"[x] {said} #retracted_reqs: 1\n[x] Decode batch\n[x] {said}\n")
+    second.write_text("[x] Decode batch\n")
+    assert "logged \"KV cache pool is full. Retract requests.\" 2 times)" in pool_full_warning(
+        said, [first, second, tmp_path / "gone.log"])
+    assert pool_full_warning(said, [second]) == pool_full_warning("", [first]) == ""
+
 
 
 def test_a_compared_tree_outside_the_space_is_measured_and_the_search_goes_on(

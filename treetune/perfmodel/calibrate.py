@@ -49,11 +49,18 @@ class Measurement:
     accept_length: float | None = None
     launch: str | None = None  # points of one launch share its speed factor (see calibrate)
     reported_speedup: float | None = None  # as published, for points without throughputs
+    # The requests its baseline ran at once, when not `batch` (a KV pool that holds fewer:
+    # each server of a cell runs as many as its own pool holds).
+    base_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.reported_speedup is None and (self.baseline_tok_s is None
                                               or self.spec_tok_s is None):
             raise ValueError("a measurement needs both throughputs or a speedup")
+
+    @property
+    def baseline_batch(self) -> int:
+        return self.base_batch or self.batch
 
     @property
     def speedup(self) -> float:
@@ -543,9 +550,9 @@ def point_errors(profile: Profile, measurements: Sequence[Measurement]) -> list[
     accepts: dict[tuple[TreeConfig, str], float] = {}
     errors = []
     for m in measurements:  # each baseline and accept length computed once
-        cell, tree = (m.batch, m.dataset), (m.config, m.dataset)
+        cell, tree = (m.baseline_batch, m.dataset), (m.config, m.dataset)
         if cell not in baselines:
-            baselines[cell] = model.throughput(BASELINE, m.batch, m.dataset)
+            baselines[cell] = model.throughput(BASELINE, m.baseline_batch, m.dataset)
         if tree not in accepts:
             accepts[tree] = model.accept_length(m.config, m.dataset)
         spec = m.batch * accepts[tree] / model.round_time(m.config, m.batch, m.dataset).total_s
@@ -567,8 +574,8 @@ class _Objective:
         self.x0 = np.clip([_to_x(p, get_value(profile, p.name)) for p in self.params],
                           self.low, self.high)
         # Speedup-only points have no baseline to fit: their cells are left out here.
-        self.baselines = {(m.batch, m.dataset): m.baseline_tok_s for m in measurements
-                          if m.baseline_tok_s is not None}
+        self.baselines = {(m.baseline_batch, m.dataset): m.baseline_tok_s
+                          for m in measurements if m.baseline_tok_s is not None}
         self.groups: dict[str, list[int]] = {}
         for i, m in enumerate(measurements):
             if m.launch is not None:
@@ -594,7 +601,8 @@ class _Objective:
                 out.append((e.predicted_accept - m.accept_length) / m.accept_length)
         for (batch, dataset), measured in self.baselines.items():
             pred = next(e.predicted_baseline for e in errors
-                        if e.measurement.batch == batch and e.measurement.dataset == dataset)
+                        if e.measurement.baseline_batch == batch
+                        and e.measurement.dataset == dataset)
             out.append(np.log(pred / measured))
         return np.asarray(out, dtype=float)
 

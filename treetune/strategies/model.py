@@ -133,16 +133,15 @@ def measurements(results: list[LaunchResult], baseline: LaunchResult, batches: l
                  caps: RunningCaps | None = None) -> list[Measurement]:
     """Every measured (tree, batch, dataset) cell with its baseline, as calibrate takes
     (which fits the steady state: a cell of whole requests is read as the steady-state
-    throughputs it implies, by `whole`'s shifts). A cell at a batch that the tree's or the
-    baseline's KV pool cannot run at once (`caps`) is no steady state of that batch: left
-    out of the fit."""
+    throughputs it implies, by `whole`'s shifts). Each server of a cell ran as many of
+    its batch at once as its KV pool holds (`caps`): the cell is fitted at those."""
     points = []
     for result in results:
         if not result.ok or not isinstance(result.config, TreeConfig):
             continue
         for batch in batches:
-            if caps is not None and min(caps(result.config), caps(BASELINE)) < batch:
-                continue
+            size, base_size = (caps.batch(result.config, batch), caps.batch(BASELINE, batch)
+                               ) if caps is not None else (batch, batch)
             for dataset in datasets:
                 cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
                 if cell and base and cell.output_tok_s > 0 and base.output_tok_s > 0:
@@ -150,9 +149,10 @@ def measurements(results: list[LaunchResult], baseline: LaunchResult, batches: l
                     if whole:
                         base_tok_s /= np.exp(whole.server_shift(BASELINE, batch, dataset))
                         cell_tok_s /= np.exp(whole.server_shift(result.config, batch, dataset))
-                    points.append(Measurement(result.config, batch, dataset, float(base_tok_s),
+                    points.append(Measurement(result.config, size, dataset, float(base_tok_s),
                                               float(cell_tok_s), cell.accept_length,
-                                              launch=config_key(result.config)))
+                                              launch=config_key(result.config),
+                                              base_batch=base_size))
     return points
 
 
@@ -399,6 +399,7 @@ class ModelStrategy:
         self.fallback.context = context
         self.fit.reshare(context.prior)
         self.candidates = self._startable(context)
+        self.fitted_on = (-1, -1)  # refitted at the new caps, warm-started from the fit
 
     def refresh(self) -> list[TreeConfig]:
         """Refit when there is news (a new measured tree, or a re-measurement); returns

@@ -286,9 +286,6 @@ class LaunchWorker:
                                          started[-1]))
             result.ok = True
             result.reason = ""
-            full = pool_full_warning(self.spec.backend.api.pool_full_log, log_path)
-            if full and full not in result.warnings:
-                result.warnings.append(full)
         except Exception as exc:  # the server died or stopped answering mid-benchmark
             result.reason = f"benchmark failed: {_first_line(exc)}"
             crashed = server.exit_code_within(EXIT_GRACE_S)
@@ -299,6 +296,11 @@ class LaunchWorker:
             code = server.stop()
             if not result.ok:
                 result.exit_code = code
+        if result.ok:  # the cells of every server of this launch, an earlier one's too
+            full = pool_full_warning(self.spec.backend.api.pool_full_log, [
+                self.logs / log_name(key, launch_index, a) for a in range(attempt + 1)])
+            if full and full not in result.warnings:
+                result.warnings.append(full)
         return True
 
     def api_key(self) -> str | None:
@@ -378,21 +380,24 @@ class LaunchWorker:
         return check(command_flags(command), info, log())
 
 
-def pool_full_warning(said: str, log_path: Path) -> str:
-    """What to tell of a server that logged its KV cache pool full (`said`, the
-    backend's words) while it served ('' when it did not): its largest batches ran fewer
-    requests at once than their clients, so their cells measured that."""
-    if not said or not log_path.exists():
-        return ""
-    with log_path.open(errors="replace") as log:
-        times = sum(said in line for line in log)
+def pool_full_warning(said: str, logs: list[Path]) -> str:
+    """What to tell of a launch whose servers logged their KV cache pool full (`said`,
+    the backend's words) while they served ('' when none did, or no log can be read)."""
+    times = 0
+    for path in logs if said else []:
+        try:
+            with path.open(errors="replace") as log:
+                times += sum(said in line for line in log)
+        except OSError:
+            continue  # a log gone is no word on the pool
     if not times:
         return ""
     return (f"its KV cache pool ran full while it served (the server logged \"{said}\" "
-            f"{times} time{'s' if times > 1 else ''}): at its largest batch sizes fewer "
-            "requests ran at once than the batch, the others waiting, and those cells "
-            "measured that. A larger --mem-fraction-static in server_flags, or smaller "
-            "batch sizes, lets them all run")
+            f"{times} time{'s' if times > 1 else ''}): then fewer requests ran at once than "
+            "the batch, the others waiting. SGLang calls an occasional retraction harmless; "
+            "often, it means the largest batches measured fewer requests at once. A larger "
+            "--mem-fraction-static in server_flags, or smaller batch sizes, lets them all "
+            "run")
 
 
 def failed_requests(cell: CellResult) -> str:
