@@ -75,7 +75,7 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
     sized = config.longest if isinstance(config, AdaptiveConfig) else config
     shapes, most = spec.request_shapes(), max(spec.batch)
     memory = check_memory(truth.profile, sized, most, tp=truth.cost.tp, method=truth.method,
-                          mem_fraction_static=spec.launch_spec().mem_fraction_static)
+                          mem_fraction_static=spec.mem_fraction_static)
     if not memory.starts:
         return LaunchResult(config, reason="RuntimeError: Not enough memory (emulated)",
                             exit_code=1)

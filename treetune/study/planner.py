@@ -151,7 +151,7 @@ def study_prior(spec: StudySpec, facts: BackendFacts | None = None
         prior = with_attention_dp(prior, groups)
     # And in the share of each GPU's memory their flags give SGLang, which decides the
     # trees that can start (the search proposes no other).
-    if share := spec.launch_spec().mem_fraction_static:
+    if share := spec.mem_fraction_static:
         prior = with_memory_share(prior, share)
     if spec.methods:
         return prior, ""
@@ -846,7 +846,7 @@ class Planner:
         study's trees of its own method (`server_info`), when the study's flags leave it to
         SGLang; None until such a server said. One for the study, the least where nodes of
         unlike GPUs took unlike shares (not a new search at every launch)."""
-        if "--mem-fraction-static" in self.spec.server_flags:
+        if self.spec.mem_fraction_static is not None:
             return None
         shares = [float(value) for result in self.launched
                   if result.ok and isinstance(result.config, TreeConfig)

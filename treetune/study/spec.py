@@ -557,6 +557,13 @@ class StudySpec:
         return max(self.batch)
 
     @property
+    def mem_fraction_static(self) -> float | None:
+        """The share of each GPU's memory the study's servers give SGLang for weights and
+        KV cache (--mem-fraction-static in server_flags); None: SGLang's own choice."""
+        value = self.server_flags.get("--mem-fraction-static")
+        return float(value) if value else None
+
+    @property
     def dataset_names(self) -> list[str]:
         return [d.name for d in self.datasets]
 
@@ -574,7 +581,7 @@ class StudySpec:
         size, and CUDA graphs must cover it."""
         flags = {k: v for k, v in self.server_flags.items()}
         attention = flags.pop("--attention-backend", None)
-        mem_fraction = flags.pop("--mem-fraction-static", None)
+        flags.pop("--mem-fraction-static", None)
         return LaunchSpec(
             model_path=self.model,
             # With methods, each runs its own draft (NEXTN none, though `draft` is set).
@@ -591,7 +598,7 @@ class StudySpec:
             max_running_requests=running_requests_for(self.max_batch, self.server_flags),
             cuda_graph_max_bs=cuda_graphs_for(self.max_batch, self.server_flags, self.tp),
             attention_backend=attention,
-            mem_fraction_static=float(mem_fraction) if mem_fraction else None,
+            mem_fraction_static=self.mem_fraction_static,
             extra_flags=tuple((k, tuple(v) if isinstance(v, list) else v)
                               for k, v in flags.items()),
         )
