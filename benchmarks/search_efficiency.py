@@ -62,7 +62,7 @@ from treetune.cli import writable
 from treetune.config import BASELINE, TreeConfig
 from treetune.datasets import builtin_names
 from treetune.errors import TreetuneError
-from treetune.perfmodel import RunningCaps, check_memory, shipped_profiles
+from treetune.perfmodel import RunningCaps, shipped_profiles
 from treetune.space import load_space
 from treetune.strategies import gp
 from treetune.strategies._base import register
@@ -135,11 +135,9 @@ def truth_table(world: World, batches: tuple[int, ...], method: str = "EAGLE3"
     draft `method`."""
     model = world.model(world.profile.tp, profile_method(method))
     datasets = list(world.profile.datasets)
-    trees = [c for c in load_space("default").configs()
-             if check_memory(world.profile, c, max(batches), tp=world.profile.tp,
-                             method=profile_method(method)).starts]
     # A server whose KV pool holds fewer than the largest batch runs that many at once.
     caps = RunningCaps(world.profile, max(batches), world.profile.tp, profile_method(method))
+    trees = [c for c in load_space("default").configs() if caps.starts(c)]
     base = {(b, d): model.throughput(BASELINE, caps.batch(BASELINE, b), d)
             for b in batches for d in datasets}
     table = {c: {b: [model.throughput(c, caps.batch(c, b), d) / base[b, d] for d in datasets]

@@ -766,7 +766,7 @@ def grid(
     """
     import csv
 
-    from treetune.perfmodel import RunningCaps, check_memory
+    from treetune.perfmodel import RunningCaps
     from treetune.space import load_space
     from treetune.worlds import load_world
 
@@ -787,14 +787,13 @@ def grid(
     every = tree_space.configs()
     # A study's server is asked to hold its largest batch size's requests at once; one
     # whose KV pool holds fewer runs that many, the others waiting (as the emulator does).
-    trees = [c for c in every
-             if check_memory(found.profile, c, max(batch), tp=found.profile.tp).starts]
+    caps = RunningCaps(found.profile, max(batch), found.profile.tp)
+    trees = [c for c in every if caps.starts(c)]
     if not trees:
         raise TreetuneError(
             f"no tree of --space {space} starts at batch {max(batch)} on "
             f"{found.profile.name} (a study's server is asked to hold the largest batch "
             "size's requests at once): give smaller batch sizes, or a world with more memory")
-    caps = RunningCaps(found.profile, max(batch), found.profile.tp)
     fewer = sum(caps(c) < max(batch) for c in trees)
 
     def throughput(config: ServerConfig, size: int, dataset: str) -> float:

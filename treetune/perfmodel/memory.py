@@ -124,21 +124,28 @@ def check_memory(
 
 
 class RunningCaps:
-    """How many requests each server runs at once when asked to hold `asked` (its KV
-    pool's hold, `check_memory`), per config, computed once: a fit moves no memory fact.
-    A cell at a larger batch is served at that many, the others waiting."""
+    """Each server asked to hold `asked` running requests, per config, judged once
+    (`check_memory`; a fit moves no memory fact): whether it starts, and how many requests
+    it runs at once (its KV pool's hold). A cell at a larger batch is served at that many,
+    the others waiting."""
 
     def __init__(self, profile: Profile, asked: int, tp: int | None = None,
                  method: Method | str | None = None) -> None:
         self.profile, self.asked, self.tp, self.method = profile, asked, tp, method
-        self._running: dict[ServerConfig, int] = {}
+        self._checks: dict[ServerConfig, MemoryCheck] = {}
+
+    def check(self, config: ServerConfig) -> MemoryCheck:
+        if config not in self._checks:
+            self._checks[config] = check_memory(self.profile, config, self.asked, tp=self.tp,
+                                                method=self.method)
+        return self._checks[config]
+
+    def starts(self, config: ServerConfig) -> bool:
+        return self.check(config).starts
 
     def __call__(self, config: ServerConfig) -> int:
-        if config not in self._running:
-            self._running[config] = check_memory(
-                self.profile, config, self.asked, tp=self.tp, method=self.method
-            ).running(self.asked)
-        return self._running[config]
+        """The requests it runs at once."""
+        return self.check(config).running(self.asked)
 
     def batch(self, config: ServerConfig, batch: int) -> int:
         """The requests of a `batch`-client cell that run at once."""

@@ -18,7 +18,7 @@ from treetune.perfmodel.acceptance import (
     sample_accepted,
 )
 from treetune.perfmodel.cost import CostModel, RoundTime
-from treetune.perfmodel.memory import check_memory
+from treetune.perfmodel.memory import RunningCaps, check_memory
 from treetune.perfmodel.profile import Profile
 from treetune.perfmodel.serving import Serving, Shape, closed_loop, open_loop
 
@@ -246,17 +246,11 @@ class PerfModel:
         batch: int,
         max_running_requests: int | None = None,
     ) -> Prediction:
-        asked = max_running_requests or batch
-
-        def running(of: ServerConfig) -> tuple[int, bool]:
-            """How many of the batch run at once (what the KV pool holds), and whether
-            the server starts at all."""
-            memory = check_memory(self.profile, of, asked, tp=self.cost.tp,
-                                  method=self.method)
-            return min(batch, memory.running(asked)), memory.starts
-
-        baseline = self.throughput(BASELINE, running(BASELINE)[0], dataset)
-        size, starts = running(config)
+        # As many of the batch run at once as each server's KV pool holds.
+        caps = RunningCaps(self.profile, max_running_requests or batch, self.cost.tp,
+                           self.method)
+        baseline = self.throughput(BASELINE, caps.batch(BASELINE, batch), dataset)
+        size = caps.batch(config, batch)
         spec = self.throughput(config, size, dataset)
         return Prediction(
             config=config,
@@ -267,5 +261,5 @@ class PerfModel:
             speedup=spec / baseline,
             accept_length=self.accept_length(config, dataset),
             step_time_s=self.round_time(config, size, dataset).total_s,
-            oom=not starts,
+            oom=not caps.starts(config),
         )

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from treetune.config import BASELINE, ServerConfig, TreeConfig
-from treetune.perfmodel import PerfModel, Profile, RunningCaps, check_memory
+from treetune.perfmodel import PerfModel, Profile, RunningCaps
 from treetune.perfmodel.calibrate import (
     CALIBRATION_BOUNDS,
     DATASET_BOUNDS,
@@ -378,17 +378,14 @@ class ModelStrategy:
         self.accepted: dict[tuple[TreeConfig, str], float] = {}
         # Nothing left but configs the memory model says cannot start: TPE's own fallback.
         self.fallback = TPEStrategy(context)
-        self.candidates = self._startable(context)
+        self.candidates = self._startable()
 
-    @staticmethod
-    def _startable(context: SearchContext) -> list[TreeConfig]:
+    def _startable(self) -> list[TreeConfig]:
         """Configs the memory model says cannot start are never proposed (facts, not
         fits); one whose KV pool holds fewer requests than the largest batch starts, runs
         fewer at once and is priced so (`ModelFit.caps`): it may be the best at a smaller
         batch."""
-        assert context.prior is not None
-        return [c for c in context.space.configs()
-                if check_memory(context.prior, c, context.max_batch, tp=context.tp).starts]
+        return [c for c in self.space.configs() if self.fit.caps.starts(c)]
 
     def reshare(self, context: SearchContext) -> None:
         """The servers took another share of GPU memory than the prior's (`context`'s
@@ -398,7 +395,7 @@ class ModelStrategy:
         self.context = context
         self.fallback.context = context
         self.fit.reshare(context.prior)
-        self.candidates = self._startable(context)
+        self.candidates = self._startable()
         self.fitted_on = (-1, -1)  # refitted at the new caps, warm-started from the fit
 
     def refresh(self) -> list[TreeConfig]:
