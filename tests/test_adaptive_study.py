@@ -628,6 +628,61 @@ def test_a_tuning_with_nothing_to_draft_with_is_redone_after_each_launch():
     assert planner.tuning_notes() == []
 
 
+def test_once_an_adaptive_server_serves_static_trees_no_other_is_launched_or_advised(
+        monkeypatch):
+    """A switch no flag shows (a model whose SGLang override turns on multi-layer EAGLE)
+    keeps the controller off; the server says so only in its /server_info (and log). Its
+    launch measured its starting chain, not a controller: the study queues no other
+    adaptive server, says why once, and never advises one."""
+    import dataclasses
+
+    from treetune.study import offline
+    from treetune.study.offline import run_offline
+    from treetune.study.planner import Planner
+
+    real = offline.simulate_launch
+
+    def static_server(truth, config, spec, *args, **kwargs):
+        result = real(truth, config, spec, *args, **kwargs)
+        if isinstance(config, AdaptiveConfig):
+            result = dataclasses.replace(result, server_info={"speculative_adaptive": False})
+        return result
+
+    monkeypatch.setattr(offline, "simulate_launch", static_server)
+    said: list[str] = []
+
+    def after(planner: Planner) -> None:
+        said.extend(planner.static_notes())
+
+    planner = run_offline(offline_spec(), truth(), seed=0, launches=12, after_launch=after)
+    launched = [r.config for r in planner.launched if isinstance(r.config, AdaptiveConfig)]
+    # Seed 0 without the fallback launches SGLang's default, then the tuned config
+    # (test_a_study_measures_the_chains_then_sglangs_default_and_the_tuned_config).
+    assert launched == [AdaptiveConfig.sglang_default()]
+    assert len(planner.launched) == 12  # the launches went to trees instead
+    assert len(said) == 1 and "served static trees" in said[0]
+    recs = planner.decide()
+    assert not any(isinstance(r.config, AdaptiveConfig)
+                   or (r.alternative and isinstance(r.alternative.config, AdaptiveConfig))
+                   for r in recs)
+
+
+def test_an_adaptive_launch_whose_server_served_static_trees_is_never_advised(tmp_path):
+    from treetune.study.recommend import recommend
+
+    near = adaptive_launch(TUNED, (158, 160), (1290, 1240))  # advised when it runs adaptive
+    spec = noisy_spec(tmp_path)
+    assert {r.kind for r in recommend(spec, [BASE, POOL_1, POOL_32, near], BASE)
+            if r.workload == "mixed"} == {"adaptive"}
+    near.server_info = {"speculative_adaptive": False}
+    recs = recommend(spec, [BASE, POOL_1, POOL_32, near], BASE)
+    assert {r.kind for r in recs if r.workload == "mixed"} == {"pools"}
+    assert all(r.alternative is None for r in recs)
+    near.server_info = {"speculative_adaptive": True}
+    assert {r.kind for r in recommend(spec, [BASE, POOL_1, POOL_32, near], BASE)
+            if r.workload == "mixed"} == {"adaptive"}
+
+
 def test_without_adaptive_a_study_launches_no_chain_nor_adaptive_server_of_its_own():
     from treetune.study.offline import run_offline
 

@@ -73,6 +73,14 @@ class ServerApi:
     # run fewer at once than a cell's batch, the others waiting or retracted).
     pool_full_log: str = ""
 
+    def runs_adaptive(self, info: Mapping[str, Any]) -> bool:
+        """Whether a server asked for runtime adaptive steps runs them, by the server info
+        its launch kept: False where the info says its controller is off (SGLang then
+        serves static trees and only logs why, also for a switch a model turns on by
+        itself, such as multi-layer EAGLE); True where nothing can tell (an engine without
+        a controller reader, or a launch that kept no info: an in-process one)."""
+        return self.adaptive_state is None or not info or self.adaptive_state(info).active
+
 
 @dataclass(frozen=True)
 class LaunchSpec:

@@ -191,6 +191,7 @@ class Planner:
         self.told_kernels: set[str] = set()  # attention backends said to differ
         self.told_trend = False  # whether a time trend in the launches was said
         self.told_tuning = False  # whether a tuning with nothing to draft with was said
+        self.told_static = False  # whether adaptive servers that served static were said
         # A resumed study's launches were judged in the session that ran them (what was
         # said is not stored): judged again now, in silence, so that none is named twice.
         if self.launched:
@@ -675,6 +676,11 @@ class Planner:
         waiting = {t.key for t in (*self.queue, *self.in_flight)}
         if any(config_key(c) in waiting for c in adaptive_chains()):
             return  # the tuning waits for every chain
+        if self.static_adaptive():
+            # What kept one server's controller off (a model's own switch, such as
+            # multi-layer EAGLE) keeps every other's off: no more adaptive launches.
+            self.queue = [t for t in self.queue if not isinstance(t.config, AdaptiveConfig)]
+            return
         known = [c for c in (*(r.config for r in self.results.values()),
                              *(t.config for t in (*self.queue, *self.in_flight)))
                  if isinstance(c, AdaptiveConfig)]
@@ -821,6 +827,24 @@ class Planner:
                 "a GPU warming up or a neighbour coming or going? The study compares each "
                 "tree with the baseline at the baseline's time, and its bounds widen by "
                 "the trend's error. A machine that runs steadily needs fewer launches"]
+
+    def static_adaptive(self) -> list[LaunchResult]:
+        """The adaptive launches whose servers served static trees (by their server info,
+        `ServerApi.runs_adaptive`): they measured their starting chain, not a controller."""
+        api = self.spec.backend.api
+        return [r for r in self.results.values() if isinstance(r.config, AdaptiveConfig)
+                and r.ok and not api.runs_adaptive(r.server_info)]
+
+    def static_notes(self) -> list[str]:
+        """A word for the user, once, when an adaptive launch's server served static
+        trees."""
+        if self.told_static or not (static := self.static_adaptive()):
+            return []
+        self.told_static = True
+        return [f"{static[0].config}'s server served static trees though asked for adaptive "
+                "steps: no adaptive config is advised or launched again (the launch's "
+                "warning says why; what turned its controller off turns it off on every "
+                "server of this study)"]
 
     def tuning_notes(self) -> list[str]:
         """A word for the user, once, when the chains are measured and none is surely

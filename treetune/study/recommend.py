@@ -145,7 +145,10 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
     merged = merge_all(results)
     baseline = merged.get("baseline", baseline)
     measured = [r for r in merged.values() if r.ok and isinstance(r.config, TreeConfig)]
-    adaptive = [r for r in merged.values() if r.ok and isinstance(r.config, AdaptiveConfig)]
+    # An adaptive launch whose server served static trees measured its starting chain,
+    # not the controller: never advised as adaptive (its launch carries a warning why).
+    adaptive = [r for r in merged.values() if r.ok and isinstance(r.config, AdaptiveConfig)
+                and spec.backend.api.runs_adaptive(r.server_info)]
     if objective is not None and objective is not spec.objective:
         spec = spec.replace(objective=objective)
     noise = noise_of(spec, merged.values())

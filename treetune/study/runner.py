@@ -893,6 +893,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                     progress.notes += planner.memory_notes()
                     progress.notes += planner.trend_notes()
                     progress.notes += planner.tuning_notes()
+                    progress.notes += planner.static_notes()
                 for warning in result.warnings:  # in full once, then by reference
                     first = warned.setdefault(warning, str(config))
                     progress.notes.append(f"{config}: {warning}" if first == str(config)
