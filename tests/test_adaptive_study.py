@@ -225,6 +225,41 @@ def test_slots_are_keyed_halfway_between_the_study_batch_sizes():
     assert slot_keys([1, 8, 32]) == [1, 3, 16]
 
 
+@pytest.mark.parametrize(("batches", "keys"), [([1, 33, 48], [1, 6, 41]),
+                                               ([1, 17, 19], [1, 5, 19]),
+                                               ([1, 130, 140], [1, 12, 137]),
+                                               ([1, 9, 16], [1, 3, 12])])
+def test_each_study_batch_size_is_served_by_its_own_slot_once_sglang_pads_it(batches, keys):
+    """SGLang pads a running batch up to the next CUDA-graph batch size, then routes it by
+    that: with batch sizes 1, 33 and 48 the halfway key, 40, would serve 33 (padded to 40)
+    from 48's slot."""
+    assert slot_keys(batches) == keys
+    config = AdaptiveConfig(tuple(AdaptiveSlot(k, (i + 1,)) for i, k in enumerate(keys)))
+    graphs = sglang_adaptive.graph_batch_sizes(max(batches))
+    server = sglang_adaptive.Schedule(config.to_json(), 1, graphs)
+    for key, batch in zip(keys, batches, strict=True):
+        assert server.slot_key(batch) == key
+        assert config.slot_for(batch, graphs).batch == key
+
+
+def test_sglangs_default_serves_a_batch_by_its_padded_size():
+    graphs = sglang_adaptive.graph_batch_sizes(64)
+    default = AdaptiveConfig.sglang_default()
+    assert default.slot_for(63).batch == 32  # unpadded
+    assert default.slot_for(63, graphs).batch == 64  # as SGLang serves it: never drafts
+    assert default.slot_for(30, graphs).batch == 8 and default.slot_for(7, graphs).batch == 1
+
+
+def test_an_adaptive_study_of_two_batch_sizes_padded_alike_is_refused(tmp_path):
+    from synthetic import spec
+
+    with pytest.raises(TreetuneError, match="batch sizes 36 and 40 both run as CUDA-graph "
+                                            "batch size 40"):
+        spec(tmp_path, batch=[1, 36, 40], adaptive=True)
+    assert spec(tmp_path, batch=[1, 36, 40]).batch  # without adaptive steps, no slots
+    assert spec(tmp_path, batch=[1, 33, 48], adaptive=True).adaptive
+
+
 # ---- the third kind of advice ------------------------------------------------------------
 
 def adaptive_launch(config: AdaptiveConfig, b1: tuple[float, float], b32: tuple[float, float]):

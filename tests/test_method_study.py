@@ -138,6 +138,13 @@ def test_method_names_are_read_in_any_case_as_sglang_reads_them(tmp_path):
      "adaptive", "server_flags '--enable-two-batch' (enable_two_batch_overlap=True is not "
      "supported"),
     ({"methods": [], "algorithm": "NGRAM", "compare": []}, "algorithm", "list it in methods"),
+    # SGLang takes NEXTN as EAGLE, and a draft path given wins over the MTP layer: the
+    # launches would measure the EAGLE3 head run as EAGLE, labeled NEXTN.
+    ({"methods": [], "algorithm": "NEXTN", "compare": []}, "draft",
+     "SGLang would run this one as EAGLE instead"),
+    # 0.5.2's parser has no NGRAM (it came in 0.5.3, renamed from lookahead).
+    ({"methods": ["EAGLE3", "ngram"], "compare": [], "sglang_version": "0.5.2"}, "methods",
+     "SGLang serves NGRAM from 0.5.3 on, and this study targets sglang_version 0.5.2"),
     ({"methods": ["NGRAM"], "draft": None, "compare": []}, None, None),
 ])
 def test_bad_methods_are_refused_naming_the_key(tmp_path, over, key, fragment):

@@ -10,8 +10,9 @@ treetune/backends/sglang_adaptive.py).
 
 from __future__ import annotations
 
+import bisect
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -130,6 +131,13 @@ class Baseline:
 BASELINE: Final = Baseline()
 
 
+def padded_batch(batch: int, graph_sizes: Sequence[int]) -> int:
+    """The batch size SGLang serves a running batch as: padded up to the next CUDA-graph
+    batch size (sorted `graph_sizes`), itself above them all (or without graphs)."""
+    i = bisect.bisect_left(graph_sizes, batch)
+    return graph_sizes[i] if i < len(graph_sizes) else batch
+
+
 @dataclass(frozen=True)
 class AdaptiveSlot:
     """One batch-size slot of an adaptive server: it serves running batch sizes from
@@ -239,10 +247,12 @@ class AdaptiveConfig:
         steps = max(self.candidate_steps)
         return TreeConfig.of(steps, 1, steps + 1)
 
-    def slot_for(self, batch: int) -> AdaptiveSlot:
-        """The slot that serves a running batch of this size (before any CUDA-graph
-        padding): the one with the largest batch not above it, else the smallest."""
-        return next((s for s in reversed(self.slots) if s.batch <= batch), self.slots[0])
+    def slot_for(self, batch: int, graph_sizes: Sequence[int] = ()) -> AdaptiveSlot:
+        """The slot that serves a running batch of this size: SGLang pads it up to the
+        next of the CUDA-graph batch sizes (`graph_sizes`, sorted; none: no padding),
+        then takes the slot with the largest batch not above that, else the smallest."""
+        padded = padded_batch(batch, graph_sizes)
+        return next((s for s in reversed(self.slots) if s.batch <= padded), self.slots[0])
 
     @property
     def is_sglang_default(self) -> bool:

@@ -48,6 +48,8 @@ ALGORITHMS = ("EAGLE3", "EAGLE", "NEXTN", "STANDALONE")
 # NGRAM has no draft model: it matches the recent tokens in a suffix trie of earlier text
 # and verifies the continuations found there. Its knobs are its own (see NGRAM_FLAGS).
 NGRAM = "NGRAM"
+# NGRAM came in 0.5.3 (PR #11010 renamed the lookahead drafter; 0.5.2's parser refuses it).
+NGRAM_SINCE = (0, 5, 3)
 KNOWN_ALGORITHMS = (*ALGORITHMS, NGRAM)  # every --speculative-algorithm treetune can serve
 ALGORITHM_ALIASES = {"NEXTN": "EAGLE"}  # what SGLang resolves an algorithm to
 # The algorithms with no --speculative-draft-model-path: the target's MTP layer, the trie.

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import bisect
 import copy
+import itertools
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from treetune.config import padded_batch
 
 # The per-batch-size config file this module writes and reads, read by SGLang from 0.5.13
 # (the wheels' speculative/adaptive_spec_params.py: 0.5.13 takes digit keys as slots; 0.5.11
@@ -189,6 +192,21 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
+def graph_sizes_for(batches: Iterable[int]) -> list[int]:
+    """The CUDA-graph batch sizes an adaptive study's servers capture: up to its largest
+    batch size (`--cuda-graph-max-bs`, `StudySpec.launch_spec`)."""
+    return graph_batch_sizes(max(batches))
+
+
+def shared_graph_size(batches: Iterable[int]) -> tuple[int, int, int] | None:
+    """Two study batch sizes SGLang serves as one CUDA-graph batch size, and that size
+    (one adaptive slot then serves both), or None."""
+    ordered = sorted(set(batches))
+    graphs = graph_sizes_for(ordered)
+    return next(((a, b, padded_batch(a, graphs)) for a, b in itertools.pairwise(ordered)
+                 if padded_batch(a, graphs) >= b), None)
+
+
 @dataclass
 class Slot:
     """One batch-size slot's step controller."""
@@ -272,10 +290,7 @@ class Schedule:
         self.graph_sizes = sorted(graph_sizes) if graph_sizes else None
 
     def slot_key(self, batch: int) -> int:
-        padded = batch
-        if self.graph_sizes:
-            i = bisect.bisect_left(self.graph_sizes, batch)
-            padded = self.graph_sizes[i] if i < len(self.graph_sizes) else batch
+        padded = padded_batch(batch, self.graph_sizes or ())
         return self.keys[max(0, bisect.bisect_right(self.keys, padded) - 1)]
 
     def steps_for(self, batch: int) -> int:

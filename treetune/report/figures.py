@@ -16,6 +16,7 @@ import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from treetune.backends.sglang_adaptive import graph_sizes_for
 from treetune.config import BASELINE, AdaptiveConfig, TreeConfig
 from treetune.objectives import CellKey, Objective
 from treetune.report.data import ConfigRow, StudyData
@@ -82,11 +83,12 @@ def pareto_front(data: StudyData, batch_x: int | None = None,
     configs = [c for c in everything if isinstance(c, TreeConfig)]
     adaptive = [c for c in everything if isinstance(c, AdaptiveConfig)]
     verdicts = {c: {b: at[b][c].feasible for b in at} for c in everything}
+    graphs = graph_sizes_for(data.spec.batch)
 
     def size(c: TreeConfig | AdaptiveConfig) -> float:
         if isinstance(c, TreeConfig):
             return float(c.draft_tokens)
-        return float(max(c.slot_for(by).steps) + 1)  # its longest chain there
+        return float(max(c.slot_for(by, graphs).steps) + 1)  # its longest chain there
 
     def point(c: TreeConfig | AdaptiveConfig) -> tuple[float, float]:
         if bx == by:  # one batch size: speedup against tree size

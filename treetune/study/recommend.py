@@ -24,6 +24,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from treetune.backends.sglang_adaptive import graph_sizes_for
 from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig, tree_fields
 from treetune.objectives import Objective
 from treetune.results import LaunchResult, config_from_key, config_key
@@ -212,7 +213,8 @@ def _adaptive(spec: StudySpec, workload: str, names: list[str],
                              criterion=spec.criterion) for b in static}
         # Where its slot never drafts it runs plain decode rounds: no launch can prove
         # them no slower than no speculation, so not surely slower is what it needs.
-        plain = {b for b in static if result.config.slot_for(b).steps == (0,)}
+        graphs = graph_sizes_for(static)
+        plain = {b for b in static if result.config.slot_for(b, graphs).steps == (0,)}
         if not all(v.confirmed or (b in plain and v.possible) for b, v in verdicts.items()):
             continue
         qualifies = all(v.overall.high >= static[b].mean_speedup

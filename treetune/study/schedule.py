@@ -25,7 +25,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from treetune.config import AdaptiveConfig, AdaptiveSlot, TreeConfig, chain
+from treetune.backends.sglang_adaptive import graph_sizes_for
+from treetune.config import AdaptiveConfig, AdaptiveSlot, TreeConfig, chain, padded_batch
 from treetune.objectives import THROUGHPUT, Criterion, Objective
 from treetune.results import LaunchResult
 from treetune.strategies import Estimates
@@ -42,9 +43,15 @@ def adaptive_chains() -> list[TreeConfig]:
 
 def slot_keys(batches: Iterable[int]) -> list[int]:
     """The smallest running batch each study batch size's slot serves: 1 for the first,
-    then halfway (geometrically) from the previous batch size."""
+    then halfway (geometrically) from the previous batch size, but above the CUDA-graph
+    batch size SGLang pads the previous one to (`graph_sizes_for`) and not above this one:
+    SGLang routes a batch by its padded size, and with batch sizes 1, 36 and 40 a key at
+    the midpoint, 38, would serve 36 (padded to 40) from 40's slot. Two batch sizes padded
+    alike share every slot (`shared_graph_size` refuses them in a study)."""
     ordered = sorted(set(batches))
-    return [1] + [math.ceil(math.sqrt(a * b)) for a, b in itertools.pairwise(ordered)]
+    graphs = graph_sizes_for(ordered)
+    return [1] + [min(max(math.ceil(math.sqrt(a * b)), padded_batch(a, graphs) + 1), b)
+                  for a, b in itertools.pairwise(ordered)]
 
 
 @dataclass(frozen=True)

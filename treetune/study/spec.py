@@ -31,6 +31,7 @@ from treetune.backends.sglang import (
     DEFAULT_SGLANG_VERSION,
     KNOWN_ALGORITHMS,
     NGRAM,
+    NGRAM_SINCE,
     ONE_VALUE_FLAGS,
     SGLangBackend,
     adaptive_blocker,
@@ -43,7 +44,11 @@ from treetune.backends.sglang import (
     parse_method_tree,
     running_requests_for,
 )
-from treetune.backends.sglang_adaptive import SLOT_CONFIG_SINCE, unsupported_reason
+from treetune.backends.sglang_adaptive import (
+    SLOT_CONFIG_SINCE,
+    shared_graph_size,
+    unsupported_reason,
+)
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.datasets import DatasetSpec, builtin_names
 from treetune.errors import (
@@ -374,6 +379,16 @@ class StudySpec:
                              "releases have no --speculative-adaptive), and this study targets "
                              f"sglang_version {self.sglang_version}: give adaptive: false, or "
                              "a newer sglang_version")
+        if self.adaptive and (shared := shared_graph_size(self.batch)) is not None:
+            a, b, size = shared
+            raise FieldError("batch", f"batch sizes {a} and {b} both run as CUDA-graph batch "
+                             f"size {size} (SGLang pads a running batch up to the next size "
+                             "it captured, then picks its adaptive slot), so one slot would "
+                             "serve both: keep one of them, or give adaptive: false")
+        if version < NGRAM_SINCE and NGRAM in (n.upper() for n in self.method_names):
+            raise FieldError("methods", f"SGLang serves {NGRAM} from 0.5.3 on, and this study "
+                             f"targets sglang_version {self.sglang_version}: drop {NGRAM}, "
+                             "or give a newer sglang_version")
         names = [d.name for d in self.datasets]
         for i, name in enumerate(names):
             if not re.fullmatch(NAME, name):
@@ -474,6 +489,14 @@ class StudySpec:
                      if self.algorithm == NGRAM else "")
             raise FieldError("algorithm", f"algorithm must be one of {', '.join(ALGORITHMS)}"
                              + ngram)
+        if not self.methods and self.draft is not None \
+                and not needs_draft_model(self.algorithm):
+            # SGLang would load it: NEXTN is EAGLE to it, and a draft path given wins over
+            # the target's own MTP layer.
+            raise FieldError("draft", f"{self.algorithm} runs no draft model (it drafts with "
+                             "the target's own MTP layer), and SGLang would run this one as "
+                             f"EAGLE instead: remove draft, or list methods: "
+                             f"[{self.algorithm}, EAGLE3] to search the draft beside it")
         if len(set(names)) != len(names):
             raise FieldError("methods", f"methods are listed twice: {list(names)}")
         if self.algorithm not in names:
