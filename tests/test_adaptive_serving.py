@@ -197,9 +197,10 @@ def test_adaptive_mode_fills_in_topk_1_the_middle_candidate_and_steps_plus_one_t
      "speculative_eagle_topk=4 (only topk=1 is supported)"),
     (flags("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d"),
      "speculative_algorithm=STANDALONE (only EAGLE/EAGLE3 are supported)"),
-    (spec_flags("--attn-dp-size", "2"), "enable_dp_attention=True is not supported "
+    # SGLang 0.5.23's words (speculative/adaptive_spec_params.py).
+    (spec_flags("--attn-dp-size", "2"), "attention DP is not supported "
      "(adaptive tier decisions are not synchronized across DP ranks)"),
-    (spec_flags("--enable-dp-attention", "--dp-size", "4"), "enable_dp_attention=True is "
+    (spec_flags("--enable-dp-attention", "--dp-size", "4"), "attention DP is "
      "not supported (adaptive tier decisions are not synchronized across DP ranks)"),
     (spec_flags("--enable-two-batch-overlap"), "enable_two_batch_overlap=True is not "
      "supported (adaptive state swap would discard the TboAttnBackend wrapper)"),

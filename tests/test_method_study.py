@@ -130,8 +130,7 @@ def test_method_names_are_read_in_any_case_as_sglang_reads_them(tmp_path):
      "adaptive steps do not run with NGRAM"),
     # Data-parallel attention: SGLang would serve them as static EAGLE3 chains.
     ({"adaptive": True, "tp": 4, "server_flags": {"--attn-dp-size": 2}}, "adaptive",
-     "do not run with server_flags '--attn-dp-size' (enable_dp_attention=True is not "
-     "supported"),
+     "do not run with server_flags '--attn-dp-size' (attention DP is not supported"),
     # Abbreviated, as SGLang's parser takes it; with the all-to-all backend it needs.
     ({"adaptive": True, "tp": 4, "server_flags": {"--enable-two-batch": None,
                                                   "--moe-a2a-backend": "deepep"}},

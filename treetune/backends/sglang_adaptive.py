@@ -124,14 +124,14 @@ def initial_steps(config: Mapping[str, Any], given: int | None) -> int:
     return given
 
 
-DP_ATTENTION_REASON = ("enable_dp_attention=True is not supported (adaptive tier decisions "
-                       "are not synchronized across DP ranks)")
+DP_ATTENTION_REASON = ("attention DP is not supported (adaptive tier decisions are not "
+                       "synchronized across DP ranks)")
 # Switches with which SGLang serves static trees though adaptive steps were asked for, and
 # its reason (adaptive_unsupported_reason, in its order after data-parallel attention;
 # SGLang's parser takes a prefix of each too: `sglang.adaptive_blocker`).
 STATIC_WITH = {
     "--enable-multi-layer-eagle": "enable_multi_layer_eagle=True is not supported "
-                                  "(MultiLayerEagleWorker does not implement adaptive)",
+                                  "(MultiLayerEagleWorkerV2 does not implement adaptive)",
     "--enable-two-batch-overlap": "enable_two_batch_overlap=True is not supported (adaptive "
                                   "state swap would discard the TboAttnBackend wrapper)",
     "--enable-pdmux": "enable_pdmux=True is not supported (adaptive state swap does not "
