@@ -436,6 +436,10 @@ def test_the_adaptive_pools_config_file_and_container_args_name_the_json_by_file
     assert config["speculative-num-steps"] == TUNED.initial_steps
     args = json.loads((out / "launch" / "mixed-adaptive.args.json").read_text())
     assert args[args.index("--speculative-adaptive-config") + 1] == "mixed.adaptive.json"
+    # SGLang opens it from its working directory: ADAPTIVE.md says where a container runs.
+    assert ("`launch/mixed-adaptive.args.json` and `launch/mixed-adaptive.config.yaml` name "
+            "that JSON by its file name, which SGLang opens from its working directory"
+            ) in (out / "ADAPTIVE.md").read_text()
 
 
 def test_the_adaptive_config_files_header_runs_it_where_both_files_are(tmp_path):
@@ -481,6 +485,27 @@ def test_other_engines_get_the_equivalent_chain_schedules_by_their_own_rules(tmp
                  "launch/mixed.vllm-schedule.json", "launch/mixed.trtllm-schedule.json"):
         assert name in readme
     assert "above batch 32" in readme
+
+
+def test_a_fixed_schedule_runs_the_best_chain_measured_not_the_longest_candidate(tmp_path):
+    """TUNED's slot 1 holds {1, 2}: a controller climbs to 2 only for traffic that accepts
+    more. A fixed schedule cannot step back down, so it runs the slot's candidate measured
+    best for the workload there (a helper's audit found it running the longest one)."""
+    from treetune.study.recommend import Recommendation
+
+    # Chain 2 is POOL_32's (2,1,3): 1.225 at batch 1. Chain 1: 1.425 and 1.10.
+    measured = chains({1: {1: (140, 145), 32: (1100, 1100)}})
+    out = exported(tmp_path, (BASE, POOL_1, POOL_32, NEAR, *measured))
+    vllm = json.loads((out / "launch" / "mixed.vllm-schedule.json").read_text())
+    # Slot 6 serves no study batch size: its longest candidate, as before.
+    assert vllm["num_speculative_tokens_per_batch_size"] == [[1, 5, 1], [6, 15, 2],
+                                                             [16, 32, 1]]
+    records = json.loads((out / "recommendations.json").read_text())
+    mixed = [Recommendation.from_record(r) for r in records
+             if r["workload"] == "mixed" and r["kind"] == "adaptive"]
+    assert [(r.batch, r.chain_steps) for r in mixed] == [(1, 1), (32, 1)]
+    assert "each slot's best chain measured at its batch size" in (
+        out / "ADAPTIVE.md").read_text()
 
 
 def test_sglangs_default_exported_says_its_schedules_are_sglangs_guess(tmp_path):

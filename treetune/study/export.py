@@ -18,6 +18,7 @@ import yaml
 from treetune.backends import Deployment, shell_line
 from treetune.backends.chain_schedules import ChainSchedule, trtllm_schedule, vllm_schedule
 from treetune.backends.sglang import cuda_graphs_for, running_requests_for
+from treetune.backends.sglang_adaptive import graph_sizes_for
 from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.study.recommend import (
     ADAPTIVE,
@@ -339,11 +340,20 @@ def _reachable(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def chain_schedule(spec: StudySpec, config: AdaptiveConfig) -> ChainSchedule:
-    """The static chain schedule an adaptive config amounts to: per slot its longest
-    candidate (for a tuned config, the best chain measured at that batch size)."""
-    return ChainSchedule(tuple((slot.batch, max(slot.steps)) for slot in config.slots),
-                         spec.max_batch)
+def chain_schedule(spec: StudySpec, config: AdaptiveConfig,
+                   recs: list[Recommendation] = ()) -> ChainSchedule:
+    """The fixed chain schedule an adaptive config amounts to: per slot the best chain
+    measured at the batch size it serves (`recs`, the config's recommendations: their
+    `chain_steps`), not its longest candidate, which a controller climbs to only for
+    traffic that accepts more and a fixed schedule would run for all of it; SGLang's
+    default config, a guess, and a slot no measured chain speaks for: the longest
+    candidate."""
+    graphs = graph_sizes_for(spec.batch)
+    measured = {} if config.is_sglang_default else {
+        config.slot_for(r.batch, graphs).batch: r.chain_steps
+        for r in recs if r.config == config and r.chain_steps is not None}
+    return ChainSchedule(tuple((slot.batch, measured.get(slot.batch, max(slot.steps)))
+                               for slot in config.slots), spec.max_batch)
 
 
 def adaptive_pools(recs: list[Recommendation]) -> dict[str, list[Recommendation]]:
@@ -383,11 +393,15 @@ def adaptive_readme(spec: StudySpec, recs: list[Recommendation]) -> str | None:
         out += [f"- batch {r.batch}: {r.reason}" for r in group]
         out += ["",
                 f"- SGLang: `{rec.script_name}` runs `{config}` with "
-                f"`{adaptive_name(rec.workload)}` (sized for batch {sized_for(spec, rec)}).",
+                f"`{adaptive_name(rec.workload)}` (sized for batch {sized_for(spec, rec)}). "
+                f"`{args_name(rec)}` and `{config_name(rec)}` name that JSON by its file "
+                "name, which SGLang opens from its working directory: in a container, "
+                "mount the launch folder and start the server there.",
                 "", "| slot (running batch from) | candidate steps |", "|---|---|"]
         out += [f"| {slot.batch} | {', '.join(map(str, slot.steps))} |" for slot in config.slots]
-        schedule = chain_schedule(spec, config)
-        out += ["", "The same per-batch-size chains as a fixed schedule (each slot's longest "
+        schedule = chain_schedule(spec, config, group)
+        out += ["", "The same per-batch-size chains as a fixed schedule (each slot's best "
+                "chain measured at its batch size; for SGLang's default, its longest "
                 "candidate), for engines treetune does not launch: advice, not measured on "
                 "those engines.", "",
                 f"- vLLM: `{vllm_name(rec.workload)}` is a `--speculative-config` JSON "
@@ -460,8 +474,7 @@ def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path,
             config.unlink(missing_ok=True)
     pools = adaptive_pools(recs)
     for workload in {r.workload for r in recs}:
-        _write_adaptive(spec, pools[workload][-1] if workload in pools else None, workload,
-                        out_dir)
+        _write_adaptive(spec, pools.get(workload, []), workload, out_dir)
     for name, text in ((POOLS_FILE, pools_readme(spec, recs)),
                        (ADAPTIVE_FILE, adaptive_readme(spec, recs))):
         if text:
@@ -470,16 +483,16 @@ def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path,
             (out_dir / name).unlink(missing_ok=True)
 
 
-def _write_adaptive(spec: StudySpec, rec: Recommendation | None, workload: str,
+def _write_adaptive(spec: StudySpec, group: list[Recommendation], workload: str,
                     out_dir: Path) -> None:
-    """An adaptive pool's files for one workload, or none (removed if an earlier run
-    wrote them)."""
+    """An adaptive pool's files for one workload (`group`: its recommendations, one per
+    batch size), or none (removed if an earlier run wrote them)."""
     files: dict[str, object] = dict.fromkeys(
         (adaptive_name(workload), vllm_name(workload), trtllm_name(workload)))
-    if rec is not None:
-        config = rec.config
+    if group:
+        config = group[-1].config
         assert isinstance(config, AdaptiveConfig)
-        schedule = chain_schedule(spec, config)
+        schedule = chain_schedule(spec, config, group)
         files[adaptive_name(workload)] = config.to_json()
         files[vllm_name(workload)] = vllm_schedule(schedule, spec.algorithm, spec.draft)
         with contextlib.suppress(ValueError):  # ADAPTIVE.md says why

@@ -37,7 +37,7 @@ from treetune.study.evidence import (
     merge_all,
     noise_of,
 )
-from treetune.study.schedule import estimated_steps
+from treetune.study.schedule import best_chain, chain_verdicts, estimated_steps
 from treetune.study.spec import MIXED, StudySpec
 
 
@@ -74,6 +74,10 @@ class Recommendation:
     alternative: Recommendation | None = None
     # What the speedups are of (treetune/objectives.py): 'throughput', 'tpot_p99', ...
     objective: str = Objective.THROUGHPUT.value
+    # An adaptive server's: the steps of the best chain measured at this batch size for
+    # the workload (0: none beats no speculation; None: no chain measured), the step a
+    # fixed schedule runs here (`export.chain_schedule`).
+    chain_steps: int | None = None
 
     @property
     def mean_speedup(self) -> float:
@@ -103,6 +107,7 @@ class Recommendation:
             "reason": self.reason,
             "alternative": self.alternative.record() if self.alternative else None,
             "objective": self.objective,
+            "chain_steps": self.chain_steps,
         }
 
     @classmethod
@@ -122,7 +127,8 @@ class Recommendation:
                    method=method, kind=Advice(record.get("kind", STATIC)),
                    alternative=(cls.from_record(record["alternative"], algorithm)
                                 if record.get("alternative") else None),
-                   objective=record.get("objective", Objective.THROUGHPUT.value))
+                   objective=record.get("objective", Objective.THROUGHPUT.value),
+                   chain_steps=record.get("chain_steps"))
 
     def speedup_labels(self) -> list[str]:
         """'dataset 1.234 [1.201, 1.268]' per dataset."""
@@ -246,8 +252,32 @@ def _adaptive(spec: StudySpec, workload: str, names: list[str],
         out[b] = Recommendation(workload, b, config, {d: i.mean for d, i in v.intervals.items()},
                                 reason, {d: (i.low, i.high) for d, i in v.intervals.items()},
                                 method=spec.method_of(config), kind=ADAPTIVE,
-                                objective=spec.objective.value)
+                                objective=spec.objective.value,
+                                chain_steps=_fixed_chain(spec, names, b, config, results,
+                                                         baseline, noise))
     return (out, None) if qualifies else (None, out)
+
+
+def _fixed_chain(spec: StudySpec, names: list[str], batch: int, config: AdaptiveConfig,
+                 results: list[LaunchResult], baseline: LaunchResult, noise: StudyNoise
+                 ) -> int | None:
+    """What a fixed per-batch-size schedule runs at `batch` in place of `config`'s slot
+    there: of the slot's candidates, the chain measured best over the workload's datasets
+    among those surely no slower than no speculation (0, where the slot holds it, when
+    none beats it; else the best measured), or None when none was measured. A controller
+    climbs past it only for traffic that accepts more; a fixed schedule cannot step back
+    down."""
+    candidates = config.slot_for(batch, graph_sizes_for(spec.batch)).steps
+    verdicts = {s: v for s, v in chain_verdicts(results, baseline, batch, names,
+                                                spec.tolerance, noise,
+                                                criterion=spec.criterion).items()
+                if s in candidates}
+    if not verdicts:
+        return None
+    best = best_chain(verdicts)
+    if best == 0 and 0 not in candidates:
+        return max(verdicts, key=lambda s: verdicts[s].rank)
+    return best
 
 
 def _why_none(verdicts: list[Verdict], batch: int) -> str:
