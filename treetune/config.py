@@ -10,7 +10,6 @@ treetune/backends/sglang_adaptive.py).
 
 from __future__ import annotations
 
-import bisect
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -131,13 +130,6 @@ class Baseline:
 BASELINE: Final = Baseline()
 
 
-def padded_batch(batch: int, graph_sizes: Sequence[int]) -> int:
-    """The batch size SGLang serves a running batch as: padded up to the next CUDA-graph
-    batch size (sorted `graph_sizes`), itself above them all (or without graphs)."""
-    i = bisect.bisect_left(graph_sizes, batch)
-    return graph_sizes[i] if i < len(graph_sizes) else batch
-
-
 @dataclass(frozen=True)
 class AdaptiveSlot:
     """One batch-size slot of an adaptive server: it serves running batch sizes from
@@ -251,6 +243,8 @@ class AdaptiveConfig:
         """The slot that serves a running batch of this size: SGLang pads it up to the
         next of the CUDA-graph batch sizes (`graph_sizes`, sorted; none: no padding),
         then takes the slot with the largest batch not above that, else the smallest."""
+        from treetune.backends.sglang_adaptive import padded_batch
+
         padded = padded_batch(batch, graph_sizes)
         return next((s for s in reversed(self.slots) if s.batch <= padded), self.slots[0])
 

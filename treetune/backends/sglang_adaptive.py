@@ -21,12 +21,10 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from treetune.config import padded_batch
 
 # The per-batch-size config file this module writes and reads, read by SGLang from 0.5.13
 # (the wheels' speculative/adaptive_spec_params.py: 0.5.13 takes digit keys as slots; 0.5.11
@@ -190,6 +188,13 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     if max_bs not in sizes:
         sizes.append(max_bs)
     return sizes
+
+
+def padded_batch(batch: int, graph_sizes: Sequence[int]) -> int:
+    """The batch size SGLang serves a running batch as: padded up to the next CUDA-graph
+    batch size (sorted `graph_sizes`), itself above them all (or without graphs)."""
+    i = bisect.bisect_left(graph_sizes, batch)
+    return graph_sizes[i] if i < len(graph_sizes) else batch
 
 
 def graph_sizes_for(batches: Iterable[int]) -> list[int]:

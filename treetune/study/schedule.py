@@ -25,8 +25,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from treetune.backends.sglang_adaptive import graph_sizes_for
-from treetune.config import AdaptiveConfig, AdaptiveSlot, TreeConfig, chain, padded_batch
+from treetune.backends.sglang_adaptive import graph_sizes_for, padded_batch
+from treetune.config import AdaptiveConfig, AdaptiveSlot, TreeConfig, chain
 from treetune.objectives import THROUGHPUT, Criterion, Objective
 from treetune.results import LaunchResult
 from treetune.strategies import Estimates
