@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
 import optuna
 import pytest
@@ -639,6 +640,31 @@ def test_a_server_flag_the_installed_sglang_names_otherwise_is_refused(tmp_path)
     assert "server_flags: SGLang 0.5.20 has no '--mamba-scheduler-strategy': 0.5.14 " \
         "renamed it '--mamba-radix-cache-strategy'" in message
     assert message.endswith("give --sglang-version 0.5.20")
+
+
+@pytest.mark.parametrize("architecture", ["MiMoV2FlashForCausalLM", "Step3p5ForCausalLM"])
+def test_adaptive_steps_on_a_target_sglang_runs_as_multi_layer_eagle_are_refused(
+        tmp_path, architecture):
+    """SGLang 0.5.23 turns multi-layer EAGLE on by itself for these targets' EAGLE, and
+    then serves static trees though adaptive steps are asked for: every adaptive launch
+    would measure a chain, labeled adaptive (a helper's audit)."""
+    from treetune.study.preflight import check_adaptive_target, check_study
+
+    target = tmp_path / "target"
+    target.mkdir()
+    config = json.loads((Path(fixture("Qwen/Qwen3-8B")) / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config,
+                                                    "architectures": [architecture]}))
+    head = fixture("thoughtworks/Qwen3-8B-Eagle3")
+    with pytest.raises(TreetuneError, match=f"adaptive: SGLang runs EAGLE on {architecture} "
+                                            "as multi-layer EAGLE"):
+        check_study(sglang_study(tmp_path, model=str(target), draft=str(head),
+                                 algorithm="EAGLE", adaptive=True, tp=1,
+                                 backend={"gpu": "H200"}))
+    for over in ({"algorithm": "EAGLE", "adaptive": False}, {"algorithm": "EAGLE3",
+                                                              "adaptive": True}):
+        check_adaptive_target(sglang_study(tmp_path, model=str(target), draft=str(head),
+                                           tp=1, backend={"gpu": "H200"}, **over), {})
 
 
 @pytest.mark.parametrize(("model", "draft", "refused"), [

@@ -122,6 +122,27 @@ def initial_steps(config: Mapping[str, Any], given: int | None) -> int:
     return given
 
 
+# Targets whose EAGLE SGLang 0.5.23 runs as multi-layer EAGLE by itself (model overrides in
+# srt/arg_groups: overrides.py for Step-3.5/3.7, model_overrides/mimo_v2.py and
+# gigachat35.py, each when the algorithm is EAGLE): adaptive steps then fall back to static
+# trees with no flag to show it. (Whether NEXTN, which SGLang resolves to EAGLE, meets the
+# same override first is not settled here: such a launch is seen after it, by its
+# /server_info.)
+MULTI_LAYER_EAGLE_ARCHITECTURES = frozenset({
+    "Step3p5ForCausalLM", "Step3p7ForConditionalGeneration",
+    "MiMoV2ForCausalLM", "MiMoV2FlashForCausalLM",
+    "GigaChat35ForCausalLM", "GigaChat35ForCausalLMNextN"})
+
+def multi_layer_problem(algorithm: str, architecture: str) -> str | None:
+    """Why adaptive steps of `algorithm` would not run on a target of `architecture` (its
+    SGLang override makes its EAGLE multi-layer EAGLE), or None."""
+    if algorithm != "EAGLE" or architecture not in MULTI_LAYER_EAGLE_ARCHITECTURES:
+        return None
+    return (f"adaptive: SGLang runs EAGLE on {architecture} as multi-layer EAGLE, which does "
+            "not run adaptive steps (it serves static trees and only logs why): give "
+            "adaptive: false")
+
+
 DP_ATTENTION_REASON = ("attention DP is not supported (adaptive tier decisions are not "
                        "synchronized across DP ranks)")
 # Switches with which SGLang serves static trees though adaptive steps were asked for, and

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from treetune import strategies
 from treetune.backends.sglang import DEEPEP_CAP_VARIABLE, branching_problem, deepep_problem
+from treetune.backends.sglang_adaptive import multi_layer_problem
 from treetune.datasets import load_datasets
 from treetune.errors import TreetuneError
 from treetune.facts import model_facts, seen_model
@@ -46,6 +47,7 @@ def check_study(spec: StudySpec) -> None:
                         "set it there)")
         raise TreetuneError(f"server_flags: {problem}")
     check_branching(spec, spaces, env)
+    check_adaptive_target(spec, env)
     why = strategies.missing_requirement(spec.search.strategy)
     if why is not None:
         raise TreetuneError(why)
@@ -95,6 +97,20 @@ def check_branching(spec: StudySpec, spaces: Mapping[str, SearchSpace],
     for method in sorted(branching):
         if problem := branching_problem(spec.server_flags, attention, target, gpu, method):
             raise TreetuneError(f"{spec.model}: {problem}")
+
+
+def check_adaptive_target(spec: StudySpec, env: Mapping[str, str]) -> None:
+    """Refuse adaptive steps where the target's own override in the engine keeps them off
+    (`multi_layer_problem`), when its config.json is here to read: every adaptive launch
+    would serve static trees."""
+    if not spec.adaptive:
+        return
+    try:
+        target = model_facts(spec.model, env)
+    except TreetuneError:
+        return  # not on this machine: each adaptive launch's server will tell
+    if problem := multi_layer_problem(spec.algorithm, target.architecture):
+        raise TreetuneError(f"{spec.model}: {problem}")
 
 
 def widest_passes(spec: StudySpec, spaces: Mapping[str, SearchSpace]) -> dict[str, int]:
