@@ -258,6 +258,14 @@ def test_an_adaptive_study_of_two_batch_sizes_padded_alike_is_refused(tmp_path):
         spec(tmp_path, batch=[1, 36, 40], adaptive=True)
     assert spec(tmp_path, batch=[1, 36, 40]).batch  # without adaptive steps, no slots
     assert spec(tmp_path, batch=[1, 33, 48], adaptive=True).adaptive
+    # The servers' own graph sizes, or none: what their flags say (a review).
+    with pytest.raises(TreetuneError, match="batch sizes 4 and 8 both run as CUDA-graph "
+                                            "batch size 8"):
+        spec(tmp_path, batch=[1, 4, 8], adaptive=True,
+             server_flags={"--cuda-graph-bs-decode": [1, 8, 32]})
+    for off in ("--disable-decode-cuda-graph", "--disable-cuda-graph-padding"):
+        unpadded = spec(tmp_path, batch=[1, 36, 40], adaptive=True, server_flags={off: None})
+        assert slot_keys(unpadded.batch, unpadded.server_flags) == [1, 6, 38]
 
 
 # ---- the third kind of advice ------------------------------------------------------------
@@ -741,6 +749,70 @@ def test_an_adaptive_launch_whose_server_served_static_trees_is_never_advised(tm
     near.server_info = {"speculative_adaptive": True}
     assert {r.kind for r in recommend(spec, [BASE, POOL_1, POOL_32, near], BASE)
             if r.workload == "mixed"} == {"adaptive"}
+
+
+def test_an_adaptive_config_any_of_whose_servers_served_static_trees_is_never_advised(
+        tmp_path):
+    """Its launches merge; the merged result keeps the first launch's server info, so the
+    second server's fallback must be read from the launches themselves (a review)."""
+    import copy
+
+    from synthetic import spec as synthetic_spec
+
+    from treetune.study.recommend import recommend
+
+    spec = synthetic_spec(tmp_path, search={"launch_cv": 0.01, "max_launches_per_config": 2})
+    ran, fell_back = copy.deepcopy(NEAR), copy.deepcopy(NEAR)
+    ran.server_info = {"speculative_adaptive": True}
+    fell_back.server_info = {"speculative_adaptive": False}
+    for launches in ([ran, fell_back], [fell_back, ran]):
+        recs = recommend(spec, [BASE, POOL_1, POOL_32, *launches], BASE)
+        assert {r.kind for r in recs if r.workload == "mixed"} == {"pools"}
+    assert {r.kind for r in recommend(spec, [BASE, POOL_1, POOL_32, ran, ran], BASE)
+            if r.workload == "mixed"} == {"adaptive"}
+
+
+def test_an_adaptive_launch_given_back_is_not_started_once_one_served_static_trees(
+        tmp_path):
+    """Another search gave the tuned config up (or a worker died): it goes back to the
+    front of the queue, but a server of this study already ran static trees (a review)."""
+    import optuna
+    from test_claims import measured
+
+    from treetune.config import BASELINE
+    from treetune.space import load_space
+    from treetune.study.planner import Planner
+    from treetune.study.spec import load_study
+    from treetune.study.storage import StudyStore
+
+    spec = load_study(None, small_study(tmp_path, adaptive=True, search={"strategy": "grid"}))
+    store = StudyStore(spec, storage=optuna.storages.InMemoryStorage())
+    planner = Planner(spec, store, load_space(spec.space), [])
+    planner.absorb(measured(spec, BASELINE), 0)
+    default = AdaptiveConfig.sglang_default()
+    result = measured(spec, default)
+    result.server_info = {"speculative_adaptive": False}
+    planner.absorb(result, 0)
+    planner.expect(TUNED, 0)
+    planner.given_up(config_key(TUNED), 0)
+    assert any(isinstance(t.config, AdaptiveConfig) for t in planner.queue)
+    task = planner.next()
+    assert task is not None and not isinstance(task.config, AdaptiveConfig)
+    assert not any(isinstance(t.config, AdaptiveConfig) for t in planner.queue)
+
+
+def test_chains_of_another_draft_method_tune_nothing():
+    """A methods study's NEXTN chain (1,1,2) is not the study's own: it neither tunes a
+    slot nor picks a fixed schedule's chain, whichever comes first (a review)."""
+    from treetune.study.schedule import chain_verdicts
+
+    own = launch(chain(1), {1: dict(zip(DATASETS, (90, 90), strict=True))})
+    other = launch(TreeConfig(1, 1, 2, "NEXTN"), {1: dict(zip(DATASETS, (190, 190),
+                                                              strict=True))})
+    for results in ([own, other], [other, own]):
+        verdicts = chain_verdicts(results, BASE, 1, DATASETS, 0.0, StudyNoise(0.01))
+        assert list(verdicts) == [1] and verdicts[1].config == chain(1)
+        assert verdicts[1].mean == pytest.approx(0.9)
 
 
 def test_without_adaptive_a_study_launches_no_chain_nor_adaptive_server_of_its_own():

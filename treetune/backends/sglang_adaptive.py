@@ -218,17 +218,36 @@ def padded_batch(batch: int, graph_sizes: Sequence[int]) -> int:
     return graph_sizes[i] if i < len(graph_sizes) else batch
 
 
-def graph_sizes_for(batches: Iterable[int]) -> list[int]:
-    """The CUDA-graph batch sizes an adaptive study's servers capture: up to its largest
-    batch size (`--cuda-graph-max-bs`, `StudySpec.launch_spec`)."""
+# Server flags with which a running decode batch is not padded (0.5.23's
+# cuda_graph_hook.py): decode CUDA graphs off (`--disable-cuda-graph` is its deprecated
+# spelling), or captured only where no padding is needed.
+NO_PADDING_FLAGS = ("--disable-cuda-graph", "--disable-decode-cuda-graph",
+                    "--disable-cuda-graph-padding")
+GRAPH_SIZES_FLAG = "--cuda-graph-bs-decode"  # an explicit list of decode graph sizes
+
+
+def graph_sizes_for(batches: Iterable[int],
+                    server_flags: Mapping[str, Any] | None = None) -> list[int]:
+    """The CUDA-graph batch sizes a study's servers pad a running decode batch to: up to
+    its largest batch size (`--cuda-graph-max-bs`, `StudySpec.launch_spec`), the list its
+    `server_flags` give, or none (no padding) where they turn decode graphs or padding
+    off."""
+    flags = server_flags or {}
+    if any(flag in flags for flag in NO_PADDING_FLAGS) \
+            or str(flags.get("--cuda-graph-backend-decode")) == "disabled":
+        return []
+    if (given := flags.get(GRAPH_SIZES_FLAG)) is not None:
+        values = given if isinstance(given, (list, tuple)) else str(given).split()
+        return sorted(int(v) for v in values)
     return graph_batch_sizes(max(batches))
 
 
-def shared_graph_size(batches: Iterable[int]) -> tuple[int, int, int] | None:
+def shared_graph_size(batches: Iterable[int], server_flags: Mapping[str, Any] | None = None
+                      ) -> tuple[int, int, int] | None:
     """Two study batch sizes SGLang serves as one CUDA-graph batch size, and that size
     (one adaptive slot then serves both), or None."""
     ordered = sorted(set(batches))
-    graphs = graph_sizes_for(ordered)
+    graphs = graph_sizes_for(ordered, server_flags)
     return next(((a, b, padded_batch(a, graphs)) for a, b in itertools.pairwise(ordered)
                  if padded_batch(a, graphs) >= b), None)
 

@@ -83,7 +83,7 @@ def pareto_front(data: StudyData, batch_x: int | None = None,
     configs = [c for c in everything if isinstance(c, TreeConfig)]
     adaptive = [c for c in everything if isinstance(c, AdaptiveConfig)]
     verdicts = {c: {b: at[b][c].feasible for b in at} for c in everything}
-    graphs = graph_sizes_for(data.spec.batch)
+    graphs = graph_sizes_for(data.spec.batch, data.spec.server_flags)
 
     def size(c: TreeConfig | AdaptiveConfig) -> float:
         if isinstance(c, TreeConfig):

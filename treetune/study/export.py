@@ -348,7 +348,7 @@ def chain_schedule(spec: StudySpec, config: AdaptiveConfig,
     traffic that accepts more and a fixed schedule would run for all of it; SGLang's
     default config, a guess, and a slot no measured chain speaks for: the longest
     candidate."""
-    graphs = graph_sizes_for(spec.batch)
+    graphs = graph_sizes_for(spec.batch, spec.server_flags)
     measured = {} if config.is_sglang_default else {
         config.slot_for(r.batch, graphs).batch: r.chain_steps
         for r in recs if r.config == config and r.chain_steps is not None}

@@ -67,7 +67,7 @@ from treetune.study.evidence import (
     window_spread,
 )
 from treetune.study.methods import MethodSearch, prior_of, search_methods
-from treetune.study.recommend import Recommendation, recommend
+from treetune.study.recommend import Recommendation, recommend, static_adaptive
 from treetune.study.schedule import Tuning, adaptive_chains, tune
 from treetune.study.spec import StudySpec
 from treetune.study.storage import StudyStore
@@ -198,6 +198,7 @@ class Planner:
             self.odd_notes(config_key(BASELINE))
             self.node_notes()
             self.kernel_notes()
+            self.static_notes()
             self.trend_notes()
         self.floor = floor_of(spec.tolerance)
         self.studies = BatchStudies(store, space)
@@ -356,6 +357,9 @@ class Planner:
         """The next launch, or None until a running launch finishes (or for good).
         `node`: the host of the worker that will run it, when the runner knows it: a node
         that has not run the baseline runs it first (`_baseline_here`)."""
+        if self.spec.adaptive and self.static_adaptive():
+            # An adaptive task put back (a failed start, a lost worker) goes too.
+            self.queue = [t for t in self.queue if not isinstance(t.config, AdaptiveConfig)]
         if (here := self._baseline_here(node)) is not None:
             task = here
         elif self.queue:
@@ -695,7 +699,7 @@ class Planner:
             self.tuning = tune(self.spec.batch, self.spec.dataset_names, self.spec.tolerance,
                                self.results.values(), self.baseline, self.noise(),
                                self.strategy.estimates(adaptive_chains()),
-                               self.spec.criterion)
+                               self.spec.criterion, self.spec.server_flags)
             if self.tuning.config is not None:
                 configs.append(self.tuning.config)
         self.queue += [Task(c) for c in configs if not self.is_known(config_key(c))]
@@ -831,9 +835,7 @@ class Planner:
     def static_adaptive(self) -> list[LaunchResult]:
         """The adaptive launches whose servers served static trees (by their server info,
         `ServerApi.runs_adaptive`): they measured their starting chain, not a controller."""
-        api = self.spec.backend.api
-        return [r for r in self.results.values() if isinstance(r.config, AdaptiveConfig)
-                and r.ok and not api.runs_adaptive(r.server_info)]
+        return static_adaptive(self.spec, self.launched)
 
     def static_notes(self) -> list[str]:
         """A word for the user, once, when an adaptive launch's server served static

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,9 +75,9 @@ class Recommendation:
     alternative: Recommendation | None = None
     # What the speedups are of (treetune/objectives.py): 'throughput', 'tpot_p99', ...
     objective: str = Objective.THROUGHPUT.value
-    # An adaptive server's: the steps of the best chain measured at this batch size for
-    # the workload (0: none beats no speculation; None: no chain measured), the step a
-    # fixed schedule runs here (`export.chain_schedule`).
+    # An adaptive server's: of its slot's candidates here, the chain measured best for the
+    # workload (`_fixed_chain`; None: none of them measured), the step a fixed schedule
+    # runs here (`export.chain_schedule`).
     chain_steps: int | None = None
 
     @property
@@ -152,10 +153,11 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
     merged = merge_all(results)
     baseline = merged.get("baseline", baseline)
     measured = [r for r in merged.values() if r.ok and isinstance(r.config, TreeConfig)]
-    # An adaptive launch whose server served static trees measured its starting chain,
-    # not the controller: never advised as adaptive (its launch carries a warning why).
+    # An adaptive config one of whose servers served static trees measured its starting
+    # chain, not the controller: never advised (its launch carries a warning why).
+    static = {config_key(r.config) for r in static_adaptive(spec, results)}
     adaptive = [r for r in merged.values() if r.ok and isinstance(r.config, AdaptiveConfig)
-                and spec.backend.api.runs_adaptive(r.server_info)]
+                and config_key(r.config) not in static]
     if objective is not None and objective is not spec.objective:
         spec = spec.replace(objective=objective)
     noise = noise_of(spec, merged.values())
@@ -173,6 +175,15 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
                 static[batch], kind=kind,
                 alternative=alternative[batch] if alternative else None))
     return [chosen[workload, batch] for batch in batches for workload, _ in workloads]
+
+
+def static_adaptive(spec: StudySpec, launches: Iterable[LaunchResult]) -> list[LaunchResult]:
+    """The adaptive launches whose servers served static trees, by the server info each
+    kept (`ServerApi.runs_adaptive`): they measured their starting chain, not a
+    controller."""
+    api = spec.backend.api
+    return [r for r in launches if isinstance(r.config, AdaptiveConfig) and r.ok
+            and not api.runs_adaptive(r.server_info)]
 
 
 def _static(spec: StudySpec, workload: str, names: list[str], batch: int,
@@ -219,7 +230,7 @@ def _adaptive(spec: StudySpec, workload: str, names: list[str],
                              criterion=spec.criterion) for b in static}
         # Where its slot never drafts it runs plain decode rounds: no launch can prove
         # them no slower than no speculation, so not surely slower is what it needs.
-        graphs = graph_sizes_for(static)
+        graphs = graph_sizes_for(static, spec.server_flags)
         plain = {b for b in static if result.config.slot_for(b, graphs).steps == (0,)}
         if not all(v.confirmed or (b in plain and v.possible) for b, v in verdicts.items()):
             continue
@@ -267,7 +278,7 @@ def _fixed_chain(spec: StudySpec, names: list[str], batch: int, config: Adaptive
     none beats it; else the best measured), or None when none was measured. A controller
     climbs past it only for traffic that accepts more; a fixed schedule cannot step back
     down."""
-    candidates = config.slot_for(batch, graph_sizes_for(spec.batch)).steps
+    candidates = config.slot_for(batch, graph_sizes_for(spec.batch, spec.server_flags)).steps
     verdicts = {s: v for s, v in chain_verdicts(results, baseline, batch, names,
                                                 spec.tolerance, noise,
                                                 criterion=spec.criterion).items()

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from treetune.backends.sglang_adaptive import graph_sizes_for, padded_batch
 from treetune.config import AdaptiveConfig, AdaptiveSlot, TreeConfig, chain
@@ -41,7 +42,8 @@ def adaptive_chains() -> list[TreeConfig]:
     return [TreeConfig.of(s, 1, s + 1) for s in ADAPTIVE_CHAIN_STEPS]
 
 
-def slot_keys(batches: Iterable[int]) -> list[int]:
+def slot_keys(batches: Iterable[int], server_flags: Mapping[str, Any] | None = None
+              ) -> list[int]:
     """The smallest running batch each study batch size's slot serves: 1 for the first,
     then halfway (geometrically) from the previous batch size, but above the CUDA-graph
     batch size SGLang pads the previous one to (`graph_sizes_for`) and not above this one:
@@ -49,7 +51,7 @@ def slot_keys(batches: Iterable[int]) -> list[int]:
     the midpoint, 38, would serve 36 (padded to 40) from 40's slot. Two batch sizes padded
     alike share every slot (`shared_graph_size` refuses them in a study)."""
     ordered = sorted(set(batches))
-    graphs = graph_sizes_for(ordered)
+    graphs = graph_sizes_for(ordered, server_flags)
     return [1] + [min(max(math.ceil(math.sqrt(a * b)), padded_batch(a, graphs) + 1), b)
                   for a, b in itertools.pairwise(ordered)]
 
@@ -101,7 +103,7 @@ def chain_verdicts(results: Iterable[LaunchResult], baseline: LaunchResult, batc
     verdicts = {r.config.steps: judge(r, baseline, batch, datasets, tolerance, noise, estimates,
                                       criterion=criterion)
                 for r in results if r.ok and isinstance(r.config, TreeConfig)
-                and r.config.is_chain}
+                and r.config.is_chain and not r.config.method}  # the study's own method
     if criterion.objective is not Objective.THROUGHPUT:
         return verdicts
     for s in steps:
@@ -138,9 +140,11 @@ def tune_slot(batch: int, key: int, verdicts: dict[int, Verdict],
 
 def tune(batches: Iterable[int], datasets: list[str], tolerance: float,
          results: Iterable[LaunchResult], baseline: LaunchResult, noise: StudyNoise,
-         estimates: Estimates | None = None, criterion: Criterion = THROUGHPUT) -> Tuning:
+         estimates: Estimates | None = None, criterion: Criterion = THROUGHPUT,
+         server_flags: Mapping[str, Any] | None = None) -> Tuning:
     """A tuned adaptive config from a study's (merged) results, one slot per batch size,
-    by the study's objective (`criterion`)."""
+    by the study's objective (`criterion`), keyed for the servers' CUDA-graph padding
+    (their `server_flags`, `slot_keys`)."""
     results = list(results)
     ordered = sorted(set(batches))
     steps = ADAPTIVE_CHAIN_STEPS
@@ -150,12 +154,13 @@ def tune(batches: Iterable[int], datasets: list[str], tolerance: float,
                   [chain_verdicts(results, baseline, batch, [d], tolerance, noise, estimates,
                                   steps, criterion)
                    for d in datasets] if len(datasets) > 1 else ())
-        for batch, key in zip(ordered, slot_keys(ordered), strict=True)))
+        for batch, key in zip(ordered, slot_keys(ordered, server_flags), strict=True)))
 
 
 def estimated_steps(config: AdaptiveConfig, results: Iterable[LaunchResult]) -> list[int]:
     """The positive candidate steps of `config` whose chain no launch measured: where an
     adaptive config rests on the model's estimates (or on SGLang's guess)."""
     measured = {r.config.steps for r in results
-                if r.ok and isinstance(r.config, TreeConfig) and r.config.is_chain}
+                if r.ok and isinstance(r.config, TreeConfig) and r.config.is_chain
+                and not r.config.method}
     return [s for s in config.candidate_steps if s > 0 and s not in measured]

@@ -379,7 +379,8 @@ class StudySpec:
                              "releases have no --speculative-adaptive), and this study targets "
                              f"sglang_version {self.sglang_version}: give adaptive: false, or "
                              "a newer sglang_version")
-        if self.adaptive and (shared := shared_graph_size(self.batch)) is not None:
+        shared = shared_graph_size(self.batch, self.server_flags) if self.adaptive else None
+        if shared is not None:
             a, b, size = shared
             raise FieldError("batch", f"batch sizes {a} and {b} both run as CUDA-graph batch "
                              f"size {size} (SGLang pads a running batch up to the next size "
