@@ -263,6 +263,10 @@ def test_an_adaptive_study_of_two_batch_sizes_padded_alike_is_refused(tmp_path):
                                             "batch size 8"):
         spec(tmp_path, batch=[1, 4, 8], adaptive=True,
              server_flags={"--cuda-graph-bs-decode": [1, 8, 32]})
+    # A list SGLang's parser would refuse leaves the default sizes (the launch says why).
+    assert slot_keys([1, 33, 48], {"--cuda-graph-bs-decode": "1 eight"}) == [1, 6, 41]
+    assert slot_keys([1, 33, 48], {"--cuda-graph-bs-decode": "1 40 48"}) == [1, 6, 41]
+    assert slot_keys([1, 33, 48], {"--cuda-graph-bs-decode": [1, 33, 48]}) == [1, 6, 40]
     for off in ("--disable-decode-cuda-graph", "--disable-cuda-graph-padding"):
         unpadded = spec(tmp_path, batch=[1, 36, 40], adaptive=True, server_flags={off: None})
         assert slot_keys(unpadded.batch, unpadded.server_flags) == [1, 6, 38]

@@ -133,6 +133,7 @@ MULTI_LAYER_EAGLE_ARCHITECTURES = frozenset({
     "MiMoV2ForCausalLM", "MiMoV2FlashForCausalLM",
     "GigaChat35ForCausalLM", "GigaChat35ForCausalLMNextN"})
 
+
 def multi_layer_problem(algorithm: str, architecture: str) -> str | None:
     """Why adaptive steps of `algorithm` would not run on a target of `architecture` (its
     SGLang override makes its EAGLE multi-layer EAGLE), or None."""
@@ -238,7 +239,9 @@ def graph_sizes_for(batches: Iterable[int],
         return []
     if (given := flags.get(GRAPH_SIZES_FLAG)) is not None:
         values = given if isinstance(given, (list, tuple)) else str(given).split()
-        return sorted(int(v) for v in values)
+        # Anything but integers SGLang's parser refuses at the launch, which says so.
+        if values and all(str(v).strip().isdigit() for v in values):
+            return sorted(int(v) for v in values)
     return graph_batch_sizes(max(batches))
 
 

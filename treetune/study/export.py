@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -341,7 +342,7 @@ def _reachable(host: str) -> str:
 
 
 def chain_schedule(spec: StudySpec, config: AdaptiveConfig,
-                   recs: list[Recommendation] = ()) -> ChainSchedule:
+                   recs: Sequence[Recommendation] = ()) -> ChainSchedule:
     """The fixed chain schedule an adaptive config amounts to: per slot the best chain
     measured at the batch size it serves (`recs`, the config's recommendations: their
     `chain_steps`), not its longest candidate, which a controller climbs to only for

@@ -47,8 +47,8 @@ def slot_keys(batches: Iterable[int], server_flags: Mapping[str, Any] | None = N
     """The smallest running batch each study batch size's slot serves: 1 for the first,
     then halfway (geometrically) from the previous batch size, but above the CUDA-graph
     batch size SGLang pads the previous one to (`graph_sizes_for`) and not above this one:
-    SGLang routes a batch by its padded size, and with batch sizes 1, 36 and 40 a key at
-    the midpoint, 38, would serve 36 (padded to 40) from 40's slot. Two batch sizes padded
+    SGLang routes a batch by its padded size, and with batch sizes 1, 33 and 48 a key at
+    the midpoint, 40, would serve 33 (padded to 40) from 48's slot. Two batch sizes padded
     alike share every slot (`shared_graph_size` refuses them in a study)."""
     ordered = sorted(set(batches))
     graphs = graph_sizes_for(ordered, server_flags)
