@@ -14,7 +14,7 @@ from synthetic import BASE, DATASETS, launch
 from treetune.backends import LaunchSpec
 from treetune.backends import sglang_adaptive as sglang_adaptive
 from treetune.backends.sglang import sglang_command
-from treetune.config import AdaptiveConfig, AdaptiveSlot, TreeConfig, chain
+from treetune.config import BASELINE, AdaptiveConfig, AdaptiveSlot, TreeConfig, chain
 from treetune.emulator.args import build_parser, parse
 from treetune.errors import InvalidTreeError, TreetuneError
 from treetune.results import config_from_key, config_key
@@ -499,6 +499,30 @@ def test_other_engines_get_the_equivalent_chain_schedules_by_their_own_rules(tmp
     assert "above batch 32" in readme
 
 
+def test_a_batch_padded_into_a_slot_that_never_drafts_needs_only_not_be_surely_slower(
+        tmp_path):
+    """SGLang's default config at batch 63: padded to 64, its slot [0] never drafts, so
+    plain decode rounds need only be not surely slower than no speculation. Read without
+    the padding it was slot 32 ({0, 1}), which must be surely faster, and the adaptive
+    server was never advised (a review: no test read the rule with padding)."""
+    from treetune.study.recommend import recommend
+
+    default = AdaptiveConfig.sglang_default()
+    rows = {1: (100, 100), 63: (1000, 1000), 128: (1500, 1500)}
+    base = launch(BASELINE, {b: dict(zip(DATASETS, r, strict=True)) for b, r in rows.items()})
+    tree = launch(TreeConfig(3, 4, 8), {1: {"sharegpt": 140, "humaneval": 150},
+                                        63: {"sharegpt": 900, "humaneval": 900},
+                                        128: {"sharegpt": 1200, "humaneval": 1200}})
+    plain = launch(default, {1: {"sharegpt": 150, "humaneval": 160},
+                             63: {"sharegpt": 1000, "humaneval": 1000},
+                             128: {"sharegpt": 1500, "humaneval": 1500}})
+    spec = noisy_spec(tmp_path, batch=[1, 63, 128])
+    recs = recommend(spec, [base, tree, plain], base)
+    mixed = {r.batch: r for r in recs if r.workload == "mixed"}
+    assert {r.kind for r in mixed.values()} == {"adaptive"}
+    assert all(r.config == default for r in mixed.values())
+
+
 def test_a_fixed_schedule_runs_the_best_chain_measured_not_the_longest_candidate(tmp_path):
     """TUNED's slot 1 holds {1, 2}: a controller climbs to 2 only for traffic that accepts
     more. A fixed schedule cannot step back down, so it runs the slot's candidate measured
@@ -783,7 +807,6 @@ def test_an_adaptive_launch_given_back_is_not_started_once_one_served_static_tre
     import optuna
     from test_claims import measured
 
-    from treetune.config import BASELINE
     from treetune.space import load_space
     from treetune.study.planner import Planner
     from treetune.study.spec import load_study
