@@ -358,7 +358,8 @@ class Planner:
         `node`: the host of the worker that will run it, when the runner knows it: a node
         that has not run the baseline runs it first (`_baseline_here`)."""
         if self.spec.adaptive and self.static_adaptive():
-            # An adaptive task put back (a failed start, a lost worker) goes too.
+            # Once a server ran static trees, no adaptive task starts: queued with it, or
+            # put back (given up by another search, a lost worker).
             self.queue = [t for t in self.queue if not isinstance(t.config, AdaptiveConfig)]
         if (here := self._baseline_here(node)) is not None:
             task = here
@@ -682,8 +683,8 @@ class Planner:
             return  # the tuning waits for every chain
         if self.static_adaptive():
             # What kept one server's controller off (a model's own switch, such as
-            # multi-layer EAGLE) keeps every other's off: no more adaptive launches.
-            self.queue = [t for t in self.queue if not isinstance(t.config, AdaptiveConfig)]
+            # multi-layer EAGLE) keeps every other's off: no more adaptive launches (`next`
+            # drops those queued).
             return
         known = [c for c in (*(r.config for r in self.results.values()),
                              *(t.config for t in (*self.queue, *self.in_flight)))

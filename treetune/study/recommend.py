@@ -223,6 +223,7 @@ def _adaptive(spec: StudySpec, workload: str, names: list[str],
     instead of the static picks (the module's rule), or else the best one surely feasible
     everywhere, as the alternative; None for either when there is none."""
     safe: list[tuple[bool, float, dict[int, Verdict]]] = []  # (qualifies, rank, verdicts)
+    graphs = graph_sizes_for(static, spec.server_flags)
     for result in adaptive:
         assert isinstance(result.config, AdaptiveConfig)
         verdicts = {b: judge(result, baseline, b, names, spec.tolerance, noise,
@@ -230,7 +231,6 @@ def _adaptive(spec: StudySpec, workload: str, names: list[str],
                              criterion=spec.criterion) for b in static}
         # Where its slot never drafts it runs plain decode rounds: no launch can prove
         # them no slower than no speculation, so not surely slower is what it needs.
-        graphs = graph_sizes_for(static, spec.server_flags)
         plain = {b for b in static if result.config.slot_for(b, graphs).steps == (0,)}
         if not all(v.confirmed or (b in plain and v.possible) for b, v in verdicts.items()):
             continue
@@ -264,21 +264,21 @@ def _adaptive(spec: StudySpec, workload: str, names: list[str],
                                 reason, {d: (i.low, i.high) for d, i in v.intervals.items()},
                                 method=spec.method_of(config), kind=ADAPTIVE,
                                 objective=spec.objective.value,
-                                chain_steps=_fixed_chain(spec, names, b, config, results,
-                                                         baseline, noise))
+                                chain_steps=_fixed_chain(spec, names, b, config, graphs,
+                                                         results, baseline, noise))
     return (out, None) if qualifies else (None, out)
 
 
 def _fixed_chain(spec: StudySpec, names: list[str], batch: int, config: AdaptiveConfig,
-                 results: list[LaunchResult], baseline: LaunchResult, noise: StudyNoise
-                 ) -> int | None:
+                 graphs: list[int], results: list[LaunchResult], baseline: LaunchResult,
+                 noise: StudyNoise) -> int | None:
     """What a fixed per-batch-size schedule runs at `batch` in place of `config`'s slot
     there: of the slot's candidates, the chain measured best over the workload's datasets
     among those surely no slower than no speculation (0, where the slot holds it, when
     none beats it; else the best measured), or None when none was measured. A controller
     climbs past it only for traffic that accepts more; a fixed schedule cannot step back
-    down."""
-    candidates = config.slot_for(batch, graph_sizes_for(spec.batch, spec.server_flags)).steps
+    down. `graphs`: the servers' CUDA-graph batch sizes (`graph_sizes_for`)."""
+    candidates = config.slot_for(batch, graphs).steps
     verdicts = {s: v for s, v in chain_verdicts(results, baseline, batch, names,
                                                 spec.tolerance, noise,
                                                 criterion=spec.criterion).items()
