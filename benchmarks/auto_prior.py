@@ -70,6 +70,7 @@ from pathlib import Path
 from search_efficiency import (
     judge_mixed,
     load_worlds,
+    noise_seed,
     positive_int,
     study_spec,
     truth_table,
@@ -117,7 +118,8 @@ def run_job(job: Job) -> dict:
 
     started = time.process_time()
     noise = Noise(launch_cv=job.noise, measurement_cv=job.noise)
-    run_offline(spec, world.model(world.profile.tp), job.seed, job.max_launches, noise, after)
+    run_offline(spec, world.model(world.profile.tp), noise_seed(world, job.seed), job.max_launches,
+                noise, after)
     first = next((i + 1 for i, ok in enumerate(within) if ok), job.max_launches + 1)
     return {"truth": job.truth, "prior": "auto" if job.prior else "truth facts",
             "seed": job.seed, "launches_to_target": first,

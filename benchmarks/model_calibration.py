@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from search_efficiency import (
     check_arguments,
     load_worlds,
+    noise_seed,
     output_arguments,
     publish,
     run_pool,
@@ -89,7 +90,8 @@ def run_job(job: Job) -> dict:
                          "accept_misfit": accept_misfit(fit) if fit else None})
 
     noise = Noise(launch_cv=job.noise, measurement_cv=job.noise)
-    run_offline(spec, world.model(world.profile.tp), job.seed, job.max_launches, noise, after)
+    run_offline(spec, world.model(world.profile.tp), noise_seed(world, job.seed), job.max_launches,
+                noise, after)
     return {"world": job.world, "seed": job.seed, "launches": launches}
 
 

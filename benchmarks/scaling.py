@@ -37,6 +37,7 @@ from search_efficiency import (
     check_arguments,
     judge_mixed,
     load_worlds,
+    noise_seed,
     output_arguments,
     publish,
     run_pool,
@@ -89,8 +90,8 @@ def run_job(job: Job) -> dict:
 
     started = time.monotonic()
     noise = Noise(launch_cv=job.noise, measurement_cv=job.noise)
-    planner = run_parallel(spec, world.model(world.profile.tp), job.seed, job.max_launches,
-                           job.workers, noise, job.clock, after)
+    planner = run_parallel(spec, world.model(world.profile.tp), noise_seed(world, job.seed),
+                           job.max_launches, job.workers, noise, job.clock, after)
     hit = bool(reached)
     if not hit:
         reached.update(wall_s=last["wall_s"] + job.clock.nominal(spec),

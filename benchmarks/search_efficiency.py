@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
@@ -126,6 +127,18 @@ class Job:
     nodes: tuple[float, ...] = ()  # each node's speed; worker w runs on node w % len(nodes)
     drift: float = 0.0  # launch k runs at 1 + drift x k (`run_parallel`)
     method: str = "EAGLE3"  # the study's draft method (SGLang's algorithm)
+
+
+def noise_seed(world: World, seed: int) -> int:
+    """The seed of the noise a study of `world` draws (launch factors, slow launches,
+    sub-windows): the study's `seed` and the world's name, so that every strategy of a
+    world and seed meets the same draws but no two worlds do. With `seed` alone, every
+    world's study of that seed drew one stream: the same launches were slow in every
+    slow-launch world, the same launch factors fell on every world's baseline, and the
+    coverage of two dozen studies moved by five points with one launch more or less
+    (benchmarks/RESULTS.md, stop 83)."""
+    digest = hashlib.sha256(f"{world.name}:{seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 def truth_table(world: World, batches: tuple[int, ...], method: str = "EAGLE3"
@@ -287,9 +300,9 @@ def study(job: Job, world: World, table: dict[TreeConfig, dict[int, list[float]]
 
     started = time.monotonic()
     noise = Noise(launch_cv=job.noise, measurement_cv=job.noise)
-    planner = run_parallel(spec, truth, job.seed, job.max_launches, job.workers, noise,
-                           after_launch=lambda p, _: after(p), nodes=job.nodes,
-                           drift=job.drift)
+    planner = run_parallel(spec, truth, noise_seed(world, job.seed), job.max_launches,
+                           job.workers, noise, after_launch=lambda p, _: after(p),
+                           nodes=job.nodes, drift=job.drift)
     first = next((i + 1 for i, ok in enumerate(within) if ok), job.max_launches + 1)
     stable = next((i + 1 for i in range(len(within)) if all(within[i:])), job.max_launches + 1)
     covered, judged = coverage(planner, table, spec.dataset_names, job.batches)

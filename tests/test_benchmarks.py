@@ -270,12 +270,47 @@ def test_the_model_oracle_orders_by_the_truth_without_the_worlds_cost_effects():
     assert "model-oracle" not in strategies.names()
 
 
+def test_each_world_s_study_of_a_seed_draws_its_own_noise(monkeypatch):
+    """Studies of one seed in two worlds draw different noise (with the seed alone every
+    world drew one stream: the same launches slow in every slow-launch world), while every
+    strategy of one world and seed draws the same (their comparison is paired)."""
+    import search_efficiency as se
+
+    seeds: list[int] = []
+    real = se.run_parallel
+
+    def spy(spec, truth, seed, *args, **kwargs):
+        seeds.append(seed)
+        return real(spec, truth, seed, *args, **kwargs)
+
+    monkeypatch.setattr(se, "run_parallel", spy)
+    for world, strategy in (("cliffs", "random"), ("cliffs", "grid"),
+                            ("slow-launches", "random")):
+        se.run_job(se.Job(world, strategy, 4, 2, 2, 0.03, (1, 32)))
+    cliffs, cliffs_grid, slow = seeds
+    assert cliffs == cliffs_grid == se.noise_seed(se.load_world("cliffs"), 4)
+    assert slow == se.noise_seed(se.load_world("slow-launches"), 4) != cliffs
+    assert se.noise_seed(se.load_world("cliffs"), 5) != cliffs
+
+    # Their launches differ in noise: the baseline's first launch is no longer one draw.
+    def first_baseline(world: str) -> float:
+        w = se.load_world(world)
+        spec = se.study_spec(world, "random", 4, 2, 0.03, (1,))
+        planner = real(spec, w.model(w.profile.tp), se.noise_seed(w, 4), 1, 1,
+                       se.Noise(0.03, 0.03))
+        first = next(iter(w.profile.datasets))
+        truth = w.model(w.profile.tp).throughput(se.BASELINE, 1, first)
+        return planner.launched[0].cells[0].output_tok_s / truth
+
+    assert first_baseline("cliffs") != pytest.approx(first_baseline("moe-dispatch"), rel=1e-6)
+
+
 def test_scoring_the_model_s_estimates_does_not_steer_the_study(monkeypatch):
     """model_calibration.py asks the search's model for estimates after every launch; the
     study must launch what it would have launched unasked, or the scores would be of
     another search."""
     import model_calibration
-    from search_efficiency import study_spec
+    from search_efficiency import noise_seed, study_spec
 
     from treetune.study.offline import Noise, run_offline
     from treetune.worlds import load_world
@@ -290,8 +325,8 @@ def test_scoring_the_model_s_estimates_does_not_steer_the_study(monkeypatch):
     assert any(s["measured"] for s in row["launches"])
     world = load_world(job.world)
     spec = study_spec(job.world, "model", job.seed, job.max_launches, job.noise, job.batches)
-    unasked = run_offline(spec, world.model(world.profile.tp), job.seed, job.max_launches,
-                          Noise(job.noise, job.noise))
+    unasked = run_offline(spec, world.model(world.profile.tp), noise_seed(world, job.seed),
+                          job.max_launches, Noise(job.noise, job.noise))
     assert [r.config for r in asked[0].launched] == [r.config for r in unasked.launched]
     summary = model_calibration.summarize([row])
     assert set(summary) == {"4-6", "7-9"} and summary["4-6"]["z2_measured"] >= 0
