@@ -21,7 +21,7 @@ import pytest
 from studykit import server_processes, small_study, unlagged, wait_until
 
 from treetune.backends.sglang import SGLANG_API, adaptive_state, launch_warnings
-from treetune.backends.sglang_adaptive import fallback_warning
+from treetune.backends.sglang_adaptive import Schedule, fallback_warning, graph_batch_sizes
 from treetune.client import ServerClient
 from treetune.config import BASELINE, ServerConfig, TreeConfig
 from treetune.emulator.args import AdaptiveLaunch, LaunchError, parse
@@ -66,7 +66,8 @@ def engine(config: dict | None = None, steps: int = 3, *, static: TreeConfig | N
                   time_scale=1e9, noise=NoiseModel.from_profile(profile.noise, False),
                   rng=np.random.default_rng(seed), metrics=ServerMetrics("m"),
                   model=model or PerfModel(profile, 4),
-                  schedule=adaptive.schedule(max_running, None) if adaptive else None,
+                  schedule=(adaptive.schedule(graph_batch_sizes(max_running)) if adaptive
+                            else None),
                   log=None if log is None else log.append)
 
 
@@ -209,6 +210,46 @@ def test_adaptive_mode_fills_in_topk_1_the_middle_candidate_and_steps_plus_one_t
 def test_where_adaptive_mode_cannot_run_the_flags_give_a_static_server(args, reason):
     settings = parse([*args, *ADAPTIVE])
     assert settings.adaptive is None and settings.adaptive_fallback == reason
+
+
+@pytest.mark.parametrize(("extra", "padded"), [
+    ((), 40),  # SGLang's sizes up to the running cap: 33 runs as 40
+    (("--max-running-requests", "36"), 36),
+    (("--cuda-graph-max-bs-decode", "36"), 36),
+    (("--cuda-graph-bs-decode", "1", "34", "48"), 34),
+    (("--disable-cuda-graph",), 33),
+    (("--disable-decode-cuda-graph",), 33),
+    (("--disable-cuda-graph-padding",), 33),
+    (("--cuda-graph-backend-decode", "disabled"), 33),
+    (("--disable-decode-cuda-graph", "--cuda-graph-backend-decode", "full"), 40),
+    (("--cuda-graph-config", '{"decode": {"backend": "disabled"}}'), 33),
+    (("--cuda-graph-bs-decode", "1", "34", "48", "--cuda-graph-config",
+      '{"decode": {"bs": [1, 48]}}'), 48),
+    (("--cuda-graph-config", '{"decode": {"max_bs": 36}}'), 36),
+], ids=["default", "running cap", "max bs", "sizes", "graphs off, deprecated",
+        "decode graphs off", "no padding", "decode backend off", "backend wins",
+        "json backend", "json wins", "json max bs"])
+def test_an_adaptive_server_routes_a_batch_padded_as_its_graph_flags_say(extra, padded):
+    """SGLang pads a running decode batch up to the next CUDA-graph size it captured, then
+    picks the slot; with decode graphs or padding off the batch runs as it is. The
+    emulator resolves the flags as 0.5.23 does: --cuda-graph-config over the backend flag
+    over the switches (it padded by the default sizes whatever the flags said)."""
+    config = {key: {"candidate_steps": [1, 3]} for key in ("1", "34", "36", "40", "48")}
+    settings = parse([*spec_flags("--max-running-requests", "64"), *extra, *ADAPTIVE])
+    schedule = Schedule(config, 3, settings.decode_graph_sizes)
+    slot = {33: 1, 34: 34, 36: 36, 40: 40, 48: 48}[padded]
+    assert schedule.slot_key(33) == slot
+
+
+@pytest.mark.parametrize(("value", "words"), [
+    ("{decode", "invalid JSON"), ('["decode"]', "a JSON object of phases"),
+    ('{"decode": {"bs": [1, "eight"]}}', "decode bs must be a list of positive integers"),
+    ('{"decode": {"max_bs": 0}}', "decode max_bs must be a positive integer"),
+    ('{"decode": {"backend": "eager"}}', "decode backend 'eager' is not one of"),
+])
+def test_a_cuda_graph_config_sglang_cannot_read_is_refused_at_parse_time(value, words):
+    with pytest.raises(LaunchError, match=words):
+        parse([*spec_flags(), "--cuda-graph-config", value])
 
 
 def test_enable_dp_attention_alone_leaves_adaptive_mode_on():

@@ -270,6 +270,23 @@ def test_an_adaptive_study_of_two_batch_sizes_padded_alike_is_refused(tmp_path):
     for off in ("--disable-decode-cuda-graph", "--disable-cuda-graph-padding"):
         unpadded = spec(tmp_path, batch=[1, 36, 40], adaptive=True, server_flags={off: None})
         assert slot_keys(unpadded.batch, unpadded.server_flags) == [1, 6, 38]
+    # --cuda-graph-config's decode phase wins over every other flag, as SGLang reads them;
+    # --cuda-graph-backend-decode over the switches that turn graphs off.
+    config = "--cuda-graph-config"
+    unpadded = spec(tmp_path, batch=[1, 36, 40], adaptive=True,
+                    server_flags={config: '{"decode": {"backend": "disabled"}}'})
+    assert slot_keys(unpadded.batch, unpadded.server_flags) == [1, 6, 38]
+    assert slot_keys([1, 33, 48], {config: {"decode": {"bs": [1, 33, 48]}},
+                                   "--cuda-graph-bs-decode": [1, 8, 32]}) == [1, 6, 40]
+    # Captured up to 36: batch 36 runs as itself and 40, above every graph, unpadded.
+    capped = spec(tmp_path, batch=[1, 36, 40], adaptive=True,
+                  server_flags={config: '{"decode": {"max_bs": 36}}'})
+    assert slot_keys(capped.batch, capped.server_flags) == [1, 6, 38]
+    assert slot_keys([1, 33, 48], {config: '{"decode": {"backend": "full"}}',
+                                   "--disable-cuda-graph": None}) == [1, 6, 41]
+    assert slot_keys([1, 33, 48], {"--cuda-graph-backend-decode": "full",
+                                   "--disable-decode-cuda-graph": None}) == [1, 6, 41]
+    assert slot_keys([1, 33, 48], {config: "{not json"}) == [1, 6, 41]
 
 
 # ---- the third kind of advice ------------------------------------------------------------

@@ -112,6 +112,24 @@ def test_a_saved_spec_loads_back_as_the_same_study(tmp_path):
     assert again.batch == spec.batch and again.model == spec.model
 
 
+def test_a_mapping_in_server_flags_goes_to_the_server_as_json(tmp_path):
+    """SGLang reads --cuda-graph-config as JSON; a mapping written in the study file went to
+    the command line in Python's spelling ({'decode': ...}), which it refuses."""
+    import json
+
+    from treetune.study.schedule import slot_keys
+
+    study = tmp_path / "s.yaml"
+    study.write_text("model: m\ndraft: d\nbatch: [1, 36, 40]\ndatasets: [humaneval]\n"
+                     "server_flags: {--cuda-graph-config: {decode: {max_bs: 36}}}\n")
+    spec = load_study(study)
+    value = spec.server_flags["--cuda-graph-config"]
+    assert json.loads(value) == {"decode": {"max_bs": 36}}
+    assert ("--cuda-graph-config", value) in spec.launch_spec().extra_flags
+    # Read as SGLang reads it: captured up to 36, so batch 40 is not padded into 36's slot.
+    assert slot_keys(spec.batch, spec.server_flags) == [1, 6, 38]
+
+
 @pytest.mark.parametrize(("file", "name"), [
     ("my study.yaml", "my-study"), (".hidden.yaml", "hidden"), ("_x (2).yaml", "x-2"),
     ("étude.yaml", "etude"), ("✓.yaml", "study"),

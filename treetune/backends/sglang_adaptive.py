@@ -219,30 +219,57 @@ def padded_batch(batch: int, graph_sizes: Sequence[int]) -> int:
     return graph_sizes[i] if i < len(graph_sizes) else batch
 
 
-# Server flags with which a running decode batch is not padded (0.5.23's
-# cuda_graph_hook.py): decode CUDA graphs off (`--disable-cuda-graph` is its deprecated
-# spelling), or captured only where no padding is needed.
-NO_PADDING_FLAGS = ("--disable-cuda-graph", "--disable-decode-cuda-graph",
-                    "--disable-cuda-graph-padding")
+# Server flags that turn decode CUDA graphs off (0.5.23's cuda_graph_hook.py: the
+# deprecated `--disable-cuda-graph` first, then `--disable-decode-cuda-graph`, both below
+# `--cuda-graph-backend-decode`, all below `--cuda-graph-config`'s decode phase), and the one
+# that captures graphs only where no padding is needed.
+GRAPHS_OFF_FLAGS = ("--disable-cuda-graph", "--disable-decode-cuda-graph")
+NO_PADDING_FLAG = "--disable-cuda-graph-padding"
 GRAPH_SIZES_FLAG = "--cuda-graph-bs-decode"  # an explicit list of decode graph sizes
+GRAPH_CONFIG_FLAG = "--cuda-graph-config"  # JSON per phase; wins over the flags above
+
+
+def decode_graph_config(value: Any) -> dict[str, Any]:
+    """The decode phase of a `--cuda-graph-config` value (a JSON text, or the mapping a
+    study file gave), or {} when there is none or it is not such JSON (SGLang's parser
+    refuses that at the launch, which says so)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
+    decode = value.get("decode") if isinstance(value, Mapping) else None
+    return dict(decode) if isinstance(decode, Mapping) else {}
+
+
+def _sizes(given: Any) -> list[int] | None:
+    """A list of graph batch sizes as a flag or the JSON gives it, or None when it is not
+    all integers (SGLang's parser refuses it at the launch)."""
+    values = given if isinstance(given, (list, tuple)) else str(given).split()
+    if values and all(str(v).strip().isdigit() for v in values):
+        return sorted(int(v) for v in values)
+    return None
 
 
 def graph_sizes_for(batches: Iterable[int],
                     server_flags: Mapping[str, Any] | None = None) -> list[int]:
     """The CUDA-graph batch sizes a study's servers pad a running decode batch to: up to
-    its largest batch size (`--cuda-graph-max-bs`, `StudySpec.launch_spec`), the list its
-    `server_flags` give, or none (no padding) where they turn decode graphs or padding
-    off."""
+    its largest batch size (`--cuda-graph-max-bs`, `StudySpec.launch_spec`), the list or
+    the largest size its `server_flags` give, or none (no padding) where they turn decode
+    graphs or padding off; `--cuda-graph-config`'s decode phase first, as SGLang reads it."""
     flags = server_flags or {}
-    if any(flag in flags for flag in NO_PADDING_FLAGS) \
-            or str(flags.get("--cuda-graph-backend-decode")) == "disabled":
+    decode = decode_graph_config(flags.get(GRAPH_CONFIG_FLAG))
+    backend = "disabled" if any(flag in flags for flag in GRAPHS_OFF_FLAGS) else None
+    if (chosen := flags.get("--cuda-graph-backend-decode")) is not None:
+        backend = str(chosen)
+    if str(decode.get("backend", backend)) == "disabled" or NO_PADDING_FLAG in flags:
         return []
-    if (given := flags.get(GRAPH_SIZES_FLAG)) is not None:
-        values = given if isinstance(given, (list, tuple)) else str(given).split()
-        # Anything but integers SGLang's parser refuses at the launch, which says so.
-        if values and all(str(v).strip().isdigit() for v in values):
-            return sorted(int(v) for v in values)
-    return graph_batch_sizes(max(batches))
+    if (given := decode.get("bs", flags.get(GRAPH_SIZES_FLAG))) is not None \
+            and (sizes := _sizes(given)) is not None:
+        return sizes
+    top = decode.get("max_bs")
+    given_top = isinstance(top, int) and not isinstance(top, bool) and top > 0
+    return graph_batch_sizes(top if given_top else max(batches))
 
 
 def shared_graph_size(batches: Iterable[int], server_flags: Mapping[str, Any] | None = None

@@ -50,6 +50,7 @@ EMULATOR_KEYS = frozenset({"profile", "world", "time_scale", "load_time", "seed"
 
 
 CUDA_GRAPH_ALIAS_GONE = (0, 5, 20)  # the first wheel seen without --cuda-graph-max-bs
+GRAPH_BACKENDS = ("full", "breakable", "disabled")  # a phase's CUDA-graph backend (0.5.23)
 
 
 class LaunchError(Exception):
@@ -71,13 +72,11 @@ class AdaptiveLaunch:
         steps = max(1, max(sglang_adaptive.candidate_steps(self.config)))
         return TreeConfig.of(steps, 1, steps + 1)
 
-    def schedule(self, max_running: int,
-                 cuda_graph_max_bs: int | None) -> sglang_adaptive.Schedule:
-        """The per-slot controllers, routing through the CUDA-graph batch sizes SGLang
-        captures: up to --cuda-graph-max-bs-decode, never above the running cap."""
-        graphs = min(cuda_graph_max_bs or max_running, max_running)
-        return sglang_adaptive.Schedule(self.config, self.steps,
-                                        sglang_adaptive.graph_batch_sizes(graphs))
+    def schedule(self, graph_sizes: list[int]) -> sglang_adaptive.Schedule:
+        """The per-slot controllers, routing a running batch padded up to the next of the
+        CUDA-graph batch sizes SGLang captured for decode (`decode_graph_sizes`; none: as
+        it is)."""
+        return sglang_adaptive.Schedule(self.config, self.steps, graph_sizes)
 
 
 @dataclass
@@ -96,6 +95,8 @@ class EmulatorSettings:
     attention_backend: str
     mem_fraction_static: float | None
     cuda_graph_max_bs: int | None
+    # The decode CUDA-graph batch sizes a running batch is padded up to ([]: not padded).
+    decode_graph_sizes: list[int]
     served_model_name: str
     api_key: str | None
     time_scale: float
@@ -177,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--cuda-graph-max-bs", type=int, default=None)
     sg.add_argument("--cuda-graph-max-bs-decode", type=int, default=None)
     sg.add_argument("--cuda-graph-max-bs-prefill", type=int, default=None)
+    # Decode CUDA graphs as 0.5.23 resolves them (`decode_graph_sizes`).
+    sg.add_argument("--disable-cuda-graph", action="store_true")  # the deprecated switch
+    sg.add_argument("--disable-decode-cuda-graph", action="store_true")
+    sg.add_argument("--disable-cuda-graph-padding", action="store_true")
+    sg.add_argument("--cuda-graph-backend-decode", choices=GRAPH_BACKENDS, default=None)
+    sg.add_argument("--cuda-graph-bs-decode", type=int, nargs="+", default=None)
+    sg.add_argument("--cuda-graph-config", default=None)
     sg.add_argument("--api-key", default=None)
     sg.add_argument("--context-length", type=int, default=None)
     sg.add_argument("--allow-auto-truncate", action="store_true")
@@ -294,8 +302,9 @@ def parse(argv: list[str]) -> EmulatorSettings:
         max_running = max_running // groups * groups
     cuda_graphs = ns.cuda_graph_max_bs_decode or ns.cuda_graph_max_bs
     multiple = capture_multiple(parallel.flags, ns.tp_size)
-    if cuda_graphs is not None and cuda_graphs < multiple and not parallel.given(
-            "--disable-cuda-graph"):
+    decode = _decode_graphs(ns)
+    if cuda_graphs is not None and cuda_graphs < multiple \
+            and decode.get("backend") != "disabled":
         raise LaunchError(f"AssertionError: capture_bs=[] (SGLang captures only multiples of "
                           f"{multiple} here, and --cuda-graph-max-bs is {cuda_graphs})")
     return EmulatorSettings(
@@ -314,6 +323,8 @@ def parse(argv: list[str]) -> EmulatorSettings:
         attention_backend=attention,
         mem_fraction_static=ns.mem_fraction_static,
         cuda_graph_max_bs=ns.cuda_graph_max_bs_decode or ns.cuda_graph_max_bs,
+        decode_graph_sizes=decode_graph_sizes(decode, ns.disable_cuda_graph_padding,
+                                              max_running),
         served_model_name=ns.served_model_name or ns.model_path,
         api_key=ns.api_key,
         context_length=ns.context_length,
@@ -334,6 +345,61 @@ def parse(argv: list[str]) -> EmulatorSettings:
         method=profile_method(algorithm) if algorithm else None,
         speculative=_resolved(ns, algorithm, config, adaptive),
     )
+
+
+def _decode_graphs(ns: argparse.Namespace) -> dict[str, Any]:
+    """The decode phase's CUDA-graph settings as SGLang 0.5.23 resolves them
+    (`parse_cuda_graph_config`): the deprecated --disable-cuda-graph, then
+    --disable-decode-cuda-graph, then --cuda-graph-backend-decode and the size flags, and
+    over them all --cuda-graph-config's "decode" JSON."""
+    decode: dict[str, Any] = {"backend": "full"}
+    if ns.disable_cuda_graph or ns.disable_decode_cuda_graph:
+        decode["backend"] = "disabled"
+    if ns.cuda_graph_backend_decode is not None:
+        decode["backend"] = ns.cuda_graph_backend_decode
+    if (top := ns.cuda_graph_max_bs_decode or ns.cuda_graph_max_bs) is not None:
+        decode["max_bs"] = top
+    if ns.cuda_graph_bs_decode is not None:
+        decode["bs"] = ns.cuda_graph_bs_decode
+    if ns.cuda_graph_config is not None:
+        try:
+            given = json.loads(ns.cuda_graph_config)
+        except ValueError as exc:
+            raise LaunchError(f"argument --cuda-graph-config: invalid JSON: {exc}") from None
+        if not isinstance(given, dict):
+            raise LaunchError("argument --cuda-graph-config: expected a JSON object of "
+                              "phases, e.g. '{\"decode\": {\"max_bs\": 64}}'")
+        phase = given.get("decode") or {}
+        if not isinstance(phase, dict):
+            raise LaunchError("argument --cuda-graph-config: each phase is a JSON object")
+        decode.update(phase)
+    sizes, top = decode.get("bs"), decode.get("max_bs")
+    if sizes is not None and not (isinstance(sizes, list) and sizes and all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in sizes)):
+        raise LaunchError(f"argument --cuda-graph-config: decode bs must be a list of "
+                          f"positive integers, got {sizes!r}")
+    if top is not None and not (isinstance(top, int) and not isinstance(top, bool)
+                                and top > 0):
+        raise LaunchError(f"argument --cuda-graph-config: decode max_bs must be a positive "
+                          f"integer, got {top!r}")
+    if decode["backend"] not in GRAPH_BACKENDS:
+        raise LaunchError(f"argument --cuda-graph-config: decode backend "
+                          f"{decode['backend']!r} is not one of {', '.join(GRAPH_BACKENDS)}")
+    return decode
+
+
+def decode_graph_sizes(decode: dict[str, Any], no_padding: bool, max_running: int
+                       ) -> list[int]:
+    """The batch sizes a running decode batch is padded up to: none with decode graphs
+    off or --disable-cuda-graph-padding (graphs then run only where no padding is
+    needed), the explicit list, or SGLang's sizes up to the decode max (never above the
+    running cap)."""
+    if no_padding or decode["backend"] == "disabled":
+        return []
+    if decode.get("bs"):
+        return sorted(decode["bs"])
+    return sglang_adaptive.graph_batch_sizes(min(decode.get("max_bs") or max_running,
+                                                 max_running))
 
 
 def _check_drafting(algorithm: str, attention: str, topk: int, unknown: list[str]) -> None:

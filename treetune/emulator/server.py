@@ -95,8 +95,7 @@ class EmulatedServer:
             rng=rng,
             metrics=self.metrics,
             model=model or PerfModel(profile, settings.tp, method=settings.method),
-            schedule=(adaptive.schedule(settings.max_running_requests,
-                                        settings.cuda_graph_max_bs) if adaptive else None),
+            schedule=adaptive.schedule(settings.decode_graph_sizes) if adaptive else None,
             log=log,
             pool_limited=running is not None and running < settings.max_running_requests,
         )

@@ -1020,11 +1020,15 @@ def _env_value(value: Any, where: Path | str, key: str) -> str:
 
 def _flag_value(value: Any) -> str | list[str] | None:
     """A server flag's value as the command line takes it: None for a bare flag, a list
-    for a flag of several values (SGLang's `--cuda-graph-bs 1 2 4 8`), else one word."""
+    for a flag of several values (SGLang's `--cuda-graph-bs 1 2 4 8`), a mapping as its
+    JSON (SGLang's `--cuda-graph-config`; Python's spelling of it is no JSON), else one
+    word."""
     if value is None:
         return None
     if isinstance(value, list | tuple):
         return [str(v) for v in value]
+    if isinstance(value, dict):
+        return json.dumps(value)
     return str(value)
 
 
