@@ -678,6 +678,25 @@ def test_in_steady_state_a_slot_held_at_one_chain_measures_as_that_static_chain(
                 static.cell(d, batch).output_tok_s)
 
 
+def test_in_process_an_adaptive_launch_pads_as_the_study_s_graph_flags_say():
+    """The in-process benchmarks route a batch as the emulator and SGLang do: padded by the
+    study's own graph flags (they padded by the default sizes whatever the flags said)."""
+    import numpy as np
+
+    from treetune.study.offline import Noise, simulate_launch
+
+    model, exact = truth(), Noise(0, 0, 0)
+    config = AdaptiveConfig((AdaptiveSlot(1, (1,)), AdaptiveSlot(34, (3,))))
+    for flags, steps in (({}, 3), ({"--disable-cuda-graph-padding": None}, 1),
+                         ({"--cuda-graph-config": '{"decode": {"bs": [1, 33, 48]}}'}, 1)):
+        spec = offline_spec(batch=[1, 33, 48], server_flags=flags)
+        adaptive = simulate_launch(model, config, spec, np.random.default_rng(0), exact)
+        static = simulate_launch(model, chain(steps), spec, np.random.default_rng(0), exact)
+        for d in spec.dataset_names:  # batch 33: padded to 40 (slot 34), or run as 33
+            assert adaptive.cell(d, 33).output_tok_s == pytest.approx(
+                static.cell(d, 33).output_tok_s), (flags, d)
+
+
 def test_in_steady_state_sglangs_default_climbs_as_its_controller_would():
     from treetune.study.offline import adaptive_throughput
 
@@ -685,7 +704,8 @@ def test_in_steady_state_sglangs_default_climbs_as_its_controller_would():
     # Batch 32's slot is [0, 1]: from 1 (the middle of [0, 1]) every dataset accepts more
     # than half a draft per round, so it stays at chain 1.
     for d in ("mt-bench", "terminal-bench"):
-        tput, accept = adaptive_throughput(model, AdaptiveConfig.sglang_default(), 32, d, 32)
+        tput, accept = adaptive_throughput(model, AdaptiveConfig.sglang_default(), 32, d,
+                                           sglang_adaptive.graph_batch_sizes(32))
         assert tput == pytest.approx(model.throughput(chain(1), 32, d))
         assert accept == pytest.approx(model.accept_length(chain(1), d))
 

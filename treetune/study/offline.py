@@ -19,7 +19,7 @@ import numpy as np
 import optuna
 
 from treetune.backends.sglang import profile_method
-from treetune.backends.sglang_adaptive import Schedule, graph_batch_sizes, settled_steps
+from treetune.backends.sglang_adaptive import Schedule, graph_sizes_for, settled_steps
 from treetune.config import AdaptiveConfig, ServerConfig, TreeConfig, chain
 from treetune.perfmodel import PerfModel, Serving, check_memory
 from treetune.perfmodel.noise import lognormal_factor
@@ -51,12 +51,13 @@ def _method_model(truth: PerfModel, method: str) -> PerfModel:
 
 
 def adaptive_throughput(truth: PerfModel, config: AdaptiveConfig, batch: int, dataset: str,
-                        max_batch: int) -> tuple[float, float]:
+                        graph_sizes: list[int]) -> tuple[float, float]:
     """Throughput and accept length of an adaptive server in steady state at `batch`, as
-    the emulator serves it: the batch routed through the CUDA-graph sizes to its slot,
-    whose controller is fed the truth's mean accepted drafts of the chain it runs; the
-    chains it settles on (or cycles through) timed and accepted as static chains."""
-    schedule = Schedule(config.to_json(), config.initial_steps, graph_batch_sizes(max_batch))
+    the emulator serves it: the batch routed through the CUDA-graph sizes (`graph_sizes`,
+    `graph_sizes_for` the study's batch sizes and server flags) to its slot, whose
+    controller is fed the truth's mean accepted drafts of the chain it runs; the chains it
+    settles on (or cycles through) timed and accepted as static chains."""
+    schedule = Schedule(config.to_json(), config.initial_steps, graph_sizes)
     steps = settled_steps(schedule, batch,
                           lambda s: truth.accept_length(chain(s), dataset) - 1)
     tokens = sum(truth.accept_length(chain(s), dataset) for s in steps)
@@ -81,6 +82,7 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
                             exit_code=1)
     # A pool that holds fewer requests than asked runs that many at once (the emulator's).
     running = memory.running(most)
+    graphs = graph_sizes_for(spec.batch, spec.server_flags)  # an adaptive server's padding
     launch = lognormal_factor(noise.launch_cv, rng) * truth.launch_speed(rng) * speed
     repeats = spec.measurement.repeats
 
@@ -93,7 +95,7 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
             served = None
             if isinstance(config, AdaptiveConfig):
                 tput, accept = adaptive_throughput(truth, config, min(batch, running),
-                                                   dataset, most)
+                                                   dataset, graphs)
             elif dataset in shapes:
                 served = truth.closed_loop(config, dataset, shapes[dataset], batch, running)
                 tput, accept = served.output_tok_s, accept_of(dataset)
