@@ -136,7 +136,10 @@ MULTI_LAYER_EAGLE_ARCHITECTURES = frozenset({
 
 def multi_layer_problem(algorithm: str, architecture: str) -> str | None:
     """Why adaptive steps of `algorithm` would not run on a target of `architecture` (its
-    SGLang override makes its EAGLE multi-layer EAGLE), or None."""
+    SGLang override makes its EAGLE multi-layer EAGLE), or None. Not NEXTN's: 0.5.23 runs
+    the model overrides (`handle_model_specific_adjustments`, arg_groups/pipeline.py)
+    before `handle_speculative_decoding` resolves NEXTN to EAGLE, and the overrides ask for
+    "EAGLE" as given (IQuest's asks for either, its algorithm not resolved yet)."""
     if algorithm != "EAGLE" or architecture not in MULTI_LAYER_EAGLE_ARCHITECTURES:
         return None
     return (f"adaptive: SGLang runs EAGLE on {architecture} as multi-layer EAGLE, which does "
