@@ -132,7 +132,8 @@ class Job:
 def noise_seed(world: World, seed: int) -> int:
     """The seed of the noise a study of `world` draws (launch factors, slow launches,
     sub-windows): the study's `seed` and the world's name, so that every strategy of a
-    world and seed meets the same draws but no two worlds do. With `seed` alone, every
+    world and seed draws from one stream (launch by launch while their launches draw
+    alike: a baseline draws no accept lengths) but no two worlds do. With `seed` alone, every
     world's study of that seed drew one stream: the same launches were slow in every
     slow-launch world, the same launch factors fell on every world's baseline, and the
     coverage of two dozen studies moved by five points with one launch more or less

@@ -241,15 +241,36 @@ def test_an_adaptive_server_routes_a_batch_padded_as_its_graph_flags_say(extra, 
     assert schedule.slot_key(33) == slot
 
 
-@pytest.mark.parametrize(("value", "words"), [
-    ("{decode", "invalid JSON"), ('["decode"]', "a JSON object of phases"),
-    ('{"decode": {"bs": [1, "eight"]}}', "decode bs must be a list of positive integers"),
-    ('{"decode": {"max_bs": 0}}', "decode max_bs must be a positive integer"),
-    ('{"decode": {"backend": "eager"}}', "decode backend 'eager' is not one of"),
-])
-def test_a_cuda_graph_config_sglang_cannot_read_is_refused_at_parse_time(value, words):
+@pytest.mark.parametrize(("args", "words"), [
+    (("--cuda-graph-config", "{decode"), "--cuda-graph-config must be JSON"),
+    (("--cuda-graph-config", '["decode"]'), "must be a JSON object, got list"),
+    (("--cuda-graph-config", '{"prefil": {}}'), "unknown phase 'prefil'"),
+    (("--cuda-graph-config", '{"decode": null}'), r"\['decode'\] must be a JSON object"),
+    (("--cuda-graph-config", '{"decode": {"max-bs": 8}}'), "unknown key 'max-bs'"),
+    (("--cuda-graph-config", '{"decode": {"backend": "eager"}}'), "invalid choice: 'eager'"),
+    (("--cuda-graph-config", '{"decode": {"bs": [1, "eight"]}}'),
+     r"--cuda-graph-config\['decode'\] bs must be a list of positive integers"),
+    (("--cuda-graph-config", '{"decode": {"max_bs": 0}}'),
+     r"--cuda-graph-config\['decode'\] max_bs must be a positive integer"),
+    (("--cuda-graph-bs-decode", "0", "8"),
+     "--cuda-graph-bs-decode must be a list of positive integers"),
+    # Sizes asked for that none is a multiple SGLang captures (two-batch overlap: of 2).
+    (("--enable-two-batch-overlap", "--cuda-graph-bs-decode", "1", "3"), "capture_bs=\\[\\]"),
+    (("--enable-two-batch-overlap", "--cuda-graph-max-bs-decode", "8", "--cuda-graph-config",
+      '{"decode": {"max_bs": 1}}'), "capture_bs=\\[\\]"),
+], ids=["not json", "a list", "unknown phase", "phase not an object", "unknown key",
+        "unknown backend", "bs not integers", "max_bs zero", "flag sizes", "no multiple",
+        "json max_bs below the multiple"])
+def test_cuda_graph_settings_sglang_cannot_take_are_refused_at_parse_time(args, words):
     with pytest.raises(LaunchError, match=words):
-        parse([*spec_flags(), "--cuda-graph-config", value])
+        parse([*spec_flags(), *args])
+
+
+def test_cuda_graph_sizes_the_json_makes_capturable_start():
+    # The study's own max of 1 under two-batch overlap captures nothing, the JSON's 8 does.
+    settings = parse([*spec_flags("--enable-two-batch-overlap"), "--cuda-graph-max-bs-decode",
+                      "1", "--cuda-graph-config", '{"decode": {"max_bs": 8}}'])
+    assert settings.decode_graph_sizes == [2, 4, 6, 8]
 
 
 def test_enable_dp_attention_alone_leaves_adaptive_mode_on():

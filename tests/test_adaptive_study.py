@@ -287,6 +287,13 @@ def test_an_adaptive_study_of_two_batch_sizes_padded_alike_is_refused(tmp_path):
     assert slot_keys([1, 33, 48], {"--cuda-graph-backend-decode": "full",
                                    "--disable-decode-cuda-graph": None}) == [1, 6, 41]
     assert slot_keys([1, 33, 48], {config: "{not json"}) == [1, 6, 41]
+    # A value given as a list of one is that value, as on the command line.
+    assert slot_keys([1, 33, 48], {config: ['{"decode": {"backend": "disabled"}}']}) \
+        == [1, 6, 40]
+    assert slot_keys([1, 33, 48], {"--cuda-graph-backend-decode": ["disabled"]}) == [1, 6, 40]
+    # No server captures above the largest batch size it runs at once, whatever the max.
+    huge = sglang_adaptive.graph_sizes_for([1, 48], {config: '{"decode": {"max_bs": 10000000}}'})
+    assert huge == sglang_adaptive.graph_batch_sizes(48)
 
 
 # ---- the third kind of advice ------------------------------------------------------------

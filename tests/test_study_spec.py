@@ -128,6 +128,12 @@ def test_a_mapping_in_server_flags_goes_to_the_server_as_json(tmp_path):
     assert ("--cuda-graph-config", value) in spec.launch_spec().extra_flags
     # Read as SGLang reads it: captured up to 36, so batch 40 is not padded into 36's slot.
     assert slot_keys(spec.batch, spec.server_flags) == [1, 6, 38]
+    # A value YAML reads as a date goes as its text, not as a traceback.
+    study.write_text("model: m\ndraft: d\nbatch: [1]\ndatasets: [humaneval]\n"
+                     "server_flags: {--x: {since: 2026-12-06}, --y: [{a: 1}]}\n")
+    flags = load_study(study).server_flags
+    assert json.loads(flags["--x"]) == {"since": "2026-12-06"}
+    assert [json.loads(v) for v in flags["--y"]] == [{"a": 1}]
 
 
 @pytest.mark.parametrize(("file", "name"), [

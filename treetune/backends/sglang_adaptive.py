@@ -261,18 +261,25 @@ def graph_sizes_for(batches: Iterable[int],
     the largest size its `server_flags` give, or none (no padding) where they turn decode
     graphs or padding off; `--cuda-graph-config`'s decode phase first, as SGLang reads it."""
     flags = server_flags or {}
-    decode = decode_graph_config(flags.get(GRAPH_CONFIG_FLAG))
+    decode = decode_graph_config(_single(flags.get(GRAPH_CONFIG_FLAG)))
     backend = "disabled" if any(flag in flags for flag in GRAPHS_OFF_FLAGS) else None
-    if (chosen := flags.get("--cuda-graph-backend-decode")) is not None:
+    if (chosen := _single(flags.get("--cuda-graph-backend-decode"))) is not None:
         backend = str(chosen)
     if str(decode.get("backend", backend)) == "disabled" or NO_PADDING_FLAG in flags:
         return []
     if (given := decode.get("bs", flags.get(GRAPH_SIZES_FLAG))) is not None \
             and (sizes := _sizes(given)) is not None:
         return sizes
+    largest = max(batches)  # the servers run no more at once (`running_requests_for`)
     top = decode.get("max_bs")
     given_top = isinstance(top, int) and not isinstance(top, bool) and top > 0
-    return graph_batch_sizes(top if given_top else max(batches))
+    return graph_batch_sizes(min(top, largest) if given_top else largest)
+
+
+def _single(value: Any) -> Any:
+    """A flag's one value, also when given as a list of one (the command line takes it
+    alike)."""
+    return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
 
 
 def shared_graph_size(batches: Iterable[int], server_flags: Mapping[str, Any] | None = None

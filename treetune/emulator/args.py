@@ -51,6 +51,12 @@ EMULATOR_KEYS = frozenset({"profile", "world", "time_scale", "load_time", "seed"
 
 CUDA_GRAPH_ALIAS_GONE = (0, 5, 20)  # the first wheel seen without --cuda-graph-max-bs
 GRAPH_BACKENDS = ("full", "breakable", "disabled")  # a phase's CUDA-graph backend (0.5.23)
+# --cuda-graph-config's phases and each one's keys (0.5.23's ALLOWED_KEYS_PER_PHASE).
+GRAPH_PHASE_KEYS = {
+    "decode": ("backend", "max_bs", "bs"),
+    "prefill": ("backend", "max_bs", "bs", "max_context_size", "full_prefill_max_req",
+                "full_prefill_prefix_chunk_tokens", "max_seq_len"),
+}
 
 
 class LaunchError(Exception):
@@ -300,13 +306,9 @@ def parse(argv: list[str]) -> EmulatorSettings:
                               f"{groups} data-parallel attention groups takes "
                               f"max_running_requests // {groups} = 0 requests)")
         max_running = max_running // groups * groups
-    cuda_graphs = ns.cuda_graph_max_bs_decode or ns.cuda_graph_max_bs
     multiple = capture_multiple(parallel.flags, ns.tp_size)
-    decode = _decode_graphs(ns)
-    if cuda_graphs is not None and cuda_graphs < multiple \
-            and decode.get("backend") != "disabled":
-        raise LaunchError(f"AssertionError: capture_bs=[] (SGLang captures only multiples of "
-                          f"{multiple} here, and --cuda-graph-max-bs is {cuda_graphs})")
+    graph_sizes = decode_graph_sizes(_decode_graphs(ns), ns.disable_cuda_graph_padding,
+                                     max_running, multiple)
     return EmulatorSettings(
         profile=ns.profile,
         world=ns.world,
@@ -323,8 +325,7 @@ def parse(argv: list[str]) -> EmulatorSettings:
         attention_backend=attention,
         mem_fraction_static=ns.mem_fraction_static,
         cuda_graph_max_bs=ns.cuda_graph_max_bs_decode or ns.cuda_graph_max_bs,
-        decode_graph_sizes=decode_graph_sizes(decode, ns.disable_cuda_graph_padding,
-                                              max_running),
+        decode_graph_sizes=graph_sizes,
         served_model_name=ns.served_model_name or ns.model_path,
         api_key=ns.api_key,
         context_length=ns.context_length,
@@ -351,7 +352,8 @@ def _decode_graphs(ns: argparse.Namespace) -> dict[str, Any]:
     """The decode phase's CUDA-graph settings as SGLang 0.5.23 resolves them
     (`parse_cuda_graph_config`): the deprecated --disable-cuda-graph, then
     --disable-decode-cuda-graph, then --cuda-graph-backend-decode and the size flags, and
-    over them all --cuda-graph-config's "decode" JSON."""
+    over them all --cuda-graph-config's "decode" JSON (checked as SGLang's parser checks
+    it: `parse_cuda_graph_config_arg`)."""
     decode: dict[str, Any] = {"backend": "full"}
     if ns.disable_cuda_graph or ns.disable_decode_cuda_graph:
         decode["backend"] = "disabled"
@@ -361,45 +363,78 @@ def _decode_graphs(ns: argparse.Namespace) -> dict[str, Any]:
         decode["max_bs"] = top
     if ns.cuda_graph_bs_decode is not None:
         decode["bs"] = ns.cuda_graph_bs_decode
+    _check_sizes(decode, "--cuda-graph-bs-decode", "--cuda-graph-max-bs-decode")
     if ns.cuda_graph_config is not None:
-        try:
-            given = json.loads(ns.cuda_graph_config)
-        except ValueError as exc:
-            raise LaunchError(f"argument --cuda-graph-config: invalid JSON: {exc}") from None
-        if not isinstance(given, dict):
-            raise LaunchError("argument --cuda-graph-config: expected a JSON object of "
-                              "phases, e.g. '{\"decode\": {\"max_bs\": 64}}'")
-        phase = given.get("decode") or {}
-        if not isinstance(phase, dict):
-            raise LaunchError("argument --cuda-graph-config: each phase is a JSON object")
-        decode.update(phase)
-    sizes, top = decode.get("bs"), decode.get("max_bs")
-    if sizes is not None and not (isinstance(sizes, list) and sizes and all(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in sizes)):
-        raise LaunchError(f"argument --cuda-graph-config: decode bs must be a list of "
-                          f"positive integers, got {sizes!r}")
-    if top is not None and not (isinstance(top, int) and not isinstance(top, bool)
-                                and top > 0):
-        raise LaunchError(f"argument --cuda-graph-config: decode max_bs must be a positive "
-                          f"integer, got {top!r}")
-    if decode["backend"] not in GRAPH_BACKENDS:
-        raise LaunchError(f"argument --cuda-graph-config: decode backend "
-                          f"{decode['backend']!r} is not one of {', '.join(GRAPH_BACKENDS)}")
+        phases = _graph_config(ns.cuda_graph_config)
+        decode.update(phases.get("decode", {}))
+        _check_sizes(decode, "--cuda-graph-config['decode'] bs",
+                     "--cuda-graph-config['decode'] max_bs")
     return decode
 
 
-def decode_graph_sizes(decode: dict[str, Any], no_padding: bool, max_running: int
-                       ) -> list[int]:
-    """The batch sizes a running decode batch is padded up to: none with decode graphs
-    off or --disable-cuda-graph-padding (graphs then run only where no padding is
-    needed), the explicit list, or SGLang's sizes up to the decode max (never above the
-    running cap)."""
-    if no_padding or decode["backend"] == "disabled":
+def _graph_config(raw: str) -> dict[str, dict[str, Any]]:
+    """--cuda-graph-config's phases, refused in SGLang's words where its parser refuses
+    them: not a JSON object, an unknown phase or key, a backend it does not know."""
+    def refuse(words: str) -> LaunchError:
+        return LaunchError(f"error: argument --cuda-graph-config: {words}")
+
+    try:
+        parsed = json.loads(raw)
+    except ValueError as exc:
+        raise refuse(f"--cuda-graph-config must be JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise refuse(f"--cuda-graph-config must be a JSON object, got "
+                     f"{type(parsed).__name__}")
+    for phase, settings in parsed.items():
+        if phase not in GRAPH_PHASE_KEYS:
+            raise refuse(f"--cuda-graph-config: unknown phase '{phase}', expected one of "
+                         f"{tuple(GRAPH_PHASE_KEYS)}")
+        if not isinstance(settings, dict):
+            raise refuse(f"--cuda-graph-config['{phase}'] must be a JSON object, got "
+                         f"{type(settings).__name__}")
+        if "backend" in settings and settings["backend"] not in GRAPH_BACKENDS:
+            raise refuse(f"invalid choice: {settings['backend']!r} (choose from "
+                         f"{', '.join(GRAPH_BACKENDS)})")
+        for key in settings:
+            if key not in GRAPH_PHASE_KEYS[phase]:
+                raise refuse(f"--cuda-graph-config['{phase}']: unknown key '{key}', "
+                             f"expected one of {GRAPH_PHASE_KEYS[phase]}")
+    return parsed
+
+
+def _check_sizes(decode: dict[str, Any], sizes_from: str, top_from: str) -> None:
+    """The decode graph sizes are positive integers (`sizes_from`, `top_from`: where they
+    were given, for the message)."""
+    def positive(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    sizes, top = decode.get("bs"), decode.get("max_bs")
+    if sizes is not None and not (isinstance(sizes, list) and sizes
+                                  and all(positive(b) for b in sizes)):
+        raise LaunchError(f"{sizes_from} must be a list of positive integers, got {sizes!r}")
+    if top is not None and not positive(top):
+        raise LaunchError(f"{top_from} must be a positive integer, got {top!r}")
+
+
+def decode_graph_sizes(decode: dict[str, Any], no_padding: bool, max_running: int,
+                       multiple: int) -> list[int]:
+    """The batch sizes a running decode batch is padded up to: those SGLang captures (the
+    explicit list, or its sizes up to the decode max and never above the running cap;
+    only multiples of `multiple`, `capture_multiple`), none with decode graphs off or
+    --disable-cuda-graph-padding (graphs then run only where no padding is needed).
+    Raises LaunchError, as SGLang's capture asserts, when sizes were asked for and none of
+    them can be captured."""
+    if decode["backend"] == "disabled":
         return []
-    if decode.get("bs"):
-        return sorted(decode["bs"])
-    return sglang_adaptive.graph_batch_sizes(min(decode.get("max_bs") or max_running,
-                                                 max_running))
+    asked = decode.get("bs") or sglang_adaptive.graph_batch_sizes(
+        min(decode.get("max_bs") or max_running, max_running))
+    captured = sorted(b for b in asked if b % multiple == 0)
+    if not captured and ("bs" in decode or "max_bs" in decode):
+        given = decode.get("bs") or f"up to {decode.get('max_bs')}"
+        raise LaunchError(f"AssertionError: capture_bs=[] (SGLang captures only multiples of "
+                          f"{multiple} here, and the decode graph sizes asked for are "
+                          f"{given})")
+    return [] if no_padding else captured
 
 
 def _check_drafting(algorithm: str, attention: str, topk: int, unknown: list[str]) -> None:

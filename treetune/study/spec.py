@@ -1023,13 +1023,15 @@ def _flag_value(value: Any) -> str | list[str] | None:
     for a flag of several values (SGLang's `--cuda-graph-bs 1 2 4 8`), a mapping as its
     JSON (SGLang's `--cuda-graph-config`; Python's spelling of it is no JSON), else one
     word."""
+    def word(v: Any) -> str:
+        # default=str: a YAML date or the like inside the mapping, as its text.
+        return json.dumps(v, default=str) if isinstance(v, dict) else str(v)
+
     if value is None:
         return None
     if isinstance(value, list | tuple):
-        return [str(v) for v in value]
-    if isinstance(value, dict):
-        return json.dumps(value)
-    return str(value)
+        return [word(v) for v in value]
+    return word(value)
 
 
 def _backend(section: dict[str, Any], where: Path | str, given: set[str]) -> Backend:
