@@ -82,7 +82,9 @@ def simulate_launch(truth: PerfModel, config: ServerConfig, spec: StudySpec,
                             exit_code=1)
     # A pool that holds fewer requests than asked runs that many at once (the emulator's).
     running = memory.running(most)
-    graphs = graph_sizes_for(spec.batch, spec.server_flags)  # an adaptive server's padding
+    # An adaptive server's padding; a static tree's launch has no use for it.
+    graphs = (graph_sizes_for(spec.batch, spec.server_flags)
+              if isinstance(config, AdaptiveConfig) else [])
     launch = lognormal_factor(noise.launch_cv, rng) * truth.launch_speed(rng) * speed
     repeats = spec.measurement.repeats
 
