@@ -197,18 +197,31 @@ def test_losing_a_node_mid_study_reschedules_its_launch_on_the_pinned_types_othe
 def test_a_node_that_joins_mid_study_takes_the_workers_that_waited_for_gpus(tmp_path):
     """`workers: 2` on a cluster of one node holding one server: the second worker waits
     for GPUs (it was retired after 120 s, and a node that joined later was never used),
-    and joins when a node is added mid-study; that node then runs launches of its own."""
+    and joins when a node is added mid-study; that node then runs launches of its own.
+
+    The budget is far more than the first node runs while the added node starts (a busy
+    machine once ran all of a 5-launch budget first), and the study is stopped, as Ctrl-C
+    stops it, once the added node has finished a launch: the test waits on that event, not
+    on how fast either node is."""
     cluster, nodes = start_cluster(os.environ["TREETUNE_RAY_TMPDIR"], ["H100"])
     try:
-        spec = load_study(None, small_study(tmp_path, budget={"launches": 5}, workers=2,
+        spec = load_study(None, small_study(tmp_path, budget={"launches": 40}, workers=2,
                                             ray_address=cluster.address))
         notes: list[str] = []
         done: dict[str, object] = {}
+        added: list[str] = []
+        counted = [0]
+
+        def progress(p):
+            notes.extend(n for n in [*p.notes, p.message] if n not in notes)
+            if added and p.launches_done > counted[0]:
+                counted[0] = p.launches_done
+                if added[0] in nodes_used(spec):
+                    raise KeyboardInterrupt  # the stop a user's Ctrl-C makes
 
         def search():
             try:
-                done["outcome"] = run_study(spec, lambda p: notes.extend(
-                    n for n in [*p.notes, p.message] if n not in notes))
+                done["outcome"] = run_study(spec, progress)
             except BaseException as exc:  # re-raised below, in the test
                 done["error"] = exc
 
@@ -216,11 +229,11 @@ def test_a_node_that_joins_mid_study_takes_the_workers_that_waited_for_gpus(tmp_
         # only the main thread may.
         thread = threading.Thread(target=search, daemon=True)
         thread.start()
-        added: list[str] = []
         if wait_until(lambda: len(list((spec.output_dir / "logs").glob("*.log"))) >= 2
                       or not thread.is_alive(), 180) and thread.is_alive():
             added.append(typed_node(cluster, "H100").node_id)
-        thread.join(300)
+        thread.join(400)
+        assert not thread.is_alive(), "the study did not end"
         if "error" in done:
             raise done["error"]  # type: ignore[misc]
         outcome = done["outcome"]
@@ -229,6 +242,7 @@ def test_a_node_that_joins_mid_study_takes_the_workers_that_waited_for_gpus(tmp_
                                 "of 4 emulated GPUs on H100 nodes), and join when Ray places "
                                 "them") for n in notes), notes
         assert any(n.startswith("a worker joined") for n in notes), notes
+        assert outcome.interrupted, "the added node ran no launch within the budget"
         assert all(r.ok for r in outcome.results)
         assert nodes_used(spec) == {nodes["H100"][0].node_id, added[0]}
     finally:
