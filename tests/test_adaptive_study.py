@@ -296,6 +296,32 @@ def test_an_adaptive_study_of_two_batch_sizes_padded_alike_is_refused(tmp_path):
     assert huge == sglang_adaptive.graph_batch_sizes(48)
 
 
+@pytest.mark.parametrize(("flags", "keys"), [
+    # SGLang's parser takes an unambiguous abbreviation as the flag it abbreviates.
+    ({"--disable-decode-cuda": None}, [1, 6, 40]),
+    ({"--disable-cuda-graph-p": None}, [1, 6, 40]),
+    ({"--cuda-graph-bs-d": [1, 33, 48]}, [1, 6, 40]),
+    ({"--cuda-graph-backend-d": "disabled"}, [1, 6, 40]),
+    ({"--cuda-graph-conf": '{"decode": {"bs": [1, 33, 48]}}'}, [1, 6, 40]),
+    # 0.5.9's name of the decode sizes (0.5.14's alias).
+    ({"--cuda-graph-bs": [1, 33, 48]}, [1, 6, 40]),
+    # An abbreviation of several flags, which SGLang refuses: no flag read.
+    ({"--cuda-graph-b": [1, 33, 48]}, [1, 6, 41]),
+    ({"--disable-cuda": None}, [1, 6, 41]),
+    # Another phase's flags and other flags leave the decode graphs alone.
+    ({"--cuda-graph-bs-prefill": [1, 33, 48], "--disable-prefill-cuda-graph": None}, [1, 6, 41]),
+    ({"--disable-radix-cache": None}, [1, 6, 41]),
+    # The last flag given wins, as on the command line.
+    ({"--cuda-graph-bs-decode": [1, 8], "--cuda-graph-bs-d": [1, 33, 48]}, [1, 6, 40]),
+])
+def test_the_slot_keys_read_the_graph_flags_as_sglangs_parser_does(flags, keys):
+    """A study that turns decode graphs off by an abbreviation (`--disable-decode-cuda`)
+    ran servers without padding while the slot keys were cut for padded batches: SGLang
+    reads an abbreviation as its flag (a review). With the default graphs, batch 33 pads
+    to 40 and 48's slot starts at 41; without them, or with 33 among the sizes, at 40."""
+    assert slot_keys([1, 33, 48], flags) == keys
+
+
 # ---- the third kind of advice ------------------------------------------------------------
 
 def adaptive_launch(config: AdaptiveConfig, b1: tuple[float, float], b32: tuple[float, float]):

@@ -970,6 +970,46 @@ def test_the_old_cuda_graph_flag_is_refused_where_sglang_no_longer_has_it():
     assert old.cuda_graph_max_bs == 8
 
 
+@pytest.mark.parametrize(("extra", "version", "refused", "sizes"), [
+    # 0.5.9's name of the decode sizes: 0.5.14's alias of them, ambiguous from 0.5.20.
+    (["--cuda-graph-bs", "1", "4"], "0.5.14", None, [1, 4]),
+    (["--cuda-graph-bs", "1", "4"], "0.5.23", "ambiguous option: --cuda-graph-bs could "
+     "match --cuda-graph-bs-decode, --cuda-graph-bs-prefill", None),
+    # Abbreviations read as SGLang's parser reads them, the prefill phase's flags known.
+    (["--cuda-graph-bs-d", "1", "4"], "0.5.23", None, [1, 4]),
+    (["--disable-decode-cuda"], "0.5.23", None, []),
+    (["--cuda-graph-backend", "disabled"], "0.5.23", "error: ambiguous option: "
+     "--cuda-graph-backend could match --cuda-graph-backend-decode, "
+     "--cuda-graph-backend-prefill", None),  # argparse's own refusal, as SGLang's
+    (["--disable-prefill-cuda-graph", "--cuda-graph-bs-prefill", "2"], "0.5.23", None,
+     "default"),
+    # Per-phase flags before SGLang had them.
+    (["--cuda-graph-bs-decode", "1", "4"], "0.5.13", "unrecognized arguments: "
+     "--cuda-graph-bs-decode", None),
+    (["--disable-decode-cuda-graph"], "0.5.13", "unrecognized arguments", None),
+    (["--cuda-graph-bs", "1", "4"], "0.5.13", None, [1, 4]),
+])
+def test_the_cuda_graph_flags_read_as_the_emulated_releases_parser_reads_them(
+        extra, version, refused, sizes, capsys):
+    """The emulator knew only the decode phase's CUDA-graph flags, so it read
+    `--cuda-graph-backend` as the decode one where SGLang refuses it as ambiguous, refused
+    0.5.9's `--cuda-graph-bs` nowhere, and took the per-phase flags at releases that have
+    none of them (0.5.9's and 0.5.14's wheels)."""
+    argv = [*SPEC_ARGS, "--max-running-requests", "8", *extra, "--emulate-version", version]
+    if refused is not None:
+        with pytest.raises((LaunchError, SystemExit)) as info:
+            parse(argv)
+        said = str(info.value) if info.type is LaunchError else capsys.readouterr().err
+        assert refused in said, said
+        return
+    settings = parse(argv)
+    default = parse([*SPEC_ARGS, "--max-running-requests", "8"]).decode_graph_sizes
+    assert settings.decode_graph_sizes == (default if sizes == "default" else sizes)
+    if sizes == "default":  # known, and said to be ignored: the emulator serves as without
+        assert settings.ignored_flags == ["--disable-prefill-cuda-graph",
+                                          "--cuda-graph-bs-prefill"]
+
+
 @pytest.mark.parametrize(("algorithm", "tree", "extra", "message"), [
     ("EAGLE3", (3, 4, 8), ["--attention-backend", "trtllm_mha"],
      r"^ValueError: trtllm_mha backend only supports topk = 1 for speculative decoding\.$"),

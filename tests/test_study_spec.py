@@ -194,6 +194,9 @@ def test_a_flag_treetune_sets_itself_is_refused_in_server_flags(tmp_path, flag, 
     ("--mamba-radix-cache-strategy", "0.5.9", "earlier releases call it "
                                               "'--mamba-scheduler-strategy'"),
     ("--mamba-radix-cache-strategy", "0.5.23", None),
+    ("--cuda-graph-bs", "0.5.23", "0.5.14 renamed it '--cuda-graph-bs-decode'"),
+    ("--cuda-graph-bs", "0.5.14", None), ("--cuda-graph-bs-decode", "0.5.23", None),
+    ("--cuda-graph-bs-decode", "0.5.9", "earlier releases call it '--cuda-graph-bs'"),
 ])
 def test_a_flag_the_targeted_sglang_renamed_is_refused_with_its_name_there(
         tmp_path, flag, version, refused):
@@ -483,26 +486,28 @@ def test_another_backend_s_option_names_the_backend_it_belongs_to(study, key, va
 
 
 def test_a_server_flag_of_several_values_is_given_as_separate_words(tmp_path):
-    """SGLang's list flags (`--cuda-graph-bs 1 2 4 8`) take one word per value: a YAML
+    """SGLang's list flags (`--cuda-graph-bs-decode 1 2 4 8`) take one word per value: a YAML
     list is spread on the command line and kept a list in the config file; a study saved
     and loaded again is the same study."""
     from treetune.backends.sglang import sglang_deployment
 
     path = tmp_path / "s.yaml"
     path.write_text("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1, 8]\n"
-                    "server_flags: {--cuda-graph-bs: [1, 2, 4, 8], --trust-remote-code: null}\n")
+                    "server_flags: {--cuda-graph-bs-decode: [1, 2, 4, 8], "
+                    "--trust-remote-code: null}\n")
     spec = load_study(path)
     launch = spec.launch_spec(port=1234)
     command = spec.backend.command(launch, TreeConfig(3, 4, 8), None)
-    at = command.index("--cuda-graph-bs")
-    assert command[at:at + 6] == ["--cuda-graph-bs", "1", "2", "4", "8", "--trust-remote-code"]
+    at = command.index("--cuda-graph-bs-decode")
+    assert command[at:at + 6] == ["--cuda-graph-bs-decode", "1", "2", "4", "8",
+                                  "--trust-remote-code"]
     config = sglang_deployment(launch, TreeConfig(3, 4, 8)).config_file
-    assert config["cuda-graph-bs"] == [1, 2, 4, 8] and config["trust-remote-code"] is True
+    assert config["cuda-graph-bs-decode"] == [1, 2, 4, 8] and config["trust-remote-code"] is True
     spec.save(tmp_path / "copy" / "study.yaml")
     again = load_study(tmp_path / "copy" / "study.yaml")
     assert again.server_flags == spec.server_flags and again.fingerprint() == spec.fingerprint()
     path.write_text("model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\n"
-                    "server_flags: {--cuda-graph-bs: []}\n")
+                    "server_flags: {--cuda-graph-bs-decode: []}\n")
     with pytest.raises(TreetuneError, match="takes at least one value"):
         load_study(path)
 

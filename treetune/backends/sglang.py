@@ -679,6 +679,9 @@ def cuda_graph_flag(sglang_version: str) -> str:
 # published Qwen3.5-397B EAGLE3-vs-MTP run passed the old name.)
 RENAMED_FLAGS: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] = {
     "--mamba-scheduler-strategy": ("--mamba-radix-cache-strategy", (0, 5, 14), (0, 5, 20)),
+    # 0.5.9 has only --cuda-graph-bs; 0.5.14 keeps it as a deprecated alias of the decode
+    # phase's; 0.5.20 has none (argparse then takes it for an ambiguous abbreviation).
+    "--cuda-graph-bs": ("--cuda-graph-bs-decode", (0, 5, 14), (0, 5, 20)),
 }
 
 

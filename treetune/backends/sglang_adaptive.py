@@ -229,7 +229,40 @@ def padded_batch(batch: int, graph_sizes: Sequence[int]) -> int:
 GRAPHS_OFF_FLAGS = ("--disable-cuda-graph", "--disable-decode-cuda-graph")
 NO_PADDING_FLAG = "--disable-cuda-graph-padding"
 GRAPH_SIZES_FLAG = "--cuda-graph-bs-decode"  # an explicit list of decode graph sizes
+GRAPH_SIZES_ALIAS = "--cuda-graph-bs"  # its name before 0.5.14, an alias of it in 0.5.14
+GRAPH_BACKEND_FLAG = "--cuda-graph-backend-decode"
 GRAPH_CONFIG_FLAG = "--cuda-graph-config"  # JSON per phase; wins over the flags above
+# Every CUDA-graph flag of SGLang 0.5.9 to 0.5.23 (their parsers: 0.5.9's server_args.py,
+# 0.5.14's with its deprecated aliases, 0.5.20's and 0.5.23's arg_groups): what a study's
+# abbreviation of one of them is told apart from. argparse reads a flag as the option it
+# names, or else as the one option it is a prefix of; a prefix of several is refused.
+GRAPH_FLAG_NAMES = (
+    *GRAPHS_OFF_FLAGS, NO_PADDING_FLAG, GRAPH_SIZES_FLAG, GRAPH_SIZES_ALIAS,
+    GRAPH_BACKEND_FLAG, GRAPH_CONFIG_FLAG, "--cuda-graph-max-bs", "--cuda-graph-max-bs-decode",
+    "--cuda-graph-max-bs-prefill", "--cuda-graph-bs-prefill", "--cuda-graph-backend-prefill",
+    "--disable-prefill-cuda-graph", "--cuda-graph-max-seq-len-prefill",
+    "--cuda-graph-prefill-max-context", "--cuda-graph-tc-compiler", "--debug-cuda-graph",
+    "--enable-profile-cuda-graph", "--enable-piecewise-cuda-graph",
+    "--disable-piecewise-cuda-graph", "--enforce-piecewise-cuda-graph",
+    "--enable-breakable-cuda-graph", "--piecewise-cuda-graph-compiler",
+    "--piecewise-cuda-graph-max-tokens", "--piecewise-cuda-graph-tokens",
+)
+
+
+def graph_flags(server_flags: Mapping[str, Any]) -> dict[str, Any]:
+    """The CUDA-graph flags among `server_flags` by the names SGLang's parser reads them
+    as (GRAPH_FLAG_NAMES): a flag's own name, or the one name it abbreviates; an
+    abbreviation of several is left out (SGLang refuses it as it starts). The last flag
+    given wins, as on the command line."""
+    read: dict[str, Any] = {}
+    for flag, value in server_flags.items():
+        if flag in GRAPH_FLAG_NAMES:
+            read[flag] = value
+            continue
+        names = [n for n in GRAPH_FLAG_NAMES if n.startswith(flag)]
+        if len(names) == 1 and len(flag) > 2:
+            read[names[0]] = value
+    return read
 
 
 def decode_graph_config(value: Any) -> dict[str, Any]:
@@ -259,16 +292,17 @@ def graph_sizes_for(batches: Iterable[int],
     """The CUDA-graph batch sizes a study's servers pad a running decode batch to: up to
     its largest batch size (`--cuda-graph-max-bs`, `StudySpec.launch_spec`), the list or
     the largest size its `server_flags` give, or none (no padding) where they turn decode
-    graphs or padding off; `--cuda-graph-config`'s decode phase first, as SGLang reads it."""
-    flags = server_flags or {}
+    graphs or padding off; `--cuda-graph-config`'s decode phase first, as SGLang reads it,
+    each flag by its name or an abbreviation (`graph_flags`)."""
+    flags = graph_flags(server_flags or {})
     decode = decode_graph_config(_single(flags.get(GRAPH_CONFIG_FLAG)))
     backend = "disabled" if any(flag in flags for flag in GRAPHS_OFF_FLAGS) else None
-    if (chosen := _single(flags.get("--cuda-graph-backend-decode"))) is not None:
+    if (chosen := _single(flags.get(GRAPH_BACKEND_FLAG))) is not None:
         backend = str(chosen)
     if str(decode.get("backend", backend)) == "disabled" or NO_PADDING_FLAG in flags:
         return []
-    if (given := decode.get("bs", flags.get(GRAPH_SIZES_FLAG))) is not None \
-            and (sizes := _sizes(given)) is not None:
+    listed = flags.get(GRAPH_SIZES_FLAG, flags.get(GRAPH_SIZES_ALIAS))
+    if (given := decode.get("bs", listed)) is not None and (sizes := _sizes(given)) is not None:
         return sizes
     largest = max(batches)  # the servers run no more at once (`running_requests_for`)
     top = decode.get("max_bs")

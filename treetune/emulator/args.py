@@ -50,6 +50,17 @@ EMULATOR_KEYS = frozenset({"profile", "world", "time_scale", "load_time", "seed"
 
 
 CUDA_GRAPH_ALIAS_GONE = (0, 5, 20)  # the first wheel seen without --cuda-graph-max-bs
+# The first wheel seen with CUDA-graph flags per phase (0.5.9's has none of them).
+CUDA_GRAPH_PHASES_SINCE = (0, 5, 14)  # the refusal below names it
+PHASE_GRAPH_FLAGS = ("cuda_graph_max_bs_decode", "cuda_graph_max_bs_prefill",
+                     "cuda_graph_bs_decode", "cuda_graph_bs_prefill", "cuda_graph_backend_decode",
+                     "cuda_graph_backend_prefill", "cuda_graph_config",
+                     "disable_decode_cuda_graph", "disable_prefill_cuda_graph")
+# Flags the emulator knows only to read abbreviations as SGLang does: it serves as without.
+UNMODELLED_GRAPH_FLAGS = ("disable_prefill_cuda_graph", "cuda_graph_backend_prefill",
+                          "cuda_graph_bs_prefill", "cuda_graph_max_seq_len_prefill",
+                          "cuda_graph_prefill_max_context", "debug_cuda_graph",
+                          "enable_profile_cuda_graph")
 GRAPH_BACKENDS = ("full", "breakable", "disabled")  # a phase's CUDA-graph backend (0.5.23)
 # --cuda-graph-config's phases and each one's keys (0.5.23's ALLOWED_KEYS_PER_PHASE).
 GRAPH_PHASE_KEYS = {
@@ -190,7 +201,17 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--disable-cuda-graph-padding", action="store_true")
     sg.add_argument("--cuda-graph-backend-decode", choices=GRAPH_BACKENDS, default=None)
     sg.add_argument("--cuda-graph-bs-decode", type=int, nargs="+", default=None)
+    sg.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None)  # before 0.5.20
     sg.add_argument("--cuda-graph-config", default=None)
+    # The prefill phase's and the other CUDA-graph flags of 0.5.23, taken and not modelled:
+    # known, so that an abbreviation reads (or is refused as ambiguous) as SGLang's does.
+    sg.add_argument("--disable-prefill-cuda-graph", action="store_true")
+    sg.add_argument("--cuda-graph-backend-prefill", choices=GRAPH_BACKENDS, default=None)
+    sg.add_argument("--cuda-graph-bs-prefill", type=int, nargs="+", default=None)
+    sg.add_argument("--cuda-graph-max-seq-len-prefill", type=int, default=None)
+    sg.add_argument("--cuda-graph-prefill-max-context", type=int, default=None)
+    sg.add_argument("--debug-cuda-graph", action="store_true")
+    sg.add_argument("--enable-profile-cuda-graph", action="store_true")
     sg.add_argument("--api-key", default=None)
     sg.add_argument("--context-length", type=int, default=None)
     sg.add_argument("--allow-auto-truncate", action="store_true")
@@ -252,6 +273,8 @@ def parse(argv: list[str]) -> EmulatorSettings:
     argv = with_config_file(argv, parser)
     ns, unknown = parser.parse_known_args(argv)
     ignored = [a for a in unknown if a.startswith("--")]
+    ignored += [f"--{name.replace('_', '-')}" for name in UNMODELLED_GRAPH_FLAGS
+                if getattr(ns, name) not in (None, False)]
     if (ns.profile is None) == (ns.world is None):
         raise LaunchError("give exactly one of --profile and --world")
     if ns.time_scale <= 0:
@@ -267,11 +290,16 @@ def parse(argv: list[str]) -> EmulatorSettings:
     if read_config and emulated < CONFIG_FILE_SINCE:
         raise LaunchError("error: unrecognized arguments: --config (SGLang reads config files "
                           "from 0.5.3)")
-    if ns.cuda_graph_max_bs is not None and emulated >= CUDA_GRAPH_ALIAS_GONE:
-        # 0.5.14 kept it as an alias of the -decode flag; 0.5.20's and 0.5.23's parsers have
-        # no such flag, and argparse takes it for an ambiguous abbreviation.
-        raise LaunchError("error: ambiguous option: --cuda-graph-max-bs could match "
-                          "--cuda-graph-max-bs-decode, --cuda-graph-max-bs-prefill")
+    for old, phases in (("max_bs", "--cuda-graph-max-bs-decode, --cuda-graph-max-bs-prefill"),
+                        ("bs", "--cuda-graph-bs-decode, --cuda-graph-bs-prefill")):
+        if getattr(ns, f"cuda_graph_{old}") is not None and emulated >= CUDA_GRAPH_ALIAS_GONE:
+            # 0.5.14 kept it as an alias of the -decode flag; 0.5.20's and 0.5.23's parsers
+            # have no such flag, and argparse takes it for an ambiguous abbreviation.
+            flag = f"--cuda-graph-{old.replace('_', '-')}"
+            raise LaunchError(f"error: ambiguous option: {flag} could match {phases}")
+    if emulated < CUDA_GRAPH_PHASES_SINCE and (phased := _phase_flags(ns)):
+        raise LaunchError(f"error: unrecognized arguments: {phased} (SGLang has CUDA-graph "
+                          "flags per phase from 0.5.14)")
     if ns.context_length is not None and ns.context_length < 1:
         raise LaunchError(f"--context-length must be >= 1, got {ns.context_length}")
     if ns.max_running_requests is not None and ns.max_running_requests < 1:
@@ -348,6 +376,14 @@ def parse(argv: list[str]) -> EmulatorSettings:
     )
 
 
+def _phase_flags(ns: argparse.Namespace) -> str:
+    """The per-phase CUDA-graph flags given (PHASE_GRAPH_FLAGS), as the command spells
+    their names, or ""."""
+    given = [f"--{name.replace('_', '-')}" for name in PHASE_GRAPH_FLAGS
+             if getattr(ns, name) not in (None, False)]
+    return " ".join(given)
+
+
 def _decode_graphs(ns: argparse.Namespace) -> dict[str, Any]:
     """The decode phase's CUDA-graph settings as SGLang 0.5.23 resolves them
     (`parse_cuda_graph_config`): the deprecated --disable-cuda-graph, then
@@ -361,8 +397,8 @@ def _decode_graphs(ns: argparse.Namespace) -> dict[str, Any]:
         decode["backend"] = ns.cuda_graph_backend_decode
     if (top := ns.cuda_graph_max_bs_decode or ns.cuda_graph_max_bs) is not None:
         decode["max_bs"] = top
-    if ns.cuda_graph_bs_decode is not None:
-        decode["bs"] = ns.cuda_graph_bs_decode
+    if (listed := ns.cuda_graph_bs_decode or ns.cuda_graph_bs) is not None:
+        decode["bs"] = listed
     _check_sizes(decode, "--cuda-graph-bs-decode", "--cuda-graph-max-bs-decode")
     if ns.cuda_graph_config is not None:
         phases = _graph_config(ns.cuda_graph_config)

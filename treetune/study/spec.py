@@ -1020,7 +1020,7 @@ def _env_value(value: Any, where: Path | str, key: str) -> str:
 
 def _flag_value(value: Any) -> str | list[str] | None:
     """A server flag's value as the command line takes it: None for a bare flag, a list
-    for a flag of several values (SGLang's `--cuda-graph-bs 1 2 4 8`), a mapping as its
+    for a flag of several values (SGLang's `--cuda-graph-bs-decode 1 2 4 8`), a mapping as its
     JSON (SGLang's `--cuda-graph-config`; Python's spelling of it is no JSON), else one
     word."""
     def word(v: Any) -> str:
