@@ -311,14 +311,18 @@ def test_an_adaptive_study_of_two_batch_sizes_padded_alike_is_refused(tmp_path):
     # Another phase's flags and other flags leave the decode graphs alone.
     ({"--cuda-graph-bs-prefill": [1, 33, 48], "--disable-prefill-cuda-graph": None}, [1, 6, 41]),
     ({"--disable-radix-cache": None}, [1, 6, 41]),
-    # The last flag given wins, as on the command line.
+    # The last flag given wins, as on the command line, the alias's too.
     ({"--cuda-graph-bs-decode": [1, 8], "--cuda-graph-bs-d": [1, 33, 48]}, [1, 6, 40]),
+    ({"--cuda-graph-bs-decode": [1, 40], "--cuda-graph-bs": [1, 33, 48]}, [1, 6, 40]),
+    ({"--cuda-graph-bs": [1, 33, 48], "--cuda-graph-bs-decode": [1, 40]}, [1, 6, 41]),
 ])
 def test_the_slot_keys_read_the_graph_flags_as_sglangs_parser_does(flags, keys):
     """A study that turns decode graphs off by an abbreviation (`--disable-decode-cuda`)
     ran servers without padding while the slot keys were cut for padded batches: SGLang
-    reads an abbreviation as its flag (a review). With the default graphs, batch 33 pads
-    to 40 and 48's slot starts at 41; without them, or with 33 among the sizes, at 40."""
+    reads an abbreviation as its flag (a review). A study file refuses abbreviations of
+    these flags (test_study_spec.py); a launch spec built otherwise is read as SGLang
+    reads it. With the default graphs, batch 33 pads to 40 and 48's slot starts at 41;
+    without them, or with 33 among the sizes, at 40."""
     assert slot_keys([1, 33, 48], flags) == keys
 
 

@@ -197,6 +197,9 @@ def test_a_flag_treetune_sets_itself_is_refused_in_server_flags(tmp_path, flag, 
     ("--cuda-graph-bs", "0.5.23", "0.5.14 renamed it '--cuda-graph-bs-decode'"),
     ("--cuda-graph-bs", "0.5.14", None), ("--cuda-graph-bs-decode", "0.5.23", None),
     ("--cuda-graph-bs-decode", "0.5.9", "earlier releases call it '--cuda-graph-bs'"),
+    ("--cuda-graph-config", "0.5.9", "CUDA-graph flags per phase came in 0.5.14"),
+    ("--disable-decode-cuda-graph", "0.5.13", "CUDA-graph flags per phase came in 0.5.14"),
+    ("--cuda-graph-config", "0.5.14", None),
 ])
 def test_a_flag_the_targeted_sglang_renamed_is_refused_with_its_name_there(
         tmp_path, flag, version, refused):
@@ -214,6 +217,34 @@ def test_a_flag_the_targeted_sglang_renamed_is_refused_with_its_name_there(
     message = str(info.value)
     assert refused in message and f"SGLang {version} has no '{flag}'" in message
     assert message.startswith(f"{path}, line 6: key 'server_flags'"), message
+
+
+@pytest.mark.parametrize(("flag", "refused"), [
+    ("--disable-decode-cuda", "'--disable-decode-cuda' is short for "
+     "'--disable-decode-cuda-graph': write the whole name (a deployment's config file takes "
+     "whole names only)"),
+    ("--cuda-graph-bs-d", "is short for '--cuda-graph-bs-decode'"),
+    ("--disable-cuda", "'--disable-cuda' abbreviates several CUDA-graph flags "
+     "(--disable-cuda-graph, --disable-cuda-graph-padding), which SGLang refuses as "
+     "ambiguous: write the whole name of the one meant"),
+    ("--disable-cuda-graph", None), ("--disable-cuda-graph-padding", None),
+    ("--disable-radix", None),  # no CUDA-graph flag: the user's own, as given
+])
+def test_an_abbreviated_cuda_graph_flag_is_refused_with_its_whole_name(tmp_path, flag,
+                                                                       refused):
+    """SGLang's parser takes `--disable-decode-cuda` for `--disable-decode-cuda-graph`, but
+    a deployment's config file holds it as written (`disable-decode-cuda: true`), which
+    SGLang's config reader does not take for the bare flag; and the slot keys of an
+    adaptive study follow these flags. So a study names them whole (a review)."""
+    path = tmp_path / "s.yaml"
+    path.write_text(f"model: m\ndraft: d\ndatasets: [humaneval]\nbatch: [1]\n"
+                    f"server_flags:\n  {flag}: null\n")
+    if refused is None:
+        assert load_study(path).server_flags == {flag: None}
+        return
+    with pytest.raises(TreetuneError) as info:
+        load_study(path)
+    assert refused in str(info.value) and "line 5: key 'server_flags'" in str(info.value)
 
 
 @pytest.mark.parametrize(("flags", "extra", "refused"), [

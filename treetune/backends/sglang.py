@@ -26,8 +26,11 @@ from treetune.backends._base import (
 )
 from treetune.backends.sglang_adaptive import (
     DP_ATTENTION_REASON,
+    PHASE_GRAPH_FLAGS,
+    PHASE_GRAPH_SINCE,
     STATIC_WITH,
     fallback_reason,
+    graph_flag_named,
 )
 from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.errors import FieldError, InvalidTreeError, TreetuneError
@@ -75,7 +78,7 @@ NGRAM_MATCH_TYPES = ("BFS", "PROB")
 NGRAM_DEFAULT_DRAFT_TOKENS = 12
 # The wheels' srt/server_args.py: 0.5.13's knows only "--cuda-graph-max-bs"; 0.5.14's has
 # cuda_graph_max_bs_decode and keeps the old flag as a DeprecatedAliasStoreAction of it.
-CUDA_GRAPH_FLAG_SPLIT = (0, 5, 14)
+CUDA_GRAPH_FLAG_SPLIT = PHASE_GRAPH_SINCE  # (0, 5, 14), with every per-phase flag
 # `python -m sglang.launch_server --config FILE.yaml` first shipped in SGLang 0.5.3: the 0.5.2
 # wheel's srt/server_args.py has no --config, 0.5.3's has it and
 # srt/server_args_config_parser.py (sgl-project/sglang PR #10534, "Initial support for input
@@ -687,8 +690,8 @@ RENAMED_FLAGS: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] = {
 
 def flag_not_in_release(flag: str, sglang_version: str) -> str:
     """Why `flag` is not a flag of that SGLang release ("" when treetune knows no reason):
-    a name it renamed, before or after the rename. SGLang refuses an unknown flag, so every
-    launch of the study would fail."""
+    a name it renamed, before or after the rename, or a CUDA-graph flag per phase before
+    it had them. SGLang refuses an unknown flag, so every launch of the study would fail."""
     version = parse_version(sglang_version)
     for old, (new, since, gone) in RENAMED_FLAGS.items():
         if flag == old and version >= gone:
@@ -698,6 +701,25 @@ def flag_not_in_release(flag: str, sglang_version: str) -> str:
             return (f"SGLang {sglang_version} has no '{new}': it came in {_release(since)}, "
                     f"and earlier releases call it '{old}'; write '{old}', or give a newer "
                     "sglang_version")
+    if flag in PHASE_GRAPH_FLAGS and version < PHASE_GRAPH_SINCE:
+        return (f"SGLang {sglang_version} has no '{flag}': CUDA-graph flags per phase came "
+                f"in {_release(PHASE_GRAPH_SINCE)}; give a newer sglang_version")
+    return ""
+
+
+def abbreviated_graph_flag(flag: str) -> str:
+    """Why a study may not give `flag` ("" when it may): an abbreviation of a CUDA-graph
+    flag. SGLang reads it on the command line (or refuses it, when it abbreviates
+    several), but a deployment's config file holds each flag under the name written, and
+    SGLang's reader takes a bare flag's `true` as the flag only under its whole name. The
+    slot keys of an adaptive study follow those flags (`graph_sizes_for`)."""
+    names = graph_flag_named(flag)
+    if len(names) > 1:
+        return (f"'{flag}' abbreviates several CUDA-graph flags ({', '.join(names)}), which "
+                "SGLang refuses as ambiguous: write the whole name of the one meant")
+    if names and names[0] != flag:
+        return (f"'{flag}' is short for '{names[0]}': write the whole name (a deployment's "
+                "config file takes whole names only)")
     return ""
 
 

@@ -232,16 +232,22 @@ GRAPH_SIZES_FLAG = "--cuda-graph-bs-decode"  # an explicit list of decode graph 
 GRAPH_SIZES_ALIAS = "--cuda-graph-bs"  # its name before 0.5.14, an alias of it in 0.5.14
 GRAPH_BACKEND_FLAG = "--cuda-graph-backend-decode"
 GRAPH_CONFIG_FLAG = "--cuda-graph-config"  # JSON per phase; wins over the flags above
+# The CUDA-graph flags per phase, new in 0.5.14 (0.5.9's and 0.5.13's parsers have none of
+# them; 0.5.20's lacks the last two, 0.5.23's has them).
+PHASE_GRAPH_FLAGS = (
+    "--disable-decode-cuda-graph", GRAPH_SIZES_FLAG, GRAPH_BACKEND_FLAG, GRAPH_CONFIG_FLAG,
+    "--cuda-graph-max-bs-decode", "--cuda-graph-max-bs-prefill", "--cuda-graph-bs-prefill",
+    "--cuda-graph-backend-prefill", "--disable-prefill-cuda-graph",
+    "--cuda-graph-max-seq-len-prefill", "--cuda-graph-prefill-max-context")
+PHASE_GRAPH_SINCE = (0, 5, 14)
 # Every CUDA-graph flag of SGLang 0.5.9 to 0.5.23 (their parsers: 0.5.9's server_args.py,
-# 0.5.14's with its deprecated aliases, 0.5.20's and 0.5.23's arg_groups): what a study's
+# 0.5.14's with its deprecated aliases, 0.5.20's and 0.5.23's arg_groups): what an
 # abbreviation of one of them is told apart from. argparse reads a flag as the option it
-# names, or else as the one option it is a prefix of; a prefix of several is refused.
+# names, or else as the one option it is a prefix of; a prefix of several is refused. No
+# other flag of 0.5.23 is a prefix of one of them.
 GRAPH_FLAG_NAMES = (
-    *GRAPHS_OFF_FLAGS, NO_PADDING_FLAG, GRAPH_SIZES_FLAG, GRAPH_SIZES_ALIAS,
-    GRAPH_BACKEND_FLAG, GRAPH_CONFIG_FLAG, "--cuda-graph-max-bs", "--cuda-graph-max-bs-decode",
-    "--cuda-graph-max-bs-prefill", "--cuda-graph-bs-prefill", "--cuda-graph-backend-prefill",
-    "--disable-prefill-cuda-graph", "--cuda-graph-max-seq-len-prefill",
-    "--cuda-graph-prefill-max-context", "--cuda-graph-tc-compiler", "--debug-cuda-graph",
+    *PHASE_GRAPH_FLAGS, *GRAPHS_OFF_FLAGS[:1], NO_PADDING_FLAG, GRAPH_SIZES_ALIAS,
+    "--cuda-graph-max-bs", "--cuda-graph-tc-compiler", "--debug-cuda-graph",
     "--enable-profile-cuda-graph", "--enable-piecewise-cuda-graph",
     "--disable-piecewise-cuda-graph", "--enforce-piecewise-cuda-graph",
     "--enable-breakable-cuda-graph", "--piecewise-cuda-graph-compiler",
@@ -249,19 +255,26 @@ GRAPH_FLAG_NAMES = (
 )
 
 
+def graph_flag_named(flag: str) -> list[str]:
+    """The CUDA-graph flags (GRAPH_FLAG_NAMES) SGLang's parser may read `flag` as: itself,
+    or every one it is a prefix of ([] for another flag)."""
+    if flag in GRAPH_FLAG_NAMES:
+        return [flag]
+    return [n for n in GRAPH_FLAG_NAMES if n.startswith(flag)] if len(flag) > 2 else []
+
+
 def graph_flags(server_flags: Mapping[str, Any]) -> dict[str, Any]:
     """The CUDA-graph flags among `server_flags` by the names SGLang's parser reads them
-    as (GRAPH_FLAG_NAMES): a flag's own name, or the one name it abbreviates; an
-    abbreviation of several is left out (SGLang refuses it as it starts). The last flag
-    given wins, as on the command line."""
+    as: a flag's own name, or the one name it abbreviates (`graph_flag_named`; an
+    abbreviation of several is left out: SGLang refuses it as it starts, and a study
+    refuses it as it loads), 0.5.9's `--cuda-graph-bs` as the decode sizes (0.5.14's
+    alias of them). The last flag given wins, as on the command line."""
     read: dict[str, Any] = {}
     for flag, value in server_flags.items():
-        if flag in GRAPH_FLAG_NAMES:
-            read[flag] = value
-            continue
-        names = [n for n in GRAPH_FLAG_NAMES if n.startswith(flag)]
-        if len(names) == 1 and len(flag) > 2:
-            read[names[0]] = value
+        if len(names := graph_flag_named(flag)) == 1:
+            name = GRAPH_SIZES_FLAG if names[0] == GRAPH_SIZES_ALIAS else names[0]
+            read.pop(name, None)  # given again: the later one counts, as the last
+            read[name] = value
     return read
 
 
@@ -301,8 +314,8 @@ def graph_sizes_for(batches: Iterable[int],
         backend = str(chosen)
     if str(decode.get("backend", backend)) == "disabled" or NO_PADDING_FLAG in flags:
         return []
-    listed = flags.get(GRAPH_SIZES_FLAG, flags.get(GRAPH_SIZES_ALIAS))
-    if (given := decode.get("bs", listed)) is not None and (sizes := _sizes(given)) is not None:
+    if (given := decode.get("bs", flags.get(GRAPH_SIZES_FLAG))) is not None \
+            and (sizes := _sizes(given)) is not None:
         return sizes
     largest = max(batches)  # the servers run no more at once (`running_requests_for`)
     top = decode.get("max_bs")

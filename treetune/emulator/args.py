@@ -50,17 +50,32 @@ EMULATOR_KEYS = frozenset({"profile", "world", "time_scale", "load_time", "seed"
 
 
 CUDA_GRAPH_ALIAS_GONE = (0, 5, 20)  # the first wheel seen without --cuda-graph-max-bs
-# The first wheel seen with CUDA-graph flags per phase (0.5.9's has none of them).
-CUDA_GRAPH_PHASES_SINCE = (0, 5, 14)  # the refusal below names it
-PHASE_GRAPH_FLAGS = ("cuda_graph_max_bs_decode", "cuda_graph_max_bs_prefill",
-                     "cuda_graph_bs_decode", "cuda_graph_bs_prefill", "cuda_graph_backend_decode",
-                     "cuda_graph_backend_prefill", "cuda_graph_config",
-                     "disable_decode_cuda_graph", "disable_prefill_cuda_graph")
+# CUDA-graph flags by the newest wheel seen without them (the per-phase ones came in
+# 0.5.14; two prefill ones after 0.5.20; --debug-cuda-graph after 0.5.9): the emulator
+# refuses them as emulating such a release, as its parser does.
+GRAPH_FLAGS_ABSENT_IN = {
+    **{flag: (0, 5, 13) for flag in sglang_adaptive.PHASE_GRAPH_FLAGS},
+    "--cuda-graph-max-seq-len-prefill": (0, 5, 20), "--cuda-graph-prefill-max-context": (0, 5, 20),
+    "--debug-cuda-graph": (0, 5, 9)}
 # Flags the emulator knows only to read abbreviations as SGLang does: it serves as without.
-UNMODELLED_GRAPH_FLAGS = ("disable_prefill_cuda_graph", "cuda_graph_backend_prefill",
-                          "cuda_graph_bs_prefill", "cuda_graph_max_seq_len_prefill",
-                          "cuda_graph_prefill_max_context", "debug_cuda_graph",
-                          "enable_profile_cuda_graph")
+UNMODELLED_GRAPH_FLAGS = ("--disable-prefill-cuda-graph", "--cuda-graph-backend-prefill",
+                          "--cuda-graph-bs-prefill", "--cuda-graph-max-bs-prefill",
+                          "--cuda-graph-max-seq-len-prefill", "--cuda-graph-prefill-max-context",
+                          "--debug-cuda-graph", "--enable-profile-cuda-graph")
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+class _DecodeSizesAlias(argparse.Action):
+    """0.5.9's --cuda-graph-bs: the decode sizes under 0.5.14's alias (the last of the two
+    given wins), its use kept for the releases that have no such flag."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.cuda_graph_bs_alias = True
 GRAPH_BACKENDS = ("full", "breakable", "disabled")  # a phase's CUDA-graph backend (0.5.23)
 # --cuda-graph-config's phases and each one's keys (0.5.23's ALLOWED_KEYS_PER_PHASE).
 GRAPH_PHASE_KEYS = {
@@ -201,7 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--disable-cuda-graph-padding", action="store_true")
     sg.add_argument("--cuda-graph-backend-decode", choices=GRAPH_BACKENDS, default=None)
     sg.add_argument("--cuda-graph-bs-decode", type=int, nargs="+", default=None)
-    sg.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None)  # before 0.5.20
+    sg.add_argument("--cuda-graph-bs", type=int, nargs="+", dest="cuda_graph_bs_decode",
+                    action=_DecodeSizesAlias)  # before 0.5.20
+    sg.set_defaults(cuda_graph_bs_alias=False)
     sg.add_argument("--cuda-graph-config", default=None)
     # The prefill phase's and the other CUDA-graph flags of 0.5.23, taken and not modelled:
     # known, so that an abbreviation reads (or is refused as ambiguous) as SGLang's does.
@@ -273,8 +290,8 @@ def parse(argv: list[str]) -> EmulatorSettings:
     argv = with_config_file(argv, parser)
     ns, unknown = parser.parse_known_args(argv)
     ignored = [a for a in unknown if a.startswith("--")]
-    ignored += [f"--{name.replace('_', '-')}" for name in UNMODELLED_GRAPH_FLAGS
-                if getattr(ns, name) not in (None, False)]
+    ignored += [flag for flag in UNMODELLED_GRAPH_FLAGS
+                if getattr(ns, _dest(flag)) not in (None, False)]
     if (ns.profile is None) == (ns.world is None):
         raise LaunchError("give exactly one of --profile and --world")
     if ns.time_scale <= 0:
@@ -290,16 +307,18 @@ def parse(argv: list[str]) -> EmulatorSettings:
     if read_config and emulated < CONFIG_FILE_SINCE:
         raise LaunchError("error: unrecognized arguments: --config (SGLang reads config files "
                           "from 0.5.3)")
-    for old, phases in (("max_bs", "--cuda-graph-max-bs-decode, --cuda-graph-max-bs-prefill"),
-                        ("bs", "--cuda-graph-bs-decode, --cuda-graph-bs-prefill")):
-        if getattr(ns, f"cuda_graph_{old}") is not None and emulated >= CUDA_GRAPH_ALIAS_GONE:
+    for old, given in (("max-bs", ns.cuda_graph_max_bs is not None),
+                       ("bs", ns.cuda_graph_bs_alias)):
+        if given and emulated >= CUDA_GRAPH_ALIAS_GONE:
             # 0.5.14 kept it as an alias of the -decode flag; 0.5.20's and 0.5.23's parsers
             # have no such flag, and argparse takes it for an ambiguous abbreviation.
-            flag = f"--cuda-graph-{old.replace('_', '-')}"
-            raise LaunchError(f"error: ambiguous option: {flag} could match {phases}")
-    if emulated < CUDA_GRAPH_PHASES_SINCE and (phased := _phase_flags(ns)):
-        raise LaunchError(f"error: unrecognized arguments: {phased} (SGLang has CUDA-graph "
-                          "flags per phase from 0.5.14)")
+            raise LaunchError(f"error: ambiguous option: --cuda-graph-{old} could match "
+                              f"--cuda-graph-{old}-decode, --cuda-graph-{old}-prefill")
+    if absent := [flag for flag, release in GRAPH_FLAGS_ABSENT_IN.items()
+                  if emulated <= release and getattr(ns, _dest(flag)) not in (None, False)
+                  and not (flag == sglang_adaptive.GRAPH_SIZES_FLAG and ns.cuda_graph_bs_alias)]:
+        raise LaunchError(f"error: unrecognized arguments: {' '.join(absent)} (not flags of "
+                          f"SGLang {ns.emulate_version})")
     if ns.context_length is not None and ns.context_length < 1:
         raise LaunchError(f"--context-length must be >= 1, got {ns.context_length}")
     if ns.max_running_requests is not None and ns.max_running_requests < 1:
@@ -376,14 +395,6 @@ def parse(argv: list[str]) -> EmulatorSettings:
     )
 
 
-def _phase_flags(ns: argparse.Namespace) -> str:
-    """The per-phase CUDA-graph flags given (PHASE_GRAPH_FLAGS), as the command spells
-    their names, or ""."""
-    given = [f"--{name.replace('_', '-')}" for name in PHASE_GRAPH_FLAGS
-             if getattr(ns, name) not in (None, False)]
-    return " ".join(given)
-
-
 def _decode_graphs(ns: argparse.Namespace) -> dict[str, Any]:
     """The decode phase's CUDA-graph settings as SGLang 0.5.23 resolves them
     (`parse_cuda_graph_config`): the deprecated --disable-cuda-graph, then
@@ -397,8 +408,8 @@ def _decode_graphs(ns: argparse.Namespace) -> dict[str, Any]:
         decode["backend"] = ns.cuda_graph_backend_decode
     if (top := ns.cuda_graph_max_bs_decode or ns.cuda_graph_max_bs) is not None:
         decode["max_bs"] = top
-    if (listed := ns.cuda_graph_bs_decode or ns.cuda_graph_bs) is not None:
-        decode["bs"] = listed
+    if ns.cuda_graph_bs_decode is not None:
+        decode["bs"] = ns.cuda_graph_bs_decode
     _check_sizes(decode, "--cuda-graph-bs-decode", "--cuda-graph-max-bs-decode")
     if ns.cuda_graph_config is not None:
         phases = _graph_config(ns.cuda_graph_config)

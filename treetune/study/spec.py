@@ -34,6 +34,7 @@ from treetune.backends.sglang import (
     NGRAM_SINCE,
     ONE_VALUE_FLAGS,
     SGLangBackend,
+    abbreviated_graph_flag,
     adaptive_blocker,
     cuda_graphs_for,
     flag_not_in_release,
@@ -448,6 +449,8 @@ class StudySpec:
                 raise FieldError("server_flags", f"server_flags: {what} is set by treetune "
                                  f"for every launch ({where}); given here too, it would "
                                  "override that (the last value wins)")
+            if short := abbreviated_graph_flag(flag):
+                raise FieldError("server_flags", f"server_flags: {short}")
         if problem := parallel_flag_problem(self.server_flags, self.method_names, self.tp):
             raise FieldError("server_flags", f"server_flags: {problem}")
         if self.adaptive and (blocker := adaptive_blocker(self.server_flags)):
