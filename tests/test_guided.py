@@ -923,8 +923,15 @@ def test_a_recommendation_feasible_by_a_thin_margin_rests_on_more_launches_of_bo
     assert margin(capped) < THIN_SDS
     task = capped.next()
     assert task is not None and task.remeasure and task.config == BASELINE and task.thin
-    at_limits = planned((100.0, 106.0, 101.0, 104.0, 100.0, 106.0), (107.0, 114.0, 111.0))
-    assert THIN_BASELINE_LIMITS * spec.search.max_launches_per_config == 6  # the premise
+    # Twice the limit is not enough: a baseline measured 3.4% low over six launches passed
+    # a tree truly 0.994 (replay-published, stop 84).
+    twice = planned((100.0, 106.0, 101.0, 104.0, 100.0, 106.0), (107.0, 114.0, 111.0))
+    assert margin(twice) < THIN_SDS
+    task = twice.next()
+    assert task is not None and task.remeasure and task.config == BASELINE and task.thin
+    at_limits = planned((100.0, 106.0, 101.0, 104.0, 100.0, 106.0, 103.0, 107.0, 104.0),
+                        (107.0, 114.0, 111.0))
+    assert THIN_BASELINE_LIMITS * spec.search.max_launches_per_config == 9  # the premise
     assert margin(at_limits) < THIN_SDS
     assert goes_on(at_limits)
     clear = planned((100.0, 103.0), (116.0, 119.0))
