@@ -197,8 +197,10 @@ def test_a_flag_treetune_sets_itself_is_refused_in_server_flags(tmp_path, flag, 
     ("--cuda-graph-bs", "0.5.23", "0.5.14 renamed it '--cuda-graph-bs-decode'"),
     ("--cuda-graph-bs", "0.5.14", None), ("--cuda-graph-bs-decode", "0.5.23", None),
     ("--cuda-graph-bs-decode", "0.5.9", "earlier releases call it '--cuda-graph-bs'"),
-    ("--cuda-graph-config", "0.5.9", "CUDA-graph flags per phase came in 0.5.14"),
-    ("--disable-decode-cuda-graph", "0.5.13", "CUDA-graph flags per phase came in 0.5.14"),
+    ("--cuda-graph-config", "0.5.9", "(the 0.5.13 wheel's parser has none, 0.5.23's has it)"),
+    ("--disable-decode-cuda-graph", "0.5.13", "the 0.5.13 wheel's parser has none"),
+    ("--cuda-graph-prefill-max-context", "0.5.20", "the 0.5.20 wheel's parser has none"),
+    ("--cuda-graph-prefill-max-context", "0.5.23", None),
     ("--cuda-graph-config", "0.5.14", None),
 ])
 def test_a_flag_the_targeted_sglang_renamed_is_refused_with_its_name_there(

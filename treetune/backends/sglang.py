@@ -26,7 +26,7 @@ from treetune.backends._base import (
 )
 from treetune.backends.sglang_adaptive import (
     DP_ATTENTION_REASON,
-    PHASE_GRAPH_FLAGS,
+    GRAPH_FLAGS_ABSENT_IN,
     PHASE_GRAPH_SINCE,
     STATIC_WITH,
     fallback_reason,
@@ -701,9 +701,10 @@ def flag_not_in_release(flag: str, sglang_version: str) -> str:
             return (f"SGLang {sglang_version} has no '{new}': it came in {_release(since)}, "
                     f"and earlier releases call it '{old}'; write '{old}', or give a newer "
                     "sglang_version")
-    if flag in PHASE_GRAPH_FLAGS and version < PHASE_GRAPH_SINCE:
-        return (f"SGLang {sglang_version} has no '{flag}': CUDA-graph flags per phase came "
-                f"in {_release(PHASE_GRAPH_SINCE)}; give a newer sglang_version")
+    if version <= GRAPH_FLAGS_ABSENT_IN.get(flag, ()):
+        return (f"SGLang {sglang_version} has no '{flag}' (the "
+                f"{_release(GRAPH_FLAGS_ABSENT_IN[flag])} wheel's parser has none, 0.5.23's "
+                "has it); give a newer sglang_version")
     return ""
 
 

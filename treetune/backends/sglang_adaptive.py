@@ -240,6 +240,13 @@ PHASE_GRAPH_FLAGS = (
     "--cuda-graph-backend-prefill", "--disable-prefill-cuda-graph",
     "--cuda-graph-max-seq-len-prefill", "--cuda-graph-prefill-max-context")
 PHASE_GRAPH_SINCE = (0, 5, 14)
+# CUDA-graph flags by the newest wheel seen without them (the per-phase ones came in
+# 0.5.14, two prefill ones after 0.5.20, --debug-cuda-graph after 0.5.9): SGLang's parser
+# of that release or an earlier one refuses them.
+GRAPH_FLAGS_ABSENT_IN = {
+    **{flag: (0, 5, 13) for flag in PHASE_GRAPH_FLAGS},
+    "--cuda-graph-max-seq-len-prefill": (0, 5, 20), "--cuda-graph-prefill-max-context": (0, 5, 20),
+    "--debug-cuda-graph": (0, 5, 9)}
 # Every CUDA-graph flag of SGLang 0.5.9 to 0.5.23 (their parsers: 0.5.9's server_args.py,
 # 0.5.14's with its deprecated aliases, 0.5.20's and 0.5.23's arg_groups): what an
 # abbreviation of one of them is told apart from. argparse reads a flag as the option it

@@ -50,13 +50,13 @@ EMULATOR_KEYS = frozenset({"profile", "world", "time_scale", "load_time", "seed"
 
 
 CUDA_GRAPH_ALIAS_GONE = (0, 5, 20)  # the first wheel seen without --cuda-graph-max-bs
-# CUDA-graph flags by the newest wheel seen without them (the per-phase ones came in
-# 0.5.14; two prefill ones after 0.5.20; --debug-cuda-graph after 0.5.9): the emulator
-# refuses them as emulating such a release, as its parser does.
-GRAPH_FLAGS_ABSENT_IN = {
-    **{flag: (0, 5, 13) for flag in sglang_adaptive.PHASE_GRAPH_FLAGS},
-    "--cuda-graph-max-seq-len-prefill": (0, 5, 20), "--cuda-graph-prefill-max-context": (0, 5, 20),
-    "--debug-cuda-graph": (0, 5, 9)}
+GRAPH_BACKENDS = ("full", "breakable", "disabled")  # a phase's CUDA-graph backend (0.5.23)
+# --cuda-graph-config's phases and each one's keys (0.5.23's ALLOWED_KEYS_PER_PHASE).
+GRAPH_PHASE_KEYS = {
+    "decode": ("backend", "max_bs", "bs"),
+    "prefill": ("backend", "max_bs", "bs", "max_context_size", "full_prefill_max_req",
+                "full_prefill_prefix_chunk_tokens", "max_seq_len"),
+}
 # Flags the emulator knows only to read abbreviations as SGLang does: it serves as without.
 UNMODELLED_GRAPH_FLAGS = ("--disable-prefill-cuda-graph", "--cuda-graph-backend-prefill",
                           "--cuda-graph-bs-prefill", "--cuda-graph-max-bs-prefill",
@@ -76,13 +76,6 @@ class _DecodeSizesAlias(argparse.Action):
                  values: Any, option_string: str | None = None) -> None:
         setattr(namespace, self.dest, values)
         namespace.cuda_graph_bs_alias = True
-GRAPH_BACKENDS = ("full", "breakable", "disabled")  # a phase's CUDA-graph backend (0.5.23)
-# --cuda-graph-config's phases and each one's keys (0.5.23's ALLOWED_KEYS_PER_PHASE).
-GRAPH_PHASE_KEYS = {
-    "decode": ("backend", "max_bs", "bs"),
-    "prefill": ("backend", "max_bs", "bs", "max_context_size", "full_prefill_max_req",
-                "full_prefill_prefix_chunk_tokens", "max_seq_len"),
-}
 
 
 class LaunchError(Exception):
@@ -314,7 +307,7 @@ def parse(argv: list[str]) -> EmulatorSettings:
             # have no such flag, and argparse takes it for an ambiguous abbreviation.
             raise LaunchError(f"error: ambiguous option: --cuda-graph-{old} could match "
                               f"--cuda-graph-{old}-decode, --cuda-graph-{old}-prefill")
-    if absent := [flag for flag, release in GRAPH_FLAGS_ABSENT_IN.items()
+    if absent := [flag for flag, release in sglang_adaptive.GRAPH_FLAGS_ABSENT_IN.items()
                   if emulated <= release and getattr(ns, _dest(flag)) not in (None, False)
                   and not (flag == sglang_adaptive.GRAPH_SIZES_FLAG and ns.cuda_graph_bs_alias)]:
         raise LaunchError(f"error: unrecognized arguments: {' '.join(absent)} (not flags of "
