@@ -279,9 +279,8 @@ def graph_flags(server_flags: Mapping[str, Any]) -> dict[str, Any]:
     read: dict[str, Any] = {}
     for flag, value in server_flags.items():
         if len(names := graph_flag_named(flag)) == 1:
-            name = GRAPH_SIZES_FLAG if names[0] == GRAPH_SIZES_ALIAS else names[0]
-            read.pop(name, None)  # given again: the later one counts, as the last
-            read[name] = value
+            # Given again under another spelling: the later one counts, as the last.
+            read[GRAPH_SIZES_FLAG if names[0] == GRAPH_SIZES_ALIAS else names[0]] = value
     return read
 
 

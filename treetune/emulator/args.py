@@ -64,8 +64,9 @@ UNMODELLED_GRAPH_FLAGS = ("--disable-prefill-cuda-graph", "--cuda-graph-backend-
                           "--debug-cuda-graph", "--enable-profile-cuda-graph")
 
 
-def _dest(flag: str) -> str:
-    return flag[2:].replace("-", "_")
+def _given(ns: argparse.Namespace, flag: str) -> bool:
+    """Whether the parsed flags hold `flag` (a value, or a store-true switch set)."""
+    return getattr(ns, flag[2:].replace("-", "_")) not in (None, False)
 
 
 class _DecodeSizesAlias(argparse.Action):
@@ -283,8 +284,7 @@ def parse(argv: list[str]) -> EmulatorSettings:
     argv = with_config_file(argv, parser)
     ns, unknown = parser.parse_known_args(argv)
     ignored = [a for a in unknown if a.startswith("--")]
-    ignored += [flag for flag in UNMODELLED_GRAPH_FLAGS
-                if getattr(ns, _dest(flag)) not in (None, False)]
+    ignored += [flag for flag in UNMODELLED_GRAPH_FLAGS if _given(ns, flag)]
     if (ns.profile is None) == (ns.world is None):
         raise LaunchError("give exactly one of --profile and --world")
     if ns.time_scale <= 0:
@@ -308,7 +308,7 @@ def parse(argv: list[str]) -> EmulatorSettings:
             raise LaunchError(f"error: ambiguous option: --cuda-graph-{old} could match "
                               f"--cuda-graph-{old}-decode, --cuda-graph-{old}-prefill")
     if absent := [flag for flag, release in sglang_adaptive.GRAPH_FLAGS_ABSENT_IN.items()
-                  if emulated <= release and getattr(ns, _dest(flag)) not in (None, False)
+                  if emulated <= release and _given(ns, flag)
                   and not (flag == sglang_adaptive.GRAPH_SIZES_FLAG and ns.cuda_graph_bs_alias)]:
         raise LaunchError(f"error: unrecognized arguments: {' '.join(absent)} (not flags of "
                           f"SGLang {ns.emulate_version})")
