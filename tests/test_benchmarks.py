@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -17,7 +18,12 @@ from treetune.errors import ConfigFileError
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from search_efficiency import check_arguments, progress_line, run_pool  # noqa: E402
+from search_efficiency import (  # noqa: E402
+    THREAD_VARIABLES,
+    check_arguments,
+    progress_line,
+    run_pool,
+)
 
 
 def _invert(x: int) -> dict:
@@ -41,6 +47,25 @@ def test_a_job_that_raises_is_reported_and_the_others_are_kept_in_order(capsys):
     err = capsys.readouterr().err
     assert "FAILED 0: ConfigFileError: study.yaml: key 'datasets[1]': zero has no inverse" in err
     assert "1 of 4 jobs failed" in err
+
+
+def _threads(_: int) -> dict:
+    return {name: os.environ.get(name) for name in THREAD_VARIABLES}
+
+
+def test_each_pool_process_gives_pytorch_its_share_of_the_cpus_unless_the_user_chose(
+        monkeypatch):
+    # GPSampler's PyTorch sizes its thread pool to every CPU when it loads: two processes
+    # of it on 2 cores each ran 2 threads, and a study took 75 s instead of 4.
+    for name in THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    share = str(max((os.cpu_count() or 1) // 2, 1))
+    rows, failed = run_pool(_threads, [0, 1], 2, str)
+    assert failed == 0 and rows == [dict.fromkeys(THREAD_VARIABLES, share)] * 2
+    assert all(name not in os.environ for name in THREAD_VARIABLES)  # the parent's untouched
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    rows, _ = run_pool(_threads, [0], 2, str)
+    assert rows[0]["OMP_NUM_THREADS"] == "3"
 
 
 def test_a_study_s_progress_line_says_whether_it_held_the_target_to_the_end():
