@@ -516,8 +516,9 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 def _share_cpus(threads: int) -> None:
     """A pool process's initializer: PyTorch's thread pools take `threads`, the process's
     share of the CPUs, unless the user sized them. Each process sizes them to every CPU
-    otherwise: two processes of GPSampler on 2 cores took 75 s a study, where one thread
-    each took 4 s (stop 85). The jobs load PyTorch, not the pool's parent."""
+    otherwise: on 2 cores, two processes of GPSampler took about 125 s for the 30B's
+    first four studies, which took 83 s of process time, about 3x faster, with one thread
+    each (stop 85). The jobs load PyTorch, not the pool's parent."""
     for name in THREAD_VARIABLES:
         os.environ.setdefault(name, str(threads))
 
