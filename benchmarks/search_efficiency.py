@@ -513,14 +513,13 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def _share_cpus(threads: int) -> None:
-    """A pool process's initializer: PyTorch's thread pools take `threads`, the process's
-    share of the CPUs, unless the user sized them. Each process sizes them to every CPU
-    otherwise: on 2 cores, two processes of GPSampler took about 125 s for the 30B's
-    first four studies, which took 83 s of process time, about 3x faster, with one thread
-    each (stop 85). The jobs load PyTorch, not the pool's parent."""
-    for name in THREAD_VARIABLES:
-        os.environ.setdefault(name, str(threads))
+def _share_cpus(values: dict[str, str]) -> None:
+    """A pool process's initializer: PyTorch's thread pools are sized by `values` (the
+    process's share of the CPUs, or what the user set), whatever environment the pool's
+    start method gave the process. Each process sizes them to every CPU otherwise, and
+    GPSampler's studies on two processes of 2 cores ran slower (stop 85). The jobs load
+    PyTorch, not the pool's parent."""
+    os.environ.update(values)
 
 
 def run_pool(run: Callable[[Any], dict], jobs: list, processes: int,
@@ -530,7 +529,8 @@ def run_pool(run: Callable[[Any], dict], jobs: list, processes: int,
     process's PyTorch threads are its share of the CPUs (`_share_cpus`)."""
     rows: dict[int, dict] = {}
     failed = 0
-    threads = max((os.cpu_count() or 1) // processes, 1)
+    share = str(max((os.cpu_count() or 1) // processes, 1))
+    threads = {name: os.environ.get(name, share) for name in THREAD_VARIABLES}
     with ProcessPoolExecutor(max_workers=processes, initializer=_share_cpus,
                              initargs=(threads,)) as pool:
         futures = {pool.submit(run, job): i for i, job in enumerate(jobs)}
