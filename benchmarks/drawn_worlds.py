@@ -209,15 +209,21 @@ def main() -> None:
         parser.error("--count must be >= 1")
     args.output.mkdir(parents=True, exist_ok=True)
     for index in range(args.count):
-        base = draw_base(index, args.seed) if args.new_bases else None
-        world = draw(index, args.seed, base)
-        if base is not None:
-            (args.output / "bases").mkdir(exist_ok=True)
-            base.save(args.output / "bases" / f"{base.name}.yaml")
-            world["profile"] = f"bases/{base.name}.yaml"
-        path = args.output / f"{world['name']}.yaml"
-        dump_yaml(world, path)
-        print(path)
+        print(write_world(index, args.seed, args.new_bases, args.output))
+
+
+def write_world(index: int, seed: int, new_base: bool, output: Path) -> Path:
+    """Draw world `index` of `seed` (with a base of its own if `new_base`, written to
+    OUTPUT/bases/) into the folder `output`; returns the world file's path."""
+    base = draw_base(index, seed) if new_base else None
+    world = draw(index, seed, base)
+    if base is not None:
+        (output / "bases").mkdir(exist_ok=True)
+        base.save(output / "bases" / f"{base.name}.yaml")
+        world["profile"] = f"bases/{base.name}.yaml"
+    path = output / f"{world['name']}.yaml"
+    dump_yaml(world, path)
+    return path
 
 
 if __name__ == "__main__":
