@@ -159,9 +159,9 @@ def test_verify_cliffs_of_small_trees_are_not_fitted_as_a_per_token_cost_without
     the neutral prior to the small trees a traced study measured (at most 12 tokens; here
     without noise), the fit once explained those cliffs by a per-token cost of about 190
     us, which grows on where the cliffs stop: it put the best batch-32 tree, (6,6,36) at
-    1.52x in truth, near 1.0x, and the study never launched it. Held to the per-token
-    costs calibrated profiles show, the fit may err high there (a launch tells), not so
-    low that no draw proposes it."""
+    1.52x in truth, near 1.0x, and the study never launched it. Held to twice the largest
+    per-token cost of the shipped profiles (15 us), the fit may err high there (a launch
+    tells), not so low that no draw proposes it."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import drawn_worlds
     import search_efficiency

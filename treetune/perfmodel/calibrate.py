@@ -114,12 +114,13 @@ CALIBRATION_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "step_overhead_ms": (0.05, 50.0, True),
     "draft_overhead_ms": (0.01, 20.0, True),
     "round_overhead_ms": (0.001, 20.0, True),
-    # Per token of a forward, outside the roofline (sampling, copies, norms): the
-    # calibrated profiles put it at 1-15 us. Free up to 500 us, a fit explained the verify
-    # cliffs of small trees by it (190 us; drawn-2028-04's steps of 5.9% from 12 tokens)
-    # and put the best batch-32 tree, 1152 tokens a verify, at 1.01x against 1.52x in
-    # truth: a cost that grows without end where the cliffs stop (benchmarks/RESULTS.md,
-    # stop 86).
+    # Per token of a forward, outside the roofline (sampling, copies, norms): the shipped
+    # profiles put it at 0.003-15 us (Coder-Next's, fitted to published data, 0.003; the
+    # 397B's 15), and the bound is twice the largest. Free up to 500 us, a fit explained
+    # the verify cliffs of small trees by it (190 us; drawn-2028-04's steps of 5.9% from
+    # 12 tokens) and put the best batch-32 tree, 1152 tokens a verify, at 1.01x against
+    # 1.52x in truth: a cost that grows without end where the cliffs stop
+    # (benchmarks/RESULTS.md, stop 86).
     "token_overhead_us": (0.001, 30.0, True),
     "weight_bandwidth_eff": (0.05, 1.0, False),
     "kv_bandwidth_eff": (0.01, 1.0, False),
