@@ -15,7 +15,7 @@ import pytest
 from scipy import stats
 
 from treetune.config import BASELINE, TreeConfig
-from treetune.perfmodel import PerfModel, Shape, load_profile
+from treetune.perfmodel import PerfModel, Profile, Shape, load_profile
 from treetune.perfmodel.calibrate import get_value
 from treetune.perfmodel.prior import neutral_prior
 from treetune.results import CellResult, LaunchResult, config_key
@@ -56,7 +56,7 @@ from treetune.study.planner import (
     Task,
 )
 from treetune.study.recommend import recommend
-from treetune.study.spec import load_study
+from treetune.study.spec import StudySpec, load_study
 from treetune.study.storage import StudyStore
 from treetune.worlds import load_world
 
@@ -87,15 +87,21 @@ def fit_to_launches(name: str, design: list[tuple[int, int, int]], noise: Noise 
     """The profile's representable truth, and a fit from its neutral prior to launches of
     the baseline and of `design`'s trees at batch 1 and 32 (noise-free unless `noise`)."""
     truth = representable(name)
-    spec = study(name)
-    model, rng = PerfModel(truth, truth.tp), np.random.default_rng(seed)
-    noise = noise or Noise(0, 0, 0)
+    return truth, fit_of(PerfModel(truth, truth.tp), truth, study(name), design, noise, seed)
+
+
+def fit_of(model: PerfModel, profile: Profile, spec: StudySpec,
+           design: list[tuple[int, int, int]],
+           noise: Noise | None = None, seed: int = 0) -> ModelFit:
+    """A fit from `profile`'s neutral prior to launches on `model` of the baseline and of
+    `design`'s trees at batch 1 and 32 (noise-free unless `noise`)."""
+    rng, noise = np.random.default_rng(seed), noise or Noise(0, 0, 0)
     baseline = simulate_launch(model, BASELINE, spec, rng, noise)
     trees = [simulate_launch(model, TreeConfig.of(*t), spec, rng, noise) for t in design]
-    fit = ModelFit(neutral_prior(truth, spec.dataset_names), [1, 32], spec.dataset_names,
-                   truth.tp)
+    fit = ModelFit(neutral_prior(profile, spec.dataset_names), [1, 32], spec.dataset_names,
+                   profile.tp)
     fit.update(trees, baseline)
-    return truth, fit
+    return fit
 
 
 @pytest.mark.parametrize("name", ["qwen3-8b-h100", "qwen3-30b-a3b-h100"])
@@ -174,14 +180,8 @@ def test_verify_cliffs_of_small_trees_are_not_fitted_as_a_per_token_cost_without
     path = str(drawn_worlds.write_world(4, 2028, True, tmp_path))
     world = load_world(path)
     spec = search_efficiency.study_spec(path, "model", 0, 30, 0.03, (1, 32))
-    truth, rng = world.model(world.profile.tp), np.random.default_rng(0)
-    baseline = simulate_launch(truth, BASELINE, spec, rng, Noise(0, 0, 0))
-    trees = [simulate_launch(truth, TreeConfig.of(*t), spec, rng, Noise(0, 0, 0))
-             for t in [(3, 1, 4), (3, 4, 12), (4, 2, 6), (3, 2, 5), (3, 2, 4), (2, 1, 3),
-                       (4, 2, 5)]]
-    fit = ModelFit(neutral_prior(world.profile, spec.dataset_names), [1, 32],
-                   spec.dataset_names, world.profile.tp)
-    fit.update(trees, baseline)
+    fit = fit_of(world.model(world.profile.tp), world.profile, spec,
+                 [(3, 1, 4), (3, 4, 12), (4, 2, 6), (3, 2, 5), (3, 2, 4), (2, 1, 3), (4, 2, 5)])
     table, _ = search_efficiency.truth_table(world, (1, 32), "EAGLE3")
     best = max(table, key=lambda c: statistics.fmean(table[c][32]))
     assert best == TreeConfig(6, 6, 36)
