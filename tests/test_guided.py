@@ -40,6 +40,7 @@ from treetune.study.evidence import (
     doubted,
     intervals,
     judge,
+    launches_of,
     learned_cv,
     merge,
     merge_all,
@@ -1077,10 +1078,10 @@ def test_where_no_tree_is_confirmed_a_plausible_one_goes_past_the_launch_limit()
     tree = TreeConfig(3, 1, 4)
     limit = 3
 
-    def planned(*throughputs: float) -> Planner:
+    def planned(*throughputs: float, base: tuple[float, ...] = (100.0, 103.0, 98.0, 101.0)
+                ) -> Planner:
         spec = one_dataset_study(search={"strategy": "tpe", "max_launches_per_config": limit})
-        launches = [launch(BASELINE, t, (t - 0.2, t, t + 0.2))
-                    for t in (100.0, 103.0, 98.0, 101.0)]
+        launches = [launch(BASELINE, t, (t - 0.2, t, t + 0.2)) for t in base]
         launches += [launch(tree, t, (t - 0.2, t, t + 0.2)) for t in throughputs]
         return Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
                        load_space("narrow"), launches)
@@ -1093,11 +1094,41 @@ def test_where_no_tree_is_confirmed_a_plausible_one_goes_past_the_launch_limit()
     at_limit = planned(104.0, 100.0, 106.0)
     assert unsettled(at_limit)
     remeasures(at_limit, (tree, launch(tree, 99.0, (98.8, 99, 99.2))))
-    past = planned(104.0, 100.0, 106.0, 99.0, 105.0, 100.0)
+    # At its cap, the tree waits for the baseline to follow it there (the next test), and
+    # then nothing is launched again.
+    past = planned(104.0, 100.0, 106.0, 99.0, 105.0, 100.0,
+                   base=(100.0, 103.0, 98.0, 101.0, 99.0, 102.0))
     assert len(past.results["3,1,4"].cells[0].launch_tok_s) == limit * UNRECOMMENDED_LAUNCHES
+    assert launches_of(past.baseline) == limit * UNRECOMMENDED_LAUNCHES
     assert unsettled(past)
     after = past.next()
     assert after is not None and not after.remeasure
+
+
+def test_where_no_tree_is_confirmed_the_baseline_follows_a_plausible_tree_to_its_cap():
+    """Every speedup's error is the baseline's as much as the tree's: a tree at its cap
+    (UNRECOMMENDED_LAUNCHES times the limit, where no tree is confirmed) is proven no
+    further while the baseline stays at the limit. So the baseline follows it, one launch
+    behind, to the same cap (a traced study of a DeepSeek-V3 world ran no speculation at
+    batch 1, 0.83 of the best, for its last 24 launches: its (1,1,2), 5.2% clear of the
+    floor in truth, sat on six launches against the baseline's four)."""
+    tree = TreeConfig(3, 1, 4)
+    limit = 3
+    spec = one_dataset_study(search={"strategy": "tpe", "max_launches_per_config": limit})
+    launches = [launch(BASELINE, t, (t - 0.2, t, t + 0.2)) for t in (100.0, 103.0, 98.0)]
+    launches += [launch(tree, t, (t - 0.2, t, t + 0.2))
+                 for t in (106.0, 103.0, 107.0, 104.0, 105.0, 103.0)]
+    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                      load_space("narrow"), launches)
+    (verdict,) = tree_verdicts(planner).values()
+    # The premise: plausible, unproven, at its cap; the baseline at the per-config limit.
+    assert verdict.plausible and not verdict.confirmed
+    assert launches_of(planner.results["3,1,4"]) == limit * UNRECOMMENDED_LAUNCHES
+    assert launches_of(planner.baseline) == limit
+    remeasures(planner, (BASELINE, launch(BASELINE, 101.0, (100.8, 101, 101.2))))
+    # Its fourth launch proves the tree: batch 1 has a tree to run.
+    (verdict,) = tree_verdicts(planner).values()
+    assert verdict.confirmed
 
 
 def test_a_leader_clear_of_the_runner_up_is_not_measured_again():

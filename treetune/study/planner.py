@@ -110,6 +110,11 @@ THIN_BASELINE_LIMITS = 3
 STALE_LAUNCHES = 10
 
 
+# A re-measurement candidate: (gain over the best confirmed tree, weighed by its chance of
+# proof; the tree's key; batch size; workload; how many launches the baseline may take).
+Candidate = tuple[float, str, int, tuple[str, ...], int]
+
+
 @dataclass
 class Task:
     config: ServerConfig
@@ -433,7 +438,7 @@ class Planner:
         if limit <= 1 or self.baseline is None:
             return None
         noise = self.noise()
-        candidates: list[tuple[float, str, int, tuple[str, ...]]] = []
+        candidates: list[Candidate] = []
         every = tuple(self.spec.dataset_names)
         # Asked for only when needed: it costs a model evaluation. Its estimates are of
         # throughput, so they speak for no other objective.
@@ -471,16 +476,17 @@ class Planner:
 
         # The model, from every launch so far, may be sure of a regression: not worth a
         # launch. A model that does not fit is not sure of much (its variance says so).
-        viable = [c for c in candidates if not expected_regression(*c[1:])]
-        pick = max(viable, key=lambda c: c[0])[1] if viable else None
-        if pick is None:
+        viable = [c for c in candidates if not expected_regression(*c[1:4])]
+        if not viable:
             return None
-        return self._baseline_first(pick, busy)
+        _, pick, _, _, base_cap = max(viable, key=lambda c: c[0])
+        return self._baseline_first(pick, busy, base_cap)
 
     def _unsettled(self, batch: int, names: tuple[str, ...], noise: StudyNoise, busy: set[str],
-                   limit: int, candidates: list[tuple[float, str, int, tuple[str, ...]]],
+                   limit: int, candidates: list[Candidate],
                    estimates: Callable[[], Estimates]) -> bool:
-        """Add to `candidates` (gain over the best confirmed, key, batch, workload) every
+        """Add to `candidates` (gain over the best confirmed, key, batch, workload, the
+        baseline's cap) every
         tree that would lead workload `names` at `batch` if it were confirmed: measured
         above the best confirmed tree, or plausible on its launch(es) and ranked above it with
         the model's `estimates` blended in; returns whether any tree is plausible there.
@@ -502,11 +508,27 @@ class Planner:
         # 32 recommended no speculation (0.52 of the best) from launch 14 to the end
         # (benchmarks/RESULTS.md, stop 54).
         cap = limit if confirmed else limit * UNRECOMMENDED_LAUNCHES
+        # There the baseline follows such a tree to the same cap, one launch behind it:
+        # every speedup's error is as much the baseline's as the tree's, so a tree at its
+        # cap is proven no further while the baseline stays at the limit (a traced study
+        # of a DeepSeek-V3 world ran no speculation at batch 1, 0.83 of the best, for its
+        # last 24 launches, its (1,1,2) 5.2% clear of the floor on its slowest dataset in
+        # truth, on six launches against the baseline's four; benchmarks/RESULTS.md,
+        # stop 87).
+        base_cap = cap
+        base_n = launches_of(self.baseline)
+
+        def launchable(key: str) -> bool:
+            """The tree, or the baseline following it, may take another launch."""
+            n = launches_of(self.results[key])
+            return key not in busy and (n < cap or (not confirmed and "baseline" not in busy
+                                                    and base_n < min(n, base_cap)))
+
         # Another launch could make these a recommendation.
-        open_ = {key: v for key, v in verdicts.items() if v.unsettled and key not in busy
-                 and launches_of(self.results[key]) < cap}
-        chance = functools.cache(lambda key: self._chance(key, batch, names, noise, cap))
-        candidates += [((v.mean - best) * chance(key), key, batch, names)
+        open_ = {key: v for key, v in verdicts.items() if v.unsettled and launchable(key)}
+        chance = functools.cache(
+            lambda key: self._chance(key, batch, names, noise, cap, base_cap))
+        candidates += [((v.mean - best) * chance(key), key, batch, names, base_cap)
                        for key, v in open_.items() if v.mean > best]
         # A tree plausible but unconfirmed, below the best confirmed one as measured but
         # above it as recommendations rank (the model, pooling every launch, blended in):
@@ -520,18 +542,17 @@ class Planner:
             ranked = {key: self._verdict(self.results[key], batch, names, noise, model)
                       for key, v in verdicts.items() if v.confirmed or key in behind}
             leader = max((v.rank for v in ranked.values() if v.confirmed), default=1.0)
-            candidates += [((ranked[key].rank - leader) * chance(key), key, batch, names)
-                           for key in behind if ranked[key].rank > leader]
+            candidates += [((ranked[key].rank - leader) * chance(key), key, batch, names,
+                            base_cap) for key in behind if ranked[key].rank > leader]
         return any(v.plausible for v in verdicts.values())
 
     def _chance(self, key: str, batch: int, names: tuple[str, ...], noise: StudyNoise,
-                cap: int) -> float:
+                cap: int, base_cap: int) -> float:
         """`confirm_chance` of a measured tree over workload `names` at `batch`, the tree
-        given up to `cap` launches and the baseline the per-config limit (`_baseline_first`)."""
+        given up to `cap` launches and the baseline `base_cap` (`_baseline_first`)."""
         assert self.baseline is not None
         return confirm_chance(self.results[key], self.baseline, batch, list(names),
-                              self.spec.tolerance, noise, cap,
-                              self.spec.search.max_launches_per_config, self.spec.criterion)
+                              self.spec.tolerance, noise, cap, base_cap, self.spec.criterion)
 
     def _verdict(self, result: LaunchResult, batch: int, names: tuple[str, ...],
                  noise: StudyNoise, model: Estimates | None = None) -> Verdict:
@@ -541,13 +562,15 @@ class Planner:
         return judge(result, self.baseline, batch, list(names), self.spec.tolerance, noise,
                      model, self.spec.search.confirming_launches, self.spec.criterion)
 
-    def _baseline_first(self, key: str, busy: set[str]) -> Task:
+    def _baseline_first(self, key: str, busy: set[str], base_cap: int | None = None) -> Task:
         """The re-measurement of `key`, or of the baseline before it: the baseline's noise
         shifts every speedup, and its second launch is the study's first measure of launch
-        noise, so it goes first once; after that only when the tree has more launches."""
+        noise, so it goes first once; after that only when the tree has more launches, up
+        to `base_cap` launches (default: the per-config limit)."""
         assert self.baseline is not None
         base_launches = launches_of(self.baseline)
-        if (base_launches < self.spec.search.max_launches_per_config and "baseline" not in busy
+        cap = base_cap or self.spec.search.max_launches_per_config
+        if (base_launches < cap and "baseline" not in busy
                 and (base_launches < 2 or base_launches < launches_of(self.results[key]))):
             key = "baseline"
         return Task(self.results[key].config, remeasure=True)

@@ -171,7 +171,7 @@ class Search:
     launch_cv: float = 0.03  # launch-to-launch spread assumed until re-launches measure it
     # A borderline config is re-measured up to this; the baseline one more behind a
     # recommendation feasible by a thin margin (Planner._remeasure_thin), and a tree twice
-    # this where no tree is confirmed (planner.UNRECOMMENDED_LAUNCHES).
+    # this where no tree is confirmed, the baseline following it (planner.UNRECOMMENDED_LAUNCHES).
     max_launches_per_config: int = 3
 
     @property
