@@ -486,15 +486,15 @@ class Planner:
                    limit: int, candidates: list[Candidate],
                    estimates: Callable[[], Estimates]) -> bool:
         """Add to `candidates` (gain over the best confirmed, key, batch, workload, the
-        baseline's cap) every
-        tree that would lead workload `names` at `batch` if it were confirmed: measured
-        above the best confirmed tree, or plausible on its launch(es) and ranked above it with
-        the model's `estimates` blended in; returns whether any tree is plausible there.
-        The gain is weighed by the chance that the tree's launches, up to its cap, can
-        prove it (`confirm_chance`): a tree at the floor on one dataset leads the mean
-        where the constraint binds, and no launches the cap allows confirm it (a traced
-        binding-floor study re-measured such trees for 25 launches and recommended no
-        speculation, half the best, to the end; benchmarks/RESULTS.md, stop 59)."""
+        baseline's cap) every tree that would lead workload `names` at `batch` if it were
+        confirmed: measured above the best confirmed tree, or plausible on its launch(es)
+        and ranked above it with the model's `estimates` blended in; returns whether any
+        tree is plausible there. The gain is weighed by the chance that the tree's and the
+        baseline's launches, up to their caps, can prove it (`confirm_chance`): a tree at
+        the floor on one dataset leads the mean where the constraint binds, and no launches
+        the caps allow confirm it (a traced binding-floor study re-measured such trees for
+        25 launches and recommended no speculation, half the best, to the end;
+        benchmarks/RESULTS.md, stop 59)."""
         assert self.baseline is not None
         verdicts = {key: self._verdict(result, batch, names, noise)
                     for key, result in self.results.items()
