@@ -1108,10 +1108,11 @@ def test_where_no_tree_is_confirmed_a_plausible_one_goes_past_the_launch_limit()
 def test_where_no_tree_is_confirmed_the_baseline_follows_a_plausible_tree_to_its_cap():
     """Every speedup's error is the baseline's as much as the tree's: a tree at its cap
     (UNRECOMMENDED_LAUNCHES times the limit, where no tree is confirmed) is proven no
-    further while the baseline stays at the limit. So the baseline follows it, one launch
-    behind, to the same cap (a traced study of a DeepSeek-V3 world ran no speculation at
-    batch 1, 0.83 of the best, for its last 24 launches: its (1,1,2), 5.2% clear of the
-    floor in truth, sat on six launches against the baseline's four)."""
+    further while the baseline stays at the limit. So the baseline follows it, whenever
+    the tree has more launches, up to the same cap (a traced study of a DeepSeek-V3 world
+    ran no speculation at batch 1, 0.83 of the best, for all its 30 launches: its (1,1,2),
+    5.2% clear of the floor in truth, reached six launches at launch 15 while the baseline
+    had three, four from launch 22)."""
     tree = TreeConfig(3, 1, 4)
     limit = 3
     spec = one_dataset_study(search={"strategy": "tpe", "max_launches_per_config": limit})

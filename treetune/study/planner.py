@@ -508,13 +508,13 @@ class Planner:
         # 32 recommended no speculation (0.52 of the best) from launch 14 to the end
         # (benchmarks/RESULTS.md, stop 54).
         cap = limit if confirmed else limit * UNRECOMMENDED_LAUNCHES
-        # There the baseline follows such a tree to the same cap, one launch behind it:
-        # every speedup's error is as much the baseline's as the tree's, so a tree at its
-        # cap is proven no further while the baseline stays at the limit (a traced study
-        # of a DeepSeek-V3 world ran no speculation at batch 1, 0.83 of the best, for its
-        # last 24 launches, its (1,1,2) 5.2% clear of the floor on its slowest dataset in
-        # truth, on six launches against the baseline's four; benchmarks/RESULTS.md,
-        # stop 87).
+        # There the baseline follows such a tree, up to the same cap, whenever the tree has
+        # more launches than it: every speedup's error is as much the baseline's as the
+        # tree's, so a tree at its cap is proven no further while the baseline stays at the
+        # limit (a traced study of a DeepSeek-V3 world ran no speculation at batch 1, 0.83
+        # of the best, for all its 30 launches: its (1,1,2), 5.2% clear of the floor on its
+        # slowest dataset in truth, reached its cap of six at launch 15 while the baseline
+        # had three, four from launch 22; benchmarks/RESULTS.md, stop 87).
         base_cap = cap
         base_n = launches_of(self.baseline)
 
