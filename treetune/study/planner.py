@@ -26,6 +26,7 @@ import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from treetune import strategies
 from treetune.backends import BackendFacts, gather_facts
@@ -110,9 +111,15 @@ THIN_BASELINE_LIMITS = 3
 STALE_LAUNCHES = 10
 
 
-# A re-measurement candidate: (gain over the best confirmed tree, weighed by its chance of
-# proof; the tree's key; batch size; workload; how many launches the baseline may take).
-Candidate = tuple[float, str, int, tuple[str, ...], int]
+class Candidate(NamedTuple):
+    """A tree that another launch (its own, or the baseline's before it) could make a
+    recommendation (`Planner._unsettled`)."""
+
+    gain: float  # over the best confirmed tree, weighed by its chance of proof
+    key: str
+    batch: int
+    names: tuple[str, ...]  # the workload
+    cap: int  # launches the tree, and the baseline before it, may take
 
 
 @dataclass
@@ -476,17 +483,16 @@ class Planner:
 
         # The model, from every launch so far, may be sure of a regression: not worth a
         # launch. A model that does not fit is not sure of much (its variance says so).
-        viable = [c for c in candidates if not expected_regression(*c[1:4])]
+        viable = [c for c in candidates if not expected_regression(c.key, c.batch, c.names)]
         if not viable:
             return None
-        _, pick, _, _, base_cap = max(viable, key=lambda c: c[0])
-        return self._baseline_first(pick, busy, base_cap)
+        pick = max(viable, key=lambda c: c.gain)
+        return self._baseline_first(pick.key, busy, pick.cap)
 
     def _unsettled(self, batch: int, names: tuple[str, ...], noise: StudyNoise, busy: set[str],
                    limit: int, candidates: list[Candidate],
                    estimates: Callable[[], Estimates]) -> bool:
-        """Add to `candidates` (gain over the best confirmed, key, batch, workload, the
-        baseline's cap) every tree that would lead workload `names` at `batch` if it were
+        """Add to `candidates` every tree that would lead workload `names` at `batch` if it were
         confirmed: measured above the best confirmed tree, or plausible on its launch(es)
         and ranked above it with the model's `estimates` blended in; returns whether any
         tree is plausible there. The gain is weighed by the chance that the tree's and the
@@ -515,20 +521,16 @@ class Planner:
         # of the best, for all its 30 launches: its (1,1,2), 5.2% clear of the floor on its
         # slowest dataset in truth, reached its cap of six at launch 15 while the baseline
         # had three, four from launch 22; benchmarks/RESULTS.md, stop 87).
-        base_cap = cap
-        base_n = launches_of(self.baseline)
 
         def launchable(key: str) -> bool:
-            """The tree, or the baseline following it, may take another launch."""
-            n = launches_of(self.results[key])
-            return key not in busy and (n < cap or (not confirmed and "baseline" not in busy
-                                                    and base_n < min(n, base_cap)))
+            """The tree, or the baseline before it, may take another launch."""
+            return key not in busy and (launches_of(self.results[key]) < cap or (
+                not confirmed and self._baseline_due(key, busy, cap)))
 
         # Another launch could make these a recommendation.
         open_ = {key: v for key, v in verdicts.items() if v.unsettled and launchable(key)}
-        chance = functools.cache(
-            lambda key: self._chance(key, batch, names, noise, cap, base_cap))
-        candidates += [((v.mean - best) * chance(key), key, batch, names, base_cap)
+        chance = functools.cache(lambda key: self._chance(key, batch, names, noise, cap))
+        candidates += [Candidate((v.mean - best) * chance(key), key, batch, names, cap)
                        for key, v in open_.items() if v.mean > best]
         # A tree plausible but unconfirmed, below the best confirmed one as measured but
         # above it as recommendations rank (the model, pooling every launch, blended in):
@@ -542,17 +544,18 @@ class Planner:
             ranked = {key: self._verdict(self.results[key], batch, names, noise, model)
                       for key, v in verdicts.items() if v.confirmed or key in behind}
             leader = max((v.rank for v in ranked.values() if v.confirmed), default=1.0)
-            candidates += [((ranked[key].rank - leader) * chance(key), key, batch, names,
-                            base_cap) for key in behind if ranked[key].rank > leader]
+            candidates += [Candidate((ranked[key].rank - leader) * chance(key), key, batch,
+                                     names, cap)
+                           for key in behind if ranked[key].rank > leader]
         return any(v.plausible for v in verdicts.values())
 
     def _chance(self, key: str, batch: int, names: tuple[str, ...], noise: StudyNoise,
-                cap: int, base_cap: int) -> float:
+                cap: int) -> float:
         """`confirm_chance` of a measured tree over workload `names` at `batch`, the tree
-        given up to `cap` launches and the baseline `base_cap` (`_baseline_first`)."""
+        and the baseline given up to `cap` launches each (`_baseline_first`)."""
         assert self.baseline is not None
         return confirm_chance(self.results[key], self.baseline, batch, list(names),
-                              self.spec.tolerance, noise, cap, base_cap, self.spec.criterion)
+                              self.spec.tolerance, noise, cap, cap, self.spec.criterion)
 
     def _verdict(self, result: LaunchResult, batch: int, names: tuple[str, ...],
                  noise: StudyNoise, model: Estimates | None = None) -> Verdict:
@@ -562,18 +565,22 @@ class Planner:
         return judge(result, self.baseline, batch, list(names), self.spec.tolerance, noise,
                      model, self.spec.search.confirming_launches, self.spec.criterion)
 
-    def _baseline_first(self, key: str, busy: set[str], base_cap: int | None = None) -> Task:
-        """The re-measurement of `key`, or of the baseline before it: the baseline's noise
-        shifts every speedup, and its second launch is the study's first measure of launch
-        noise, so it goes first once; after that only when the tree has more launches, up
-        to `base_cap` launches (default: the per-config limit)."""
-        assert self.baseline is not None
-        base_launches = launches_of(self.baseline)
-        cap = base_cap or self.spec.search.max_launches_per_config
-        if (base_launches < cap and "baseline" not in busy
-                and (base_launches < 2 or base_launches < launches_of(self.results[key]))):
+    def _baseline_first(self, key: str, busy: set[str], cap: int | None = None) -> Task:
+        """The re-measurement of `key`, or of the baseline before it (`_baseline_due`, the
+        baseline up to `cap` launches; default: the per-config limit)."""
+        if self._baseline_due(key, busy, cap or self.spec.search.max_launches_per_config):
             key = "baseline"
         return Task(self.results[key].config, remeasure=True)
+
+    def _baseline_due(self, key: str, busy: set[str], cap: int) -> bool:
+        """Whether the baseline is launched before `key`'s re-measurement: the baseline's
+        noise shifts every speedup, and its second launch is the study's first measure of
+        launch noise, so it goes first once; after that only when the tree has more
+        launches, up to `cap` launches."""
+        assert self.baseline is not None
+        base = launches_of(self.baseline)
+        return (base < cap and "baseline" not in busy
+                and (base < 2 or base < launches_of(self.results[key])))
 
     def _confirmed_by_rank(self, noise: StudyNoise, model: Estimates
                            ) -> dict[int, list[Verdict]]:
