@@ -591,30 +591,48 @@ def test_a_kv_pool_smaller_than_the_requests_asked_runs_what_it_holds_and_says_s
     """SGLang does not refuse a server whose pool cannot hold --max-running-requests'
     reserve: it admits requests while the pool has room and retracts them when it runs
     short. The emulator exited "Not enough memory" (a helper's audit against SGLang's
-    source); it now serves, running as many at once as the pool holds (7 here)."""
+    source); it now serves, running as many at once as the pool holds (7 here).
+
+    Twelve long streams are sent, and the gauges read once seven of them have their first
+    tokens, while all seven still run: no clock is raced. (It polled the gauge while twelve
+    400-token requests ran at time scale 50, about 0.1 s of wall time, and once saw none
+    running: every poll fell before or after the run.)"""
     server = emulators.start(*server_args(*tree_flags(2, 8, 44), "--max-running-requests",
                                           "128", "--mem-fraction-static", "0.41",
-                                          "--enable-metrics", "--time-scale", "50",
-                                          "--load-time", "0", profile=MOE_30B, tp=None))
+                                          "--enable-metrics", "--load-time", "0",
+                                          profile=MOE_30B, tp=None))
     server.wait_healthy()
     assert "the KV pool holds 7 of the 128 running requests asked for" in server.stderr
 
-    async def load() -> float:
-        async with httpx.AsyncClient(timeout=60) as client:
-            body = {"text": "hi", "sampling_params": {"max_new_tokens": 400,
-                                                      "ignore_eos": True}}
-            sends = [client.post(server.url + "/generate", json=body, headers=HEADERS)
-                     for _ in range(12)]
-            tasks = [asyncio.ensure_future(send) for send in sends]
-            most = 0.0
-            while not all(t.done() for t in tasks):
-                seen = await asyncio.to_thread(metrics, server)
-                most = max(most, seen["sglang:num_running_reqs"])
-                await asyncio.sleep(0.01)
-            assert all(t.result().status_code == 200 for t in tasks)
-            return most
+    async def load() -> dict[str, float]:
+        # At time scale 1, 4000 tokens take the seven running requests tens of seconds.
+        body = {"text": "hi", "stream": True,
+                "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+        started = asyncio.Semaphore(0)
 
-    assert 1 <= asyncio.run(load()) <= 7
+        async def stream(client: httpx.AsyncClient) -> None:
+            async with client.stream("POST", server.url + "/generate", json=body,
+                                     headers=HEADERS) as resp:
+                assert resp.status_code == 200
+                first = True
+                async for line in resp.aiter_lines():  # read on: a stream left goes away
+                    if first and line.startswith("data:"):
+                        first = False
+                        started.release()
+
+        async with httpx.AsyncClient(timeout=60) as client:
+            tasks = [asyncio.ensure_future(stream(client)) for _ in range(12)]
+            try:
+                for _ in range(7):
+                    await asyncio.wait_for(started.acquire(), 60)
+                return await asyncio.to_thread(metrics, server)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    seen = asyncio.run(load())
+    assert (seen["sglang:num_running_reqs"], seen["sglang:num_queue_reqs"]) == (7, 5)
     # What SGLang logs as its pool runs full (the study's launch warns of it).
     assert wait_until(lambda: "KV cache pool is full. Retract requests." in server.stderr, 10)
 
