@@ -924,12 +924,46 @@ def confirm_chance(result: LaunchResult, baseline: LaunchResult, batch: int,
         s = _spread(result, baseline, key, noise)
         if s.mean <= 0:
             return 0.0
-        own, base = s.own_sd ** 2, max(s.sd ** 2 - s.own_sd ** 2, 0.0)
-        reach = Z_LOWER * math.sqrt(own * n_tree / max(tree_cap, n_tree)
-                                    + base * n_base / max(base_cap, n_base))
+        reach = _reach(s, n_tree, max(tree_cap, n_tree), n_base, max(base_cap, n_base))
         margin = math.log(s.mean) - floor - reach
         chance *= (float(stats.norm.cdf(margin / s.sd)) if s.sd > 0 else float(margin >= 0))
     return chance
+
+
+def proof_launches(result: LaunchResult, baseline: LaunchResult, batch: int,
+                   datasets: list[str], tolerance: float, noise: StudyNoise,
+                   tree_cap: int, base_cap: int, criterion: Criterion = THROUGHPUT) -> int:
+    """How many more launches, the tree's and the baseline's, until the 99% bound's reach
+    (as `confirm_chance` counts it) fits within every dataset's measured margin over the
+    floor, the baseline launched first while it has fewer (`Planner._baseline_due`); all
+    that the caps allow when none fits. At least one: a tree is confirmed by a launch of
+    its own or the baseline's."""
+    floor = math.log(floor_of(tolerance))
+    n_tree, n_base = launches_of(result), launches_of(baseline)
+    spreads = [_spread(result, baseline, key, noise) for key in criterion.cells(datasets, batch)]
+    if any(s.mean <= 0 for s in spreads):
+        return max(tree_cap - n_tree, 0) + max(base_cap - n_base, 0) or 1
+    tree, base, extra = n_tree, n_base, 0
+    while extra == 0 or any(math.log(s.mean) - floor < _reach(s, n_tree, tree, n_base, base)
+                            for s in spreads):
+        if base < min(tree, base_cap):
+            base += 1
+        elif tree < tree_cap:
+            tree += 1
+        elif base < base_cap:
+            base += 1
+        else:
+            break
+        extra += 1
+    return max(extra, 1)
+
+
+def _reach(spread: _Spread, n_tree: int, tree: int, n_base: int, base: int) -> float:
+    """The 99% bound's reach below a speedup's log measured on `n_tree` launches of the
+    tree and `n_base` of the baseline, once they have `tree` and `base`: each one's error
+    shrinks with its own launches."""
+    own, other = spread.own_sd ** 2, max(spread.sd ** 2 - spread.own_sd ** 2, 0.0)
+    return Z_LOWER * math.sqrt(own * n_tree / tree + other * n_base / base)
 
 
 def estimated_verdict(config: ServerConfig, batch: int, datasets: list[str], tolerance: float,

@@ -63,6 +63,7 @@ from treetune.study.evidence import (
     noise_of,
     odd_launch,
     places,
+    proof_launches,
     relative_variance,
     study_noise,
     window_spread,
@@ -115,7 +116,9 @@ class Candidate(NamedTuple):
     """A tree that another launch (its own, or the baseline's before it) could make a
     recommendation (`Planner._unsettled`)."""
 
-    gain: float  # over the best confirmed tree, weighed by its chance of proof
+    # Over the best confirmed tree, weighed by its chance of proof, per launch the proof
+    # needs (`Planner._worth`).
+    gain: float
     key: str
     batch: int
     names: tuple[str, ...]  # the workload
@@ -496,7 +499,8 @@ class Planner:
         confirmed: measured above the best confirmed tree, or plausible on its launch(es)
         and ranked above it with the model's `estimates` blended in; returns whether any
         tree is plausible there. The gain is weighed by the chance that the tree's and the
-        baseline's launches, up to their caps, can prove it (`confirm_chance`): a tree at
+        baseline's launches, up to their caps, can prove it, per launch the proof needs
+        (`_worth`): a tree at
         the floor on one dataset leads the mean where the constraint binds, and no launches
         the caps allow confirm it (a traced binding-floor study re-measured such trees for
         25 launches and recommended no speculation, half the best, to the end;
@@ -529,8 +533,8 @@ class Planner:
 
         # Another launch could make these a recommendation.
         open_ = {key: v for key, v in verdicts.items() if v.unsettled and launchable(key)}
-        chance = functools.cache(lambda key: self._chance(key, batch, names, noise, cap))
-        candidates += [Candidate((v.mean - best) * chance(key), key, batch, names, cap)
+        worth = functools.cache(lambda key: self._worth(key, batch, names, noise, cap))
+        candidates += [Candidate((v.mean - best) * worth(key), key, batch, names, cap)
                        for key, v in open_.items() if v.mean > best]
         # A tree plausible but unconfirmed, below the best confirmed one as measured but
         # above it as recommendations rank (the model, pooling every launch, blended in):
@@ -544,18 +548,31 @@ class Planner:
             ranked = {key: self._verdict(self.results[key], batch, names, noise, model)
                       for key, v in verdicts.items() if v.confirmed or key in behind}
             leader = max((v.rank for v in ranked.values() if v.confirmed), default=1.0)
-            candidates += [Candidate((ranked[key].rank - leader) * chance(key), key, batch,
+            candidates += [Candidate((ranked[key].rank - leader) * worth(key), key, batch,
                                      names, cap)
                            for key in behind if ranked[key].rank > leader]
         return any(v.plausible for v in verdicts.values())
 
-    def _chance(self, key: str, batch: int, names: tuple[str, ...], noise: StudyNoise,
-                cap: int) -> float:
-        """`confirm_chance` of a measured tree over workload `names` at `batch`, the tree
-        and the baseline given up to `cap` launches each (`_baseline_first`)."""
+    def _worth(self, key: str, batch: int, names: tuple[str, ...], noise: StudyNoise,
+               cap: int) -> float:
+        """What a launch toward proving a measured tree over workload `names` at `batch` is
+        worth per unit of its gain: the chance that the tree and the baseline, given up to
+        `cap` launches each (`_baseline_first`), prove it (`confirm_chance`), over the
+        launches that proof needs at today's means (`proof_launches`). A gain one launch
+        away goes before a larger one three launches away: in a traced dense-band study
+        batch 32's first tree, three launches from its proof, went first, and batch 1's
+        best tree, one launch from its own, was never proven; weighed per launch, it was
+        proven at launch 9 and the study reached its target at 14 (benchmarks/RESULTS.md,
+        stop 89)."""
         assert self.baseline is not None
-        return confirm_chance(self.results[key], self.baseline, batch, list(names),
-                              self.spec.tolerance, noise, cap, cap, self.spec.criterion)
+        result, names_ = self.results[key], list(names)
+        chance = confirm_chance(result, self.baseline, batch, names_, self.spec.tolerance,
+                                noise, cap, cap, self.spec.criterion)
+        if chance <= 0:
+            return 0.0
+        return chance / proof_launches(result, self.baseline, batch, names_,
+                                       self.spec.tolerance, noise, cap, cap,
+                                       self.spec.criterion)
 
     def _verdict(self, result: LaunchResult, batch: int, names: tuple[str, ...],
                  noise: StudyNoise, model: Estimates | None = None) -> Verdict:
