@@ -500,11 +500,10 @@ class Planner:
         and ranked above it with the model's `estimates` blended in; returns whether any
         tree is plausible there. The gain is weighed by the chance that the tree's and the
         baseline's launches, up to their caps, can prove it, per launch the proof needs
-        (`_worth`): a tree at
-        the floor on one dataset leads the mean where the constraint binds, and no launches
-        the caps allow confirm it (a traced binding-floor study re-measured such trees for
-        25 launches and recommended no speculation, half the best, to the end;
-        benchmarks/RESULTS.md, stop 59)."""
+        (`_worth`): a tree at the floor on one dataset leads the mean where the constraint
+        binds, and no launches the caps allow confirm it (a traced binding-floor study
+        re-measured such trees for 25 launches and recommended no speculation, half the
+        best, to the end; benchmarks/RESULTS.md, stop 59)."""
         assert self.baseline is not None
         verdicts = {key: self._verdict(result, batch, names, noise)
                     for key, result in self.results.items()
@@ -565,12 +564,12 @@ class Planner:
         proven at launch 9 and the study reached its target at 14 (benchmarks/RESULTS.md,
         stop 89)."""
         assert self.baseline is not None
-        result, names_ = self.results[key], list(names)
-        chance = confirm_chance(result, self.baseline, batch, names_, self.spec.tolerance,
+        result, datasets = self.results[key], list(names)
+        chance = confirm_chance(result, self.baseline, batch, datasets, self.spec.tolerance,
                                 noise, cap, cap, self.spec.criterion)
         if chance <= 0:
             return 0.0
-        return chance / proof_launches(result, self.baseline, batch, names_,
+        return chance / proof_launches(result, self.baseline, batch, datasets,
                                        self.spec.tolerance, noise, cap, cap,
                                        self.spec.criterion)
 
