@@ -36,7 +36,6 @@ from treetune.study.evidence import (
     QUIET_MIX,
     StudyNoise,
     Verdict,
-    confirm_chance,
     doubted,
     intervals,
     judge,
@@ -44,7 +43,7 @@ from treetune.study.evidence import (
     learned_cv,
     merge,
     merge_all,
-    proof_launches,
+    proof_outlook,
 )
 from treetune.study.offline import Noise, run_offline, simulate_launch
 from treetune.study.planner import (
@@ -1396,13 +1395,30 @@ def test_a_misfit_models_estimate_of_a_measured_tree_is_corrected_as_the_other_t
     assert max(moved) > 1e-4
 
 
-def proof_of(measure, tput, caps):
-    """`measure` (`confirm_chance` or `proof_launches`) of a tree measured at `tput` on one
-    launch against one baseline launch at 100, under the stated 3% launch noise, the tree
-    and the baseline allowed `caps` launches."""
+def proof_of(tput, caps):
+    """`proof_outlook` of a tree measured at `tput` on one launch against one baseline
+    launch at 100, under the stated 3% launch noise, the tree and the baseline allowed
+    `caps` launches."""
     base = launch(BASELINE, 100.0, (99.8, 100, 100.2))
     tree = launch(TreeConfig(3, 1, 4), tput, (tput - 0.2, tput, tput + 0.2))
-    return measure(tree, base, 1, ["humaneval"], 0.0, StudyNoise.prior(0.03), *caps)
+    return proof_outlook(tree, base, 1, ["humaneval"], 0.0, StudyNoise.prior(0.03), *caps)
+
+
+TWO_DATASETS = ["humaneval", "mt-bench"]
+
+
+def two_datasets(config, humaneval, mt_bench):
+    """A launch of `config` measured on humaneval and mt-bench at batch 1."""
+    return LaunchResult(config, ok=True, cells=[
+        cell("humaneval", 1, humaneval, (humaneval - 0.2, humaneval, humaneval + 0.2)),
+        cell("mt-bench", 1, mt_bench, (mt_bench - 0.2, mt_bench, mt_bench + 0.2))])
+
+
+def two_dataset_planner(launches):
+    """A TPE study of humaneval and mt-bench at batch 1 that has run `launches`."""
+    spec = one_dataset_study(datasets=TWO_DATASETS)
+    return Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
+                   load_space("narrow"), launches)
 
 
 def test_the_chance_of_a_proof_grows_with_the_margin_and_with_the_launches_allowed():
@@ -1411,7 +1427,7 @@ def test_the_chance_of_a_proof_grows_with_the_margin_and_with_the_launches_allow
     truly sit 5% above, or below), one measured 15% above all but sure; more launches
     allowed, more chance."""
     def chance(tput, caps=(6, 3)):
-        return proof_of(confirm_chance, tput, caps)
+        return proof_of(tput, caps).chance
 
     by_margin = [chance(t) for t in (100.5, 104.0, 108.0, 115.0)]
     assert by_margin == sorted(by_margin) and len(set(by_margin)) == 4
@@ -1425,7 +1441,7 @@ def test_the_launches_a_proof_needs_fall_with_the_margin_and_stop_at_the_caps():
     measured 15% above the floor needs one more launch, one measured a few percent above
     needs several, one at the floor all that the caps allow (it cannot be proven there)."""
     def needs(tput, caps=(6, 3)):
-        return proof_of(proof_launches, tput, caps)
+        return proof_of(tput, caps).launches
 
     by_margin = [needs(t) for t in (100.5, 106.0, 109.0, 115.0)]
     assert by_margin == sorted(by_margin, reverse=True) and len(set(by_margin)) >= 3
@@ -1439,29 +1455,18 @@ def test_a_tree_a_launch_from_its_proof_goes_before_a_faster_one_many_launches_a
     dataset needs the tree and the baseline at their caps. Weighed by the chance of
     proof alone the far one went first, and a traced dense-band study never proved batch
     1's best tree, a launch from its proof, so (benchmarks/RESULTS.md, stop 89)."""
-    spec = load_study(None, {"name": "c", "model": "m", "draft": "d",
-                             "datasets": ["humaneval", "mt-bench"], "batch": [1],
-                             "space": "narrow", "search": {"strategy": "tpe"}})
     safe, near, far = TreeConfig(3, 1, 4), TreeConfig(2, 1, 3), TreeConfig(1, 1, 2)
-
-    def both(config, humaneval, mt_bench):
-        return LaunchResult(config, ok=True, cells=[
-            cell("humaneval", 1, humaneval, (humaneval - 0.2, humaneval, humaneval + 0.2)),
-            cell("mt-bench", 1, mt_bench, (mt_bench - 0.2, mt_bench, mt_bench + 0.2))])
-
-    launches = [both(BASELINE, 100.0, 100.0), both(BASELINE, 101.0, 101.0),
-                both(safe, 111.0, 111.0), both(safe, 112.0, 112.0),
-                both(near, 116.0, 116.0), both(far, 170.0, 104.0)]
-    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
-                      load_space("narrow"), launches)
-    noise, names = planner.noise(), ["humaneval", "mt-bench"]
-    limit = spec.search.max_launches_per_config
-    verdicts = {c: judge(planner.results[config_key(c)], planner.baseline, 1, names, 0.0,
-                         noise, None, 2) for c in (safe, near, far)}
-    chance = {c: confirm_chance(planner.results[config_key(c)], planner.baseline, 1, names,
-                                0.0, noise, limit, limit) for c in (near, far)}
-    needs = {c: proof_launches(planner.results[config_key(c)], planner.baseline, 1, names,
-                               0.0, noise, limit, limit) for c in (near, far)}
+    planner = two_dataset_planner([
+        two_datasets(BASELINE, 100.0, 100.0), two_datasets(BASELINE, 101.0, 101.0),
+        two_datasets(safe, 111.0, 111.0), two_datasets(safe, 112.0, 112.0),
+        two_datasets(near, 116.0, 116.0), two_datasets(far, 170.0, 104.0)])
+    noise, limit = planner.noise(), planner.spec.search.max_launches_per_config
+    verdicts = {c: judge(planner.results[config_key(c)], planner.baseline, 1, TWO_DATASETS,
+                         0.0, noise, None, 2) for c in (safe, near, far)}
+    outlook = {c: proof_outlook(planner.results[config_key(c)], planner.baseline, 1,
+                                TWO_DATASETS, 0.0, noise, limit, limit) for c in (near, far)}
+    chance = {c: o.chance for c, o in outlook.items()}
+    needs = {c: o.launches for c, o in outlook.items()}
     # The premise: the safe tree confirmed, the other two not; by gain times chance the
     # far one leads, by that per launch its proof needs the near one.
     assert verdicts[safe].confirmed
@@ -1470,7 +1475,7 @@ def test_a_tree_a_launch_from_its_proof_goes_before_a_faster_one_many_launches_a
     assert gain[far] > 2 * gain[near]
     assert needs[near] == 1 and needs[far] >= 3
     assert gain[far] / needs[far] < gain[near]
-    remeasures(planner, (near, both(near, 116.0, 116.0)))
+    remeasures(planner, (near, two_datasets(near, 116.0, 116.0)))
 
 
 def test_where_no_tree_is_confirmed_the_one_its_launches_can_prove_is_measured_again():
@@ -1479,29 +1484,19 @@ def test_where_no_tree_is_confirmed_the_one_its_launches_can_prove_is_measured_a
     measured fastest on average: a tree at the floor on one dataset cannot be proven by
     any launches the cap allows (a binding-floor study spent 25 launches on such trees
     and recommended no speculation, 0.50 of the best, from start to end)."""
-    spec = load_study(None, {"name": "c", "model": "m", "draft": "d",
-                             "datasets": ["humaneval", "mt-bench"], "batch": [1],
-                             "space": "narrow", "search": {"strategy": "tpe"}})
     safe, edgy = TreeConfig(3, 1, 4), TreeConfig(2, 1, 3)
-
-    def both(config, humaneval, mt_bench):
-        return LaunchResult(config, ok=True, cells=[
-            cell("humaneval", 1, humaneval, (humaneval - 0.2, humaneval, humaneval + 0.2)),
-            cell("mt-bench", 1, mt_bench, (mt_bench - 0.2, mt_bench, mt_bench + 0.2))])
-
-    launches = [both(BASELINE, 100.0, 100.0), both(BASELINE, 101.0, 101.0),
-                both(safe, 111.0, 111.0), both(edgy, 131.0, 102.0)]
-    planner = Planner(spec, StudyStore(spec, storage=optuna.storages.InMemoryStorage()),
-                      load_space("narrow"), launches)
+    planner = two_dataset_planner([
+        two_datasets(BASELINE, 100.0, 100.0), two_datasets(BASELINE, 101.0, 101.0),
+        two_datasets(safe, 111.0, 111.0), two_datasets(edgy, 131.0, 102.0)])
     noise = planner.noise()
     verdicts = {c: judge(planner.results[config_key(c)], planner.baseline, 1,
-                         ["humaneval", "mt-bench"], 0.0, noise, None, 2)
+                         TWO_DATASETS, 0.0, noise, None, 2)
                 for c in (safe, edgy)}
     # The premise: both unsettled (plausible, not confirmed), the edgy one faster on
     # average.
     assert all(v.plausible and not v.confirmed for v in verdicts.values())
     assert verdicts[edgy].mean > verdicts[safe].mean
-    remeasures(planner, (safe, both(safe, 110.0, 110.0)))
+    remeasures(planner, (safe, two_datasets(safe, 110.0, 110.0)))
 
 
 def test_a_resumed_study_tells_the_batch_studies_the_trees_measured_before_its_baseline():

@@ -31,7 +31,7 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from scipy import stats
 
@@ -910,39 +910,36 @@ def judge(result: LaunchResult, baseline: LaunchResult, batch: int, datasets: li
                    needs_launches, statistics.fmean(sd for _, sd in blends))
 
 
-def confirm_chance(result: LaunchResult, baseline: LaunchResult, batch: int,
-                   datasets: list[str], tolerance: float, noise: StudyNoise,
-                   tree_cap: int, base_cap: int, criterion: Criterion = THROUGHPUT) -> float:
+class ProofOutlook(NamedTuple):
+    """What proving a measured tree feasible looks like from its measurements so far
+    (`proof_outlook`)."""
+
+    chance: float  # that its launches, up to their caps, can prove it
+    launches: int  # more launches (the tree's and the baseline's) the proof needs
+
+
+def proof_outlook(result: LaunchResult, baseline: LaunchResult, batch: int,
+                  datasets: list[str], tolerance: float, noise: StudyNoise,
+                  tree_cap: int, base_cap: int, criterion: Criterion = THROUGHPUT
+                  ) -> ProofOutlook:
     """The chance that a measured tree is feasible by a margin its launches can prove: on
     every dataset, that its true speedup clears the floor by the 99% bound's reach once
     the tree has `tree_cap` launches and the baseline `base_cap` (the tree's own error and
-    the baseline's shrink with their launches), as the measurements so far say."""
-    floor = math.log(floor_of(tolerance))
-    n_tree, n_base = launches_of(result), launches_of(baseline)
-    chance = 1.0
-    for key in criterion.cells(datasets, batch):
-        s = _spread(result, baseline, key, noise)
-        if s.mean <= 0:
-            return 0.0
-        reach = _reach(s, n_tree, max(tree_cap, n_tree), n_base, max(base_cap, n_base))
-        margin = math.log(s.mean) - floor - reach
-        chance *= (float(stats.norm.cdf(margin / s.sd)) if s.sd > 0 else float(margin >= 0))
-    return chance
-
-
-def proof_launches(result: LaunchResult, baseline: LaunchResult, batch: int,
-                   datasets: list[str], tolerance: float, noise: StudyNoise,
-                   tree_cap: int, base_cap: int, criterion: Criterion = THROUGHPUT) -> int:
-    """How many more launches, the tree's and the baseline's, until the 99% bound's reach
-    (as `confirm_chance` counts it) fits within every dataset's measured margin over the
-    floor, the baseline launched first while it has fewer (`Planner._baseline_due`); all
-    that the caps allow when none fits. At least one: a tree is confirmed by a launch of
-    its own or the baseline's."""
+    the baseline's shrink with their launches), as the measurements so far say. And how
+    many more launches until that reach fits within every dataset's measured margin over
+    the floor, the baseline launched first while it has fewer (`Planner._baseline_due`);
+    all that the caps allow when none fits; at least one, a launch of its own or the
+    baseline's."""
     floor = math.log(floor_of(tolerance))
     n_tree, n_base = launches_of(result), launches_of(baseline)
     spreads = [_spread(result, baseline, key, noise) for key in criterion.cells(datasets, batch)]
     if any(s.mean <= 0 for s in spreads):
-        return max(tree_cap - n_tree, 0) + max(base_cap - n_base, 0) or 1
+        return ProofOutlook(0.0, max(tree_cap - n_tree, 0) + max(base_cap - n_base, 0) or 1)
+    chance = 1.0
+    for s in spreads:
+        reach = _reach(s, n_tree, max(tree_cap, n_tree), n_base, max(base_cap, n_base))
+        margin = math.log(s.mean) - floor - reach
+        chance *= (float(stats.norm.cdf(margin / s.sd)) if s.sd > 0 else float(margin >= 0))
     tree, base, extra = n_tree, n_base, 0
     while extra == 0 or any(math.log(s.mean) - floor < _reach(s, n_tree, tree, n_base, base)
                             for s in spreads):
@@ -955,7 +952,7 @@ def proof_launches(result: LaunchResult, baseline: LaunchResult, batch: int,
         else:
             break
         extra += 1
-    return max(extra, 1)
+    return ProofOutlook(chance, max(extra, 1))
 
 
 def _reach(spread: _Spread, n_tree: int, tree: int, n_base: int, base: int) -> float:

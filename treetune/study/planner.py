@@ -47,7 +47,6 @@ from treetune.study.evidence import (
     StudyNoise,
     Trend,
     Verdict,
-    confirm_chance,
     doubted,
     floor_of,
     intervals,
@@ -63,7 +62,7 @@ from treetune.study.evidence import (
     noise_of,
     odd_launch,
     places,
-    proof_launches,
+    proof_outlook,
     relative_variance,
     study_noise,
     window_spread,
@@ -556,22 +555,16 @@ class Planner:
                cap: int) -> float:
         """What a launch toward proving a measured tree over workload `names` at `batch` is
         worth per unit of its gain: the chance that the tree and the baseline, given up to
-        `cap` launches each (`_baseline_first`), prove it (`confirm_chance`), over the
-        launches that proof needs at today's means (`proof_launches`). A gain one launch
-        away goes before a larger one three launches away: in a traced dense-band study
-        batch 32's first tree, three launches from its proof, went first, and batch 1's
-        best tree, one launch from its own, was never proven; weighed per launch, it was
-        proven at launch 9 and the study reached its target at 14 (benchmarks/RESULTS.md,
-        stop 89)."""
+        `cap` launches each (`_baseline_first`), prove it, over the launches that proof
+        needs at today's means (`proof_outlook`). A gain one launch away goes before a
+        larger one three launches away: in a traced dense-band study batch 32's first
+        tree, three launches from its proof, went first, and batch 1's best tree, one
+        launch from its own, was never proven; weighed per launch, it was proven at launch
+        9 and the study reached its target at 14 (benchmarks/RESULTS.md, stop 89)."""
         assert self.baseline is not None
-        result, datasets = self.results[key], list(names)
-        chance = confirm_chance(result, self.baseline, batch, datasets, self.spec.tolerance,
-                                noise, cap, cap, self.spec.criterion)
-        if chance <= 0:
-            return 0.0
-        return chance / proof_launches(result, self.baseline, batch, datasets,
-                                       self.spec.tolerance, noise, cap, cap,
-                                       self.spec.criterion)
+        outlook = proof_outlook(self.results[key], self.baseline, batch, list(names),
+                                self.spec.tolerance, noise, cap, cap, self.spec.criterion)
+        return outlook.chance / outlook.launches
 
     def _verdict(self, result: LaunchResult, batch: int, names: tuple[str, ...],
                  noise: StudyNoise, model: Estimates | None = None) -> Verdict:
