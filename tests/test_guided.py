@@ -44,6 +44,7 @@ from treetune.study.evidence import (
     merge,
     merge_all,
     proof_outlook,
+    proof_reach,
 )
 from treetune.study.offline import Noise, run_offline, simulate_launch
 from treetune.study.planner import (
@@ -1497,6 +1498,51 @@ def test_where_no_tree_is_confirmed_the_one_its_launches_can_prove_is_measured_a
     assert all(v.plausible and not v.confirmed for v in verdicts.values())
     assert verdicts[edgy].mean > verdicts[safe].mean
     remeasures(planner, (safe, two_datasets(safe, 110.0, 110.0)))
+
+
+def test_a_tree_measured_clear_of_the_floor_by_the_proofs_reach_is_even_odds_at_the_caps():
+    """`proof_reach` is how far below a measurement the bound reaches once the tree and the
+    baseline have the per-config limit of launches: a tree measured that far above the
+    floor has its bound at the floor then, as `proof_outlook` forecasts it."""
+    base = launch(BASELINE, 100.0, (99.8, 100, 100.2))
+    reach = proof_reach(base, 1, ["humaneval"], StudyNoise.prior(0.03), 3)
+    # 3% per launch, three launches of each: 2.326 x 0.03 x sqrt(2 / 3).
+    assert reach == pytest.approx(2.326 * 0.03 * math.sqrt(2 / 3), rel=0.02)
+    below, above = (proof_of(100 * math.exp(reach * f), (3, 3)).chance for f in (0.9, 1.1))
+    assert below < 0.5 < above
+
+
+def test_late_in_a_study_a_tree_the_proof_can_reach_goes_before_a_faster_one_it_cannot():
+    """At batch 32 the measured tree and the fastest untried one clear sharegpt by 3%,
+    inside the proof's reach (7%), and a tree 7% slower on average clears it by 12%. Past
+    PROVABLE_AFTER launches the proposal is that tree: its gain over no speculation (no
+    measured tree is provable) is larger than the fast one's over the measured tree.
+    Before then, or with no proof in view, or once a provable tree is measured, the fast
+    one."""
+    name = "qwen3-8b-h100"
+    truth = load_profile(name)
+    planner = run_offline(study(name), PerfModel(truth, truth.tp), seed=0, launches=4,
+                          noise=Noise(0.03, 0.03))
+    strategy = planner.strategy
+    assert strategy.fit.datasets[0] == "sharegpt" and strategy.fit.batches == [1, 32]
+    measured, fast, safe, sure = (TreeConfig(3, 1, 4), TreeConfig(5, 2, 8), TreeConfig(4, 2, 8),
+                                  TreeConfig(3, 2, 6))
+    at_32 = {measured: [1.03, 2.0, 2.2, 2.1], fast: [1.03, 2.1, 2.3, 2.2],
+             safe: [1.12, 1.9, 2.1, 2.0], sure: [1.12, 1.95, 2.15, 2.05]}
+
+    def pick(trees, reach=0.07, after=0):
+        table = {c: {1: [0.9] * 4, 32: list(v)} for c, v in at_32.items()}
+        strategy.context = dataclasses.replace(strategy.context, proof_reach=lambda b: reach)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(model_strategy, "PROVABLE_AFTER", after)
+            untried = [c for c in (fast, safe) if c not in trees]
+            gain, config = strategy._gain_over(table, untried, trees, [(0, 1, 2, 3)], set())
+        return config, round(gain, 3)
+
+    assert pick([measured]) == (safe, 1.78)
+    assert strategy._launched() == 4 and pick([measured], after=12)[0] == fast
+    assert pick([measured], reach=0.0) == (fast, round(1.9075 / 1.8325, 3))
+    assert pick([measured, sure])[0] == fast
 
 
 def test_a_resumed_study_tells_the_batch_studies_the_trees_measured_before_its_baseline():

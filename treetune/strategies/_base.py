@@ -72,6 +72,11 @@ class SearchContext:
     # study's learned noise: how far a model may be off before it is misfit.
     measurement_variance: Callable[[LaunchResult, LaunchResult, int, str], float] = (
         lambda result, baseline, batch, dataset: 0.03 ** 2 * 2)
+    # How far (log) below a tree's measured speedup at a batch size the feasibility bound
+    # reaches once the tree and the baseline have the per-config limit of launches each, at
+    # the study's learned noise: a tree predicted clear of the floor by this much can be
+    # proven in the launches a config may have (0: no proof is in view).
+    proof_reach: Callable[[int], float] = lambda batch: 0.0
     max_batch: int = 1
     tp: int | None = None
     prior_why_not: str = ""  # why there is no prior, in one line, when there is none

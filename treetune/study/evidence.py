@@ -955,6 +955,18 @@ def proof_outlook(result: LaunchResult, baseline: LaunchResult, batch: int,
     return ProofOutlook(chance, max(extra, 1))
 
 
+def proof_reach(baseline: LaunchResult, batch: int, datasets: list[str], noise: StudyNoise,
+                launches: int) -> float:
+    """How far (log) the feasibility bound (Z_LOWER) reaches below a speedup at `batch`
+    measured on `launches` launches of a tree and as many of the baseline, each launch as
+    noisy as the baseline's own (its launch factor and sub-windows at `noise`): the widest
+    over the datasets."""
+    n = launches_of(baseline)
+    per_launch = max((relative_variance(cell, noise) * n for d in datasets
+                      if (cell := baseline.cell(d, batch)) is not None), default=0.0)
+    return Z_LOWER * math.sqrt(2 * per_launch / launches)
+
+
 def _reach(spread: _Spread, n_tree: int, tree: int, n_base: int, base: int) -> float:
     """The 99% bound's reach below a speedup's log measured on `n_tree` launches of the
     tree and `n_base` of the baseline, once they have `tree` and `base`: each one's error

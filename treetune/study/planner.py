@@ -63,6 +63,7 @@ from treetune.study.evidence import (
     odd_launch,
     places,
     proof_outlook,
+    proof_reach,
     relative_variance,
     study_noise,
     window_spread,
@@ -226,7 +227,8 @@ class Planner:
             space=space, studies=self.studies, batches=sorted(spec.batch),
             datasets=spec.dataset_names, tolerance=spec.tolerance, seed=spec.seed,
             is_known=self.is_known, evidence=self.evidence, prior=prior,
-            measurement_variance=self.measurement_variance, max_batch=spec.max_batch, tp=tp,
+            measurement_variance=self.measurement_variance, proof_reach=self.proof_reach,
+            max_batch=spec.max_batch, tp=tp,
             prior_why_not=why_not, pending=self.pending_trees,
             shapes=spec.request_shapes())
         self.strategy_name = strategies.resolve(spec.search.strategy, context)
@@ -357,6 +359,16 @@ class Planner:
             return math.inf
         return (relative_variance(cell, noise) + relative_variance(base, noise)
                 + leveling_variance(result, baseline, noise.launch_cv))
+
+    def proof_reach(self, batch: int) -> float:
+        """`SearchContext.proof_reach`: at the learned noise of throughput (what the model
+        strategy fits), the per-config limit of launches each; 0 before the baseline's
+        result."""
+        if self.baseline is None:
+            return 0.0
+        noise = study_noise(self.results.values(), self.spec.search.launch_cv)
+        return proof_reach(self.baseline, batch, self.spec.dataset_names, noise,
+                           self.spec.search.max_launches_per_config)
 
     def noise(self) -> StudyNoise:
         """The study's measurement noise of its objective, learned from its launches so
