@@ -18,7 +18,7 @@ from treetune.config import BASELINE, TreeConfig
 from treetune.perfmodel import PerfModel, Profile, Shape, load_profile
 from treetune.perfmodel.calibrate import get_value
 from treetune.perfmodel.prior import neutral_prior
-from treetune.results import CellResult, LaunchResult, config_key
+from treetune.results import CellResult, LaunchResult, config_key, launches_of
 from treetune.space import load_space
 from treetune.strategies import Estimate, Proposal
 from treetune.strategies import model as model_strategy
@@ -39,7 +39,6 @@ from treetune.study.evidence import (
     doubted,
     intervals,
     judge,
-    launches_of,
     learned_cv,
     merge,
     merge_all,

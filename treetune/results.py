@@ -125,6 +125,12 @@ class CellResult:
         return cls(**data)
 
 
+def launches_of(result: LaunchResult) -> int:
+    """How many successful launches a (merged) result holds."""
+    cell = result.cells[0] if result.cells else None
+    return max(1, len(cell.launch_tok_s)) if cell else 1
+
+
 def config_key(config: ServerConfig) -> str:
     """A stable text key: 'baseline', 'S,K,N' ('METHOD:S,K,N' for a tree of another
     draft method than the study's own, see TreeConfig.method), or 'adaptive:1=1.2|32=1.2'

@@ -36,7 +36,7 @@ from treetune.perfmodel.calibrate import (
     values_of,
 )
 from treetune.perfmodel.serving import Shape
-from treetune.results import LaunchResult, config_key
+from treetune.results import LaunchResult, config_key, launches_of
 from treetune.strategies._base import Estimate, Estimates, Proposal, SearchContext, register
 from treetune.strategies._misfit import Correction, Residual
 from treetune.strategies._trials import nearest_config
@@ -657,7 +657,7 @@ class ModelStrategy:
     def _launched(self) -> int:
         """The study's successful launches so far, the baseline's counted."""
         results, _ = self.context.evidence()
-        return sum(max(1, len(r.cells[0].launch_tok_s)) for r in results if r.ok and r.cells)
+        return sum(launches_of(r) for r in results if r.ok and r.cells)
 
 
 def _on(table: dict[TreeConfig, dict[int, list[float]]], config: TreeConfig, batch: int,

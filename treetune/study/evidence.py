@@ -37,7 +37,7 @@ from scipy import stats
 
 from treetune.config import BASELINE, ServerConfig
 from treetune.objectives import THROUGHPUT, CellKey, Criterion, Objective
-from treetune.results import CellResult, Latency, LaunchResult, config_key
+from treetune.results import CellResult, Latency, LaunchResult, config_key, launches_of
 from treetune.strategies import Estimate, Estimates
 
 if TYPE_CHECKING:
@@ -70,12 +70,6 @@ class Interval:
         """The standard error of log(speedup) that this interval spans (Z_INTERVAL each
         way)."""
         return (math.log(self.high) - math.log(self.low)) / (2 * Z_INTERVAL)
-
-
-def launches_of(result: LaunchResult) -> int:
-    """How many successful launches a (merged) result holds."""
-    cell = result.cells[0] if result.cells else None
-    return max(1, len(cell.launch_tok_s)) if cell else 1
 
 
 def merge(results: Iterable[LaunchResult]) -> LaunchResult:

@@ -36,7 +36,7 @@ from treetune.objectives import Objective
 from treetune.perfmodel import Profile, load_profile
 from treetune.perfmodel.prior import neutral_prior, with_datasets
 from treetune.perfmodel.profile import with_attention_dp, with_memory_share
-from treetune.results import LaunchResult, config_key
+from treetune.results import LaunchResult, config_key, launches_of
 from treetune.space import SearchSpace
 from treetune.strategies import BatchStudies, Proposal, SearchContext
 from treetune.strategies.model import ModelStrategy
@@ -51,7 +51,6 @@ from treetune.study.evidence import (
     floor_of,
     intervals,
     judge,
-    launches_of,
     leveled_launches,
     leveling_variance,
     merge,
