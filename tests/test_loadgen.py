@@ -260,6 +260,25 @@ def lag(cell: CellResult) -> str:
     return f"clock lag {cell.clock_lag_s} s, client lag {cell.client_lag_s} s"
 
 
+def latencies_add_up(cell: CellResult, tokens: int) -> None:
+    """The cell's latency percentiles against one another, for requests that each ran to
+    `tokens`: a request's end-to-end time is its TTFT plus `tokens - 1` TPOTs, so no e2e
+    percentile is below the same TTFT or `(tokens - 1)` TPOT percentile, and the median
+    request ends by the p90 TTFT plus `tokens - 1` p90 TPOTs (at most a tenth of the
+    requests wait longer for their first token, and a tenth decode slower). These hold
+    however wide the spread: a starved server or client stretches some requests and not
+    others, and then the medians no longer add up (beside a CPU hog, an open-loop cell's
+    median e2e once measured 1.25 s against 0.60 s for its TTFT's and TPOT's medians)."""
+    for latency in (cell.ttft, cell.tpot, cell.itl, cell.e2e):
+        assert latency is not None and 0 < latency.p50 <= latency.p90 <= latency.p99
+    decode = tokens - 1
+    for q in ("p50", "p90", "p99"):
+        e2e = getattr(cell.e2e, q)
+        assert e2e >= getattr(cell.ttft, q), q
+        assert e2e >= decode * getattr(cell.tpot, q) * (1 - 1e-9), q
+    assert cell.e2e.p50 <= cell.ttft.p90 + decode * cell.tpot.p90
+
+
 def on_time(*measured: CellResult) -> bool:
     """Whether the cells' timing can be held to the model: none is marked lagged (it ran
     late twice, as a study would measure it; a study warns of its latencies, and of its
@@ -348,13 +367,12 @@ def test_a_closed_loop_cell_also_has_itl_e2e_its_request_rate_and_the_servers_cl
     cell = cells("tree", 8).cell
     assert (cell.rate, cell.arrival, cell.goodput, cell.slo) == (None, "", None, None)
     assert cell.request_rate == pytest.approx(cell.requests / cell.duration_s)
-    assert cell.itl is not None and cell.e2e is not None
-    assert cell.itl.p50 <= cell.itl.p90 <= cell.itl.p99
-    assert cell.ttft.p50 < cell.e2e.p50 <= cell.e2e.p90 <= cell.e2e.p99
-    # A 1024-token request: its end-to-end time is its first token plus 1023 at the TPOT.
-    assert cell.e2e.p50 == pytest.approx(cell.ttft.p50 + 1023 * cell.tpot.p50, rel=0.2)
+    latencies_add_up(cell, MAX_NEW_TOKENS)
+    # On time, the requests run alike: the medians add up too.
+    if on_time(cell):  # marked lagged only if it lagged
+        assert cell.e2e.p50 == pytest.approx(cell.ttft.p50 + 1023 * cell.tpot.p50,
+                                             rel=0.2), lag(cell)
     assert cell.clock_lag_s is not None and cell.clock_lag_s >= 0
-    on_time(cell)  # marked lagged only if it lagged
     assert cell.client_lag_s is not None and cell.client_lag_s >= 0  # its own heartbeat
 
 
@@ -393,14 +411,20 @@ IMPOSSIBLE = Slo(ttft_ms=0.001)
 
 @pytest.fixture(scope="module")
 def open_cell(tree_url: str) -> Callable[..., CellResult]:
-    """measure_open_cell on the tree server at RATE for OPEN_S (memoized)."""
+    """measure_open_cell on the tree server at RATE for OPEN_S (memoized), watched as a
+    study watches its cells (see `cells`)."""
     done: dict[tuple[str, Slo | None], CellResult] = {}
 
     def cell(arrival: str, slo: Slo | None = None) -> CellResult:
         if (arrival, slo) not in done:
-            done[arrival, slo] = call(tree_url, lambda c: measure_open_cell(
-                c, SHORT, RATE, duration_s=OPEN_S, max_requests=1000, arrival=arrival,
-                seed=5, ignore_eos=True, slo=slo), api=EMULATOR_API)
+            async def measure(client: ServerClient) -> CellResult:
+                result, _ = await measure_watched(
+                    lambda: measure_open_cell(
+                        client, SHORT, RATE, duration_s=OPEN_S, max_requests=1000,
+                        arrival=arrival, seed=5, ignore_eos=True, slo=slo),
+                    MAX_LAG_S, EMULATOR_API.clock_lag_hint, TIME_SCALE, speculative=True)
+                return result
+            done[arrival, slo] = call(tree_url, measure, api=EMULATOR_API)
         return done[arrival, slo]
     return cell
 
@@ -424,12 +448,15 @@ def test_an_open_loop_cell_completes_every_scheduled_request_at_about_the_asked_
 
 def test_an_open_loop_cells_latency_percentiles_are_ordered_and_consistent(open_cell):
     cell = open_cell("poisson")
-    for latency in (cell.ttft, cell.tpot, cell.itl, cell.e2e):
-        assert latency is not None and 0 < latency.p50 <= latency.p90 <= latency.p99
-    assert cell.ttft.p50 < cell.e2e.p50 < 2.0
-    assert cell.e2e.p50 == pytest.approx(cell.ttft.p50 + 63 * cell.tpot.p50, rel=0.2)
-    # A chunk brings a round's accepted tokens: readers wait longer than a token's time.
-    assert cell.itl.p50 > cell.tpot.p50
+    latencies_add_up(cell, 64)
+    if on_time(cell):
+        # 64 tokens take about 0.36 server seconds (0.036 of wall time), the first 0.04.
+        assert cell.ttft.p50 < cell.e2e.p50 < 2.0, lag(cell)
+        assert cell.e2e.p50 == pytest.approx(cell.ttft.p50 + 63 * cell.tpot.p50,
+                                             rel=0.2), lag(cell)
+        # A chunk brings a round's accepted tokens: readers wait longer than a token's
+        # time (a starved client reads chunks that came apart in one go).
+        assert cell.itl.p50 > cell.tpot.p50, lag(cell)
 
 
 def test_an_open_loop_cells_goodput_counts_the_requests_within_its_slo(open_cell):
