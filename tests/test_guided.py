@@ -1645,3 +1645,28 @@ def test_a_study_whose_every_batch_outgrows_the_pools_still_fits_its_model(tmp_p
         backend={"kind": "emulator", "profile": "qwen3-30b-a3b-h100"}))
     planner = run_offline(spec, PerfModel(load_profile("qwen3-30b-a3b-h100"), 1), 1, 6)
     assert planner.strategy_name == "model" and planner.strategy.fit.result is not None
+
+
+def test_once_the_model_is_found_misfit_it_is_refitted_counting_large_misfits_less(
+        monkeypatch):
+    """The fit is least squares while the posterior predictive check finds the model
+    right, and soft-L1 beyond ROBUST_SCALE once it has found it misfit."""
+    name = "qwen3-8b-h100"
+    truth = load_profile(name)
+    planner = run_offline(study(name), PerfModel(truth, truth.tp), seed=0, launches=4,
+                          noise=Noise(0.03, 0.03))
+    strategy = planner.strategy
+    asked: list[float | None] = []
+    fitted = model_strategy.calibrate
+
+    def calibrate(*args, **kwargs):
+        asked.append(kwargs.get("robust"))
+        return fitted(*args, **kwargs)
+
+    monkeypatch.setattr(model_strategy, "calibrate", calibrate)
+    for misfit in (False, True):
+        asked.clear()
+        strategy.correction.misfit = misfit
+        strategy.fitted_on = (-1, -1)  # news: refitted
+        strategy.refresh()
+        assert asked and set(asked) == {model_strategy.ROBUST_SCALE if misfit else None}

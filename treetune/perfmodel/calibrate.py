@@ -567,15 +567,24 @@ def point_errors(profile: Profile, measurements: Sequence[Measurement]) -> list[
     return errors
 
 
+def _soft_l1(r: float, scale: float) -> float:
+    """A residual whose square is the soft-L1 loss of `r` at `scale`: `r` itself while
+    small, growing as the square root of |r| beyond `scale`."""
+    rho = 2 * scale * scale * (math.sqrt(1 + (r / scale) ** 2) - 1)
+    return math.copysign(math.sqrt(rho), r)
+
+
 class _Objective:
     """The residuals a fit minimises: data rows (launch effects, then per point its
     speedup and accept length, then each measured baseline) and a weak pull of every
     parameter towards its starting value."""
 
     def __init__(self, profile: Profile, measurements: Sequence[Measurement],
-                 params: Sequence[Parameter], speedup_weight: float) -> None:
+                 params: Sequence[Parameter], speedup_weight: float,
+                 robust: float | None = None) -> None:
         self.profile, self.measurements, self.params = profile, measurements, list(params)
         self.speedup_weight = speedup_weight
+        self.robust = robust
         self.low = np.array([_to_x(p, p.low) for p in self.params])
         self.high = np.array([_to_x(p, p.high) for p in self.params])
         self.x0 = np.clip([_to_x(p, get_value(profile, p.name)) for p in self.params],
@@ -603,7 +612,8 @@ class _Objective:
             out.append(w * np.sqrt(LAUNCH_SHRINK) * effect)
         for e, log_error in zip(errors, logs, strict=True):
             m = e.measurement
-            out.append(w * log_error)
+            out.append(w * (log_error if self.robust is None
+                            else _soft_l1(log_error, self.robust)))
             if m.accept_length is not None:
                 out.append((e.predicted_accept - m.accept_length) / m.accept_length)
         for (batch, dataset), measured in self.baselines.items():
@@ -727,28 +737,32 @@ def calibrate(
     max_nfev: int = 4000,
     tolerance: float = 1e-8,
     keep_unidentified: bool = False,
+    robust: float | None = None,
 ) -> CalibrationResult:
     """Least-squares fit of the free parameters; returns the fitted profile and errors.
 
     The fit is pulled weakly towards `profile`'s values and starts there, or at `start`
     (a previous fit, when refitting with more data). With `keep_unidentified`, only the
     parameters the points determine at `profile`'s values are fitted (see `identify`);
-    the rest keep `profile`'s values and are named in the result's `kept`."""
+    the rest keep `profile`'s values and are named in the result's `kept`. With `robust`
+    (log), a speedup's misfit beyond it counts by the soft-L1 loss instead of squared, so
+    that a few cells moved by an effect the model cannot express do not drag the fit."""
     params = list(parameters or free_parameters(profile, measurements))
     if not params:
         raise TreetuneError("nothing to fit: no free parameters selected")
     if not keep_unidentified:
         return _fit(profile, measurements, params, speedup_weight, starts, seed, start,
-                    max_nfev, tolerance)
+                    max_nfev, tolerance, robust=robust)
     ident = identify(profile, measurements, params, speedup_weight=speedup_weight)
     return _fit(profile, measurements, list(ident.fitted), speedup_weight, starts, seed,
-                start, max_nfev, tolerance, ident.kept_names)
+                start, max_nfev, tolerance, ident.kept_names, robust=robust)
 
 
 def _fit(profile: Profile, measurements: Sequence[Measurement], params: list[Parameter],
          speedup_weight: float, starts: int, seed: int, start: Profile | None,
-         max_nfev: int, tolerance: float, kept: tuple[str, ...] = ()) -> CalibrationResult:
-    objective = _Objective(profile, measurements, params, speedup_weight)
+         max_nfev: int, tolerance: float, kept: tuple[str, ...] = (),
+         robust: float | None = None) -> CalibrationResult:
+    objective = _Objective(profile, measurements, params, speedup_weight, robust)
     if not params:  # nothing the points determine: the profile as it is
         cost = 0.5 * float(np.sum(objective.data(objective.x0) ** 2))
         return CalibrationResult(profile, {}, point_errors(profile, measurements), cost,
