@@ -418,7 +418,7 @@ def cliff_points(jump: float) -> tuple[list[Measurement], list[tuple]]:
                     config, batch, dataset, model.throughput(BASELINE, batch, dataset),
                     model.throughput(config, batch, dataset) * (1 - jump if hit else 1.0),
                     accept_length=model.accept_length(config, dataset),
-                    launch=f"{config.label()}"))
+                    launch=config.label()))
                 if not hit:
                     spared.append((tree, batch, dataset))
     return points, spared
