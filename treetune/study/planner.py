@@ -351,8 +351,7 @@ class Planner:
     def measurement_variance(self, result: LaunchResult, baseline: LaunchResult, batch: int,
                              dataset: str) -> float:
         """Variance of one measured log speedup, from the study's learned noise."""
-        # Of throughput, whatever the objective: what the model strategy fits.
-        noise = study_noise(self.results.values(), self.spec.search.launch_cv)
+        noise = self._throughput_noise()
         cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
         if cell is None or base is None:
             return math.inf
@@ -365,9 +364,13 @@ class Planner:
         result."""
         if self.baseline is None:
             return 0.0
-        noise = study_noise(self.results.values(), self.spec.search.launch_cv)
-        return proof_reach(self.baseline, batch, self.spec.dataset_names, noise,
-                           self.spec.search.max_launches_per_config)
+        return proof_reach(self.baseline, batch, self.spec.dataset_names,
+                           self._throughput_noise(), self.spec.search.max_launches_per_config)
+
+    def _throughput_noise(self) -> StudyNoise:
+        """The study's learned noise of throughput, whatever the objective: what the model
+        strategy fits."""
+        return study_noise(self.results.values(), self.spec.search.launch_cv)
 
     def noise(self) -> StudyNoise:
         """The study's measurement noise of its objective, learned from its launches so
