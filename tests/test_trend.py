@@ -282,3 +282,30 @@ def test_a_launchs_time_is_when_it_started_not_when_it_finished(tmp_path):
     assert again.slope == pytest.approx(trend.slope) and again.se == pytest.approx(trend.se)
     assert merge_all(one)["baseline"].cells[0].output_tok_s == pytest.approx(
         merge_all(other)["baseline"].cells[0].output_tok_s)
+
+
+def test_the_learned_noise_a_refit_reads_follows_every_launch(tmp_path):
+    """The noise the model strategy's measurement variances come from is learned once per
+    state of the study, and a new launch (another baseline, a tree again) is learned from
+    at once: after each launch, the same variances as a planner resumed from those
+    launches, which learns afresh."""
+    spec, planner, truth = fresh(tmp_path)
+    rng = np.random.default_rng(3)
+    trees = list(load_space(spec.space).configs())[:3]
+    order = [BASELINE, *trees, BASELINE, trees[0], BASELINE, trees[1]]
+    seen: dict[str, int] = {}
+    variances = []
+    for config in order:
+        key = config_key(config)
+        planner.absorb(simulate_launch(truth, config, spec, rng, Noise(0.03, 0.01)),
+                       seen.get(key, 0))
+        seen[key] = seen.get(key, 0) + 1
+        resumed = Planner(spec, planner.store, load_space(spec.space), planner.launched)
+        baseline = planner.results[config_key(BASELINE)]
+        for result in planner.results.values():
+            for dataset in spec.dataset_names:
+                expected = resumed.measurement_variance(result, baseline, 1, dataset)
+                assert planner.measurement_variance(result, baseline, 1, dataset) == expected
+        variances.append(planner.measurement_variance(baseline, baseline, 1,
+                                                      spec.dataset_names[0]))
+    assert len(set(variances)) >= 3, variances

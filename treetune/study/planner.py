@@ -191,6 +191,9 @@ class Planner:
         # One per config, its launches merged, leveled by node and by a time trend.
         self.results: dict[str, LaunchResult] = {}
         self.trend: Trend | None = None  # the time trend the results are leveled by
+        # `_throughput_noise` and the `results` it was learned from.
+        self._noise_of: dict[str, LaunchResult] | None = None
+        self._noise = StudyNoise(spec.search.launch_cv)
         self._merge()
         self.in_flight: list[Task] = []
         self.deferred = 0  # re-measurements put off in a row for forecast gains
@@ -369,8 +372,12 @@ class Planner:
 
     def _throughput_noise(self) -> StudyNoise:
         """The study's learned noise of throughput, whatever the objective: what the model
-        strategy fits."""
-        return study_noise(self.results.values(), self.spec.search.launch_cv)
+        strategy fits. Learned once per state of `results` (`_merge` makes a new one): the
+        model strategy asks it for every measured cell of every refit."""
+        if self._noise_of is not self.results:
+            self._noise_of = self.results
+            self._noise = study_noise(self.results.values(), self.spec.search.launch_cv)
+        return self._noise
 
     def noise(self) -> StudyNoise:
         """The study's measurement noise of its objective, learned from its launches so
