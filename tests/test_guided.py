@@ -1670,3 +1670,26 @@ def test_once_the_model_is_found_misfit_it_is_refitted_counting_large_misfits_le
         strategy.fitted_on = (-1, -1)  # news: refitted
         strategy.refresh()
         assert asked and set(asked) == {model_strategy.ROBUST_SCALE if misfit else None}
+
+
+def test_the_models_rank_of_two_trees_is_never_surer_than_its_form_can_be():
+    """Near twins move together in every posterior draw, so the draws claim their order to
+    a tenth of a percent where, in a world the form does not follow (verify cliffs), it
+    is off between them by 1-2%. The estimates the ranks blend with the measurements take
+    RANK_SD_FLOOR's variance on top of the draws', in rank and in level alike."""
+    world = load_world("cliffs")
+    truth = world.model(world.profile.tp)
+    spec = study("qwen3-coder-next-h200", backend={"kind": "emulator", "world": "cliffs"})
+    planner = run_offline(spec, truth, seed=1, launches=10, noise=Noise(0.03, 0.03))
+    strategy = planner.strategy
+    trees = [r.config for r in planner.results.values() if isinstance(r.config, TreeConfig)]
+    floor = model_strategy.RANK_SD_FLOOR ** 2
+    drawn = model_estimates(strategy.fit, trees, np.random.default_rng(spec.seed))
+    # The premise: the draws alone claim some order finer than the floor.
+    assert min(e.rank_variance for e in drawn.values()) < floor / 4
+    estimates = strategy.estimates(trees)
+    assert set(estimates) == set(drawn)
+    for key, e in estimates.items():
+        # (Once the misfit check fires, the correction's variance comes on top.)
+        assert e.rank_variance >= (drawn[key].rank_variance + floor) * (1 - 1e-9)
+        assert e.variance >= e.rank_variance
