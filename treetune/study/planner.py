@@ -191,9 +191,6 @@ class Planner:
         # One per config, its launches merged, leveled by node and by a time trend.
         self.results: dict[str, LaunchResult] = {}
         self.trend: Trend | None = None  # the time trend the results are leveled by
-        # `_throughput_noise` and the `results` it was learned from.
-        self._noise_of: dict[str, LaunchResult] | None = None
-        self._noise = StudyNoise(spec.search.launch_cv)
         self._merge()
         self.in_flight: list[Task] = []
         self.deferred = 0  # re-measurements put off in a row for forecast gains
@@ -333,8 +330,8 @@ class Planner:
             return estimates
         # Of throughput, whatever the objective: what the estimates are of.
         return doubted(estimates, self.results.values(), self.baseline,
-                       study_noise(self.results.values(), self.spec.search.launch_cv,
-                                   learned=self.spec.search.learns_noise))
+                       dataclasses.replace(self._throughput_noise,
+                                           learned=self.spec.search.learns_noise))
 
     def decide(self) -> list[Recommendation]:
         """What the launches so far recommend (nothing before the baseline)."""
@@ -354,7 +351,7 @@ class Planner:
     def measurement_variance(self, result: LaunchResult, baseline: LaunchResult, batch: int,
                              dataset: str) -> float:
         """Variance of one measured log speedup, from the study's learned noise."""
-        noise = self._throughput_noise()
+        noise = self._throughput_noise
         cell, base = result.cell(dataset, batch), baseline.cell(dataset, batch)
         if cell is None or base is None:
             return math.inf
@@ -368,16 +365,7 @@ class Planner:
         if self.baseline is None:
             return 0.0
         return proof_reach(self.baseline, batch, self.spec.dataset_names,
-                           self._throughput_noise(), self.spec.search.max_launches_per_config)
-
-    def _throughput_noise(self) -> StudyNoise:
-        """The study's learned noise of throughput, whatever the objective: what the model
-        strategy fits. Learned once per state of `results` (`_merge` makes a new one): the
-        model strategy asks it for every measured cell of every refit."""
-        if self._noise_of is not self.results:
-            self._noise_of = self.results
-            self._noise = study_noise(self.results.values(), self.spec.search.launch_cv)
-        return self._noise
+                           self._throughput_noise, self.spec.search.max_launches_per_config)
 
     def noise(self) -> StudyNoise:
         """The study's measurement noise of its objective, learned from its launches so
@@ -1011,6 +999,9 @@ class Planner:
         leveled, self.trend = leveled_launches(self.launched, self.spec.search.launch_cv,
                                                self.spec.search.learns_noise)
         self.results = merge_all(leveled)
+        # The study's learned noise of throughput, whatever the objective: what the model
+        # strategy fits, and asks for every measured cell of every refit.
+        self._throughput_noise = study_noise(self.results.values(), self.spec.search.launch_cv)
 
     def _next_index(self, key: str) -> int:
         """Which launch of `key` the next one is: those finished and those running."""
