@@ -330,8 +330,7 @@ class Planner:
             return estimates
         # Of throughput, whatever the objective: what the estimates are of.
         return doubted(estimates, self.results.values(), self.baseline,
-                       dataclasses.replace(self._throughput_noise,
-                                           learned=self.spec.search.learns_noise))
+                       self._stated_throughput_noise())
 
     def decide(self) -> list[Recommendation]:
         """What the launches so far recommend (nothing before the baseline)."""
@@ -369,8 +368,16 @@ class Planner:
 
     def noise(self) -> StudyNoise:
         """The study's measurement noise of its objective, learned from its launches so
-        far."""
+        far (of throughput: the noise `_merge` learned, not learned again)."""
+        if self.spec.objective is Objective.THROUGHPUT:
+            return self._stated_throughput_noise()
         return noise_of(self.spec, self.results.values())
+
+    def _stated_throughput_noise(self) -> StudyNoise:
+        """The study's learned noise of throughput with its search's `learned` flag (whether
+        the study re-launches at all: `StudyNoise.learned`)."""
+        return dataclasses.replace(self._throughput_noise,
+                                   learned=self.spec.search.learns_noise)
 
     def intervals(self, result: LaunchResult, batch: int, names: list[str] | None = None
                   ) -> dict[str, Interval]:
