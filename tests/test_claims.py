@@ -250,3 +250,30 @@ def test_a_launch_whose_result_was_stored_but_not_its_end_is_kept_not_failed_as_
     assert states == {"3,4,8": TrialState.COMPLETE, "1,1,2": TrialState.FAIL,
                       "2,2,4": TrialState.FAIL}
     assert finished["1,1,2"].result.reason == "out of memory"
+
+
+def test_a_launchs_trial_is_written_naming_its_search_so_a_database_lost_after_is_stale(
+        tmp_path):
+    """A launch's trial was asked, then given its config, flags and search one write at a
+    time: a PostgreSQL server stopped between the writes left a RUNNING launch naming no
+    search, which the rerun (failing the dead search's launches by its name) never failed
+    (CI, stop 94). Each write after the trial's own now fails, as a lost database's would:
+    the trial is born whole, and failed as the dead search's."""
+    spec = load_study(None, small_study(tmp_path))
+    store = StudyStore(spec)
+
+    def lost(*args, **kwargs):
+        raise optuna.exceptions.StorageInternalError("the database stopped answering")
+
+    for write in ("set_trial_user_attr", "set_trial_system_attr", "set_trial_param",
+                  "set_trial_state_values"):
+        setattr(store.storage, write, lost)
+    store.begin_launch(TreeConfig(1, 2, 2), (("--speculative-eagle-topk", "2"),),
+                       driver="dead", launch_index=0, node="n1")
+    rerun = StudyStore(spec)
+    (trial,) = rerun.launches.get_trials(states=(TrialState.RUNNING,))
+    assert trial.user_attrs == {"config": "1,2,2", "flags": [["--speculative-eagle-topk", "2"]],
+                                "driver": "dead", "launch_index": 0, "node": "n1"}
+    assert rerun.mark_stale("alive") == []  # another search's launch is left alone
+    assert rerun.mark_stale("dead") == [("1,2,2", 0)]
+    assert not rerun.launches.get_trials(states=(TrialState.RUNNING,))

@@ -353,14 +353,17 @@ class StudyStore:
     def begin_launch(self, config: ServerConfig, flags: tuple[tuple[str, str], ...],
                      **attrs: str | int | None) -> optuna.trial.Trial:
         """A launch's trial, RUNNING until its result is stored; `attrs`: where it runs
-        (driver, launch_index, node, gpu_type), kept as user attributes."""
-        trial = self.launches.ask()
-        trial.set_user_attr(CONFIG_ATTR, config_key(config))
-        trial.set_user_attr("flags", [list(f) for f in flags])
-        for name, value in attrs.items():
-            if value is not None:
-                trial.set_user_attr(name, value)
-        return trial
+        (driver, launch_index, node, gpu_type), kept as user attributes.
+
+        The trial is written with its attributes in one transaction: asked, then tagged
+        one attribute at a time, a database lost between the writes left a RUNNING launch
+        that named no search, which no rerun failed as stale (CI, stop 94)."""
+        user_attrs = {CONFIG_ATTR: config_key(config), "flags": [list(f) for f in flags],
+                      **{name: value for name, value in attrs.items() if value is not None}}
+        template = optuna.trial.create_trial(state=TrialState.RUNNING, user_attrs=user_attrs)
+        trial_id = self.storage.create_new_trial(
+            self.storage.get_study_id_from_name(self.launches.study_name), template)
+        return optuna.trial.Trial(self.launches, trial_id)
 
     def finish_launch(self, trial: optuna.trial.Trial, result: LaunchResult) -> None:
         """The launch's result, then its end: two writes, so a launch that holds a result
