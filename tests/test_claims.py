@@ -277,3 +277,37 @@ def test_a_launchs_trial_is_written_naming_its_search_so_a_database_lost_after_i
     assert rerun.mark_stale("alive") == []  # another search's launch is left alone
     assert rerun.mark_stale("dead") == [("1,2,2", 0)]
     assert not rerun.launches.get_trials(states=(TrialState.RUNNING,))
+
+
+def test_a_proposal_is_tagged_with_its_search_when_asked_so_a_queued_one_is_stale_too(
+        tmp_path):
+    """Proposals were tagged with their search only when launched: one still queued when
+    its search died (killed, or its database lost) stayed RUNNING in its batch study for
+    good, naming no search to fail it by. Asked by a search sharing the study, a proposal
+    names it at once; asked alone, it names none (nothing else runs the study)."""
+    from treetune.strategies._trials import BatchStudies
+
+    spec = load_study(None, small_study(tmp_path))
+    space = load_space(spec.space)
+    alone = StudyStore(spec)
+    BatchStudies(alone, space).ask(1)
+    (untagged,) = alone.batch_studies[1].get_trials(states=(TrialState.RUNNING,))
+    assert "driver" not in untagged.user_attrs
+    assert alone.mark_stale() == []  # a proposal is failed, not counted as a launch
+    shared = StudyStore(spec)
+    shared.driver = "dead"
+    studies = BatchStudies(shared, space)
+    for batch in spec.batch:
+        studies.ask(batch)
+    queued = [t for study in shared.batch_studies.values()
+              for t in study.get_trials(states=(TrialState.RUNNING,))]
+    assert [t.user_attrs["driver"] for t in queued] == ["dead"] * len(spec.batch)
+    rerun = StudyStore(spec)
+    rerun.mark_stale("alive")
+    assert len([t for study in rerun.batch_studies.values()
+                for t in study.get_trials(states=(TrialState.RUNNING,))]) == len(spec.batch)
+    rerun.mark_stale("dead")
+    for study in rerun.batch_studies.values():
+        assert not study.get_trials(states=(TrialState.RUNNING,))
+        assert all(t.user_attrs.get("reason") for t in study.get_trials(
+            states=(TrialState.FAIL,)))

@@ -33,6 +33,8 @@ class TrialStore(Protocol):
 
     def abandon(self, trial: optuna.trial.Trial, study: optuna.Study, reason: str) -> None: ...
 
+    def tag(self, trial: optuna.trial.Trial) -> None: ...
+
     def told(self) -> set[str]: ...
 
 
@@ -89,6 +91,7 @@ class BatchStudies:
 
     def ask(self, batch: int) -> tuple[optuna.trial.Trial, dict[str, int]]:
         trial = self.store.batch_studies[batch].ask(self.distributions)
+        self.store.tag(trial)  # whose proposal, when searches share the study
         raw = {k: int(v) for k, v in trial.params.items()}
         raw.setdefault("steps", raw["draft_tokens"] - 1)  # an NGRAM space's trees
         return trial, {k: raw[k] for k in ("steps", "topk", "draft_tokens")}

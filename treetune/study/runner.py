@@ -667,6 +667,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     spec.save(spec.output_dir / SPEC_COPY)  # what `treetune report` reads back
     claims = Claims.of(store.storage, spec.name)
     shared = spec.shared_storage
+    store.driver = claims.driver if shared and claims is not None else None
     # With SQLite the output folder's lock proves this the study's only search: whatever
     # an earlier one left running is stale. Sharing a database, only what a search that
     # stopped beating left running is (found as the search goes).
@@ -802,9 +803,6 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                         break
                 worker = pool.idle.pop(0)
                 trial = begin(task, pool.node_of(worker))
-                if claims is not None and others is not None:
-                    for _, asked, _ in task.proposal.trials if task.proposal else ():
-                        store.tag(asked, claims.driver)
                 ref = worker.run.remote(task.key, [], task.index)
                 in_flight[ref] = _Launch(task, trial, worker)
                 progress.running = running()

@@ -210,6 +210,9 @@ class StudyStore:
         """Open (or create) the study's storage; `storage` overrides the spec's URL (the
         search-efficiency benchmark keeps its studies in memory)."""
         self.spec = spec
+        # The search asking proposals here, when several share the study (`tag`): None
+        # while this one runs it alone.
+        self.driver: str | None = None
         url = spec.storage_url
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         if storage is not None:
@@ -340,10 +343,13 @@ class StudyStore:
                 f"study with --gpu-type {stored}, or start a new study (another --name) for "
                 f"{gpu_type}")
 
-    def tag(self, trial: optuna.trial.Trial, driver: str) -> None:
-        """Mark a trial as asked by search `driver`: if that search dies, its trials are
-        found and failed as stale while other searches go on."""
-        trial.set_user_attr(DRIVER_ATTR, driver)
+    def tag(self, trial: optuna.trial.Trial) -> None:
+        """Mark a proposal's trial as asked by this store's search (`driver`, when several
+        share the study): if that search dies, its trials are found and failed as stale
+        while other searches go on. Tagged when asked, not when launched: a proposal still
+        queued when its search died was left RUNNING, naming no search, for good."""
+        if self.driver is not None:
+            trial.set_user_attr(DRIVER_ATTR, self.driver)
 
     def save_recommendations(self, recs: list[Recommendation], strategy: str) -> None:
         """What the search decided from the launches so far, kept with the study."""
