@@ -6,6 +6,7 @@ concurrent searches in test_shared_storage.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -107,7 +108,13 @@ def test_a_search_that_stops_beating_is_dead_and_its_unfinished_claims_are_relea
     gone._beating.set()  # its process died: nothing beats any more (its row stays)
     assert alive.dead(stale_after_s=0.0) == []  # seen once: standing still since now
     assert alive.dead(stale_after_s=0.0) == [gone.driver]
-    assert alive.reap(gone.driver) == [("3,4,8", 0, 7)]
+    assert alive.unfinished(gone.driver) == [("3,4,8", 0, 7)]
+    # Read, not released: a reaper that dies before failing the trials leaves the dead
+    # search for the next one to find.
+    assert claims_of(engine).unfinished(gone.driver) == [("3,4,8", 0, 7)]
+    assert alive.dead(stale_after_s=0.0) == [gone.driver]
+    alive.reap(gone.driver)
+    assert alive.unfinished(gone.driver) == []
     running, claimed = alive.others()
     assert running == [] and claimed == {("baseline", 0)}
     assert alive.take("3,4,8", 0, budget=None)[0] is Claim.MINE
@@ -277,6 +284,99 @@ def test_a_launchs_trial_is_written_naming_its_search_so_a_database_lost_after_i
     assert rerun.mark_stale("alive") == []  # another search's launch is left alone
     assert rerun.mark_stale("dead") == [("1,2,2", 0)]
     assert not rerun.launches.get_trials(states=(TrialState.RUNNING,))
+
+
+def test_a_search_that_loses_the_database_while_reaping_a_dead_one_leaves_it_to_the_next(
+        tmp_path):
+    """A search reaping a dead one released its claims and heartbeat row first, then
+    failed its trials: a reaper that died (or lost the database) between the two left the
+    dead search's launch running for good, since nothing named that search again (a
+    helper's audit). Its trials now go first, its claims last."""
+    from treetune.study.claims import Claims
+    from treetune.study.runner import _Others
+
+    spec = load_study(None, small_study(tmp_path))
+    store = StudyStore(spec)
+    gone = Claims.of(store.storage, spec.name)
+    gone.start_beating()
+    gone.take("3,4,8", 0, budget=None)
+    store.driver = gone.driver
+    trial = store.begin_launch(TreeConfig(3, 4, 8), (), driver=gone.driver, launch_index=0)
+    gone.attach("3,4,8", 0, trial._trial_id)
+    gone._beating.set()  # its process died
+    reaper = StudyStore(spec)
+
+    def lost(driver=None):
+        raise optuna.exceptions.StorageInternalError("the database stopped answering")
+
+    reaper.mark_stale = lost
+    claims = Claims.of(reaper.storage, spec.name)
+    assert claims.dead(stale_after_s=0.0) == []  # seen once: standing still since now
+    claims.dead = functools.partial(claims.dead, stale_after_s=0.0)
+    with pytest.raises(optuna.exceptions.StorageInternalError):
+        _Others(reaper, claims, set()).follow(None, None, force=True)  # type: ignore[arg-type]
+    later = Claims.of(reaper.storage, spec.name)
+    later.dead(stale_after_s=0.0)
+    assert later.dead(stale_after_s=0.0) == [gone.driver]  # still found dead
+    assert later.unfinished(gone.driver) == [("3,4,8", 0, trial._trial_id)]
+
+
+def test_a_search_ending_whose_trials_the_storage_would_not_fail_leaves_its_heartbeat(
+        tmp_path):
+    """Ending, a search failed its running launches' trials, then released its claims and
+    deleted its heartbeat's row, each write on its own: a brief outage that lost the first
+    but not the others left its launch RUNNING under a search no one would find dead (a
+    helper's audit). Its row now stays unless every trial was failed."""
+    from treetune.study.claims import Claims
+    from treetune.study.runner import _give_up
+
+    spec = load_study(None, small_study(tmp_path))
+    for outage in (False, True):
+        store = StudyStore(spec)
+        claims = Claims.of(store.storage, spec.name)
+        claims.start_beating()
+        claims.take("3,4,8", int(outage), budget=None)
+        trial = store.begin_launch(TreeConfig(3, 4, 8), (), driver=claims.driver,
+                                   launch_index=int(outage))
+        if outage:
+            def lost(*args):
+                raise optuna.exceptions.StorageInternalError("the database stopped answering")
+            store.abandon = lost
+        _give_up(store, None, claims, True, [trial], "interrupted")
+        watcher = Claims.of(store.storage, spec.name)
+        watcher.dead(stale_after_s=0.0)
+        assert watcher.dead(stale_after_s=0.0) == ([claims.driver] if outage else [])
+        assert watcher.unfinished(claims.driver) == []  # its claims released all the same
+        state = store.storage.get_trial(trial._trial_id).state
+        assert state == (TrialState.RUNNING if outage else TrialState.FAIL)
+        if outage:  # found dead: failed as its search's
+            assert StudyStore(spec).mark_stale(claims.driver) == [("3,4,8", 1)]
+
+
+def test_a_study_whose_first_run_lost_its_database_while_writing_it_is_written_whole_next(
+        tmp_path, monkeypatch):
+    """A new study's attributes were written fingerprint first: a first run that lost its
+    database after that write left the fingerprint alone, and every later run took the
+    study as written (a resume warned of a prefix cache it never ran with, `treetune
+    report` on the URL found no spec; a helper's audit)."""
+    spec = load_study(None, small_study(tmp_path))
+    written = []
+    real = optuna.Study.set_user_attr
+
+    def lost_after_one(study, key, value):
+        if written:
+            raise optuna.exceptions.StorageInternalError("the database stopped answering")
+        written.append(key)
+        real(study, key, value)
+
+    monkeypatch.setattr(optuna.Study, "set_user_attr", lost_after_one)
+    with pytest.raises(optuna.exceptions.StorageInternalError):
+        StudyStore(spec)
+    monkeypatch.setattr(optuna.Study, "set_user_attr", real)
+    store = StudyStore(spec)
+    attrs = store.launches.user_attrs
+    assert {"spec", "datasets", "batch", "spec_fingerprint"} <= set(attrs), sorted(attrs)
+    assert not store.cached_prefixes
 
 
 def test_a_proposal_is_tagged_with_its_search_when_asked_so_a_queued_one_is_stale_too(

@@ -267,10 +267,14 @@ class Claims:
                     study=self.study, driver=self.driver, beat=0,
                     host=socket.gethostname(), pid=os.getpid()))
 
-    def stop_beating(self) -> None:
+    def stop_beating(self, forget: bool = True) -> None:
+        """No more beats; with `forget`, this search's row goes too (else others find it
+        dead, and fail what it left running)."""
         if self._beating is not None:
             self._beating.set()
             self._beating = None
+        if not forget:
+            return
         with self.engine.begin() as conn:
             conn.execute(DRIVERS.delete().where(DRIVERS.c.study == self.study,
                                                 DRIVERS.c.driver == self.driver))
@@ -295,20 +299,27 @@ class Claims:
                 dead.append(driver)
         return sorted(dead)
 
-    def reap(self, driver: str) -> list[tuple[str, int, int | None]]:
-        """A dead search's unfinished claims, released: (config key, index, trial id)
-        each, for its trials to be failed as stale. Its heartbeat row goes too."""
-        with self.engine.begin() as conn:
+    def unfinished(self, driver: str) -> list[tuple[str, int, int | None]]:
+        """A dead search's unfinished claims: (config key, index, trial id) each, for its
+        trials to be failed as stale before the claims are released (`reap`)."""
+        with self.engine.connect() as conn:
             rows = conn.execute(sa.select(CLAIMS.c.launch, CLAIMS.c.trial_id).where(
                 CLAIMS.c.study == self.study, CLAIMS.c.driver == driver,
                 CLAIMS.c.done.is_(False))).all()
+        return [(*_split(r.launch), r.trial_id) for r in rows]
+
+    def reap(self, driver: str) -> None:
+        """A dead search's unfinished claims released, and its heartbeat row gone: the
+        last step, once its trials are failed. Released first, a search that died (or
+        lost the database) before failing them left them running for good: nothing
+        named the dead search again."""
+        with self.engine.begin() as conn:
             conn.execute(CLAIMS.delete().where(CLAIMS.c.study == self.study,
                                                CLAIMS.c.driver == driver,
                                                CLAIMS.c.done.is_(False)))
             conn.execute(DRIVERS.delete().where(DRIVERS.c.study == self.study,
                                                 DRIVERS.c.driver == driver))
         self._seen.pop(driver, None)
-        return [(*_split(r.launch), r.trial_id) for r in rows]
 
 
 def _lowest_free(taken: set[int]) -> int:

@@ -624,10 +624,12 @@ class _Others:
         self.due = time.monotonic() + POLL_S
         changed = False
         for driver in self.claims.dead():
-            # A launch whose result it stored is not stale (`fail_stale`).
+            # A launch whose result it stored is not stale (`fail_stale`). Its trials are
+            # failed before its claims go (`Claims.reap`): each step can be done again.
             stale = sum(trial_id is None or self.store.fail_stale(trial_id)
-                        for _key, _index, trial_id in self.claims.reap(driver))
+                        for _key, _index, trial_id in self.claims.unfinished(driver))
             self.store.mark_stale(driver)  # its proposals, and a launch not claimed yet
+            self.claims.reap(driver)
             self.stale += stale
             progress.notes.append("a search of this study stopped beating" + (
                 f": its {stale} running launch(es) are stale, to be redone" if stale else ""))
@@ -912,21 +914,11 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     finally:
         # The storage may be what failed: what it cannot record is found stale by the next
         # search, and the servers and Ray must go down all the same.
-        quietly = contextlib.suppress(*STORAGE_ERRORS)
         for launch in in_flight.values():
-            with quietly:
-                store.abandon(launch.trial, store.launches, "interrupted")
             ray.kill(launch.worker)  # its server dies with it (parent-death signal)
-        if planner is not None:
-            with quietly:
-                planner.abandon("interrupted" if interrupted else "search ended")
+        _give_up(store, planner, claims, shared, [launch.trial for launch in in_flight.values()],
+                 "interrupted" if interrupted else "search ended")
         in_flight.clear()
-        if claims is not None:
-            with quietly:
-                claims.release_all()  # what this search will not finish, another may launch
-            if others is not None:
-                with quietly:
-                    claims.stop_beating()
         # A local Ray goes down whole with the session (its workers, and their servers by
         # the parent-death signal): asking its GCS to free each worker first would wait a
         # minute per call when a SIGTERM to the process group (`timeout`, a job
@@ -944,6 +936,33 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     return StudyOutcome(spec, list(planner.results.values()), planner.baseline, interrupted,
                         stale, planner.launches, planner.strategy_name,
                         _decide(planner, store, progress), ended)
+
+
+def _give_up(store: StudyStore, planner: Planner | None, claims: Claims | None, shared: bool,
+             running: list[Any], reason: str) -> None:
+    """The search ends: its `running` launches' trials and its queued proposals failed in
+    storage, its claims released, and (`shared`: several searches share the study) its
+    heartbeat stopped. The storage may be what failed: what it cannot record is found stale by the
+    next search. A search that shares the study then leaves its heartbeat's row, so that
+    another search (or its rerun) finds it dead and fails what it left running; gone
+    while its trials ran on, nothing would name it again (a helper's audit)."""
+    quietly = contextlib.suppress(*STORAGE_ERRORS)
+    told = 0
+    for trial in running:
+        with quietly:
+            store.abandon(trial, store.launches, "interrupted")
+            told += 1
+    if planner is not None:
+        with quietly:
+            planner.abandon(reason)
+            told += 1
+    recorded = told == len(running) + (planner is not None)
+    if claims is not None:
+        with quietly:
+            claims.release_all()  # what this search will not finish, another may launch
+        if shared:
+            with quietly:
+                claims.stop_beating(forget=recorded)
 
 
 def unpinned_attention(spec: StudySpec, spaces: Iterable[SearchSpace],

@@ -225,11 +225,13 @@ class StudyStore:
             study_name=f"{spec.name}:launches", storage=self.storage, load_if_exists=True)
         stored = self.launches.user_attrs.get(FINGERPRINT_ATTR)
         if stored is None:
-            self.launches.set_user_attr(FINGERPRINT_ATTR, spec.fingerprint())
             self.launches.set_user_attr(SPEC_ATTR, spec.to_dict())  # readable from the URL
             self.launches.set_user_attr("datasets", spec.dataset_names)
             self.launches.set_user_attr("batch", list(spec.batch))
             self.launches.set_user_attr(NO_PREFIX_CACHE_ATTR, True)
+            # Last: a study whose first run lost its database midway is written whole by
+            # the next (with the fingerprint first, it kept the fingerprint alone).
+            self.launches.set_user_attr(FINGERPRINT_ATTR, spec.fingerprint())
         elif stored != spec.fingerprint() and not _files_found_next_to_the_study(
                 self.launches.user_attrs.get(SPEC_ATTR), stored, spec):
             changed = _changes(self.launches.user_attrs.get(SPEC_ATTR), spec) or (
