@@ -942,10 +942,11 @@ def _give_up(store: StudyStore, planner: Planner | None, claims: Claims | None, 
              running: list[Any], reason: str) -> None:
     """The search ends: its `running` launches' trials and its queued proposals failed in
     storage, its claims released, and (`shared`: several searches share the study) its
-    heartbeat stopped. The storage may be what failed: what it cannot record is found stale by the
-    next search. A search that shares the study then leaves its heartbeat's row, so that
-    another search (or its rerun) finds it dead and fails what it left running; gone
-    while its trials ran on, nothing would name it again (a helper's audit)."""
+    heartbeat stopped. The storage may be what failed: what it cannot record is found
+    stale by the next search. A search that shares the study then leaves its heartbeat's
+    row, so that another search (or its rerun) finds it dead and fails what it left
+    running; gone while its trials ran on, nothing would name it again (a helper's
+    audit)."""
     quietly = contextlib.suppress(*STORAGE_ERRORS)
     told = 0
     for trial in running:
