@@ -20,7 +20,7 @@ from treetune.perfmodel.calibrate import get_value
 from treetune.perfmodel.prior import neutral_prior
 from treetune.results import CellResult, LaunchResult, config_key, launches_of
 from treetune.space import load_space
-from treetune.strategies import Estimate, Proposal
+from treetune.strategies import BatchStudies, Estimate, Proposal
 from treetune.strategies import model as model_strategy
 from treetune.strategies.model import (
     SHARED_DEPARTURE,
@@ -1552,13 +1552,37 @@ def test_a_resumed_study_tells_the_batch_studies_the_trees_measured_before_its_b
     store = StudyStore(spec, storage=optuna.storages.InMemoryStorage())
     chain = TreeConfig(3, 1, 4)
     base, tree = launch(BASELINE, 100.0, (99, 100, 101)), launch(chain, 110.0, (109, 110, 111))
-    assert store.told() == set()
+    assert store.told() == {1: set()}
     Planner(spec, store, load_space("narrow"), [base, tree])
-    assert store.told() == {"3,1,4"}
+    assert store.told() == {1: {"3,1,4"}}
     trials = store.batch_studies[1].get_trials(deepcopy=False)
     assert len(trials) == 1 and trials[0].value == pytest.approx(1.1, abs=0.01)
     Planner(spec, store, load_space("narrow"), [base, tree])  # resumed again: told once
     assert len(store.batch_studies[1].get_trials(deepcopy=False)) == 1
+
+
+def test_a_resumed_study_tells_a_tree_to_the_batch_studies_its_lost_database_left_out():
+    """A launch is told to each batch study by its own write: a database lost between
+    them left the tree in batch 1's study and not in batch 32's, and a resumed study told
+    only trees no batch study held (a helper's audit). It now tells each the trees it
+    lacks, and none twice."""
+    spec = one_dataset_study(batch=[1, 32])
+    store = StudyStore(spec, storage=optuna.storages.InMemoryStorage())
+    chain = TreeConfig(3, 1, 4)
+    base = LaunchResult(BASELINE, ok=True, cells=[cell("humaneval", b, t, (t - 1, t, t + 1))
+                                                   for b, t in ((1, 100.0), (32, 900.0))])
+    tree = LaunchResult(chain, ok=True, cells=[cell("humaneval", b, t, (t - 1, t, t + 1))
+                                               for b, t in ((1, 110.0), (32, 860.0))])
+    distributions = BatchStudies(store, load_space("narrow")).distributions
+    params = {"steps": 3, "topk": 1, "draft_tokens": 4}
+    store.record(1, None, params, distributions, tree, base)  # batch 32's write was lost
+    held = {b: len(store.batch_studies[b].get_trials()) for b in (1, 32)}
+    assert held == {1: 1, 32: 0}
+    Planner(spec, store, load_space("narrow"), [base, tree])
+    values = {b: [t.value for t in store.batch_studies[b].get_trials(deepcopy=False)]
+              for b in (1, 32)}
+    assert values[1] == [pytest.approx(1.1, abs=0.01)]
+    assert values[32] == [pytest.approx(860 / 900, abs=0.01)]
 
 
 def test_a_study_made_before_its_servers_ran_without_a_prefix_cache_is_known_as_such():

@@ -35,7 +35,7 @@ class TrialStore(Protocol):
 
     def tag(self, trial: optuna.trial.Trial) -> None: ...
 
-    def told(self) -> set[str]: ...
+    def told(self) -> dict[int, set[str]]: ...
 
 
 def knob_distributions(space: SearchSpace) -> dict[str, BaseDistribution]:
@@ -111,15 +111,20 @@ class BatchStudies:
         self.baseline = baseline
         self.parked.setdefault(key, []).extend(trials)
         told = {batch for batch, _, _ in self.parked[key]}
+        self.tell(result, baseline, [b for b in self.store.batch_studies if b not in told])
+        self._flush(key)
+
+    def tell(self, result: LaunchResult, baseline: LaunchResult, batches: list[int]) -> None:
+        """A launch of a tree told to the studies of `batches` by new trials (no trial of
+        theirs asked for it)."""
         assert isinstance(result.config, TreeConfig)
         params = {k: v for k, v in params_of(result.config).items() if k in self.distributions}
         # A compared tree may lie outside the space's ranges: it is measured and can be
         # recommended, but the samplers' distributions cannot hold it.
-        representable = all(holds(self.distributions[k], v) for k, v in params.items())
-        for batch in self.store.batch_studies:
-            if batch not in told and representable:
-                self.store.record(batch, None, params, self.distributions, result, baseline)
-        self._flush(key)
+        if not all(holds(self.distributions[k], v) for k, v in params.items()):
+            return
+        for batch in batches:
+            self.store.record(batch, None, params, self.distributions, result, baseline)
 
     def _flush(self, key: str) -> None:
         result = self.answers[key]
@@ -131,8 +136,8 @@ class BatchStudies:
         for batch, trial, _ in trials:
             self.store.abandon(trial, self.store.batch_studies[batch], reason)
 
-    def told(self) -> set[str]:
-        """The configs (keys) some batch study holds a measurement of."""
+    def told(self) -> dict[int, set[str]]:
+        """The configs (keys) each batch study holds a measurement of, by batch size."""
         return self.store.told()
 
     def abandon_all(self, reason: str) -> None:

@@ -92,8 +92,16 @@ class MethodStudies:
         for part in self.parts.values():
             part.abandon_all(reason)
 
-    def told(self) -> set[str]:
-        return set().union(*(part.told() for part in self.parts.values()))
+    def tell(self, result: LaunchResult, baseline: LaunchResult, batches: list[int]) -> None:
+        assert isinstance(result.config, TreeConfig)
+        self.parts[result.config.method].tell(result, baseline, batches)
+
+    def told(self) -> dict[int, set[str]]:
+        held: dict[int, set[str]] = {}
+        for part in self.parts.values():
+            for batch, keys in part.told().items():
+                held.setdefault(batch, set()).update(keys)
+        return held
 
 
 @dataclass(frozen=True)

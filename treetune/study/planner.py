@@ -289,13 +289,21 @@ class Planner:
         """A resumed study's trees that no batch study holds: measured before a baseline
         that was then interrupted, they waited in `pending`, in memory, and were lost with
         it (TPE, GPSampler, the optimization-history figure and optuna-dashboard never saw
-        them). With a shared database another search may hold its own in wait: only a
-        study of one search (SQLite) tells them here."""
+        them). A tree some batch studies hold and others not (the database lost while a
+        launch was told to them) is told to the others. With a shared database another
+        search may hold its own in wait: only a study of one search (SQLite) tells them
+        here."""
         if not self.launched or self.spec.shared_storage:
             return
         told = self.studies.told()
-        self.pending += [(result, None) for key, result in self.results.items()
-                         if isinstance(result.config, TreeConfig) and key not in told]
+        trees = {key: result for key, result in self.results.items()
+                 if isinstance(result.config, TreeConfig)}
+        anywhere = set().union(*told.values())
+        self.pending += [(result, None) for key, result in trees.items() if key not in anywhere]
+        for key, result in trees.items():
+            missing = [batch for batch, keys in told.items() if key not in keys]
+            if key in anywhere and missing and self.baseline is not None:
+                self.studies.tell(result, self.baseline, missing)
         self._tell_pending()
 
     # ---- state ------------------------------------------------------------------------

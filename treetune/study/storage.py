@@ -276,12 +276,13 @@ class StudyStore:
         """Whether this study was made before its servers ran without a prefix cache."""
         return not self.launches.user_attrs.get(NO_PREFIX_CACHE_ATTR, False)
 
-    def told(self) -> set[str]:
-        """The configs (keys) this store's batch studies hold a measurement of."""
-        return {str(t.user_attrs[CONFIG_ATTR]) for study in self.batch_studies.values()
-                for t in study.get_trials(deepcopy=False,
-                                          states=(optuna.trial.TrialState.COMPLETE,))
-                if CONFIG_ATTR in t.user_attrs}
+    def told(self) -> dict[int, set[str]]:
+        """The configs (keys) each of this store's batch studies holds a measurement of,
+        by batch size."""
+        return {batch: {str(t.user_attrs[CONFIG_ATTR]) for t in study.get_trials(
+                    deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+                        if CONFIG_ATTR in t.user_attrs}
+                for batch, study in self.batch_studies.items()}
 
     # ---- launches ---------------------------------------------------------------------
     def results(self) -> list[LaunchResult]:
