@@ -186,9 +186,7 @@ class Claims:
     def release_all(self) -> None:
         """Every unfinished claim of this search: the search ends."""
         with self.engine.begin() as conn:
-            conn.execute(CLAIMS.delete().where(
-                CLAIMS.c.study == self.study, CLAIMS.c.driver == self.driver,
-                CLAIMS.c.done.is_(False)))
+            conn.execute(CLAIMS.delete().where(*self._open_claims(self.driver)))
 
     def _update(self, key: str, index: int, **values: Any) -> None:
         with self.engine.begin() as conn:
@@ -304,8 +302,7 @@ class Claims:
         trials to be failed as stale before the claims are released (`reap`)."""
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(CLAIMS.c.launch, CLAIMS.c.trial_id).where(
-                CLAIMS.c.study == self.study, CLAIMS.c.driver == driver,
-                CLAIMS.c.done.is_(False))).all()
+                *self._open_claims(driver))).all()
         return [(*_split(r.launch), r.trial_id) for r in rows]
 
     def reap(self, driver: str) -> None:
@@ -314,12 +311,15 @@ class Claims:
         lost the database) before failing them left them running for good: nothing
         named the dead search again."""
         with self.engine.begin() as conn:
-            conn.execute(CLAIMS.delete().where(CLAIMS.c.study == self.study,
-                                               CLAIMS.c.driver == driver,
-                                               CLAIMS.c.done.is_(False)))
+            conn.execute(CLAIMS.delete().where(*self._open_claims(driver)))
             conn.execute(DRIVERS.delete().where(DRIVERS.c.study == self.study,
                                                 DRIVERS.c.driver == driver))
         self._seen.pop(driver, None)
+
+    def _open_claims(self, driver: str) -> tuple[Any, ...]:
+        """The conditions of search `driver`'s unfinished claims in this study."""
+        return (CLAIMS.c.study == self.study, CLAIMS.c.driver == driver,
+                CLAIMS.c.done.is_(False))
 
 
 def _lowest_free(taken: set[int]) -> int:

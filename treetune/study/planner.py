@@ -296,13 +296,13 @@ class Planner:
         if not self.launched or self.spec.shared_storage:
             return
         told = self.studies.told()
-        trees = {key: result for key, result in self.results.items()
-                 if isinstance(result.config, TreeConfig)}
-        anywhere = set().union(*told.values())
-        self.pending += [(result, None) for key, result in trees.items() if key not in anywhere]
-        for key, result in trees.items():
+        for key, result in self.results.items():
+            if not isinstance(result.config, TreeConfig):
+                continue
             missing = [batch for batch, keys in told.items() if key not in keys]
-            if key in anywhere and missing and self.baseline is not None:
+            if len(missing) == len(told):  # no batch study holds it
+                self.pending.append((result, None))
+            elif missing and self.baseline is not None:
                 self.studies.tell(result, self.baseline, missing)
         self._tell_pending()
 
