@@ -411,3 +411,36 @@ def test_a_proposal_is_tagged_with_its_search_when_asked_so_a_queued_one_is_stal
         assert not study.get_trials(states=(TrialState.RUNNING,))
         assert all(t.user_attrs.get("reason") for t in study.get_trials(
             states=(TrialState.FAIL,)))
+
+
+def test_a_proposal_left_naming_no_search_is_failed_once_it_stays_untagged(tmp_path):
+    """A search sharing a study asks a proposal, then tags it (Optuna's `ask` takes no
+    attributes): one that died between the two writes left a proposal naming no search,
+    RUNNING for good, which TPE's constant liar counts as running. A proposal seen
+    untagged for the stale time is failed; one tagged meanwhile, or tagged from the start,
+    is left to its search."""
+    from treetune.strategies._trials import BatchStudies
+    from treetune.study.runner import _Others
+
+    spec = load_study(None, small_study(tmp_path))
+    space = load_space(spec.space)
+    store = StudyStore(spec)
+    store.driver = "live"
+    studies = BatchStudies(store, space)
+    tagged, _ = studies.ask(1)
+    orphan = store.batch_studies[1].ask(studies.distributions)  # its search died here
+    late = store.batch_studies[1].ask(studies.distributions)  # its search tags it soon
+    others = _Others(store, Claims(store.storage.engine, spec.name), set())
+    others.fail_orphans(stale_after_s=3600.0)
+    assert set(others.untagged) == {orphan._trial_id, late._trial_id}
+
+    def state(trial):
+        return store.storage.get_trial(trial._trial_id).state
+
+    assert {state(t) for t in (tagged, orphan, late)} == {TrialState.RUNNING}
+    store.tag(late)
+    others.fail_orphans(stale_after_s=0.0)
+    assert (state(tagged), state(orphan), state(late)) == (
+        TrialState.RUNNING, TrialState.FAIL, TrialState.RUNNING)
+    assert store.storage.get_trial(orphan._trial_id).user_attrs["reason"]
+    assert others.untagged == {}

@@ -27,7 +27,7 @@ from treetune.datasets import load_datasets
 from treetune.errors import TreetuneError, clip
 from treetune.results import LaunchResult, config_from_key, config_key
 from treetune.space import SearchSpace, load_space
-from treetune.study.claims import Claim, Claims
+from treetune.study.claims import STALE_AFTER_S, Claim, Claims
 from treetune.study.evidence import merge_all, worker_host
 from treetune.study.methods import method_spaces
 from treetune.study.placement import (
@@ -615,6 +615,20 @@ class _Others:
         self.seen = seen  # trial ids of the launches this search knows
         self.due = 0.0  # when to look again
         self.stale = 0
+        self.untagged: dict[int, float] = {}  # proposal naming no search -> seen since
+
+    def fail_orphans(self, stale_after_s: float = STALE_AFTER_S) -> None:
+        """Fail the proposals that have named no search for `stale_after_s`: a search
+        tags its proposal right after asking it, so one left untagged that long was
+        asked by a search that died between the two writes. Left RUNNING, TPE's
+        constant liar would count it as a trial running for good."""
+        now = time.monotonic()
+        self.untagged = {trial_id: self.untagged.get(trial_id, now)
+                         for trial_id in self.store.untagged_proposals()}
+        for trial_id, since in list(self.untagged.items()):
+            if now - since >= stale_after_s:
+                self.store.fail_stale(trial_id)
+                del self.untagged[trial_id]
 
     def follow(self, planner: Planner, progress: Progress, force: bool = False) -> bool:
         """Look at the storage (every POLL_S, or now when forced); True when anything
@@ -634,6 +648,7 @@ class _Others:
             progress.notes.append("a search of this study stopped beating" + (
                 f": its {stale} running launch(es) are stale, to be redone" if stale else ""))
             changed = True
+        self.fail_orphans()
         # Claims first: a claim seen done has its result stored already (stored, then done).
         running, _ = self.claims.others()
         finished = self.store.finished_launches()

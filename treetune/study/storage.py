@@ -312,6 +312,17 @@ class StudyStore:
                                   int(trial.user_attrs.get(INDEX_ATTR) or 0)))
         return stale
 
+    def untagged_proposals(self) -> list[int]:
+        """Proposals RUNNING in the batch (and method) studies that name no search. In a
+        study several searches share, a proposal is asked, then tagged (Optuna's `ask`
+        takes no attributes): one naming no search is one whose search died, or lost its
+        database, between the two writes, if it stays untagged (`_Others.follow`)."""
+        method_studies = (s for per in self.method_studies.values() for s in per.values())
+        return [trial._trial_id
+                for study in (*self.batch_studies.values(), *method_studies)
+                for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                if DRIVER_ATTR not in trial.user_attrs]
+
     def fail_stale(self, trial_id: int) -> bool:
         """One trial of a search that died, failed as stale (False: it had finished). A
         launch whose result was stored but not its end (`finish_launch` writes twice: the
