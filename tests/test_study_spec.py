@@ -41,6 +41,38 @@ def test_a_study_can_come_from_the_command_line_alone():
     assert spec.storage_url.startswith("sqlite:///") and spec.storage_url.endswith("study.db")
 
 
+def test_a_study_naming_no_datasets_takes_the_four_published_ones_or_its_emulators(tmp_path):
+    """`treetune search --model M --draft D --batch 1 32` is a whole study: on SGLang with
+    the four sets the published EAGLE3 grids measure; on the emulator with those of its
+    profile's datasets that treetune ships (it serves no other). Named, they are the
+    study's; an empty list is refused, as is a profile none of whose sets are built in."""
+    line = {"model": "org/Model-7B", "draft": "org/draft", "batch": [1, 32]}
+    assert load_study(None, line).dataset_names == [
+        "mt-bench", "humaneval", "swebench-verified", "terminal-bench"]
+    emulated = {**line, "backend": {"kind": "emulator", "profile": "qwen3-8b-h100"}}
+    assert load_study(None, emulated).dataset_names == [
+        "sharegpt", "mt-bench", "humaneval", "swebench-verified"]
+    assert load_study(None, {**emulated, "datasets": ["humaneval"]}).dataset_names == [
+        "humaneval"]
+    other = {**emulated, "backend": {"kind": "emulator",
+                                     "profile": "qwen3.5-397b-a17b-h200"}}
+    assert load_study(None, other).dataset_names == ["mt-bench", "humaneval"]
+    path = tmp_path / "s.yaml"
+    path.write_text("model: m\ndraft: d\nbatch: [1]\n")
+    assert load_study(path).dataset_names == load_study(None, line).dataset_names
+    with pytest.raises(TreetuneError, match="at least one dataset"):
+        load_study(None, {**line, "datasets": []})
+    import yaml
+
+    from treetune.perfmodel import resolve_profile_path
+    data = yaml.safe_load(resolve_profile_path("qwen3-8b-h100").read_text())
+    data["datasets"] = {f"our-{name}": value for name, value in data["datasets"].items()}
+    (tmp_path / "ours.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(TreetuneError, match="at least one dataset"):
+        load_study(None, {**line, "backend": {"kind": "emulator",
+                                              "profile": str(tmp_path / "ours.yaml")}})
+
+
 def test_every_launch_forms_the_largest_batch():
     spec = load_study(STUDIES / "demo.yaml", {"batch": [1, 64]})
     launch = spec.launch_spec(port=1234)

@@ -107,13 +107,6 @@ def launch_seed(study_seed: int, config: ServerConfig, attempt: int = 0,
     return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
 
 
-def check_profile(profile: str, datasets: list[str]) -> Profile:
-    """The emulator's profile loads and knows every dataset."""
-    from treetune.perfmodel import load_profile
-
-    return check_datasets(load_profile(profile), datasets)
-
-
 def check_datasets(prof: Profile, datasets: list[str]) -> Profile:
     """The emulator answers only for the datasets its profile was calibrated on."""
     for name in datasets:
@@ -220,15 +213,25 @@ class EmulatorBackend:
         # As the SGLang release its flags target (the emulator reads one as 0.5.3+ does).
         return supports_config_file(version_of(launch))
 
-    def check(self, launch: LaunchSpec, datasets: list[str], env: Mapping[str, str],
-              local: bool) -> None:
+    def truth(self) -> Profile:
+        """The profile the emulator serves: its own, or its world's."""
         if self.world is not None:
             from treetune.worlds import load_world
 
-            prof = check_datasets(load_world(self.world).profile, datasets)
-        else:
-            assert self.profile is not None  # refused at construction otherwise
-            prof = check_profile(self.profile, datasets)
+            return load_world(self.world).profile
+        from treetune.perfmodel import load_profile
+
+        assert self.profile is not None  # refused at construction otherwise
+        return load_profile(self.profile)
+
+    def served_datasets(self) -> list[str]:
+        """The datasets the emulator answers for (its profile's): a study naming none
+        takes those of them that are built in (`spec.default_datasets`)."""
+        return list(self.truth().datasets)
+
+    def check(self, launch: LaunchSpec, datasets: list[str], env: Mapping[str, str],
+              local: bool) -> None:
+        prof = check_datasets(self.truth(), datasets)
         source = f"{'world' if self.world else 'profile'} '{self.world or self.profile}'"
         for algorithm in (launch.algorithm, *(name for name, _ in launch.methods)):
             if profile_method(algorithm) not in prof.method_names:

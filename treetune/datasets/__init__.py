@@ -16,7 +16,7 @@ reply the file records (ShareGPT's first reply, MT-Bench's reference answers, th
 turns of which are fed back as the conversation so far).
 """
 
-from treetune.datasets._builtin import builtin_names
+from treetune.datasets._builtin import DEFAULT_DATASETS, builtin_names
 from treetune.datasets._load import load_dataset, load_datasets
 from treetune.datasets._spec import (
     CHAT_MESSAGE_TOKENS,
@@ -28,5 +28,6 @@ from treetune.datasets._spec import (
     text_tokens,
 )
 
-__all__ = ["CHAT_MESSAGE_TOKENS", "OUTPUT_FROM_DATASET", "DatasetSpec", "Prompt", "PromptSet",
-           "builtin_names", "load_dataset", "load_datasets", "prompt_tokens", "text_tokens"]
+__all__ = ["CHAT_MESSAGE_TOKENS", "DEFAULT_DATASETS", "OUTPUT_FROM_DATASET", "DatasetSpec",
+           "Prompt", "PromptSet", "builtin_names", "load_dataset", "load_datasets",
+           "prompt_tokens", "text_tokens"]

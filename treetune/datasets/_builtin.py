@@ -46,6 +46,11 @@ BUILTINS: dict[str, Builtin] = {
 }
 
 
+# A study's datasets when it names none: chat, code, a coding agent's and a terminal agent's
+# prompts, the four sets the published EAGLE3 grids measure (and every shipped study uses).
+DEFAULT_DATASETS = ("mt-bench", "humaneval", "swebench-verified", "terminal-bench")
+
+
 def builtin_names() -> list[str]:
     """The names of the shipped prompt sets, sorted."""
     return sorted(BUILTINS)

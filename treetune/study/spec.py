@@ -51,7 +51,7 @@ from treetune.backends.sglang_adaptive import (
     unsupported_reason,
 )
 from treetune.config import BASELINE, ServerConfig, TreeConfig
-from treetune.datasets import DatasetSpec, builtin_names
+from treetune.datasets import DEFAULT_DATASETS, DatasetSpec, builtin_names
 from treetune.errors import (
     ConfigFileError,
     FieldError,
@@ -248,7 +248,9 @@ class StudySpec:
                                      file_type=str | None))
     datasets: tuple[DatasetSpec, ...] = field(metadata=meta(
         "--datasets", "Datasets: built-in names or .json/.jsonl files, e.g. --datasets "
-        "mt-bench humaneval data/chat.jsonl (required without --study).",
+        "mt-bench humaneval data/chat.jsonl (default: mt-bench humaneval swebench-verified "
+        "terminal-bench; on the emulator, those of its profile's datasets that are "
+        "built in).",
         file_type=list[Any]))  # names, or mappings with a file
     batch: tuple[int, ...] = field(metadata=meta(
         "--batch", "Batch sizes, e.g. --batch 1 32 (required without --study).",
@@ -944,8 +946,10 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
     if not merged.get("model"):
         raise TreetuneError(f"{where}: no model: give --model or set 'model' in the study file")
     merged["name"] = merged.get("name") or _default_name(merged["model"], path)
+    if "datasets" not in merged:  # none named anywhere: the default (`default_datasets`)
+        merged["datasets"] = default_datasets(merged.get("backend"))
     merged["datasets"] = tuple(_dataset(d, origin("datasets"), i)
-                               for i, d in enumerate(merged.get("datasets", ())))
+                               for i, d in enumerate(merged["datasets"]))
     merged["batch"] = tuple(merged.get("batch", ()))
     merged["rates"] = tuple(float(r) for r in merged.get("rates", ()))
     merged["methods"] = tuple(_method(m, origin("methods"), i,
@@ -1052,6 +1056,16 @@ def _backend(section: dict[str, Any], where: Path | str, given: set[str]) -> Bac
                                   f"'{key}' is a setting of the {other} backend, and this "
                                   f"study's backend is {kind}", f"backend.{key}")
     return build(cls, fields, source, "backend")
+
+
+def default_datasets(backend: Backend | None) -> list[str]:
+    """A study's datasets when it names none: DEFAULT_DATASETS on a real server; the
+    emulator serves only its profile's datasets, so there those of them treetune ships
+    (none, for a profile of other sets: the study is then refused, asking for some)."""
+    served = getattr(backend, "served_datasets", None)
+    if served is None:
+        return list(DEFAULT_DATASETS)
+    return [name for name in served() if name in builtin_names()]
 
 
 def is_loopback(host: str) -> bool:
