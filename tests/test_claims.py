@@ -444,3 +444,67 @@ def test_a_proposal_left_naming_no_search_is_failed_once_it_stays_untagged(tmp_p
         TrialState.RUNNING, TrialState.FAIL, TrialState.RUNNING)
     assert store.storage.get_trial(orphan._trial_id).user_attrs["reason"]
     assert others.untagged == {}
+
+
+def test_a_shared_study_tells_the_batch_studies_what_ended_searches_left_untold(tmp_path):
+    """A search tells each batch study its trees once its baseline is in, each write on its
+    own: one that ended (or died) between the writes, or before its baseline, left trees
+    some or all batch studies lack. With a shared database a resumed search told none,
+    since another search may still hold its own in wait (a helper's audit). Now a
+    search's trees are told by others once it has ended, or by the one search that reaped
+    it; never those of a search still running."""
+    from treetune.strategies._trials import BatchStudies
+    from treetune.study.runner import Progress, _Others
+
+    data = small_study(tmp_path, batch=[1, 32], datasets=["humaneval"])
+    spec = load_study(None, {**data, "storage": "postgresql://nobody@127.0.0.1:1/none"})
+    assert spec.shared_storage
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'shared.db'}")
+    store = StudyStore(spec, storage=storage)
+
+    def measured(config, tput, driver):
+        result = LaunchResult(config, ok=True, cells=[
+            _cell(b, tput * (9 if b == 32 else 1)) for b in (1, 32)])
+        trial = store.begin_launch(config, (), driver=driver, launch_index=0)
+        store.finish_launch(trial, result)
+        return result
+
+    base = measured(BASELINE, 100.0, "ended")
+    ended, live, dead = TreeConfig(3, 1, 4), TreeConfig(1, 1, 2), TreeConfig(3, 2, 4)
+    results = [base, measured(ended, 110.0, "ended"), measured(live, 105.0, "live"),
+               measured(dead, 108.0, "dead")]
+    studies = BatchStudies(store, load_space(spec.space))
+    store.record(1, None, {"steps": 3, "topk": 1, "draft_tokens": 4},
+                 studies.distributions, results[1], base)  # batch 32's write was lost
+    for name in ("live", "dead"):
+        other = Claims(storage.engine, spec.name)
+        other.driver = name
+        other.beat()  # its heartbeat row
+    planner = Planner(spec, store, load_space(spec.space), results)
+    assert store.told() == {1: {"3,1,4"}, 32: set()}, "a shared study tells nothing alone"
+    claims = Claims(storage.engine, spec.name)
+    claims.start_beating()
+    try:
+        others = _Others(store, claims, {s.trial_id for s in store.finished_launches()})
+        claims.dead = functools.partial(claims.dead, stale_after_s=0.0)
+        others.follow(planner, Progress(budget=None), force=True)
+        # The ended search's tree, told to the batch study that lacked it; not the others.
+        assert store.told() == {1: {"3,1,4"}, 32: {"3,1,4"}}
+        live_claims = Claims(storage.engine, spec.name)
+        live_claims.driver = "live"
+        live_claims.beat()  # "live" beats on, "dead" not
+        others.follow(planner, Progress(budget=None), force=True)  # "dead" found dead
+        assert store.told() == {1: {"3,1,4", "3,2,4"}, 32: {"3,1,4", "3,2,4"}}
+        live_claims.beat()
+        others.follow(planner, Progress(budget=None), force=True)
+        assert len(store.batch_studies[32].get_trials()) == 2, "each told once"
+        others.follow(planner, Progress(budget=None), force=True)  # "live" found dead too
+        assert store.told()[32] == {"3,1,4", "3,2,4", "1,1,2"}
+    finally:
+        claims.stop_beating()
+
+
+def _cell(batch, tput):
+    from treetune.results import CellResult
+
+    return CellResult("humaneval", batch, tput, 2.0, 10, 10_000, 6.0, None, None)

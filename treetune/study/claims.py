@@ -305,16 +305,26 @@ class Claims:
                 *self._open_claims(driver))).all()
         return [(*_split(r.launch), r.trial_id) for r in rows]
 
-    def reap(self, driver: str) -> None:
+    def reap(self, driver: str) -> bool:
         """A dead search's unfinished claims released, and its heartbeat row gone: the
         last step, once its trials are failed. Released first, a search that died (or
         lost the database) before failing them left them running for good: nothing
-        named the dead search again."""
+        named the dead search again. True for the one search that reaped it (several
+        find a search dead at about the same time; the database lets one delete its rows):
+        that one tells the batch studies what the dead search left untold."""
         with self.engine.begin() as conn:
-            conn.execute(CLAIMS.delete().where(*self._open_claims(driver)))
-            conn.execute(DRIVERS.delete().where(DRIVERS.c.study == self.study,
-                                                DRIVERS.c.driver == driver))
+            released = conn.execute(CLAIMS.delete().where(*self._open_claims(driver)))
+            gone = conn.execute(DRIVERS.delete().where(DRIVERS.c.study == self.study,
+                                                       DRIVERS.c.driver == driver))
         self._seen.pop(driver, None)
+        return bool(released.rowcount or gone.rowcount)
+
+    def beating(self) -> set[str]:
+        """The searches of this study with a heartbeat row, this one's among them: running,
+        or dead and not yet found so (a search that ended whole deleted its row)."""
+        with self.engine.connect() as conn:
+            return set(conn.execute(sa.select(DRIVERS.c.driver).where(
+                DRIVERS.c.study == self.study)).scalars())
 
     def _open_claims(self, driver: str) -> tuple[Any, ...]:
         """The conditions of search `driver`'s unfinished claims in this study."""

@@ -24,7 +24,7 @@ import functools
 import math
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -286,18 +286,24 @@ class Planner:
         return f"strategy {name} from launch {self.launches + 1} on (was {before}): {why}"
 
     def _tell_untold(self) -> None:
-        """A resumed study's trees that no batch study holds: measured before a baseline
-        that was then interrupted, they waited in `pending`, in memory, and were lost with
-        it (TPE, GPSampler, the optimization-history figure and optuna-dashboard never saw
-        them). A tree some batch studies hold and others not (the database lost while a
-        launch was told to them) is told to the others. With a shared database another
-        search may hold its own in wait: only a study of one search (SQLite) tells them
-        here."""
-        if not self.launched or self.spec.shared_storage:
+        """A resumed study's trees the batch studies lack (`tell_untold`). With a shared
+        database, told as the search learns which searches run (`_Others.follow`)."""
+        if not self.spec.shared_storage:
+            self.tell_untold(held=())
+
+    def tell_untold(self, held: Collection[str]) -> None:
+        """Trees measured that no batch study holds: measured before a baseline that was
+        then interrupted, they waited in `pending`, in memory, and were lost with it (TPE,
+        GPSampler, the optimization-history figure and optuna-dashboard never saw them).
+        A tree some batch studies hold and others not (the database lost while a launch
+        was told to them) is told to the others. Not the trees of `held` (config keys): a
+        search that still runs measured them, and tells them itself."""
+        if not self.launched:
             return
         told = self.studies.told()
+        waiting = {config_key(result.config) for result, _ in self.pending}
         for key, result in self.results.items():
-            if not isinstance(result.config, TreeConfig):
+            if not isinstance(result.config, TreeConfig) or key in held or key in waiting:
                 continue
             missing = [batch for batch, keys in told.items() if key not in keys]
             if len(missing) == len(told):  # no batch study holds it

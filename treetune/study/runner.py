@@ -616,6 +616,7 @@ class _Others:
         self.due = 0.0  # when to look again
         self.stale = 0
         self.untagged: dict[int, float] = {}  # proposal naming no search -> seen since
+        self.looked = False  # whether the batch studies were told what ended searches left
 
     def fail_orphans(self, stale_after_s: float = STALE_AFTER_S) -> None:
         """Fail the proposals that have named no search for `stale_after_s`: a search
@@ -636,14 +637,14 @@ class _Others:
         if not force and time.monotonic() < self.due:
             return False
         self.due = time.monotonic() + POLL_S
-        changed = False
+        changed = reaped = False
         for driver in self.claims.dead():
             # A launch whose result it stored is not stale (`fail_stale`). Its trials are
             # failed before its claims go (`Claims.reap`): each step can be done again.
             stale = sum(trial_id is None or self.store.fail_stale(trial_id)
                         for _key, _index, trial_id in self.claims.unfinished(driver))
             self.store.mark_stale(driver)  # its proposals, and a launch not claimed yet
-            self.claims.reap(driver)
+            reaped |= self.claims.reap(driver)
             self.stale += stale
             progress.notes.append("a search of this study stopped beating" + (
                 f": its {stale} running launch(es) are stale, to be redone" if stale else ""))
@@ -674,6 +675,13 @@ class _Others:
             if (claim.key, claim.index) not in known:
                 planner.expect(config_from_key(claim.key), claim.index)
                 changed = True
+        if reaped or not self.looked:
+            # What searches that ended (or died: told by the one that reaped them) left
+            # untold; a running search tells its own trees.
+            self.looked = True
+            beating = self.claims.beating()
+            planner.tell_untold({key for key, drivers in self.store.measured_by().items()
+                                 if drivers & beating})
         return changed
 
 

@@ -289,6 +289,15 @@ class StudyStore:
         """Every finished launch, measured or failed, oldest first."""
         return _launch_results(self.launches)
 
+    def measured_by(self) -> dict[str, set[str | None]]:
+        """The searches (their driver names; None: a launch naming none) that finished a
+        launch of each config, by config key."""
+        out: dict[str, set[str | None]] = {}
+        for trial in _finished(self.launches):
+            key = config_key(_result_of(trial).config)
+            out.setdefault(key, set()).add(trial.user_attrs.get(DRIVER_ATTR))
+        return out
+
     def finished_launches(self) -> list[StoredLaunch]:
         """Every finished launch with its trial, oldest first (several searches of one
         study read each other's launches from here)."""
