@@ -692,7 +692,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     spec.save(spec.output_dir / SPEC_COPY)  # what `treetune report` reads back
     claims = Claims.of(store.storage, spec.name)
     shared = spec.shared_storage
-    store.driver = claims.driver if shared and claims is not None else None
+    store.driver = claims.driver if claims is not None else None
     # With SQLite the output folder's lock proves this the study's only search: whatever
     # an earlier one left running is stale. Sharing a database, only what a search that
     # stopped beating left running is (found as the search goes).
@@ -772,8 +772,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
 
         def begin(task: Task, node: str | None = None) -> Any:
             """A launch's trial in storage, counted as known and claimed as this search's."""
-            trial = store.begin_launch(task.config, (), driver=claims.driver if claims else None,
-                                       launch_index=task.index, node=node,
+            trial = store.begin_launch(task.config, (), launch_index=task.index, node=node,
                                        gpu_type=placement.gpu_type)
             known.add(trial._trial_id)
             if claims is not None:

@@ -210,8 +210,8 @@ class StudyStore:
         """Open (or create) the study's storage; `storage` overrides the spec's URL (the
         search-efficiency benchmark keeps its studies in memory)."""
         self.spec = spec
-        # The search asking proposals here, when several share the study (`tag`): None
-        # while this one runs it alone.
+        # The search running launches and asking proposals here (`begin_launch`, `tag`):
+        # None for one that names none (offline, in-process).
         self.driver: str | None = None
         url = spec.storage_url
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -223,6 +223,7 @@ class StudyStore:
             self.storage = _open_rdb(url)
         self.launches = optuna.create_study(
             study_name=f"{spec.name}:launches", storage=self.storage, load_if_exists=True)
+        self._launches_id = self.storage.get_study_id_from_name(self.launches.study_name)
         stored = self.launches.user_attrs.get(FINGERPRINT_ATTR)
         if stored is None:
             self.launches.set_user_attr(SPEC_ATTR, spec.to_dict())  # readable from the URL
@@ -367,10 +368,10 @@ class StudyStore:
                 f"{gpu_type}")
 
     def tag(self, trial: optuna.trial.Trial) -> None:
-        """Mark a proposal's trial as asked by this store's search (`driver`, when several
-        share the study): if that search dies, its trials are found and failed as stale
-        while other searches go on. Tagged when asked, not when launched: a proposal still
-        queued when its search died was left RUNNING, naming no search, for good."""
+        """Mark a proposal's trial as asked by this store's search (`driver`): if that
+        search dies, its trials are found and failed as stale while other searches of the
+        study go on. Tagged when asked, not when launched: a proposal still queued when
+        its search died was left RUNNING, naming no search, for good."""
         if self.driver is not None:
             trial.set_user_attr(DRIVER_ATTR, self.driver)
 
@@ -381,17 +382,18 @@ class StudyStore:
 
     def begin_launch(self, config: ServerConfig, flags: tuple[tuple[str, str], ...],
                      **attrs: str | int | None) -> optuna.trial.Trial:
-        """A launch's trial, RUNNING until its result is stored; `attrs`: where it runs
-        (driver, launch_index, node, gpu_type), kept as user attributes.
+        """A launch's trial, RUNNING until its result is stored, naming this store's
+        search (`driver`); `attrs`: where it runs (launch_index, node, gpu_type; a driver
+        given here names another search), kept as user attributes.
 
         The trial is written with its attributes in one transaction: asked, then tagged
         one attribute at a time, a database lost between the writes left a RUNNING launch
         that named no search, which no rerun failed as stale (CI, stop 94)."""
+        attrs = {DRIVER_ATTR: self.driver, **attrs}
         user_attrs = {CONFIG_ATTR: config_key(config), "flags": [list(f) for f in flags],
                       **{name: value for name, value in attrs.items() if value is not None}}
         template = optuna.trial.create_trial(state=TrialState.RUNNING, user_attrs=user_attrs)
-        trial_id = self.storage.create_new_trial(
-            self.storage.get_study_id_from_name(self.launches.study_name), template)
+        trial_id = self.storage.create_new_trial(self._launches_id, template)
         return optuna.trial.Trial(self.launches, trial_id)
 
     def finish_launch(self, trial: optuna.trial.Trial, result: LaunchResult) -> None:
