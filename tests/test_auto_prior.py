@@ -399,6 +399,22 @@ def test_the_studys_static_memory_fraction_decides_the_trees_the_search_proposes
 
 
 
+def test_a_baseline_whose_weights_the_gpus_cannot_hold_is_said_before_its_launch(tmp_path):
+    """`treetune search` of a large model without --tp: SGLang loads the weights (minutes)
+    before it finds no room for a KV cache. The prior knows the weights and the GPU, so
+    the study says so before the baseline's launch and names a TP that would hold them;
+    said again if the launch fails as said. Nothing at a TP that holds them."""
+    for tp, said in ((1, "--tp 2 would leave room"), (2, "")):
+        planner = planner_for(sglang_study(tmp_path, tp=tp, backend={"gpu": "L40S"}))
+        if said:
+            assert planner.baseline_memory().startswith(
+                f"the prior says the baseline's server cannot start at --tp {tp} on L40S "
+                "(out of memory: baseline needs ")
+            assert planner.baseline_memory().endswith(said)
+        else:
+            assert planner.baseline_memory() == ""
+
+
 @pytest.mark.parametrize("flags", [{}, {"--mem-fraction-static": "0.85"}])
 def test_the_share_of_memory_sglang_chose_for_a_tree_decides_the_trees_proposed(
         tmp_path, flags):

@@ -33,7 +33,7 @@ from treetune.backends import BackendFacts, gather_facts
 from treetune.backends.sglang import attention_dp_size
 from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
 from treetune.objectives import Objective
-from treetune.perfmodel import Profile, load_profile
+from treetune.perfmodel import MemoryCheck, Profile, check_memory, load_profile
 from treetune.perfmodel.prior import neutral_prior, with_datasets
 from treetune.perfmodel.profile import with_attention_dp, with_memory_share
 from treetune.results import LaunchResult, config_key, launches_of
@@ -953,6 +953,28 @@ class Planner:
                   and isinstance(value := result.server_info.get("mem_fraction_static"),
                                  int | float) and 0 < value <= 1]
         return min(shares, default=None)
+
+    def baseline_memory(self) -> str:
+        """What the prior (the models' and the GPU's facts) says when the baseline's server
+        cannot start at the study's TP, its weights leaving no room for a KV cache, and
+        which TP would; '' otherwise. Said before the first launch: SGLang refuses such a
+        server only once it has loaded the weights, minutes on a large model."""
+        prior = self.context.prior
+        if prior is None or self.baseline is not None:
+            return ""
+
+        def at(tp: int) -> MemoryCheck:
+            return check_memory(prior, BASELINE, self.spec.max_batch, tp=tp,
+                                mem_fraction_static=self.spec.mem_fraction_static)
+
+        memory = at(self.spec.tp)
+        if memory.cause != "weights":
+            return ""
+        larger = next((tp for tp in (2, 4, 8) if tp > self.spec.tp and at(tp).starts), None)
+        hint = (f"--tp {larger} would leave room" if larger is not None else
+                "no TP within one node of 8 GPUs would")
+        return (f"the prior says the baseline's server cannot start at --tp {self.spec.tp} on "
+                f"{prior.hardware.gpu} ({memory.reason.split(' (')[0]}); {hint}")
 
     def memory_notes(self) -> list[str]:
         """The model search proposes only the trees that can start at the study's largest

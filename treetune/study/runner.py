@@ -787,6 +787,8 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         progress.message = progress.message or f"strategy {planner.strategy_name}"
         if planner.note:
             progress.notes.append(planner.note)
+        if said := planner.baseline_memory():
+            progress.notes.append(f"{said}. It is launched all the same: the prior may be wrong")
         spaces = [space, *(method_spaces(spec, space).values() if spec.methods else ())]
         if (unpinned := unpinned_attention(spec, spaces, resumed=bool(launched))) is not None:
             progress.notes.append(unpinned)
@@ -924,9 +926,11 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                     log = spec.output_dir / "logs" / log_name(
                         task.key, task.index, max(result.attempts - 1, 0))
                     tail = "\n".join(result.log_tail.splitlines()[-BASELINE_TAIL_LINES:])
+                    said = planner.baseline_memory()
                     raise TreetuneError(
                         f"the baseline launch failed: {result.reason}\n(its server's log: "
                         f"{log}; a rerun launches it again once the server setup is fixed)"
+                        + (f"\n{said}" if said else "")
                         + (f"\nlast lines:\n{tail}" if tail else ""))
                 _decide(planner, store, progress)
                 notify(progress)
