@@ -591,3 +591,37 @@ def test_a_stray_study_file_after_a_list_of_numbers_is_named_with_the_option_it_
 def test_dash_h_is_help(capsys, command):
     code, out, _ = run_cli(capsys, *command, "-h")
     assert code == 0 and "Usage: treetune" in out
+
+
+def test_a_search_logged_to_a_file_says_each_launch_on_a_line_of_its_own(capsys):
+    """rich draws the progress bar only on a terminal: a search run under nohup, tee or a
+    cluster's job log printed nothing of its launches until it ended, then one line cut
+    at 80 columns (a helper's audit). Off a terminal, a plain line whenever a launch
+    starts or ends or the best tree changes; not for each stage of a launch."""
+    from treetune.cli import _run_with_progress
+    from treetune.study.runner import Progress
+    from treetune.study.spec import load_study
+
+    spec = load_study(None, {"model": "m", "draft": "d", "batch": [1, 32],
+                             "budget": {"launches": 5}})
+
+    def study(_spec, show):
+        p = Progress(budget=5, message="strategy model")
+        show(p)
+        p.running, p.message = ["baseline"], "launched baseline on a worker"
+        show(p)
+        p.stages = {"baseline": "measuring humaneval at batch 32"}
+        show(p)  # a stage: no line
+        p.notes.append("a note")
+        p.running, p.launches_done, p.message = [], 1, "measured baseline"
+        p.best = {1: ("(3,1,4)", 1.6421)}
+        show(p)
+        return "outcome"
+
+    assert _run_with_progress(spec, study) == "outcome"
+    lines = capsys.readouterr().err.splitlines()
+    assert [re.sub(r" \d\d:\d\d:\d\d ", " T ", line) for line in lines] == [
+        "launches 0/5 T | best - | running - | strategy model",
+        "launches 0/5 T | best - | running baseline | launched baseline on a worker",
+        "note: a note",
+        "launches 1/5 T | best b1: (3,1,4) 1.642 | running - | measured baseline"]

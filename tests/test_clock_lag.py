@@ -602,3 +602,25 @@ def test_a_server_that_counts_no_verify_calls_is_not_measured_again_for_them(cou
     assert warning.startswith("the server's metrics have no sglang:spec_verify_calls_total "
                               "(SGLang counts them from 0.5.13 on): no accept length") \
         is not counts
+
+
+def test_a_remedy_many_warnings_share_is_said_in_full_once():
+    """A busy machine lags cell after cell, each warning with its own numbers and the same
+    long remedy: 11 notes of 600 characters in a 3-launch study (a helper's audit). The
+    remedy is said once; a warning said before is named by reference."""
+    from treetune.study.runner import warning_notes
+
+    def lag(cell: str, ms: int) -> str:
+        return f"{cell}: the clock ran {ms} ms behind. To fix: run fewer workers (time scale 50)."
+
+    warned: dict[str, str] = {}
+    remedies: set[str] = set()
+    first = warning_notes("baseline", [lag("a", 53), lag("b", 90), "no accept length"],
+                          warned, remedies)
+    assert first == ["baseline: a: the clock ran 53 ms behind. To fix: run fewer workers "
+                     "(time scale 50).",
+                     "baseline: b: the clock ran 90 ms behind. To fix: as said above.",
+                     "baseline: no accept length"]
+    assert warning_notes("(3,1,4)", [lag("a", 53), lag("a", 7)], warned, remedies) == [
+        "(3,1,4): the same warning as baseline",
+        "(3,1,4): a: the clock ran 7 ms behind. To fix: as said above."]

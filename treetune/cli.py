@@ -10,6 +10,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
@@ -622,15 +623,30 @@ def _run_with_progress(spec: StudySpec, run_study: Callable[..., StudyOutcome]) 
     task = bar.add_task("", total=spec.budget.launches)
 
     said = 0
+    # A log or a pipe (nohup, tee, a cluster's job log): no bar, which rich draws only on
+    # a terminal, but a plain line whenever a launch starts or ends or the best changes.
+    logged = not err.is_terminal
+    last: tuple[Any, ...] | None = None
 
     def show(p: StudyProgress) -> None:
-        nonlocal said
-        if not bar.live.is_started:
+        nonlocal said, last
+        if not logged and not bar.live.is_started:
             bar.start()
         for note in p.notes[said:]:  # printed above the bar, kept in the scrollback
             bar.console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
         said = len(p.notes)
         best = "  ".join(f"b{b}: {c} {m:.3f}" for b, (c, m) in sorted(p.best.items()))
+        if logged:
+            now = (p.launches_done, tuple(p.running), best)
+            if now != last:
+                last = now
+                total = p.budget if p.budget is not None else "-"
+                running = ", ".join(p.running) or "-"
+                elapsed = time.strftime("%H:%M:%S", time.gmtime(p.elapsed_s))
+                err.print(escape(f"launches {p.launches_done}/{total} {elapsed} | best "
+                                 f"{best or '-'} | running {running}"
+                                 + (f" | {p.message}" if p.message else "")), highlight=False)
+            return
         running = ", ".join(f"{key} [{p.stages[key]}]" if p.stages.get(key) else key
                             for key in p.running)
         parts = [f"best {best or '-'}", f"running {running}" if running else "", p.message]
@@ -640,7 +656,8 @@ def _run_with_progress(spec: StudySpec, run_study: Callable[..., StudyOutcome]) 
     try:
         return run_study(spec, show)
     finally:
-        bar.stop()
+        if bar.live.is_started:
+            bar.stop()
 
 
 def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommendation],

@@ -50,6 +50,7 @@ LOCK_FILE = ".treetune.lock"
 MAX_RESCHEDULES = 2  # a launch whose worker dies more often than this is recorded failed
 BASELINE_TAIL_LINES = 15  # of a failed baseline's server log, in the error (all: its log)
 STAGE_POLL_S = 5.0  # how often the workers are asked what their launches do now
+FIX = " To fix: "  # where a launch warning's remedy begins (said once, `_run`)
 POLL_S = 2.0  # how often a search sharing its storage looks at the other searches' launches
 
 
@@ -728,6 +729,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
     others: _Others | None = None
     spent = False  # the study's budget is taken by other searches' claims (until a look)
     warned: dict[str, str] = {}  # each launch warning -> the config it was first seen on
+    remedies: set[str] = set()  # the warnings' remedies said ("To fix: ...")
 
     def budget_left() -> bool:
         assert planner is not None
@@ -918,10 +920,7 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                     progress.notes += planner.trend_notes()
                     progress.notes += planner.tuning_notes()
                     progress.notes += planner.static_notes()
-                for warning in result.warnings:  # in full once, then by reference
-                    first = warned.setdefault(warning, str(config))
-                    progress.notes.append(f"{config}: {warning}" if first == str(config)
-                                          else f"{config}: the same warning as {first}")
+                progress.notes += warning_notes(str(config), result.warnings, warned, remedies)
                 if config is BASELINE and not result.ok and planner.baseline is None:
                     log = spec.output_dir / "logs" / log_name(
                         task.key, task.index, max(result.attempts - 1, 0))
@@ -1028,6 +1027,26 @@ def _why_ended(spec: StudySpec, launches: int, deadline: float | None, spent: bo
                 f"({launches}{of} launches); rerun to go on")
     return (f"nothing left worth launching ({launches}{of} launches): the strategy proposes "
             "no tree not yet measured and no recommendation needs another launch")
+
+
+def warning_notes(config: str, warnings: Iterable[str], warned: dict[str, str],
+                  remedies: set[str]) -> list[str]:
+    """A launch's warnings as notes: each in full once, then by reference to the config it
+    was first said of (`warned`: each warning said, and of which config); a remedy ("To
+    fix: ...") in full once (`remedies`: those said), since a busy machine lags cell after
+    cell alike. Both are updated."""
+    notes = []
+    for warning in warnings:
+        first = warned.setdefault(warning, config)
+        if first != config:
+            notes.append(f"{config}: the same warning as {first}")
+            continue
+        head, cut, remedy = warning.partition(FIX)
+        if cut and remedy in remedies:
+            warning = f"{head}{FIX}as said above."
+        remedies.add(remedy)
+        notes.append(f"{config}: {warning}")
+    return notes
 
 
 def _decide(planner: Planner, store: StudyStore, progress: Progress) -> list[Recommendation]:
