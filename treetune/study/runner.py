@@ -743,6 +743,12 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
 
     failed_base = merge_all(launched).get("baseline")
     if failed_base is not None and not failed_base.ok:
+        if (spent_on := _budget_spent(spec, len(launched))) is not None:
+            # Nothing would be launched, and the run would end on "no baseline measured".
+            raise TreetuneError(
+                f"the baseline's launch failed in an earlier run "
+                f"({clip(failed_base.reason, 300)}), and {spent_on}: once the server setup "
+                f"is fixed, rerun with a larger --budget-launches to launch it again")
         progress.notes.append(f"the baseline's launch failed in an earlier run "
                               f"({clip(failed_base.reason, 300)}): launching it again")
     ray_session: _Ray | None = None
@@ -926,9 +932,13 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
                         task.key, task.index, max(result.attempts - 1, 0))
                     tail = "\n".join(result.log_tail.splitlines()[-BASELINE_TAIL_LINES:])
                     said = planner.baseline_memory()
+                    spent_on = _budget_spent(spec, planner.launches)
+                    rerun = ("a rerun launches it again once the server setup is fixed"
+                             if spent_on is None else f"{spent_on}: once the server setup "
+                             "is fixed, rerun with a larger --budget-launches")
                     raise TreetuneError(
                         f"the baseline launch failed: {result.reason}\n(its server's log: "
-                        f"{log}; a rerun launches it again once the server setup is fixed)"
+                        f"{log}; {rerun})"
                         + (f"\n{said}" if said else "")
                         + (f"\nlast lines:\n{tail}" if tail else ""))
                 _decide(planner, store, progress)
@@ -1027,6 +1037,14 @@ def _why_ended(spec: StudySpec, launches: int, deadline: float | None, spent: bo
                 f"({launches}{of} launches); rerun to go on")
     return (f"nothing left worth launching ({launches}{of} launches): the strategy proposes "
             "no tree not yet measured and no recommendation needs another launch")
+
+
+def _budget_spent(spec: StudySpec, launches: int) -> str | None:
+    """Said when `launches` spend the study's launch budget (None while some is left)."""
+    budget = spec.budget.launches
+    if budget is None or launches < budget:
+        return None
+    return f"the study's launch budget is spent ({launches} of {budget} launches)"
 
 
 def warning_notes(config: str, warnings: Iterable[str], warned: dict[str, str],
