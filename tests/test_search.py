@@ -12,8 +12,8 @@ import pytest
 from optuna.trial import TrialState
 from studykit import fake_sglang, ray_env, short_ray_dir, small_study
 
-from treetune.config import BASELINE, TreeConfig
-from treetune.results import LaunchResult, config_key
+from treetune.config import TreeConfig
+from treetune.results import config_key
 from treetune.space import load_space
 from treetune.strategies._trials import holds, knob_distributions, params_of
 from treetune.study.export import write_outputs
@@ -280,25 +280,3 @@ def test_a_failed_baseline_names_its_log_and_a_rerun_launches_it_again(tmp_path,
     assert "starting server" in seen, seen
     assert "cell 1/1: humaneval b1" in seen, seen  # its one cell
     assert all(s in ("", "starting server") or s.startswith("cell ") for s in seen), seen
-
-
-
-def test_a_rerun_of_a_study_whose_failed_baselines_spent_its_budget_says_so_at_once(tmp_path):
-    """Each failed launch of the baseline counts in the launch budget: once they had spent
-    it, a rerun said "launching it again", launched nothing and ended on "no baseline was
-    measured" (a helper's audit). It now says at once, before Ray starts, that the budget
-    is spent and how to go on."""
-    from treetune.errors import TreetuneError
-
-    spec = load_study(None, small_study(tmp_path, budget={"launches": 2}))
-    store = StudyStore(spec)
-    for _ in range(2):
-        store.finish_launch(store.begin_launch(BASELINE, ()), LaunchResult(
-            BASELINE, reason="No module named sglang.launch_server", exit_code=1))
-    with pytest.raises(TreetuneError) as refused:
-        run_study(spec)
-    assert str(refused.value) == (
-        "the baseline's launch failed in an earlier run (No module named "
-        "sglang.launch_server), and the study's launch budget is spent (2 of 2 launches): "
-        "once the server setup is fixed, rerun with a larger --budget-launches to launch it "
-        "again")

@@ -18,7 +18,7 @@ from concurrent import futures
 from pathlib import Path
 
 import pytest
-from studykit import run_cli
+from studykit import run_cli, small_study
 
 from treetune.backends.sglang import check_sglang
 from treetune.datasets import DatasetSpec, load_datasets
@@ -818,3 +818,26 @@ def test_debug_shows_the_traceback(tmp_path):
     assert done.returncode != 0
     assert "Traceback (most recent call last)" in done.stderr
     assert "ConfigFileError" in done.stderr and "did you mean 'budget'" in done.stderr
+
+
+def test_a_rerun_of_a_study_whose_failed_baselines_spent_its_budget_says_so_at_once(tmp_path):
+    """Each failed launch of the baseline counts in the launch budget: once they had spent
+    it, a rerun said "launching it again", launched nothing and ended on "no baseline was
+    measured" (a helper's audit). It now says at once, before Ray starts, that the budget
+    is spent and how to go on."""
+    from treetune.config import BASELINE
+    from treetune.results import LaunchResult
+    from treetune.study.runner import run_study
+
+    spec = load_study(None, small_study(tmp_path, budget={"launches": 2}))
+    store = StudyStore(spec)
+    for _ in range(2):
+        store.finish_launch(store.begin_launch(BASELINE, ()), LaunchResult(
+            BASELINE, reason="No module named sglang.launch_server", exit_code=1))
+    with pytest.raises(TreetuneError) as refused:
+        run_study(spec)
+    assert str(refused.value) == (
+        "the baseline's launch failed in an earlier run (No module named "
+        "sglang.launch_server), and the study's launch budget is spent (2 of 2 launches): "
+        "once the server setup is fixed, rerun with a larger --budget-launches to launch it "
+        "again")
