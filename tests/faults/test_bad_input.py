@@ -841,3 +841,14 @@ def test_a_rerun_of_a_study_whose_failed_baselines_spent_its_budget_says_so_at_o
         "sglang.launch_server), and the study's launch budget is spent (2 of 2 launches): "
         "once the server setup is fixed, rerun with a larger --budget-launches to launch it "
         "again")
+
+
+def test_a_storage_given_as_a_path_is_asked_for_as_a_url(capsys, tmp_path):
+    """`--storage study.db` met SQLAlchemy's "Could not parse SQLAlchemy URL" (a helper's
+    audit): the URL the user meant is named."""
+    code, _, err = run_cli(capsys, "search", "--model", "m", "--draft", "d", "--batch", "1",
+                           "--profile", "qwen3-8b-h100", "--storage", str(tmp_path / "x.db"),
+                           "-o", str(tmp_path / "out"))
+    assert code == 2 and f"give sqlite:///{tmp_path / 'x.db'}" in err, err
+    assert "SQLAlchemy" not in err and not (tmp_path / "out").exists()
+

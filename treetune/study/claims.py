@@ -83,8 +83,10 @@ def created_racing(create: Callable[[], T], failure: str,
         except TreetuneError:
             raise
         except retry as exc:
-            if attempt + 1 == tries:
-                raise TreetuneError(f"{failure}: {exc}") from None
+            if attempt + 1 == tries:  # the database's words, not SQLAlchemy's SQL dump
+                lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+                raise TreetuneError(f"{failure}: {lines[0] if lines else type(exc).__name__}"
+                                    ) from None
             time.sleep(0.5 * (attempt + 1))
     raise AssertionError("unreachable")
 

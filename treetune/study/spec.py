@@ -313,7 +313,9 @@ class StudySpec:
         "--gpu-type", "Run servers only on Ray nodes of this GPU type (Ray's accelerator "
         "type, e.g. H100); needed when the cluster mixes GPU types."))
     storage: str | None = field(default=None, metadata=meta(
-        "--storage", "Optuna storage URL (default: SQLite in the output folder)."))
+        "--storage", "Optuna storage URL, e.g. sqlite:////abs/path/study.db or "
+        "postgresql://user@host/db, shared by several searches of the study (default: "
+        "SQLite in the output folder)."))
     seed: int = field(default=0, metadata=meta("--seed", "Random seed."))
     compare: tuple[TreeConfig, ...] = field(default=(), metadata=meta(
         "--compare", "Trees always measured, e.g. --compare 3,4,8 5,1,6.",
@@ -343,6 +345,11 @@ class StudySpec:
                              "mt-bench humaneval, or a study file's `datasets:`)")
         with for_field("space"):
             resolve_space_path(self.space)
+        if self.storage is not None and "://" not in self.storage:
+            path = Path(self.storage).expanduser().resolve()
+            raise FieldError("storage", f"storage '{self.storage}' is not a database URL: "
+                             f"for an SQLite file give sqlite:///{path}, for a database "
+                             "server postgresql://user@host/db")
         if not self.batch:
             raise FieldError("batch", "batch: give at least one batch size (--batch 1 32, or "
                              "a study file's `batch:`)")
