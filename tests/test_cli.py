@@ -625,3 +625,16 @@ def test_a_search_logged_to_a_file_says_each_launch_on_a_line_of_its_own(capsys)
         "launches 0/5 T | best - | running baseline | launched baseline on a worker",
         "note: a note",
         "launches 1/5 T | best b1: (3,1,4) 1.642 | running - | measured baseline"]
+
+
+def test_a_file_the_machine_refuses_past_the_checks_is_an_error_not_an_internal_one(capsys):
+    """`treetune prior -o /proc/x.yaml` passed the check of its folder, then failed to
+    write: "internal error: FileNotFoundError", exit 1, as for a bug (a helper's audit).
+    A file the machine refuses is the user's to fix: an error naming it, exit 2."""
+    from test_facts import fixture
+
+    code, _, err = run(capsys, "prior", "--model", str(fixture("Qwen/Qwen3-8B")),
+                       "--draft", str(fixture("thoughtworks/Qwen3-8B-Eagle3")),
+                       "--gpu", "H100-SXM", "-o", "/proc/treetune-x.yaml")
+    assert code == 2 and "error: cannot use /proc/treetune-x.yaml: " in err, err
+    assert "internal error" not in err

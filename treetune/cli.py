@@ -925,7 +925,7 @@ def main(argv: list[str] | None = None) -> None:
     except (typer.Abort, KeyboardInterrupt):
         err.print("aborted")
         exit_interrupted()
-    except Exception as exc:  # click usage errors and the unexpected
+    except Exception as exc:  # click usage errors, a file the machine refused, the unexpected
         import click
 
         # Typer >= 0.20 ships its own copy of click: its usage errors are not click's.
@@ -947,6 +947,12 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(getattr(exc, "exit_code", 2))
         if debug:
             raise
+        if isinstance(exc, OSError) and exc.filename:
+            # A file the machine would not let us read or write, past any check made first
+            # (an immutable file, a /proc path, a folder gone meanwhile): the user's to fix.
+            err.print(f"[bold red]error:[/bold red] cannot use {escape(str(exc.filename))}: "
+                      f"{escape(exc.strerror or type(exc).__name__)}", highlight=False)
+            sys.exit(2)
         err.print(f"[bold red]internal error:[/bold red] {type(exc).__name__}: "
                   f"{escape(str(exc))} "
                   "(rerun with --debug for the traceback)")
