@@ -570,7 +570,7 @@ def test_facts_missing_for_another_reason_or_after_a_tree_are_not_asked_again(tm
 def test_an_unknown_gpu_override_is_refused_when_the_study_is_read(tmp_path):
     # A misspelt --gpu is the user's to fix before anything starts; only a GPU the worker
     # sees and the table lacks makes `auto` go without a model (below).
-    with pytest.raises(TreetuneError, match=r"key 'backend.gpu': GPU 'RTX 9999' \(--gpu\) "
+    with pytest.raises(TreetuneError, match=r"--gpu \(backend.gpu\): GPU 'RTX 9999' \(--gpu\) "
                        r"is not in treetune's GPU table"):
         sglang_study(tmp_path, backend={"gpu": "RTX 9999"})
 

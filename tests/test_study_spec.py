@@ -474,17 +474,17 @@ def test_a_world_on_the_command_line_replaces_the_study_file_s_profile():
     spec = load_study(STUDIES / "demo.yaml", option_overrides({"backend.world": "cliffs"}))
     assert spec.backend.world == "cliffs" and spec.backend.profile is None
     assert spec.backend.time_scale == load_study(STUDIES / "demo.yaml").backend.time_scale
-    with pytest.raises(ConfigFileError, match=r"^command line: key 'backend.world': give "
+    with pytest.raises(ConfigFileError, match=r"^command line: --world \(backend.world\): give "
                        r"backend.profile or backend.world, not both"):
         load_study(STUDIES / "demo.yaml", option_overrides({
             "backend.world": "cliffs", "backend.profile": "qwen3-8b-h100"}))
 
 
 @pytest.mark.parametrize(("key", "value", "blamed"), [
-    ("datasets", ["foo"], "key 'datasets[0]': unknown built-in dataset 'foo'"),
-    ("compare", ["3,4"], "key 'compare[0]': tree '3,4' must be three integers"),
-    ("methods", ["EAGLE3", "FOO"], "key 'methods[1]': draft method 'FOO' is not one of"),
-    ("search.strategy", "tpee", "key 'search.strategy': search.strategy must be one of"),
+    ("datasets", ["foo"], "--datasets (datasets[0]): unknown built-in dataset 'foo'"),
+    ("compare", ["3,4"], "--compare (compare[0]): tree '3,4' must be three integers"),
+    ("methods", ["EAGLE3", "FOO"], "--methods (methods[1]): draft method 'FOO' is not one of"),
+    ("search.strategy", "tpee", "--strategy (search.strategy): search.strategy must be one"),
     ("search.launch_cv", 1.5, "key 'search.launch_cv': search.launch_cv must be in [0, 1)"),
 ])
 def test_a_bad_command_line_value_is_blamed_on_the_command_line_not_the_file(key, value,
@@ -531,7 +531,7 @@ def test_a_space_or_profile_given_as_a_file_is_left_to_its_loader(tmp_path):
 def test_an_empty_or_spaced_host_is_refused(host):
     from treetune.study.spec import option_overrides
 
-    with pytest.raises(ConfigFileError, match=r"^command line: key 'host': host .* is not an "
+    with pytest.raises(ConfigFileError, match=r"^command line: --host \(host\): host .* is not an "
                        r"address to listen on"):
         load_study(STUDIES / "demo.yaml", option_overrides({"host": host}))
 
@@ -547,7 +547,8 @@ def test_another_backend_s_option_names_the_backend_it_belongs_to(study, key, va
 
     with pytest.raises(ConfigFileError) as caught:
         load_study(STUDIES / study, option_overrides({key: value}))
-    assert str(caught.value) == f"command line: key '{key}': {message}"
+    flag = {"backend.time_scale": "--time-scale", "backend.gpu": "--gpu"}[key]
+    assert str(caught.value) == f"command line: {flag} ({key}): {message}"
 
 
 def test_a_server_flag_of_several_values_is_given_as_separate_words(tmp_path):
@@ -660,7 +661,7 @@ def test_an_adaptive_study_needs_an_sglang_that_reads_per_batch_size_slots(versi
     launches, labeled tuned, would serve candidate steps [1, 3, 7] (a helper's audit)."""
     base = {"model": "m", "draft": "d", "datasets": ["humaneval"], "batch": [1, 8],
             "adaptive": True}
-    with pytest.raises(ConfigFileError, match=r"key 'adaptive': adaptive: SGLang reads a "
+    with pytest.raises(ConfigFileError, match=r"\(adaptive\): adaptive: SGLang reads a "
                        rf"per-batch-size adaptive config from 0\.5\.13 on .* sglang_version "
                        rf"{version}: give adaptive: false"):
         load_study(None, {**base, "sglang_version": version})

@@ -253,9 +253,11 @@ def test_an_option_of_the_wrong_type_is_a_one_line_usage_error(capsys, tmp_path,
 ])
 def test_an_option_of_nan_or_inf_is_refused_as_the_file_s_are(capsys, tmp_path, options,
                                                               key, got):
-    """Typer parses "nan" and "inf" as floats before any field sees them."""
+    """Typer parses "nan" and "inf" as floats before any field sees them. Named by the
+    option typed, then the file's key (a helper's audit: the key alone)."""
     message = search(capsys, write_study(tmp_path), *options)
-    assert message == f"command line: key '{key}': expected a finite number, got {got}"
+    assert message == (f"command line: {options[0]} ({key}): expected a finite number, "
+                       f"got {got}")
 
 
 def test_a_report_of_a_folder_that_does_not_exist_says_so(capsys, tmp_path):

@@ -887,12 +887,28 @@ def option_overrides(values: Mapping[str, Any]) -> dict[str, Any]:
 
 def load_study(path: str | Path | None, overrides: dict[str, Any] | None = None) -> StudySpec:
     """A study from a YAML file (or none), with command-line overrides applied on top."""
-    if path is None:
-        return study_from_mapping({}, COMMAND_LINE, Path("."), overrides)
-    loaded = load_yaml(path)
-    if not isinstance(loaded, dict):
-        raise ConfigFileError(path, "a study file must be a mapping of fields")
-    return study_from_mapping(loaded, Path(path), Path(path).parent, overrides)
+    try:
+        if path is None:
+            return study_from_mapping({}, COMMAND_LINE, Path("."), overrides)
+        loaded = load_yaml(path)
+        if not isinstance(loaded, dict):
+            raise ConfigFileError(path, "a study file must be a mapping of fields")
+        return study_from_mapping(loaded, Path(path), Path(path).parent, overrides)
+    except ConfigFileError as exc:
+        raise as_typed(exc) from None
+
+
+def as_typed(exc: ConfigFileError) -> ConfigFileError:
+    """An error in a value given on the command line, named by the option the user typed
+    ("command line: --budget-launches (budget.launches): ..."), not by the study file's
+    key alone."""
+    key = exc.key or ""
+    flag = {o.key: o.flag for o in search_options()}.get(re.split(r"\[", key)[0])
+    if exc.path != COMMAND_LINE or flag is None:
+        return exc
+    named = ConfigFileError(f"{COMMAND_LINE}: {flag} ({key})", exc.message)
+    named.key = exc.key
+    return named
 
 
 def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
