@@ -638,3 +638,25 @@ def test_a_file_the_machine_refuses_past_the_checks_is_an_error_not_an_internal_
                        "--gpu", "H100-SXM", "-o", "/proc/treetune-x.yaml")
     assert code == 2 and "error: cannot use /proc/treetune-x.yaml: " in err, err
     assert "internal error" not in err
+
+
+def test_a_search_stopped_before_its_first_tree_ended_says_so_not_empty_tables(
+        capsys, tmp_path, monkeypatch):
+    """Stopped during its first tree, a search printed a table of no tree and every
+    recommendation "no speculative config was measured successfully", which reads as a
+    search that failed (a helper's audit). It says that no tree ended before the stop."""
+    from treetune.results import CellResult, LaunchResult
+    from treetune.study import runner
+
+    def stopped(spec, on_progress=None, store=None):
+        base = LaunchResult(BASELINE, ok=True, cells=[
+            CellResult(d, b, 100.0, None, 10, 10_000, 6.0, None, None)
+            for d in spec.dataset_names for b in spec.batch])
+        return runner.StudyOutcome(spec, [base], base, interrupted=True, launches=1)
+
+    monkeypatch.setattr(runner, "run_study", stopped)
+    code, out, err = run(capsys, "search", "--model", "m", "--draft", "d", "--batch", "1",
+                         "--profile", "qwen3-8b-h100", "-o", str(tmp_path / "out"))
+    assert code == 130 and "interrupted: " in err
+    assert "no tree was measured before the interrupt" in out
+    assert "measured speedups" not in out and "no speculative config" not in out

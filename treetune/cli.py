@@ -578,7 +578,12 @@ def search(study: Path | None = None, **options: Any) -> None:
     finally:
         restore()
         stopping.clear()  # raised if it was asked for: not the next command's (in-process)
-    if outcome.baseline is not None:
+    measured = any(r.ok and r.config is not BASELINE for r in outcome.results)
+    if outcome.baseline is not None and outcome.interrupted and not measured:
+        # Tables of no tree, each row "no speculative config was measured", read as a
+        # search that failed: it was stopped before its first tree ended.
+        out.print("no tree was measured before the interrupt: nothing to compare yet")
+    elif outcome.baseline is not None:
         _print_outcome(spec, outcome, recs, advice(recs))
         if note:
             out.print(f"[bold]objective:[/bold] {escape(note)}")
