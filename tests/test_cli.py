@@ -660,3 +660,10 @@ def test_a_search_stopped_before_its_first_tree_ended_says_so_not_empty_tables(
     assert code == 130 and "interrupted: " in err
     assert "no tree was measured before the interrupt" in out
     assert "measured speedups" not in out and "no speculative config" not in out
+
+
+def test_the_version_is_printed(capsys):
+    from importlib.metadata import version
+
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"treetune {version('treetune')}"

@@ -51,6 +51,21 @@ app = typer.Typer(
 )
 
 
+def _show_version(shown: bool) -> None:
+    if shown:
+        from importlib.metadata import version
+
+        out.print(f"treetune {version('treetune')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option(
+        "--version", callback=_show_version, is_eager=True,
+        help="Print treetune's version and exit.")] = False) -> None:
+    """Find the best EAGLE3 speculative-decoding tree settings for SGLang servers."""
+
+
 class _StdoutConsole(Console):
     """stdout, as wide as its content when it is a log or a pipe: there rich would squeeze
     tables to 80 columns (or the width of a terminal on stdin or stderr) and fold dataset
@@ -578,8 +593,8 @@ def search(study: Path | None = None, **options: Any) -> None:
     finally:
         restore()
         stopping.clear()  # raised if it was asked for: not the next command's (in-process)
-    measured = any(r.ok and r.config is not BASELINE for r in outcome.results)
-    if outcome.baseline is not None and outcome.interrupted and not measured:
+    if outcome.baseline is not None and outcome.interrupted and not any(
+            r.ok and r.config is not BASELINE for r in outcome.results):
         # Tables of no tree, each row "no speculative config was measured", read as a
         # search that failed: it was stopped before its first tree ended.
         out.print("no tree was measured before the interrupt: nothing to compare yet")

@@ -313,9 +313,8 @@ class StudySpec:
         "--gpu-type", "Run servers only on Ray nodes of this GPU type (Ray's accelerator "
         "type, e.g. H100); needed when the cluster mixes GPU types."))
     storage: str | None = field(default=None, metadata=meta(
-        "--storage", "Optuna storage URL, e.g. sqlite:////abs/path/study.db or "
-        "postgresql://user@host/db, shared by several searches of the study (default: "
-        "SQLite in the output folder)."))
+        "--storage", "Optuna storage URL (default: SQLite in the output folder); a "
+        "PostgreSQL URL lets several searches share the study."))
     seed: int = field(default=0, metadata=meta("--seed", "Random seed."))
     compare: tuple[TreeConfig, ...] = field(default=(), metadata=meta(
         "--compare", "Trees always measured, e.g. --compare 3,4,8 5,1,6.",
@@ -820,7 +819,8 @@ def _either(names: typing.Iterable[str]) -> str:
 BACKEND_OPTIONS = (
     SpecOption("backend.kind", "--backend", f"{_either(BACKENDS)} (default: sglang; "
                "--profile or --world imply the emulator).", str),
-    SpecOption("backend.profile", "--profile", "Emulator profile (implies --backend emulator).",
+    SpecOption("backend.profile", "--profile", "Emulator profile: a shipped one's name (see "
+               "`treetune profiles`) or a profile file (implies --backend emulator).",
                str, implies=(("backend.kind", "emulator"),)),
     SpecOption("backend.world", "--world", "Emulate a world instead of a profile: a shipped "
                "world (see `treetune worlds`) or a world file (implies --backend emulator).",
