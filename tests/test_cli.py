@@ -667,3 +667,10 @@ def test_the_version_is_printed(capsys):
 
     code, out, _ = run(capsys, "--version")
     assert code == 0 and out.strip() == f"treetune {version('treetune')}"
+
+
+@pytest.mark.parametrize("command", ["search", "prior", "report", "predict"])
+def test_each_command_s_help_says_how_to_see_a_traceback(capsys, command):
+    """--debug was said only under `treetune --help` (a helper's audit)."""
+    code, out, _ = run(capsys, command, "--help")
+    assert code == 0 and "--debug" in " ".join(out.split()), out

@@ -914,6 +914,11 @@ for _info in app.registered_commands:
         _info.help = _reflowed(_info.callback.__doc__)
 
 
+# Said under every command's help too: a user reads the command's, not treetune's.
+for _command in app.registered_commands:
+    _command.epilog = _command.epilog or app.info.epilog
+
+
 def exit_interrupted() -> NoReturn:
     """Exit 130: a stop (Ctrl-C, SIGTERM) was handled. Under `python -m treetune`, CPython
     (3.11 to 3.13) would exit by SIGINT instead when the KeyboardInterrupt had escaped an
