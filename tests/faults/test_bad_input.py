@@ -534,6 +534,13 @@ def test_a_dataset_the_emulator_profile_does_not_know_is_refused_before_ray(
     message = search(capsys, study)
     assert "profile 'qwen3-coder-next-h200' has no dataset 'mine'" in message
     assert "the emulator serves only its profile's datasets" in message
+    # A built-in set the profile was not calibrated on is said so, not taken for a
+    # misspelling (terminal-bench got "did you mean 'mt-bench'?": a helper's audit).
+    message = search(capsys, write_study(tmp_path, datasets="[terminal-bench]"),
+                     "--profile", "qwen3-8b-h100")
+    assert message.startswith("profile 'qwen3-8b-h100' was not calibrated on the built-in "
+                              "dataset 'terminal-bench'; it knows: "), message
+    assert "did you mean" not in message
 
 
 # ---- 7. SGLang not installed -----------------------------------------------------------------

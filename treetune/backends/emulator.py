@@ -109,7 +109,15 @@ def launch_seed(study_seed: int, config: ServerConfig, attempt: int = 0,
 
 def check_datasets(prof: Profile, datasets: list[str]) -> Profile:
     """The emulator answers only for the datasets its profile was calibrated on."""
+    from treetune.datasets import builtin_names
+
     for name in datasets:
+        if name in builtin_names() and name not in prof.datasets:
+            # A set treetune ships, which this profile was not calibrated on: no misspelling.
+            raise TreetuneError(
+                f"profile '{prof.name}' was not calibrated on the built-in dataset "
+                f"'{name}'; it knows: {', '.join(prof.datasets)}; the emulator serves only "
+                "its profile's datasets: use those, or another profile, or --backend sglang")
         try:
             prof.dataset(name)
         except TreetuneError as exc:
