@@ -1069,3 +1069,16 @@ def test_treetune_prior_prices_data_parallel_attention_groups(capsys):
     code, _, err = run_cli(capsys, "prior", "--model", TARGET, "--draft", DRAFT, "--tp", "4",
                            "--attn-dp-size", "3", "--gpu", "H200")
     assert code == 2 and "--attn-dp-size must divide --tp (4), got 3" in err, err
+
+
+def test_the_tp_hint_skips_sizes_the_studys_attention_groups_do_not_divide(tmp_path):
+    """The hint tried TP 2, 4 and 8 with the study's attention groups: 6 groups divide
+    none, and the check's refusal ended the study before its first launch (a review)."""
+    spec = load_study(None, small_study(
+        tmp_path, model=fixture("deepseek-ai/DeepSeek-V3"), draft=None, algorithm="NEXTN",
+        tp=6, batch=[1, 32], datasets=["mt-bench"], space="default",
+        server_flags={"--enable-dp-attention": None, "--dp-size": 6},
+        backend={"kind": "sglang", "python": sys.executable, "gpu": "L40S"}))
+    said = planner_for(spec).baseline_memory()
+    assert said.startswith("the prior says the baseline's server cannot start at --tp 6 "
+                           "on L40S") and said.endswith("no TP within one node of 8 GPUs would")

@@ -423,7 +423,7 @@ def test_a_proposal_left_naming_no_search_is_failed_once_it_stays_untagged(tmp_p
     untagged for the stale time is failed; one tagged meanwhile, or tagged from the start,
     is left to its search."""
     from treetune.strategies._trials import BatchStudies
-    from treetune.study.runner import _Others
+    from treetune.study.runner import Progress, _Others
 
     spec = load_study(None, small_study(tmp_path))
     space = load_space(spec.space)
@@ -442,11 +442,26 @@ def test_a_proposal_left_naming_no_search_is_failed_once_it_stays_untagged(tmp_p
 
     assert {state(t) for t in (tagged, orphan, late)} == {TrialState.RUNNING}
     store.tag(late)
-    others.fail_orphans(stale_after_s=0.0)
+    with pytest.MonkeyPatch.context() as patch:  # as a search's own look does it
+        patch.setattr("treetune.study.runner.ORPHAN_AFTER", 0)
+        others.follow(Planner(spec, store, space, []), Progress(budget=None), force=True)
     assert (state(tagged), state(orphan), state(late)) == (
         TrialState.RUNNING, TrialState.FAIL, TrialState.RUNNING)
     assert store.storage.get_trial(orphan._trial_id).user_attrs["reason"]
     assert others.untagged == {}
+    # A live search whose proposal was failed before its tag (a sampler slower than the
+    # wait) asks again, rather than failing on the tag.
+    tag = store.tag
+
+    def failed_first(trial):
+        store.tag = tag
+        store.fail_stale(trial._trial_id)
+        tag(trial)
+
+    store.tag = failed_first
+    again, _ = studies.ask(1)
+    assert state(again) == TrialState.RUNNING
+    assert store.storage.get_trial(again._trial_id).user_attrs["driver"] == "live"
 
 
 def test_a_shared_study_tells_the_batch_studies_what_ended_searches_left_untold(tmp_path):

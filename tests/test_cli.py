@@ -626,6 +626,15 @@ def test_a_search_logged_to_a_file_says_each_launch_on_a_line_of_its_own(capsys)
         "note: a note",
         "launches 1/5 T | best b1: (3,1,4) 1.642 | running - | measured baseline"]
 
+    import time
+
+    def long_study(_spec, show):  # a day and 6 hours in: no wrap at 24 h (a review)
+        show(Progress(budget=5, started=time.monotonic() - 30 * 3600 - 5))
+        return "outcome"
+
+    _run_with_progress(spec, long_study)
+    assert capsys.readouterr().err.startswith("launches 0/5 30:00:0")
+
 
 def test_a_file_the_machine_refuses_past_the_checks_is_an_error_not_an_internal_one(capsys):
     """`treetune prior -o /proc/x.yaml` passed the check of its folder, then failed to
@@ -660,6 +669,28 @@ def test_a_search_stopped_before_its_first_tree_ended_says_so_not_empty_tables(
     assert code == 130 and "interrupted: " in err
     assert "no tree was measured before the interrupt" in out
     assert "measured speedups" not in out and "no speculative config" not in out
+    assert (tmp_path / "out" / "recommendations.yaml").is_file()
+
+
+def test_a_search_stopped_after_a_tree_failed_prints_its_tables_and_the_failure(
+        capsys, tmp_path, monkeypatch):
+    """A tree that failed before the stop did end: its failure is said, with the tables
+    (a review: the stop's short line hid it)."""
+    from treetune.results import CellResult, LaunchResult
+    from treetune.study import runner
+
+    def stopped(spec, on_progress=None, store=None):
+        base = LaunchResult(BASELINE, ok=True, cells=[
+            CellResult(d, b, 100.0, None, 10, 10_000, 6.0, None, None)
+            for d in spec.dataset_names for b in spec.batch])
+        failed = LaunchResult(TreeConfig(3, 4, 8), reason="out of memory", exit_code=1)
+        return runner.StudyOutcome(spec, [base, failed], base, interrupted=True, launches=2)
+
+    monkeypatch.setattr(runner, "run_study", stopped)
+    code, out, _ = run(capsys, "search", "--model", "m", "--draft", "d", "--batch", "1",
+                       "--profile", "qwen3-8b-h100", "-o", str(tmp_path / "out"))
+    assert code == 130 and "failed (3,4,8): out of memory" in " ".join(out.split()), out
+    assert "no tree was measured" not in out
 
 
 def test_the_version_is_printed(capsys):

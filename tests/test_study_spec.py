@@ -68,9 +68,15 @@ def test_a_study_naming_no_datasets_takes_the_four_published_ones_or_its_emulato
     data = yaml.safe_load(resolve_profile_path("qwen3-8b-h100").read_text())
     data["datasets"] = {f"our-{name}": value for name, value in data["datasets"].items()}
     (tmp_path / "ours.yaml").write_text(yaml.safe_dump(data))
-    with pytest.raises(TreetuneError, match="at least one dataset"):
+    with pytest.raises(TreetuneError) as refused:
         load_study(None, {**line, "backend": {"kind": "emulator",
                                               "profile": str(tmp_path / "ours.yaml")}})
+    assert str(refused.value).startswith(
+        "command line: no datasets named, and the emulator's profile serves none of the "
+        "built-in ones (it knows: our-"), str(refused.value)
+    # A value no option gave is named by its key, not by an option never typed (a review).
+    with pytest.raises(TreetuneError, match=r"^command line: key 'batch': "):
+        load_study(None, {"model": "m", "draft": "d"})
 
 
 def test_every_launch_forms_the_largest_batch():

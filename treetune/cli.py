@@ -10,7 +10,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
@@ -593,11 +592,13 @@ def search(study: Path | None = None, **options: Any) -> None:
     finally:
         restore()
         stopping.clear()  # raised if it was asked for: not the next command's (in-process)
-    if outcome.baseline is not None and outcome.interrupted and not any(
-            r.ok and r.config is not BASELINE for r in outcome.results):
+    if outcome.baseline is not None and outcome.interrupted and all(
+            r.config is BASELINE for r in outcome.results):
         # Tables of no tree, each row "no speculative config was measured", read as a
         # search that failed: it was stopped before its first tree ended.
-        out.print("no tree was measured before the interrupt: nothing to compare yet")
+        out.print("no tree was measured before the interrupt: nothing to compare yet; "
+                  f"wrote {escape(str(spec.output_dir))}/recommendations.yaml (no "
+                  "speculation, so far)")
     elif outcome.baseline is not None:
         _print_outcome(spec, outcome, recs, advice(recs))
         if note:
@@ -662,7 +663,8 @@ def _run_with_progress(spec: StudySpec, run_study: Callable[..., StudyOutcome]) 
                 last = now
                 total = p.budget if p.budget is not None else "-"
                 running = ", ".join(p.running) or "-"
-                elapsed = time.strftime("%H:%M:%S", time.gmtime(p.elapsed_s))
+                hours, rest = divmod(int(p.elapsed_s), 3600)  # days of a long study too
+                elapsed = f"{hours:02d}:{rest // 60:02d}:{rest % 60:02d}"
                 err.print(escape(f"launches {p.launches_done}/{total} {elapsed} | best "
                                  f"{best or '-'} | running {running}"
                                  + (f" | {p.message}" if p.message else "")), highlight=False)
@@ -976,7 +978,8 @@ def main(argv: list[str] | None = None) -> None:
             # A file the machine would not let us read or write, past any check made first
             # (an immutable file, a /proc path, a folder gone meanwhile): the user's to fix.
             err.print(f"[bold red]error:[/bold red] cannot use {escape(str(exc.filename))}: "
-                      f"{escape(exc.strerror or type(exc).__name__)}", highlight=False)
+                      f"{escape(exc.strerror or type(exc).__name__)} (rerun with --debug for "
+                      "the traceback)", highlight=False)
             sys.exit(2)
         err.print(f"[bold red]internal error:[/bold red] {type(exc).__name__}: "
                   f"{escape(str(exc))} "

@@ -47,7 +47,7 @@ BUILTINS: dict[str, Builtin] = {
 
 
 # A study's datasets when it names none: chat, code, a coding agent's and a terminal agent's
-# prompts, the four sets the published EAGLE3 grids measure (and every shipped study uses).
+# prompts, the four sets the published EAGLE3 grids measure (and the demo study uses).
 DEFAULT_DATASETS = ("mt-bench", "humaneval", "swebench-verified", "terminal-bench")
 
 

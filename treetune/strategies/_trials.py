@@ -14,6 +14,7 @@ from optuna.distributions import (
     CategoricalDistribution,
     IntDistribution,
 )
+from optuna.exceptions import UpdateFinishedTrialError
 
 from treetune.config import TreeConfig, candidate_pool_size
 from treetune.results import LaunchResult, config_key
@@ -90,8 +91,13 @@ class BatchStudies:
             study.sampler = sampler(batch)
 
     def ask(self, batch: int) -> tuple[optuna.trial.Trial, dict[str, int]]:
-        trial = self.store.batch_studies[batch].ask(self.distributions)
-        self.store.tag(trial)  # whose proposal, when searches share the study
+        while True:
+            trial = self.store.batch_studies[batch].ask(self.distributions)
+            try:
+                self.store.tag(trial)  # whose proposal, when searches share the study
+                break
+            except UpdateFinishedTrialError:  # failed as an orphan before its tag: again
+                continue
         raw = {k: int(v) for k, v in trial.params.items()}
         raw.setdefault("steps", raw["draft_tokens"] - 1)  # an NGRAM space's trees
         return trial, {k: raw[k] for k in ("steps", "topk", "draft_tokens")}

@@ -32,6 +32,7 @@ from treetune import strategies
 from treetune.backends import BackendFacts, gather_facts
 from treetune.backends.sglang import attention_dp_size
 from treetune.config import BASELINE, AdaptiveConfig, ServerConfig, TreeConfig
+from treetune.errors import TreetuneError
 from treetune.objectives import Objective
 from treetune.perfmodel import MemoryCheck, Profile, check_memory, load_profile
 from treetune.perfmodel.prior import neutral_prior, with_datasets
@@ -963,14 +964,19 @@ class Planner:
         if prior is None or self.baseline is not None:
             return ""
 
-        def at(tp: int) -> MemoryCheck:
-            return check_memory(prior, BASELINE, self.spec.max_batch, tp=tp,
-                                mem_fraction_static=self.spec.mem_fraction_static)
+        def at(tp: int) -> MemoryCheck | None:
+            try:
+                return check_memory(prior, BASELINE, self.spec.max_batch, tp=tp,
+                                    mem_fraction_static=self.spec.mem_fraction_static)
+            except TreetuneError:  # a TP the study's attention groups do not divide
+                return None
 
         memory = at(self.spec.tp)
-        if memory.cause != "weights":
+        if memory is None or memory.cause != "weights":
             return ""
-        larger = next((tp for tp in (2, 4, 8) if tp > self.spec.tp and at(tp).starts), None)
+        # The prior's GPU count is the study's TP, not the node's: the usual 8 at most.
+        larger = next((tp for tp in (2, 4, 8) if tp > self.spec.tp
+                       and (check := at(tp)) is not None and check.starts), None)
         hint = (f"--tp {larger} would leave room" if larger is not None else
                 "no TP within one node of 8 GPUs would")
         return (f"the prior says the baseline's server cannot start at --tp {self.spec.tp} on "

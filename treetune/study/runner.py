@@ -50,6 +50,7 @@ LOCK_FILE = ".treetune.lock"
 MAX_RESCHEDULES = 2  # a launch whose worker dies more often than this is recorded failed
 BASELINE_TAIL_LINES = 15  # of a failed baseline's server log, in the error (all: its log)
 STAGE_POLL_S = 5.0  # how often the workers are asked what their launches do now
+ORPHAN_AFTER = 10  # stale times an untagged proposal waits before it is failed (`_Others`)
 FIX = " To fix: "  # where a launch warning's remedy begins (said once, `_run`)
 POLL_S = 2.0  # how often a search sharing its storage looks at the other searches' launches
 
@@ -619,11 +620,16 @@ class _Others:
         self.untagged: dict[int, float] = {}  # proposal naming no search -> seen since
         self.looked = False  # whether the batch studies were told what ended searches left
 
-    def fail_orphans(self, stale_after_s: float = STALE_AFTER_S) -> None:
-        """Fail the proposals that have named no search for `stale_after_s`: a search
-        tags its proposal right after asking it, so one left untagged that long was
-        asked by a search that died between the two writes. Left RUNNING, TPE's
-        constant liar would count it as a trial running for good."""
+    def fail_orphans(self, stale_after_s: float | None = None) -> None:
+        """Fail the proposals that have named no search for `stale_after_s` (ORPHAN_AFTER
+        stale times): a search tags its proposal right after asking it (Optuna samples in
+        between, a second at most), so one left untagged that long was asked by a search
+        that died between the two writes. Left RUNNING, TPE's constant liar would count it
+        as a trial running for good; nothing else waits on it, so the wait is long. A
+        live search whose proposal was failed all the same asks again
+        (`BatchStudies.ask`)."""
+        if stale_after_s is None:
+            stale_after_s = ORPHAN_AFTER * STALE_AFTER_S
         now = time.monotonic()
         self.untagged = {trial_id: self.untagged.get(trial_id, now)
                          for trial_id in self.store.untagged_proposals()}

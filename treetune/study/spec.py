@@ -344,7 +344,7 @@ class StudySpec:
                              "mt-bench humaneval, or a study file's `datasets:`)")
         with for_field("space"):
             resolve_space_path(self.space)
-        if self.storage is not None and "://" not in self.storage:
+        if self.storage and "://" not in self.storage:
             path = Path(self.storage).expanduser().resolve()
             raise FieldError("storage", f"storage '{self.storage}' is not a database URL: "
                              f"for an SQLite file give sqlite:///{path}, for a database "
@@ -895,18 +895,21 @@ def load_study(path: str | Path | None, overrides: dict[str, Any] | None = None)
             raise ConfigFileError(path, "a study file must be a mapping of fields")
         return study_from_mapping(loaded, Path(path), Path(path).parent, overrides)
     except ConfigFileError as exc:
-        raise as_typed(exc) from None
+        raise as_typed(exc, overrides or {}) from None
 
 
-def as_typed(exc: ConfigFileError) -> ConfigFileError:
-    """An error in a value given on the command line, named by the option the user typed
+def as_typed(exc: ConfigFileError, overrides: dict[str, Any]) -> ConfigFileError:
+    """An error in a value typed on the command line (in `overrides`), named by its option
     ("command line: --budget-launches (budget.launches): ..."), not by the study file's
-    key alone."""
-    key = exc.key or ""
-    flag = {o.key: o.flag for o in search_options()}.get(re.split(r"\[", key)[0])
-    if exc.path != COMMAND_LINE or flag is None:
+    key alone. A value no option gave (a field left out) keeps the key."""
+    key = re.split(r"\[", exc.key or "")[0]
+    flag = {o.key: o.flag for o in search_options()}.get(key)
+    typed: Any = overrides
+    for part in key.split("."):
+        typed = typed.get(part) if isinstance(typed, dict) else None
+    if exc.path != COMMAND_LINE or flag is None or typed is None:
         return exc
-    named = ConfigFileError(f"{COMMAND_LINE}: {flag} ({key})", exc.message)
+    named = ConfigFileError(f"{COMMAND_LINE}: {flag} ({exc.key})", exc.message)
     named.key = exc.key
     return named
 
@@ -971,6 +974,12 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
     merged["name"] = merged.get("name") or _default_name(merged["model"], path)
     if "datasets" not in merged:  # none named anywhere: the default (`default_datasets`)
         merged["datasets"] = default_datasets(merged.get("backend"))
+        if not merged["datasets"]:
+            served = merged["backend"].served_datasets()
+            raise TreetuneError(
+                f"{where}: no datasets named, and the emulator's profile serves none of the "
+                f"built-in ones (it knows: {', '.join(served)}): name them with a prompt "
+                f"file each, e.g. datasets: [{{name: {served[0]}, path: prompts.jsonl}}]")
     merged["datasets"] = tuple(_dataset(d, origin("datasets"), i)
                                for i, d in enumerate(merged["datasets"]))
     merged["batch"] = tuple(merged.get("batch", ()))
@@ -1084,7 +1093,7 @@ def _backend(section: dict[str, Any], where: Path | str, given: set[str]) -> Bac
 def default_datasets(backend: Backend | None) -> list[str]:
     """A study's datasets when it names none: DEFAULT_DATASETS on a real server; the
     emulator serves only its profile's datasets, so there those of them treetune ships
-    (none, for a profile of other sets: the study is then refused, asking for some)."""
+    (none, for a profile of other sets: the study is then refused, naming them)."""
     served = getattr(backend, "served_datasets", None)
     if served is None:
         return list(DEFAULT_DATASETS)
