@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 from optuna.trial import TrialState
 from studykit import small_study
+from synthetic import launch as synthetic_launch
 
 from treetune.config import BASELINE, TreeConfig
 from treetune.errors import TreetuneError
@@ -481,8 +482,7 @@ def test_a_shared_study_tells_the_batch_studies_what_ended_searches_left_untold(
     store = StudyStore(spec, storage=storage)
 
     def measured(config, tput, driver):
-        result = LaunchResult(config, ok=True, cells=[
-            _cell(b, tput * (9 if b == 32 else 1)) for b in (1, 32)])
+        result = synthetic_launch(config, {1: {"humaneval": tput}, 32: {"humaneval": 9 * tput}})
         trial = store.begin_launch(config, (), driver=driver, launch_index=0)
         store.finish_launch(trial, result)
         return result
@@ -521,8 +521,3 @@ def test_a_shared_study_tells_the_batch_studies_what_ended_searches_left_untold(
     finally:
         claims.stop_beating()
 
-
-def _cell(batch, tput):
-    from treetune.results import CellResult
-
-    return CellResult("humaneval", batch, tput, 2.0, 10, 10_000, 6.0, None, None)

@@ -649,18 +649,22 @@ def test_a_file_the_machine_refuses_past_the_checks_is_an_error_not_an_internal_
     assert "internal error" not in err
 
 
+def baseline_of(spec):
+    """A baseline measured at 100 tok/s in every cell of `spec`."""
+    from synthetic import launch
+
+    return launch(BASELINE, {b: dict.fromkeys(spec.dataset_names, 100.0) for b in spec.batch})
+
+
 def test_a_search_stopped_before_its_first_tree_ended_says_so_not_empty_tables(
         capsys, tmp_path, monkeypatch):
     """Stopped during its first tree, a search printed a table of no tree and every
     recommendation "no speculative config was measured successfully", which reads as a
     search that failed (a helper's audit). It says that no tree ended before the stop."""
-    from treetune.results import CellResult, LaunchResult
     from treetune.study import runner
 
     def stopped(spec, on_progress=None, store=None):
-        base = LaunchResult(BASELINE, ok=True, cells=[
-            CellResult(d, b, 100.0, None, 10, 10_000, 6.0, None, None)
-            for d in spec.dataset_names for b in spec.batch])
+        base = baseline_of(spec)
         return runner.StudyOutcome(spec, [base], base, interrupted=True, launches=1)
 
     monkeypatch.setattr(runner, "run_study", stopped)
@@ -676,13 +680,11 @@ def test_a_search_stopped_after_a_tree_failed_prints_its_tables_and_the_failure(
         capsys, tmp_path, monkeypatch):
     """A tree that failed before the stop did end: its failure is said, with the tables
     (a review: the stop's short line hid it)."""
-    from treetune.results import CellResult, LaunchResult
+    from treetune.results import LaunchResult
     from treetune.study import runner
 
     def stopped(spec, on_progress=None, store=None):
-        base = LaunchResult(BASELINE, ok=True, cells=[
-            CellResult(d, b, 100.0, None, 10, 10_000, 6.0, None, None)
-            for d in spec.dataset_names for b in spec.batch])
+        base = baseline_of(spec)
         failed = LaunchResult(TreeConfig(3, 4, 8), reason="out of memory", exit_code=1)
         return runner.StudyOutcome(spec, [base, failed], base, interrupted=True, launches=2)
 

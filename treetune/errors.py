@@ -13,6 +13,13 @@ def clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's first non-blank line (a database's own words, not the SQL and the
+    link SQLAlchemy adds below them), or its type's name when it says nothing."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
 class TreetuneError(Exception):
     """An error caused by user input or environment, shown without a traceback."""
 

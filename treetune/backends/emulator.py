@@ -112,17 +112,16 @@ def check_datasets(prof: Profile, datasets: list[str]) -> Profile:
     from treetune.datasets import builtin_names
 
     for name in datasets:
-        if name in builtin_names() and name not in prof.datasets:
-            # A set treetune ships, which this profile was not calibrated on: no misspelling.
-            raise TreetuneError(
-                f"profile '{prof.name}' was not calibrated on the built-in dataset "
-                f"'{name}'; it knows: {', '.join(prof.datasets)}; the emulator serves only "
-                "its profile's datasets: use those, or another profile, or --backend sglang")
         try:
             prof.dataset(name)
+            continue
         except TreetuneError as exc:
-            raise TreetuneError(f"{exc}; the emulator serves only its profile's datasets: "
-                                "use those, or another profile, or --backend sglang") from None
+            # A set treetune ships, which this profile was not calibrated on: no misspelling.
+            why = (f"profile '{prof.name}' was not calibrated on the built-in dataset "
+                   f"'{name}'; it knows: {', '.join(prof.datasets)}"
+                   if name in builtin_names() else str(exc))
+        raise TreetuneError(f"{why}; the emulator serves only its profile's datasets: use "
+                            "those, or another profile, or --backend sglang")
     return prof
 
 

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
-from treetune.errors import TreetuneError
+from treetune.errors import TreetuneError, first_line
 
 # A heartbeat standing still this long: its search is taken for dead (TREETUNE_STALE_AFTER_S
 # overrides it: a slow link to the database wants more, the tests less).
@@ -84,9 +84,7 @@ def created_racing(create: Callable[[], T], failure: str,
             raise
         except retry as exc:
             if attempt + 1 == tries:  # the database's words, not SQLAlchemy's SQL dump
-                lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-                raise TreetuneError(f"{failure}: {lines[0] if lines else type(exc).__name__}"
-                                    ) from None
+                raise TreetuneError(f"{failure}: {first_line(exc)}") from None
             time.sleep(0.5 * (attempt + 1))
     raise AssertionError("unreachable")
 

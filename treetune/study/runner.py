@@ -618,6 +618,7 @@ class _Others:
         self.due = 0.0  # when to look again
         self.stale = 0
         self.untagged: dict[int, float] = {}  # proposal naming no search -> seen since
+        self.orphans_due = 0.0  # when to look for them again (every stale time)
         self.looked = False  # whether the batch studies were told what ended searches left
 
     def fail_orphans(self, stale_after_s: float | None = None) -> None:
@@ -656,7 +657,9 @@ class _Others:
             progress.notes.append("a search of this study stopped beating" + (
                 f": its {stale} running launch(es) are stale, to be redone" if stale else ""))
             changed = True
-        self.fail_orphans()
+        if time.monotonic() >= self.orphans_due:  # they wait ten stale times: no hurry
+            self.orphans_due = time.monotonic() + STALE_AFTER_S
+            self.fail_orphans()
         # Claims first: a claim seen done has its result stored already (stored, then done).
         running, _ = self.claims.others()
         finished = self.store.finished_launches()
@@ -1035,7 +1038,7 @@ def _why_ended(spec: StudySpec, launches: int, deadline: float | None, spent: bo
     if spent:
         return (f"the study's launch budget is taken by its searches together ({launches}"
                 f"{of} launches here and elsewhere)")
-    if spec.budget.launches is not None and launches >= spec.budget.launches:
+    if _budget_spent(spec, launches) is not None:
         return (f"the launch budget is spent ({launches}{of} launches); raise "
                 "--budget-launches and rerun to search on")
     if deadline is not None and time.monotonic() >= deadline:

@@ -973,13 +973,7 @@ def study_from_mapping(data: dict[str, Any], where: Path | str, base: Path,
         raise TreetuneError(f"{where}: no model: give --model or set 'model' in the study file")
     merged["name"] = merged.get("name") or _default_name(merged["model"], path)
     if "datasets" not in merged:  # none named anywhere: the default (`default_datasets`)
-        merged["datasets"] = default_datasets(merged.get("backend"))
-        if not merged["datasets"]:
-            served = merged["backend"].served_datasets()
-            raise TreetuneError(
-                f"{where}: no datasets named, and the emulator's profile serves none of the "
-                f"built-in ones (it knows: {', '.join(served)}): name them with a prompt "
-                f"file each, e.g. datasets: [{{name: {served[0]}, path: prompts.jsonl}}]")
+        merged["datasets"] = default_datasets(merged.get("backend"), where)
     merged["datasets"] = tuple(_dataset(d, origin("datasets"), i)
                                for i, d in enumerate(merged["datasets"]))
     merged["batch"] = tuple(merged.get("batch", ()))
@@ -1090,14 +1084,22 @@ def _backend(section: dict[str, Any], where: Path | str, given: set[str]) -> Bac
     return build(cls, fields, source, "backend")
 
 
-def default_datasets(backend: Backend | None) -> list[str]:
+def default_datasets(backend: Backend | None, where: Path | str) -> list[str]:
     """A study's datasets when it names none: DEFAULT_DATASETS on a real server; the
     emulator serves only its profile's datasets, so there those of them treetune ships
-    (none, for a profile of other sets: the study is then refused, naming them)."""
-    served = getattr(backend, "served_datasets", None)
-    if served is None:
+    (none, for a profile of other sets: the study, from `where`, is refused, naming
+    them)."""
+    served_by = getattr(backend, "served_datasets", None)
+    if served_by is None:
         return list(DEFAULT_DATASETS)
-    return [name for name in served() if name in builtin_names()]
+    served = served_by()
+    shipped = [name for name in served if name in builtin_names()]
+    if not shipped:
+        raise TreetuneError(
+            f"{where}: no datasets named, and the emulator's profile serves none of the "
+            f"built-in ones (it knows: {', '.join(served)}): name them with a prompt "
+            f"file each, e.g. datasets: [{{name: {served[0]}, path: prompts.jsonl}}]")
+    return shipped
 
 
 def is_loopback(host: str) -> bool:

@@ -28,7 +28,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import TrialState
 
 from treetune.config import ServerConfig
-from treetune.errors import TreetuneError
+from treetune.errors import TreetuneError, first_line
 from treetune.results import LaunchResult, config_key
 from treetune.study.claims import CREATE_TRIES, created_racing
 from treetune.study.evidence import StudyNoise, judge
@@ -74,8 +74,7 @@ def storage_lost(url: str, exc: BaseException) -> TreetuneError:
     while (root.__cause__ or root.__context__) is not None and id(root) not in seen:
         seen.add(id(root))
         root = root.__cause__ or root.__context__  # type: ignore[assignment]
-    lines = [line.strip() for line in str(root).splitlines() if line.strip()]
-    cause = lines[0] if lines else type(root).__name__
+    cause = first_line(root)
     if password := password_of(url):
         cause = cause.replace(str(password), "***")
     return TreetuneError(
@@ -312,8 +311,7 @@ class StudyStore:
         them). Returns the stale launches as (config key, launch index), the key "" for
         one whose config was never written."""
         stale = []
-        method_studies = (s for per in self.method_studies.values() for s in per.values())
-        for study in (self.launches, *self.batch_studies.values(), *method_studies):
+        for study in (self.launches, *self._proposal_studies()):
             for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
                 if driver is not None and trial.user_attrs.get(DRIVER_ATTR) != driver:
                     continue
@@ -327,11 +325,14 @@ class StudyStore:
         study several searches share, a proposal is asked, then tagged (Optuna's `ask`
         takes no attributes): one naming no search is one whose search died, or lost its
         database, between the two writes, if it stays untagged (`_Others.follow`)."""
-        method_studies = (s for per in self.method_studies.values() for s in per.values())
-        return [trial._trial_id
-                for study in (*self.batch_studies.values(), *method_studies)
+        return [trial._trial_id for study in self._proposal_studies()
                 for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                 if DRIVER_ATTR not in trial.user_attrs]
+
+    def _proposal_studies(self) -> list[optuna.Study]:
+        """The studies proposals are asked in: per batch size, and per draft method's."""
+        return [*self.batch_studies.values(),
+                *(study for per in self.method_studies.values() for study in per.values())]
 
     def fail_stale(self, trial_id: int) -> bool:
         """One trial of a search that died, failed as stale (False: it had finished). A
