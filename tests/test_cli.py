@@ -470,7 +470,7 @@ def test_a_search_says_why_it_stopped(tmp_path):
 
     study = spec(tmp_path, budget={"launches": 10, "wall_time_s": 12})
     assert _why_ended(study, 10, None, False).startswith(
-        "the launch budget is spent (10 of 10 launches); raise --budget-launches")
+        "the study's launch budget is spent (10 of 10 launches); raise --budget-launches")
     assert _why_ended(study, 4, time.monotonic() - 1, False).startswith(
         "the wall-time budget of 12 s is spent (4 of 10 launches)")
     assert _why_ended(study, 5, time.monotonic() + 60, False).startswith(

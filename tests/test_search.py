@@ -52,7 +52,7 @@ def test_a_study_measures_every_cell_of_every_launch_against_one_baseline(finish
             assert cell.output_tok_s > 0 and cell.errors == 0
             assert (cell.accept_length is None) == (config_key(result.config) == "baseline")
     assert {r.worker.split("@")[0] for r in outcome.results} == {"worker-0", "worker-1"}
-    assert outcome.ended.startswith("the launch budget is spent (5 of 5 launches)")
+    assert outcome.ended.startswith("the study's launch budget is spent (5 of 5 launches)")
 
 
 def test_a_tree_served_by_another_attention_backend_than_the_baseline_is_named(finished):

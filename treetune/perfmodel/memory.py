@@ -37,6 +37,7 @@ class MemoryCheck:
     # Why it cannot start: "weights" (they leave no KV pool) or "workspace" (it outgrows
     # what the static share leaves); "" when it starts.
     cause: str = ""
+    brief: str = ""  # the reason without its breakdown in parentheses
 
     def running(self, asked: int) -> int:
         """How many of `asked` running requests the server runs at once: what its pool
@@ -105,10 +106,10 @@ def check_memory(
     leaves = (f"{fraction:g} x {profile.hardware.memory_gb:g} GB leaves "
               f"{available / GB:.1f} GB")
     if pool <= 0:
-        reason = (f"out of memory: {config} needs {weights / GB:.1f} GB per GPU of weights "
-                  f"but {leaves}: no room for a KV cache ({parts})")
-        return MemoryCheck(False, required / GB, available / GB, reason, starts=False,
-                           cause="weights")
+        brief = (f"out of memory: {config} needs {weights / GB:.1f} GB per GPU of weights "
+                 f"but {leaves}: no room for a KV cache")
+        return MemoryCheck(False, required / GB, available / GB, f"{brief} ({parts})",
+                           starts=False, cause="weights", brief=brief)
     if workspace > rest:
         reason = (f"out of memory: {config} at --max-running-requests {max_running_requests} "
                   f"needs a workspace of {workspace / GB:.1f} GB per GPU for {in_flight} "

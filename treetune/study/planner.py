@@ -980,7 +980,7 @@ class Planner:
         hint = (f"--tp {larger} would leave room" if larger is not None else
                 "no TP within one node of 8 GPUs would")
         return (f"the prior says the baseline's server cannot start at --tp {self.spec.tp} on "
-                f"{prior.hardware.gpu} ({memory.reason.split(' (')[0]}); {hint}")
+                f"{prior.hardware.gpu} ({memory.brief}); {hint}")
 
     def memory_notes(self) -> list[str]:
         """The model search proposes only the trees that can start at the study's largest

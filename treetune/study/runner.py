@@ -1038,9 +1038,8 @@ def _why_ended(spec: StudySpec, launches: int, deadline: float | None, spent: bo
     if spent:
         return (f"the study's launch budget is taken by its searches together ({launches}"
                 f"{of} launches here and elsewhere)")
-    if _budget_spent(spec, launches) is not None:
-        return (f"the launch budget is spent ({launches}{of} launches); raise "
-                "--budget-launches and rerun to search on")
+    if (spent_on := _budget_spent(spec, launches)) is not None:
+        return f"{spent_on}; raise --budget-launches and rerun to search on"
     if deadline is not None and time.monotonic() >= deadline:
         return (f"the wall-time budget of {spec.budget.wall_time_s:g} s is spent "
                 f"({launches}{of} launches); rerun to go on")
