@@ -280,3 +280,15 @@ def test_a_failed_baseline_names_its_log_and_a_rerun_launches_it_again(tmp_path,
     assert "starting server" in seen, seen
     assert "cell 1/1: humaneval b1" in seen, seen  # its one cell
     assert all(s in ("", "starting server") or s.startswith("cell ") for s in seen), seen
+    # A failed baseline that spends the budget says so, and not that a rerun would launch
+    # it again: a rerun of the same budget is refused (tests/faults/test_bad_input.py).
+    faults = [{"kind": "startup", "launches": 2, "configs": ["baseline"]}]
+    spent = small_study(tmp_path / "spent", name="spent", datasets=["humaneval"], batch=[1],
+                        workers=1, budget={"launches": 2}, compare=[],
+                        ray_address=ray_cluster, backend={**backend, "faults": faults})
+    for _ in range(2):  # the budget's first launch, then its second
+        with pytest.raises(TreetuneError) as failed:
+            run_study(load_study(None, spent))
+    assert "a rerun launches it again" not in str(failed.value)
+    assert ("; the study's launch budget is spent (2 of 2 launches): once the server setup is "
+            "fixed, rerun with a larger --budget-launches)") in str(failed.value)
