@@ -144,6 +144,11 @@ def test_method_names_are_read_in_any_case_as_sglang_reads_them(tmp_path):
     # 0.5.2's parser has no NGRAM (it came in 0.5.3, renamed from lookahead).
     ({"methods": ["EAGLE3", "ngram"], "compare": [], "sglang_version": "0.5.2"}, "methods",
      "SGLang serves NGRAM from 0.5.3 on, and this study targets sglang_version 0.5.2"),
+    # A study's draft that no method runs was dropped without a word (a README audit).
+    ({"methods": ["NEXTN"], "compare": []}, "draft", "none of them runs a draft model"),
+    ({"methods": ["NGRAM"], "compare": []}, "draft", "none of them runs a draft model"),
+    ({"methods": [{"name": "EAGLE3", "draft": "org/own"}, "NEXTN"], "compare": []}, "draft",
+     "each that runs one names its own"),
     ({"methods": ["NGRAM"], "draft": None, "compare": []}, None, None),
 ])
 def test_bad_methods_are_refused_naming_the_key(tmp_path, over, key, fragment):

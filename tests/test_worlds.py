@@ -287,6 +287,23 @@ def test_a_replay_table_without_a_baseline_names_the_cell(tmp_path):
         "3,4,,1,humaneval,200,3.1\n")
     with pytest.raises(TreetuneError, match="row 2: give steps, topk and draft_tokens"):
         load_world(tmp_path / "w.yaml").model()
+    # Refused as the world loads, not when a search first reads the cell (a README audit):
+    # a batch size with a baseline and no tree, and a dataset of the profile with no row.
+    rows = "".join(f",,,1,{d},100,\n3,4,8,1,{d},150,3.1\n"
+                   for d in ("mt-bench", "humaneval", "swebench-verified"))
+    header = "steps,topk,draft_tokens,batch,dataset,throughput,accept_length\n"
+    (tmp_path / "grid.csv").write_text(header + rows + ",,,8,humaneval,700,\n")
+    with pytest.raises(TreetuneError, match="batch 8, dataset 'humaneval' has a baseline row "
+                                            "but no tree measured"):
+        load_world(tmp_path / "w.yaml").model()
+    (tmp_path / "grid.csv").write_text(header + rows)
+    with pytest.raises(TreetuneError, match="dataset 'terminal-bench' of profile "
+                                            "'qwen3-coder-next-h200' has no row"):
+        load_world(tmp_path / "w.yaml").model()
+    (tmp_path / "grid.csv").write_text(header + rows + ",,,1,terminal-bench,90,\n"
+                                       "5,1,6,1,terminal-bench,120,\n")
+    assert load_world(tmp_path / "w.yaml").model().throughput(
+        TreeConfig(5, 1, 6), 1, "terminal-bench") == pytest.approx(120)
 
 
 def test_an_unknown_world_names_the_shipped_ones():

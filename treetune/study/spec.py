@@ -530,6 +530,14 @@ class StudySpec:
                                  "PATH}")
             if draft is not None:
                 drafts[name] = draft
+        if self.methods and self.draft is not None and self.draft not in drafts.values():
+            # Else dropped without a word: the launches would run without it.
+            runs = ("none of them runs a draft model (NEXTN drafts with the target's MTP "
+                    "layer, NGRAM with the prompt's n-grams)" if not drafts else
+                    "each that runs one names its own")
+            raise FieldError("draft", f"draft {self.draft} is run by none of the methods "
+                             f"({', '.join(names)}): {runs}; remove draft, or list a method "
+                             "that runs it (EAGLE3, EAGLE or STANDALONE)")
         compare = []
         for i, tree in enumerate(self.compare):
             method = "" if tree.method == self.algorithm else tree.method

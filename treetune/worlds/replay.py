@@ -119,6 +119,17 @@ class ReplayModel(PerfModel):
         if missing:
             raise ConfigFileError(path, f"no baseline row for batch {missing[0][0]}, dataset "
                                   f"'{missing[0][1]}'")
+        # Said here, not when a search first reads the cell, minutes into a study.
+        if bare := sorted(set(self.baseline) - set(self.trees)):
+            raise ConfigFileError(path, f"batch {bare[0][0]}, dataset '{bare[0][1]}' has a "
+                                  "baseline row but no tree measured: speedups are read "
+                                  "against the baseline of the same batch size, so add its "
+                                  "trees or remove that row")
+        measured = {d for _, d in self.baseline}
+        if unmeasured := [d for d in profile.datasets if d not in measured]:
+            raise ConfigFileError(path, f"dataset '{unmeasured[0]}' of profile "
+                                  f"'{profile.name}' has no row: measure it, or name a "
+                                  "profile of exactly the grid's datasets")
         self.batches = {d: sorted(b for b, dd in self.baseline if dd == d)
                         for d in profile.datasets}
 
