@@ -394,7 +394,17 @@ def test_a_grid_that_cannot_be_filled_writes_nothing_and_refuses_a_batch_below_o
     out = tmp_path / "grid.csv"
     code, _, err = run_cli(capsys, "grid", "--world", str(tmp_path / "w.yaml"), "--space",
                            "narrow", "--batch", "1", "-o", str(out))
-    assert code == 2 and "no baseline measured on" in err and not out.exists()
+    assert code == 2 and "of profile 'qwen3-8b-h100' has no row" in err and not out.exists()
+    # Onto the world's own table: its measurements would be overwritten (an audit).
+    from treetune.perfmodel import load_profile
+
+    table = "steps,topk,draft_tokens,batch,dataset,throughput,accept_length\n" + "".join(
+        f",,,1,{d},100,\n3,4,8,1,{d},150,2.5\n" for d in load_profile("qwen3-8b-h100").datasets)
+    (tmp_path / "few.csv").write_text(table)
+    code, _, err = run_cli(capsys, "grid", "--world", str(tmp_path / "w.yaml"), "--space",
+                           "narrow", "--batch", "1", "-o", str(tmp_path / "few.csv"))
+    assert code == 2 and "is the world's replay table" in err
+    assert (tmp_path / "few.csv").read_text() == table
     code, _, err = run_cli(capsys, "grid", "--world", "cliffs", "--batch", "0", "-o", str(out))
     assert code == 2 and "--batch 0: batch sizes must be >= 1" in err and not out.exists()
 

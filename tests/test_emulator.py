@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import time
@@ -1098,3 +1099,43 @@ def test_the_emulator_serves_as_the_release_a_studys_commands_are_written_for():
     assert argv[argv.index("--emulate-version") + 1] == "0.5.13"
     settings = parse([*argv[3:], "--time-scale", "50", "--load-time", "0"])
     assert settings.cuda_graph_max_bs == 8 and settings.sglang_version == "0.5.13"
+
+
+def test_an_engine_that_fails_takes_its_server_down_with_its_traceback(tmp_path):
+    """The engine's loop ending on an error left the server up, answering no request for
+    good: a study waited on each until its timeout (an audit, with a replay table that the
+    loop could not read). It exits as SGLang does when its scheduler fails, and says why."""
+    import subprocess
+    import sys
+
+    from treetune.server import free_port
+
+    port = free_port()
+    fail = ("import sys\nfrom treetune.emulator import engine, __main__ as emulator\n"
+            "async def fail(self):\n    raise RuntimeError('a round that cannot be timed')\n"
+            "engine.Engine._decode_round = fail\nsys.exit(emulator.main(sys.argv[1:]))\n")
+    log = tmp_path / "stderr"
+    with log.open("wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", fail, *SPEC_ARGS, "--host", "127.0.0.1",
+                                 "--port", str(port)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            with contextlib.suppress(httpx.TransportError):
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            return False
+
+        assert wait_until(healthy, 60), log.read_text()
+        with pytest.raises(httpx.TransportError):  # not a wait to the timeout
+            httpx.post(url + "/generate", headers=HEADERS, timeout=60,
+                       json={"text": "hi", "sampling_params": {"max_new_tokens": 8}})
+        assert proc.wait(timeout=30) == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    said = log.read_text()
+    assert "the engine failed: the server exits" in said
+    assert "RuntimeError: a round that cannot be timed" in said

@@ -28,6 +28,7 @@ from treetune.study.planner import Planner, study_prior
 from treetune.study.spec import load_study
 from treetune.study.storage import StudyStore
 from treetune.worlds import load_world, shipped_worlds
+from treetune.worlds.replay import load_cells
 
 WIDE, CHAIN = TreeConfig(3, 4, 8), TreeConfig(2, 1, 3)
 
@@ -705,3 +706,60 @@ def test_a_tree_on_another_attention_backend_than_its_own_node_s_baseline_is_nam
     again = Planner(planner.spec, planner.store, load_space(planner.spec.space),
                     planner.launched)
     assert again.kernel_notes() == []
+
+
+HEADER = "steps,topk,draft_tokens,batch,dataset,throughput,accept_length\n"
+
+
+@pytest.mark.parametrize(("row", "said"), [
+    # Each was taken as it stood (an audit): a NaN speedup recommended at 11.5x, a batch of
+    # 0 hung the search, the first or last of two rows won by the table's order.
+    ("3,4,8,1,humaneval,nan,2.5", "row 3: throughput must be a finite number, got 'nan'"),
+    ("3,4,8,1,humaneval,inf,2.5", "row 3: throughput must be a finite number"),
+    ("3,4,8,1,humaneval,150,nan", "row 3: accept_length must be a finite number"),
+    ("3,4,8,1,humaneval,150,-3", "row 3: accept_length -3 of (3,4,8) must lie within 1"),
+    ("3,4,8,1,humaneval,150,4.5", "must lie within 1 and steps + 1"),
+    ("3,4,8,0,humaneval,150,", "row 3: batch must be a whole number of at least 1"),
+    ("3,4,8,1.9,humaneval,150,", "row 3: batch must be a whole number, got '1.9'"),
+    ("3.5,4,8,1,humaneval,150,", "row 3: steps must be a whole number, got '3.5'"),
+    ("5,1,6,1,humaneval,170,", "row 3: (5,1,6) at batch 1 on 'humaneval' is measured in "
+                               "row 2 too"),
+    (",,,1,humaneval,50,", "row 4: baseline at batch 1 on 'humaneval' is measured in row 3"),
+])
+def test_a_replay_table_s_row_that_is_no_measurement_is_refused_naming_it(tmp_path, row, said):
+    (tmp_path / "grid.csv").write_text(HEADER + "5,1,6,1,humaneval,160,\n" + row + "\n"
+                                       ",,,1,humaneval,100,\n")
+    with pytest.raises(TreetuneError) as info:
+        load_cells(tmp_path / "grid.csv")
+    assert said in str(info.value)
+
+
+def test_a_replay_yaml_of_odd_cells_and_columns_is_refused_naming_the_cell(tmp_path):
+    table = tmp_path / "grid.yaml"
+    for cells, said in (
+            ("- [1, 2, 3]\n", "cells[0]: a cell must be a mapping of its columns"),
+            ("- {batch: 1, dataset: humaneval, throughput: true}\n",
+             "cells[0]: throughput must be a number, got True"),
+            ("- {steps: 3, topk: 1, draft_tokens: 4, batch: 1, dataset: humaneval, "
+             "throughput: 9, acceptance: 2.5}\n", "cells[0]: unknown column 'acceptance'"),
+            ("- {batch: 1, dataset: humaneval}\n", "cells[0]: no 'throughput' column")):
+        table.write_text(cells)
+        with pytest.raises(TreetuneError) as info:
+            load_cells(table)
+        assert said in str(info.value), str(info.value)
+
+
+def test_a_replay_world_with_effects_or_a_missing_profile_is_refused_at_its_key(tmp_path):
+    (tmp_path / "grid.csv").write_text(HEADER + "".join(
+        f",,,1,{d},100,\n3,4,8,1,{d},150,3.1\n"
+        for d in ("mt-bench", "humaneval", "swebench-verified", "terminal-bench")))
+    world = tmp_path / "w.yaml"
+    world.write_text("name: w\nprofile: qwen3-coder-next-h200\nreplay: {file: grid.csv}\n"
+                     "effects:\n  verify_cliffs: {jump: 0.5}\n")
+    with pytest.raises(ConfigFileError) as info:  # dropped without a word before
+        load_world(world)
+    assert info.value.key == "effects" and "remove effects.verify_cliffs" in str(info.value)
+    world.write_text("name: w\nprofile: ./nothere.yaml\nreplay: {file: grid.csv}\n")
+    with pytest.raises(ConfigFileError) as info:
+        load_world(world)
+    assert str(world) in str(info.value) and "'profile'" in str(info.value)

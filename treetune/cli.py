@@ -815,6 +815,9 @@ def grid(
         raise TreetuneError(f"--batch {bad[0]}: batch sizes must be >= 1")
     writable(output)
     found = load_world(world)
+    if found.replay_path is not None and output.resolve() == found.replay_path:
+        raise TreetuneError(f"--output {output} is the world's replay table: its "
+                            "measurements would be overwritten; give another file")
     model = found.model()
     tree_space = load_space(space)
     if tree_space.is_ngram:

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+import traceback
 import uuid
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -120,8 +121,9 @@ class EmulatedServer:
 
     # ---- lifecycle --------------------------------------------------------------------
     async def _start(self, app: web.Application) -> None:
-        self._tasks.append(asyncio.create_task(self.engine.run()))
-        self._tasks.append(asyncio.create_task(self._load()))
+        engine = asyncio.create_task(self.engine.run())
+        engine.add_done_callback(_engine_ended)
+        self._tasks += [engine, asyncio.create_task(self._load())]
 
     async def _stop(self, app: web.Application) -> None:
         for task in self._tasks:
@@ -471,3 +473,15 @@ def _event_stream() -> web.StreamResponse:
 def log(message: str) -> None:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"[{stamp}] {message}", file=sys.stderr, flush=True)
+
+
+def _engine_ended(task: asyncio.Task[None]) -> None:
+    """The engine's loop ended on an error: the server exits with its traceback, as
+    SGLang's does when its scheduler fails. Left up, it answered nothing for good, and a
+    study waited on its requests until their timeouts."""
+    if task.cancelled() or (exc := task.exception()) is None:
+        return
+    log("the engine failed: the server exits")
+    traceback.print_exception(exc, file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(1)

@@ -334,7 +334,10 @@ def load_world(name_or_path: str | Path) -> World:
     base_ref = Path(raw.profile)
     if not base_ref.is_absolute() and (path.parent / base_ref).is_file():
         base_ref = path.parent / base_ref
-    base = load_profile(base_ref if base_ref.exists() else raw.profile)
+    try:
+        base = load_profile(base_ref if base_ref.exists() else raw.profile)
+    except TreetuneError as exc:  # said with the world's file and key
+        raise ConfigFileError(path, str(exc), "profile") from None
     for key in ("moe_dispatch", "expert_parallel"):
         if getattr(raw.effects, key) is not None and base.target.moe is None:
             raise ConfigFileError(path, f"{key} is an MoE model's cost, and profile "
@@ -358,10 +361,19 @@ def load_world(name_or_path: str | Path) -> World:
     facts = _with_facts(base, raw.facts, path)
     replay = None
     if raw.replay is not None:
+        if set_effects := [f.name for f in dataclasses.fields(Effects)
+                           if getattr(raw.effects, f.name)]:
+            # The table is the truth whole: they would be dropped without a word.
+            raise ConfigFileError(path, f"a replay world takes no effects (its table is the "
+                                  f"truth): remove effects.{set_effects[0]}, or the replay",
+                                  "effects")
         replay = (path.parent / raw.replay.file).resolve()
         if not replay.is_file():
             raise ConfigFileError(path, f"replay file {replay} not found", "replay.file")
-    return World(raw.name, raw.description.strip(), truth, facts, raw.effects, replay)
+    world = World(raw.name, raw.description.strip(), truth, facts, raw.effects, replay)
+    if replay is not None:
+        world.model()  # the table read now: its faults said before any launch
+    return world
 
 
 def _with_acceptance(profile: Profile, shapes: dict[str, AcceptanceShape],

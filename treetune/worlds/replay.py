@@ -5,7 +5,8 @@ The table is CSV (a header row) or YAML (a list of mappings) with the columns
 `steps, topk, draft_tokens, batch, dataset, throughput, accept_length`; a baseline row
 leaves `steps, topk, draft_tokens` empty (CSV) or null (YAML) and `accept_length` may be
 empty. Throughput is output tokens/s over the whole batch. Every (batch, dataset) that has
-tree rows needs a baseline row.
+tree rows needs a baseline row and the converse, every dataset of the profile some rows,
+and each cell one row: a table that breaks these is refused as it loads, naming the row.
 
 Cells that were not measured are filled by one rule, documented here and in the README:
 - a measured tree without an accept length takes the profile's model estimate for it;
@@ -60,35 +61,71 @@ def load_cells(path: Path) -> list[Cell]:
         rows = loaded
         where = [f"cells[{i}]" for i in range(len(rows))]
     cells = []
+    seen: dict[tuple[ServerConfig, int, str], str] = {}
     for row, at in zip(rows, where, strict=True):
         try:
-            cells.append(_cell(row))
+            cell = _cell(row)
         except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigFileError(path, f"{at}: {exc} (columns: {', '.join(COLUMNS)})") from None
+            what = f"no {exc} column" if isinstance(exc, KeyError) else str(exc)
+            raise ConfigFileError(path, f"{at}: {what} (columns: {', '.join(COLUMNS)})") \
+                from None
+        if (first := seen.setdefault((cell.config, cell.batch, cell.dataset), at)) != at:
+            # Which one holds would be an accident of the table's order.
+            raise ConfigFileError(path, f"{at}: {cell.config} at batch {cell.batch} on "
+                                  f"'{cell.dataset}' is measured in {first} too: keep one "
+                                  "(a mean of repeats, say)")
+        cells.append(cell)
     if not cells:
         raise ConfigFileError(path, "a replay table needs at least one cell")
     return cells
 
 
-def _number(value: object) -> float | None:
+def _number(value: object, name: str, whole: bool = False) -> float | None:
+    """A finite number (None when empty); `whole`: an integer. Refused, not rounded or
+    read as 1: a table's number that is not one is a mistake in it."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
-    return float(value)  # type: ignore[arg-type]
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if whole and number != int(number):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return number
 
 
-def _cell(row: dict) -> Cell:
-    knobs = [_number(row.get(k)) for k in ("steps", "topk", "draft_tokens")]
+def _cell(row: object) -> Cell:
+    if not isinstance(row, dict):
+        raise ValueError(f"a cell must be a mapping of its columns, got {row!r}")
+    if unknown := sorted(str(k) for k in row if k not in COLUMNS):
+        # A misspelt column is dropped otherwise, and the model's estimate stands in.
+        raise ValueError(f"unknown column {unknown[0]!r}")
+    knobs = [_number(row.get(k), k, whole=True) for k in ("steps", "topk", "draft_tokens")]
     if all(k is None for k in knobs):
         config: ServerConfig = BASELINE
     elif any(k is None for k in knobs):
         raise ValueError("give steps, topk and draft_tokens together, or none (baseline)")
     else:
         config = TreeConfig.of(*(int(k) for k in knobs))  # type: ignore[arg-type]
-    throughput = _number(row["throughput"])
+    throughput = _number(row["throughput"], "throughput")
     if throughput is None or throughput <= 0:
         raise ValueError("throughput must be a positive number")
-    return Cell(config, int(row["batch"]), str(row["dataset"]), throughput,
-                _number(row.get("accept_length")))
+    batch = _number(row["batch"], "batch", whole=True)
+    if batch is None or batch < 1:
+        raise ValueError("batch must be a whole number of at least 1")
+    dataset = row["dataset"]
+    if not isinstance(dataset, str) or not dataset.strip():
+        raise ValueError(f"dataset must be a name, got {dataset!r}")
+    accept = _number(row.get("accept_length"), "accept_length")
+    if accept is not None and config is not BASELINE and not (
+            1.0 <= accept <= config.steps + 1):  # type: ignore[union-attr]
+        raise ValueError(f"accept_length {accept:g} of {config} must lie within 1 and steps "
+                         "+ 1 (the tokens one round can emit)")
+    return Cell(config, int(batch), dataset, throughput, accept)
 
 
 class ReplayModel(PerfModel):
