@@ -806,6 +806,30 @@ def test_an_output_folder_holding_another_study_is_refused_naming_both(capsys, t
     assert "give it another --output, or --name A to resume that study" in message
 
 
+def test_an_output_folder_stored_in_another_database_is_refused_naming_both(capsys, tmp_path):
+    """A rerun with another --storage (or none, for a study stored in a database server)
+    started the study over in that database, overwriting the folder's scripts and
+    recommendations with those of its first launches (an audit)."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "study.db").write_bytes(b"")  # the folder's own storage
+    (tmp_path / "out" / "study.yaml").write_text("name: study\nstorage: null\n")
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    message = search(capsys, write_study(tmp_path), "--storage", other)
+    assert message.startswith(f"the output folder {tmp_path / 'out'} holds a study stored in "
+                              f"the folder's own study.db ({tmp_path / 'out' / 'study.yaml'})")
+    assert f"would store it in {other}, starting it over: give no --storage" in message
+    (tmp_path / "out" / "study.yaml").write_text(
+        "name: study\nstorage: postgresql://tt@db.example/studies\n")
+    message = search(capsys, write_study(tmp_path))
+    assert "give --storage postgresql://tt@db.example/studies to resume it" in message
+    # The same database spelled otherwise (the folder's own file by its URL) resumes.
+    (tmp_path / "out" / "study.yaml").write_text("name: study\nstorage: null\n")
+    from treetune.study.preflight import check_output_folder
+
+    check_output_folder(load_study(write_study(tmp_path), {
+        "storage": f"sqlite:///{tmp_path / 'x' / '..' / 'out' / 'study.db'}"}))
+
+
 # ---- a traceback only with --debug --------------------------------------------------------------
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "treetune", *args], capture_output=True,

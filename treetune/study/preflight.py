@@ -21,7 +21,7 @@ from treetune.perfmodel import load_profile
 from treetune.space import SearchSpace, load_space
 from treetune.study.methods import method_spaces
 from treetune.study.placement import RAY_GPU
-from treetune.study.spec import SPEC_COPY, StudySpec
+from treetune.study.spec import SPEC_COPY, StudySpec, shown_url
 from treetune.yamlio import load_yaml
 
 RAY_CONNECT_TIMEOUT_S = 5.0
@@ -142,6 +142,22 @@ def check_output_folder(spec: StudySpec) -> None:
             f"the output folder {spec.output_dir} holds study '{name}' ({copy}); this is "
             f"study '{spec.name}': give it another --output, or --name {name} to resume "
             "that study")
+    if not isinstance(held, dict) or "storage" not in held:
+        return
+    stored, given = held["storage"], spec.to_dict()["storage"]  # both without a password
+    own_db = spec.output_dir / "study.db"
+    if _same_storage(stored, given, own_db) or (stored is None and not own_db.is_file()):
+        return
+    # Another database holds none of the folder's launches: the study would start over,
+    # its scripts and recommendations overwritten by those of a few launches.
+    was = shown_url(stored) if stored else f"the folder's own {own_db.name}"
+    now = shown_url(given) if given else f"the folder's own {own_db.name}"
+    resume = f"--storage {shown_url(stored)}" if stored else "no --storage"
+    raise TreetuneError(
+        f"the output folder {spec.output_dir} holds a study stored in {was} ({copy}), and "
+        f"this search would store it in {now}, starting it over: give {resume} to resume "
+        f"it, or another --output for a new study (if the database moved, delete {copy} "
+        "first)")
 
 
 def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
@@ -210,3 +226,15 @@ def _host_port(address: str) -> tuple[str, int]:
             "GCS port, 6379 by default), ray://host:port, auto, or leave it unset to run "
             "locally")
     return host, int(port)
+
+
+def _same_storage(a: str | None, b: str | None, own_db: Path) -> bool:
+    """Whether two storage URLs (None: the output folder's `own_db`) name one database, an
+    SQLite file's path read as an absolute path."""
+    def norm(url: str | None) -> str:
+        url = url or f"sqlite:///{own_db}"
+        if not url.startswith("sqlite:///"):
+            return url
+        return "sqlite:///" + str(Path(url.removeprefix("sqlite:///")).expanduser().resolve())
+
+    return norm(a) == norm(b)

@@ -349,6 +349,12 @@ class StudySpec:
             raise FieldError("storage", f"storage '{self.storage}' is not a database URL: "
                              f"for an SQLite file give sqlite:///{path}, for a database "
                              "server postgresql://user@host/db")
+        if self.storage and _in_memory(self.storage):
+            raise FieldError("storage", f"storage '{self.storage}' is an in-memory SQLite "
+                             "database, gone when the search ends with every launch it "
+                             "measured (a rerun or a report finds nothing): give an SQLite "
+                             "file, sqlite:///PATH, or leave storage out for the output "
+                             "folder's study.db")
         if not self.batch:
             raise FieldError("batch", "batch: give at least one batch size (--batch 1 32, or "
                              "a study file's `batch:`)")
@@ -1108,6 +1114,23 @@ def default_datasets(backend: Backend | None, where: Path | str) -> list[str]:
             f"built-in ones (it knows: {', '.join(served)}): name them with a prompt "
             f"file each, e.g. datasets: [{{name: {served[0]}, path: prompts.jsonl}}]")
     return shipped
+
+
+def _in_memory(url: str) -> bool:
+    """Whether a storage URL is an SQLite database held in memory (sqlite://,
+    sqlite:///:memory:, a file: URI with mode=memory)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:  # said as the storage opens
+        return False
+    if parsed.get_backend_name() != "sqlite":
+        return False
+    database = parsed.database or ""
+    return database in ("", ":memory:") or "mode=memory" in database \
+        or parsed.query.get("mode") == "memory"
 
 
 def is_loopback(host: str) -> bool:
