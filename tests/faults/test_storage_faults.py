@@ -265,3 +265,35 @@ def test_storage_lost_between_a_launchs_two_writes_keeps_its_measurement_for_the
     # search stopped, its storage still answering them).
     assert outcome.stale_redone == 0 and not any("left unfinished" in n for n in notes), notes
     assert not server_processes(str(tmp_path))
+
+
+@pytest.mark.parametrize("damage", ["a key of another version", "not json"])
+def test_a_stored_launch_another_version_wrote_is_refused_naming_it(capsys, tmp_path,
+                                                                    small_study, damage):
+    """A launch stored with a cell key this version does not know (or text that is no
+    JSON) made `report` and a resumed search end on an internal error (an audit)."""
+    import json
+    import shutil
+    import sqlite3
+
+    from studykit import run_cli
+
+    from treetune.study.storage import RESULT_ATTR
+
+    folder = tmp_path / "study"
+    shutil.copytree(small_study, folder)
+    spec = load_study(folder / "study.yaml", {"output": str(folder)})
+    store = StudyStore(spec)
+    trial = store.launches.get_trials(states=(TrialState.COMPLETE,))[0]
+    stored = json.loads(trial.user_attrs[RESULT_ATTR])
+    stored["cells"][0]["new_metric"] = 1.0
+    text = json.dumps(stored) if damage != "not json" else "{cells: ["
+    with sqlite3.connect(folder / "study.db") as db:  # a finished trial, as stored
+        assert db.execute("UPDATE trial_user_attributes SET value_json = ? WHERE trial_id = ? "
+                          "AND key = ?", (json.dumps(text), trial._trial_id, RESULT_ATTR)
+                          ).rowcount == 1
+    db.close()
+    code, _, err = run_cli(capsys, "report", str(folder), "--output", str(tmp_path / "r"))
+    assert code == 2, err
+    assert f"a stored launch (trial {trial.number} of the launches study) cannot be read" in err
+    assert "another treetune version" in err and "Traceback" not in err

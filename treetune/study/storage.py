@@ -27,8 +27,9 @@ import sqlalchemy as sa
 from optuna.distributions import BaseDistribution
 from optuna.trial import TrialState
 
+from treetune import __version__
 from treetune.config import ServerConfig
-from treetune.errors import TreetuneError, first_line
+from treetune.errors import TreetuneError, clip, first_line
 from treetune.results import LaunchResult, config_key
 from treetune.study.claims import CREATE_TRIES, created_racing
 from treetune.study.evidence import StudyNoise, judge
@@ -511,4 +512,12 @@ def _finished(launches: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 
 
 def _result_of(trial: optuna.trial.FrozenTrial) -> LaunchResult:
-    return LaunchResult.from_dict(json.loads(trial.user_attrs[RESULT_ATTR]))
+    try:
+        return LaunchResult.from_dict(json.loads(trial.user_attrs[RESULT_ATTR]))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        # Else an internal error, with the study's every other launch unread.
+        raise TreetuneError(
+            f"a stored launch (trial {trial.number} of the launches study) cannot be read "
+            f"({type(exc).__name__}: {clip(str(exc), 200)}): the storage was written by "
+            f"another treetune version (this is {__version__}) or changed by hand; read it "
+            "with the version that wrote it, or start a new study") from None
