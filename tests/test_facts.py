@@ -12,6 +12,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from studykit import wait_until
 
 from treetune.config import BASELINE
 from treetune.errors import FieldError, TreetuneError
@@ -1077,8 +1078,47 @@ def test_nvidia_smi_is_asked_first_when_a_node_has_both_tools(tmp_path):
 def test_a_failing_nvidia_smi_says_what_it_said(tmp_path):
     bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "NVIDIA-SMI has failed because it "
                                   "could not communicate with the NVIDIA driver.", 9)
-    with pytest.raises(TreetuneError, match=r"lists no GPU \(NVIDIA-SMI has failed.*--gpu"):
+    with pytest.raises(TreetuneError, match=r"lists no GPU \(exit code 9: NVIDIA-SMI has "
+                       r"failed.*--gpu"):
         query_gpus({"PATH": str(bin_dir)})
+
+
+@pytest.mark.parametrize(("output", "code", "said"), [
+    # Each misread once (an audit): lines of no GPU taken for GPUs that "differ", a failing
+    # exit hidden behind the one line it printed, bytes of no UTF-8 an internal error.
+    ("!!!\nasdf qwerty\n", 0, "lists no GPU (asdf qwerty)"),
+    ("NVIDIA H100 80GB HBM3, 81559 MiB\n", 3, "lists no GPU (exit code 3: NVIDIA H100"),
+    ("\\377\\376 broken\n", 0, "lists no GPU (\ufffd\ufffd broken)"),
+])
+def test_what_nvidia_smi_prints_that_names_no_gpu_is_said_as_it_is(tmp_path, output, code,
+                                                                   said):
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "", code)
+    script = bin_dir / "nvidia-smi"  # printf reads the octal escapes as bytes
+    script.write_text(script.read_text().replace("printf '%s' ''", f"printf '{output}'"))
+    with pytest.raises(TreetuneError) as info:
+        query_gpus({"PATH": str(bin_dir)})
+    assert said in str(info.value) and "--gpu" in str(info.value)
+
+
+def test_a_gpu_line_among_chatter_is_read_and_n_a_memory_is_no_number(tmp_path):
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "a warning, of a wrapper\n"
+                                  "NVIDIA GH200 480GB, [N/A]\n")
+    assert [(g.name, g.memory_mib) for g in query_gpus({"PATH": str(bin_dir)})] == [
+        ("NVIDIA GH200 480GB", None)]
+
+
+def test_an_nvidia_smi_that_hangs_is_ended_with_what_it_started(tmp_path, monkeypatch):
+    from treetune.facts import gpus
+
+    monkeypatch.setattr(gpus, "SMI_TIMEOUT_S", 1.0)
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "")
+    script = bin_dir / "nvidia-smi"
+    script.write_text(f"#!/bin/sh\nsleep 600 &\necho $! > {tmp_path}/child\nwait\n")
+    with pytest.raises(TreetuneError, match="did not answer within 1 s"):
+        query_gpus({"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    child = int((tmp_path / "child").read_text())
+    assert wait_until(lambda: not Path(f"/proc/{child}").exists()
+                      or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2], 10)
 
 
 def test_different_gpus_on_one_worker_are_refused(tmp_path):
@@ -1091,10 +1131,26 @@ def test_different_gpus_on_one_worker_are_refused(tmp_path):
 def test_a_config_of_a_shape_the_counting_does_not_know_is_a_one_line_error():
     data = read_config(HF / "Qwen/Qwen3-8B/config.json")
     del data["head_dim"]
-    data["num_attention_heads"] = 0
-    with pytest.raises(TreetuneError, match=r"z\.json: cannot count this model "
-                       r"\(ZeroDivisionError.*--prior"):
+    data["num_attention_heads"] = 0  # a ZeroDivisionError once
+    with pytest.raises(TreetuneError, match=r"z\.json: key 'num_attention_heads': expected a "
+                       "positive integer, got 0"):
         facts_from_config(data, "z", Path("z.json"))
+    with pytest.raises(TreetuneError, match=r"z\.json: cannot count this model "
+                       r"\(TypeError.*--prior"):
+        facts_from_config({**QWEN3_8B, "architectures": 5}, "z", Path("z.json"))
+
+
+@pytest.mark.parametrize(("key", "value", "said"), [
+    # Each was an internal error or ran for minutes (an audit).
+    ("num_key_value_heads", 0, "expected a positive integer, got 0"),
+    ("num_hidden_layers", 0, "expected a positive integer, got 0"),
+    ("num_hidden_layers", 10**9, "1000000000 is more than any model holds"),
+    ("num_key_value_heads", 64, "64 KV heads do not divide the 32 attention heads"),
+])
+def test_a_config_count_no_model_has_is_refused_naming_its_key(key, value, said):
+    with pytest.raises(TreetuneError) as info:
+        facts_from_config({**QWEN3_8B, key: value}, "z", Path("z.json"))
+    assert f"key '{key}': {said}" in str(info.value)
 
 
 QWEN3_8B = read_config(HF / "Qwen/Qwen3-8B/config.json")

@@ -3,11 +3,13 @@ the GPU a machine actually has, as `nvidia-smi` (or `amd-smi`, `rocm-smi`) names
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 from collections.abc import Callable, Mapping
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from treetune.errors import ConfigFileError, TreetuneError
+from treetune.errors import ConfigFileError, TreetuneError, clip
 from treetune.yamlio import load_yaml
 
 NVIDIA_SMI_QUERY = ["--query-gpu=name,memory.total", "--format=csv,noheader"]
@@ -133,24 +135,32 @@ def _run(program: str, argv: list[str], env: Mapping[str, str]) -> str:
     cannot run, fails or lists nothing."""
     tool, where = Path(program).name, socket.gethostname()
     try:
-        done = subprocess.run([program, *argv], stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, env=dict(env),
-                              timeout=SMI_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise TreetuneError(f"{tool} on {where} did not answer within {SMI_TIMEOUT_S:.0f} s:"
-                            f" name the GPU with {OVERRIDE}") from None
+        # Its own session: a tool that hangs is ended with whatever it started.
+        proc = subprocess.Popen([program, *argv], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                errors="replace", env=dict(env), start_new_session=True)
     except OSError as exc:
         raise TreetuneError(f"cannot run {tool} on {where}: {exc.strerror}: name the GPU "
                             f"with {OVERRIDE}") from None
-    if done.returncode != 0 or not done.stdout.strip():
-        raise _lists_no_gpu(tool, done.stderr or done.stdout,
-                            f"exit code {done.returncode}, no GPU listed")
-    return done.stdout
+    try:
+        stdout, stderr = proc.communicate(timeout=SMI_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise TreetuneError(f"{tool} on {where} did not answer within {SMI_TIMEOUT_S:.0f} s:"
+                            f" name the GPU with {OVERRIDE}") from None
+    if proc.returncode != 0:
+        raise _lists_no_gpu(tool, stderr or stdout, "no output",
+                            f"exit code {proc.returncode}: ")
+    if not stdout.strip():
+        raise _lists_no_gpu(tool, stderr, "exit code 0, no GPU listed")
+    return stdout
 
 
-def _lists_no_gpu(tool: str, said: str, otherwise: str) -> TreetuneError:
+def _lists_no_gpu(tool: str, said: str, otherwise: str, prefix: str = "") -> TreetuneError:
     lines = [line.strip() for line in said.splitlines() if line.strip()]
-    cause = lines[-1] if lines else otherwise
+    cause = prefix + (clip(lines[-1], 200) if lines else otherwise)
     return TreetuneError(f"{tool} on {socket.gethostname()} lists no GPU ({cause}): name the"
                          f" GPU with {OVERRIDE}")
 
@@ -168,13 +178,16 @@ def _nvidia_smi(program: str, env: Mapping[str, str]) -> list[SeenGpu]:
     if visible:  # nvidia-smi takes the same indices or UUIDs
         argv.append(f"--id={visible}")
     output = _run(program, argv, env)
-    return [_parse_nvidia(line.strip()) for line in output.splitlines() if line.strip()]
+    # "NVIDIA H100 80GB HBM3, 81559 MiB" each; [N/A] where a GPU says no memory. A line of
+    # another shape is no GPU (a warning, a wrapper's chatter).
+    found = [m for line in output.splitlines()
+             if (m := NVIDIA_LINE.fullmatch(line.strip())) is not None]
+    if not found:
+        raise _lists_no_gpu(Path(program).name, output, "no GPU listed")
+    return [SeenGpu(m["name"].strip(), float(m["mib"]) if m["mib"] else None) for m in found]
 
 
-def _parse_nvidia(line: str) -> SeenGpu:
-    name, _, memory = line.rpartition(",") if "," in line else (line, "", "")
-    number = re.match(r"\s*([\d.]+)", memory)
-    return SeenGpu(name.strip(), float(number.group(1)) if number else None)
+NVIDIA_LINE = re.compile(r"(?P<name>[^,]*\S[^,]*),\s*(?:(?P<mib>\d+(?:\.\d+)?)\s*MiB|\[?N/A\]?)")
 
 
 # HIP reads HIP_VISIBLE_DEVICES (what Ray sets on AMD nodes), then CUDA_VISIBLE_DEVICES;

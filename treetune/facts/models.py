@@ -289,6 +289,14 @@ def model_facts(model: str, env: Mapping[str, str] | None = None,
 
 # ---- counting ---------------------------------------------------------------------------
 
+# Keys no model holds 0 of (a profile of them divides by them), and keys whose size is
+# walked one by one (a typo of 1e9 layers ran for minutes).
+_POSITIVE = frozenset({"hidden_size", "d_model", "num_hidden_layers", "n_layer", "num_layers",
+                       "num_attention_heads", "num_key_value_heads", "vocab_size",
+                       "draft_vocab_size", "head_dim"})
+_MOST = {"num_hidden_layers": 4096, "n_layer": 4096, "num_layers": 4096}
+
+
 class _Config:
     """A config.json with typed access; a missing or wrong key is an error naming it."""
 
@@ -306,6 +314,11 @@ class _Config:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ConfigFileError(self.path, f"expected a non-negative integer, got "
                                           f"{value!r}", key)
+                if value == 0 and key in _POSITIVE:
+                    raise ConfigFileError(self.path, "expected a positive integer, got 0", key)
+                if value > _MOST.get(key, value):
+                    raise ConfigFileError(self.path, f"{value} is more than any model holds "
+                                          f"(at most {_MOST[key]} here)", key)
                 return value
         if default is None:
             raise ConfigFileError(self.path, "missing: treetune needs it to count the model",
@@ -606,6 +619,10 @@ def _attention_params(c: _Config, h: int, in_dim: int) -> int:
         kv = h * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v_dim)
         return q + kv + heads * v_dim * h + _indexer_params(c, h, q_rank or h)
     kv_heads = c.int("num_key_value_heads", default=heads)
+    if heads % kv_heads:  # each KV head serves a whole group of query heads
+        raise ConfigFileError(c.path, f"{kv_heads} KV heads do not divide the "
+                              f"{heads} attention heads (num_attention_heads) into groups",
+                              "num_key_value_heads")
     hd = _head_dim(c, h)
     # Qwen3-Next's and Qwen3.5's gated attention projects a sigmoid gate alongside the
     # query (Qwen3.5 says so as attn_output_gate).

@@ -261,8 +261,14 @@ def build_prior(model: str, draft: str | None, tp: int = 1, gpu: str | None = No
         # --kv-cache-dtype auto: SGLang stores a DeepSeek Sparse Attention target's cache in
         # fp8 on Blackwell, bf16 below it (server_args' _set_default_nsa_kv_cache_dtype).
         target_facts = facts_from_config(config, model, path, DSA_BLACKWELL_KV_BYTES)
-    return auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets, name, algorithm,
-                      attention_dp)
+    try:
+        return auto_prior(target_facts, draft_facts, gpu_entry, tp, datasets, name, algorithm,
+                          attention_dp)
+    except ValueError as exc:  # a count no profile can hold (FieldError among them)
+        read = " and ".join(str(f.config_path) for f in (target_facts, draft_facts) if f)
+        raise TreetuneError(f"the facts read from {read} make no profile ({exc}): check "
+                            "those config.json files, or write the profile by hand and give "
+                            "it with --prior") from None
 
 
 def _slug(name: str) -> str:
