@@ -45,6 +45,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -486,6 +487,36 @@ def positive_int(text: str) -> int:
     return value
 
 
+def whole_int(text: str) -> int:
+    """An argparse type: a whole number >= 0 (a seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a finite number (nan and inf crashed every study of the run)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def noise_share(text: str) -> float:
+    """An argparse type: a coefficient of variation, 0 or more and below 1."""
+    value = finite_float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 0 and < 1 (0.03: 3%), got {text}")
+    return value
+
+
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
                     quick: dict[str, int] | None = None,
                     defaults: dict[str, int] | None = None) -> None:
@@ -590,7 +621,7 @@ def main() -> None:
     parser.add_argument("--worlds", nargs="+", default=["all"],
                         help="shipped world or profile names, or world/profile files; 'all' "
                         "(default): every shipped profile (the search's own model) and world")
-    parser.add_argument("--batch", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--batch", nargs="+", type=positive_int, default=[1, 32])
     parser.add_argument("--method", type=str.upper, default="EAGLE3",
                         choices=("EAGLE3", "EAGLE", "NEXTN", "STANDALONE"),
                         help="the draft method the studies search (default EAGLE3, the "
@@ -598,16 +629,16 @@ def main() -> None:
                         "qwen3.5-397b-a17b-h200)")
     parser.add_argument("--seeds", type=int, default=None, help="studies per world and "
                         "strategy (default 20; 1 with --quick)")
-    parser.add_argument("--first-seed", type=int, default=0,
+    parser.add_argument("--first-seed", type=whole_int, default=0,
                         help="seeds are first-seed .. first-seed + seeds - 1")
     parser.add_argument("--budget", type=int, default=None,
                         help="launches for the regret (default 20; 12 with --quick)")
     parser.add_argument("--max-launches", type=int, default=None,
                         help="launches each study may use to reach the target (default 30; "
                         "16 with --quick)")
-    parser.add_argument("--noise", type=float, default=0.03,
+    parser.add_argument("--noise", type=noise_share, default=0.03,
                         help="launch and measurement noise (coefficient of variation)")
-    parser.add_argument("--prior-noise", type=float, default=None,
+    parser.add_argument("--prior-noise", type=noise_share, default=None,
                         help="the launch noise the studies state (search.launch_cv, the "
                         "prior the learned noise starts from); default: --noise. E.g. "
                         "--noise 0.01 --prior-noise 0.03: a quiet engine (SGLang's own "
@@ -624,7 +655,7 @@ def main() -> None:
     parser.add_argument("--node-speeds", nargs="+", type=float, default=[],
                         help="each node's speed, common to every launch it runs (e.g. 1 0.92:"
                         " a second node 8%% slow); worker w runs on node w mod the count")
-    parser.add_argument("--drift", type=float, default=0.0,
+    parser.add_argument("--drift", type=finite_float, default=0.0,
                         help="each launch's speed changes by this share per launch before "
                         "it (launch k at 1 + drift x k; e.g. 0.003: 9%% faster by launch 30,"
                         " a machine warming up or a neighbour leaving), which the search's "

@@ -503,6 +503,13 @@ def test_drawn_worlds_with_new_bases_rest_on_no_shipped_profile(tmp_path):
     ("search_efficiency.py", ["--worlds", "cliffs", "--method", "nextn"], "--method NEXTN: "
      "world 'cliffs' describes EAGLE3"),
     ("auto_prior.py", ["--seeds", "0"], "argument --seeds: must be >= 1, got 0"),
+    # Each failed every study of the run, exit 1 (an audit).
+    ("search_efficiency.py", ["--batch", "0"], "argument --batch: must be >= 1, got 0"),
+    ("search_efficiency.py", ["--noise", "nan"], "argument --noise: must be a finite number"),
+    ("search_efficiency.py", ["--noise", "-0.1"], "argument --noise: must be >= 0 and < 1"),
+    ("search_efficiency.py", ["--prior-noise", "inf"], "argument --prior-noise: must be a "
+     "finite number"),
+    ("search_efficiency.py", ["--first-seed", "-5"], "argument --first-seed: must be >= 0"),
     ("predict_agreement.py", ["--tree", "abc"], "tree 'abc' must be three integers"),
 ])
 def test_a_benchmark_refuses_bad_arguments_before_any_study(tmp_path, script, args, message):
