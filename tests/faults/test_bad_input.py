@@ -885,3 +885,11 @@ def test_a_storage_given_as_a_path_is_asked_for_as_a_url(capsys, tmp_path):
     assert code == 2 and f"give sqlite:///{tmp_path / 'x.db'}" in err, err
     assert "SQLAlchemy" not in err and not (tmp_path / "out").exists()
 
+
+
+@pytest.mark.parametrize("key", ["world", "profile"])
+def test_a_backend_file_not_found_is_said_with_its_study_key(capsys, tmp_path, key):
+    """"sub/nope.yaml: file not found" named no key of the study (an audit)."""
+    message = search(capsys, write_study(tmp_path, backend=f"{{kind: emulator, {key}: "
+                                                           "sub/nope.yaml}"))
+    assert message.startswith(f"backend.{key}: ") and "nope.yaml: file not found" in message

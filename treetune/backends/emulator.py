@@ -222,14 +222,18 @@ class EmulatorBackend:
 
     def truth(self) -> Profile:
         """The profile the emulator serves: its own, or its world's."""
-        if self.world is not None:
-            from treetune.worlds import load_world
+        key = "world" if self.world is not None else "profile"
+        try:
+            if self.world is not None:
+                from treetune.worlds import load_world
 
-            return load_world(self.world).profile
-        from treetune.perfmodel import load_profile
+                return load_world(self.world).profile
+            from treetune.perfmodel import load_profile
 
-        assert self.profile is not None  # refused at construction otherwise
-        return load_profile(self.profile)
+            assert self.profile is not None  # refused at construction otherwise
+            return load_profile(self.profile)
+        except TreetuneError as exc:  # "x.yaml: file not found" named no key of the study
+            raise TreetuneError(f"backend.{key}: {exc}") from None
 
     def served_datasets(self) -> list[str]:
         """The datasets the emulator answers for (its profile's): a study naming none
