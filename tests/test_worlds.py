@@ -297,6 +297,10 @@ def test_a_replay_table_without_a_baseline_names_the_cell(tmp_path):
     with pytest.raises(TreetuneError, match="batch 8, dataset 'humaneval' has a baseline row "
                                             "but no tree measured"):
         load_world(tmp_path / "w.yaml").model()
+    (tmp_path / "grid.csv").write_text(header + rows + ",,,1,mtbench,100,\n")
+    with pytest.raises(TreetuneError, match="row 8: dataset 'mtbench' is not in profile "
+                                            "'qwen3-coder-next-h200' \\(it has mt-bench, "):
+        load_world(tmp_path / "w.yaml").model()
     (tmp_path / "grid.csv").write_text(header + rows)
     with pytest.raises(TreetuneError, match="dataset 'terminal-bench' of profile "
                                             "'qwen3-coder-next-h200' has no row"):

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import bisect
 import csv
+import dataclasses
 import io
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -47,6 +48,7 @@ class Cell:
     dataset: str
     throughput: float
     accept_length: float | None
+    where: str = field(default="", compare=False)  # its row, for errors
 
 
 def load_cells(path: Path) -> list[Cell]:
@@ -64,7 +66,7 @@ def load_cells(path: Path) -> list[Cell]:
     seen: dict[tuple[ServerConfig, int, str], str] = {}
     for row, at in zip(rows, where, strict=True):
         try:
-            cell = _cell(row)
+            cell = dataclasses.replace(_cell(row), where=at)
         except (KeyError, TypeError, ValueError) as exc:
             what = f"no {exc} column" if isinstance(exc, KeyError) else str(exc)
             raise ConfigFileError(path, f"{at}: {what} (columns: {', '.join(COLUMNS)})") \
@@ -146,8 +148,9 @@ class ReplayModel(PerfModel):
         self.trees: dict[tuple[int, str], list[Cell]] = {}
         for cell in cells:
             if cell.dataset not in profile.datasets:
-                raise ConfigFileError(path, f"dataset '{cell.dataset}' is not in profile "
-                                      f"'{profile.name}'")
+                raise ConfigFileError(path, f"{cell.where}: dataset '{cell.dataset}' is not in "
+                                      f"profile '{profile.name}' (it has "
+                                      f"{', '.join(profile.datasets)})")
             if cell.config is BASELINE:
                 self.baseline[cell.batch, cell.dataset] = cell.throughput
             else:
