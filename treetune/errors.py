@@ -15,7 +15,11 @@ def clip(text: str, limit: int) -> str:
 
 def first_line(exc: BaseException) -> str:
     """An exception's first non-blank line (a database's own words, not the SQL and the
-    link SQLAlchemy adds below them), or its type's name when it says nothing."""
+    link SQLAlchemy adds below them), or its type's name when it says nothing. Optuna's
+    StorageInternalError says only that a commit failed: its cause's words instead."""
+    while type(exc).__name__ == "StorageInternalError" and (
+            cause := exc.__cause__ or exc.__context__) is not None:
+        exc = cause
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
 

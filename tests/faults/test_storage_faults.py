@@ -297,3 +297,19 @@ def test_a_stored_launch_another_version_wrote_is_refused_naming_it(capsys, tmp_
     assert code == 2, err
     assert f"a stored launch (trial {trial.number} of the launches study) cannot be read" in err
     assert "another treetune version" in err and "Traceback" not in err
+
+
+def test_a_truncated_study_db_is_said_in_sqlite_s_words(capsys, tmp_path, small_study):
+    """Optuna's "An exception is raised during the commit ... exceeding max length" stood
+    for a damaged file (an audit): the database's own words, and the URL as given."""
+    import shutil
+
+    from studykit import run_cli
+
+    folder = tmp_path / "study"
+    shutil.copytree(small_study, folder)
+    db = folder / "study.db"
+    db.write_bytes(db.read_bytes()[:20000])
+    code, _, err = run_cli(capsys, "report", str(folder), "--output", str(tmp_path / "r"))
+    assert code == 2 and f"cannot open study storage sqlite:///{db}: (sqlite3." in err, err
+    assert "during the commit" not in err and "mode=ro" not in err

@@ -10,7 +10,7 @@ from pathlib import Path
 import optuna
 
 from treetune.config import BASELINE, AdaptiveConfig, TreeConfig
-from treetune.errors import TreetuneError
+from treetune.errors import TreetuneError, first_line
 from treetune.results import LaunchResult
 from treetune.study.evidence import judge, merge_leveled, noise_of
 from treetune.study.recommend import Recommendation, recommend
@@ -147,7 +147,8 @@ def _spec_from_storage(url: str, study: str | None) -> StudySpec:
     try:
         names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
     except Exception as exc:  # SQLAlchemy raises many kinds
-        raise TreetuneError(f"cannot open study storage {shown_url(url)}: {exc}") from None
+        raise TreetuneError(f"cannot open study storage {shown_url(url)}: "
+                            f"{first_line(exc)}") from None
     studies = sorted(n.removesuffix(LAUNCHES) for n in names if n.endswith(LAUNCHES))
     if study is None and len(studies) == 1:
         study = studies[0]

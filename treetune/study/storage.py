@@ -462,7 +462,7 @@ def read_only_storage(url: str) -> optuna.storages.BaseStorage:
     """An Optuna storage that cannot write: SQLite opened in read-only mode (so a reader
     never takes the write lock a running search needs); other databases without creating
     tables."""
-    engine_kwargs = None
+    engine_kwargs, given = None, url
     if url.startswith("sqlite:///"):
         path = Path(url.removeprefix("sqlite:///"))
         if not path.is_file():
@@ -474,7 +474,7 @@ def read_only_storage(url: str) -> optuna.storages.BaseStorage:
                                           skip_compatibility_check=True,
                                           skip_table_creation=True)
     except Exception as exc:  # SQLAlchemy raises many kinds
-        raise TreetuneError(f"cannot open study storage {shown_url(url)}: {exc}"
+        raise TreetuneError(f"cannot open study storage {shown_url(given)}: {first_line(exc)}"
                             f"{_PASSWORD_HINT if not url.startswith('sqlite') else ''}"
                             ) from None
 
