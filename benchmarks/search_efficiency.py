@@ -652,7 +652,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="launches each study runs at once, in simulated time (default: "
                         "1, or one per --node-speeds)")
-    parser.add_argument("--node-speeds", nargs="+", type=float, default=[],
+    parser.add_argument("--node-speeds", nargs="+", type=finite_float, default=[],
                         help="each node's speed, common to every launch it runs (e.g. 1 0.92:"
                         " a second node 8%% slow); worker w runs on node w mod the count")
     parser.add_argument("--drift", type=finite_float, default=0.0,

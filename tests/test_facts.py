@@ -1100,11 +1100,13 @@ def test_what_nvidia_smi_prints_that_names_no_gpu_is_said_as_it_is(tmp_path, out
     assert said in str(info.value) and "--gpu" in str(info.value)
 
 
-def test_a_gpu_line_among_chatter_is_read_and_n_a_memory_is_no_number(tmp_path):
+@pytest.mark.parametrize("memory", ["[N/A]", "[Not Supported]", "[Insufficient Permissions]"])
+def test_a_gpu_line_among_chatter_is_read_and_a_bracketed_memory_is_no_number(tmp_path,
+                                                                              memory):
     bin_dir = stand_in_nvidia_smi(tmp_path / "bin", "a warning, of a wrapper\n"
-                                  "NVIDIA GH200 480GB, [N/A]\n")
+                                  f"NVIDIA GB10, {memory}\n")
     assert [(g.name, g.memory_mib) for g in query_gpus({"PATH": str(bin_dir)})] == [
-        ("NVIDIA GH200 480GB", None)]
+        ("NVIDIA GB10", None)]
 
 
 def test_an_nvidia_smi_that_hangs_is_ended_with_what_it_started(tmp_path, monkeypatch):

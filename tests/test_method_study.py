@@ -144,11 +144,6 @@ def test_method_names_are_read_in_any_case_as_sglang_reads_them(tmp_path):
     # 0.5.2's parser has no NGRAM (it came in 0.5.3, renamed from lookahead).
     ({"methods": ["EAGLE3", "ngram"], "compare": [], "sglang_version": "0.5.2"}, "methods",
      "SGLang serves NGRAM from 0.5.3 on, and this study targets sglang_version 0.5.2"),
-    # A study's draft that no method runs was dropped without a word (a README audit).
-    ({"methods": ["NEXTN"], "compare": []}, "draft", "none of them runs a draft model"),
-    ({"methods": ["NGRAM"], "compare": []}, "draft", "none of them runs a draft model"),
-    ({"methods": [{"name": "EAGLE3", "draft": "org/own"}, "NEXTN"], "compare": []}, "draft",
-     "each that runs one names its own"),
     ({"methods": ["NGRAM"], "draft": None, "compare": []}, None, None),
 ])
 def test_bad_methods_are_refused_naming_the_key(tmp_path, over, key, fragment):
@@ -158,6 +153,22 @@ def test_bad_methods_are_refused_naming_the_key(tmp_path, over, key, fragment):
     with pytest.raises(ConfigFileError) as info:
         study(tmp_path, **over)
     assert f"'{key}'" in str(info.value) and fragment in str(info.value)
+
+
+def test_a_study_draft_no_method_runs_is_refused_before_a_search_not_when_read(tmp_path):
+    """Dropped without a word, the launches ran without it (a README audit). Refused by
+    the checks before a search, not as a spec is read: a study stored so still reports."""
+    from treetune.study.preflight import check_study
+
+    for over, said in (({"methods": ["NEXTN"]}, "none of them runs a draft model"),
+                       ({"methods": ["NGRAM"]}, "none of them runs a draft model"),
+                       ({"methods": [{"name": "EAGLE3", "draft": "org/own"}, "NEXTN"]},
+                        "each that runs one names its own")):
+        spec = study(tmp_path, compare=[], **over)
+        assert said in (spec.unused_draft() or "")
+        with pytest.raises(TreetuneError, match=f"^draft: draft {spec.draft} is run by none"):
+            check_study(spec)
+    assert study(tmp_path).unused_draft() is None  # EAGLE3 runs it beside NEXTN
 
 
 def test_methods_and_their_compared_trees_load_back_from_the_saved_spec(tmp_path):

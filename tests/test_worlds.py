@@ -726,6 +726,7 @@ HEADER = "steps,topk,draft_tokens,batch,dataset,throughput,accept_length\n"
     ("3,4,8,0,humaneval,150,", "row 3: batch must be a whole number of at least 1"),
     ("3,4,8,1.9,humaneval,150,", "row 3: batch must be a whole number, got '1.9'"),
     ("3.5,4,8,1,humaneval,150,", "row 3: steps must be a whole number, got '3.5'"),
+    ("3,4,8,1,humaneval,150,2.5,extra", "row 3: 8 fields, and the header names 7"),
     ("5,1,6,1,humaneval,170,", "row 3: (5,1,6) at batch 1 on 'humaneval' is measured in "
                                "row 2 too"),
     (",,,1,humaneval,50,", "row 4: baseline at batch 1 on 'humaneval' is measured in row 3"),
@@ -762,7 +763,12 @@ def test_a_replay_world_with_effects_or_a_missing_profile_is_refused_at_its_key(
                      "effects:\n  verify_cliffs: {jump: 0.5}\n")
     with pytest.raises(ConfigFileError) as info:  # dropped without a word before
         load_world(world)
-    assert info.value.key == "effects" and "remove effects.verify_cliffs" in str(info.value)
+    assert info.value.key == "effects.verify_cliffs" and "would not act on it" in str(
+        info.value)
+    # The acceptance shape acts on the profile the table keeps: taken, as before.
+    world.write_text("name: w\nprofile: qwen3-coder-next-h200\nreplay: {file: grid.csv}\n"
+                     "effects:\n  acceptance:\n    mt-bench: {top1_by_position: [0.8, 0.7]}\n")
+    assert load_world(world).replay_path is not None
     world.write_text("name: w\nprofile: ./nothere.yaml\nreplay: {file: grid.csv}\n")
     with pytest.raises(ConfigFileError) as info:
         load_world(world)

@@ -27,6 +27,7 @@ from treetune.space import load_space
 from treetune.study.preflight import check_ray_address
 from treetune.study.spec import load_study
 from treetune.study.storage import StudyStore
+from treetune.yamlio import load_yaml
 
 FAST_S = 5.0  # a refusal takes well under this; Ray alone takes longer to start
 without_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is not None,
@@ -806,7 +807,8 @@ def test_an_output_folder_holding_another_study_is_refused_naming_both(capsys, t
     assert "give it another --output, or --name A to resume that study" in message
 
 
-def test_an_output_folder_stored_in_another_database_is_refused_naming_both(capsys, tmp_path):
+def test_an_output_folder_stored_in_another_database_is_refused_naming_both(capsys, tmp_path,
+                                                                           monkeypatch):
     """A rerun with another --storage (or none, for a study stored in a database server)
     started the study over in that database, overwriting the folder's scripts and
     recommendations with those of its first launches (an audit)."""
@@ -828,6 +830,27 @@ def test_an_output_folder_stored_in_another_database_is_refused_naming_both(caps
 
     check_output_folder(load_study(write_study(tmp_path), {
         "storage": f"sqlite:///{tmp_path / 'x' / '..' / 'out' / 'study.db'}"}))
+    # A database server's URL without its password (which study.yaml never holds), its
+    # options in another order, its default port spelled out: the same database.
+    (tmp_path / "out" / "study.yaml").write_text(
+        "name: study\nstorage: postgresql://tt@db.example/studies?application_name=a&"
+        "sslmode=require\n")
+    check_output_folder(load_study(write_study(tmp_path), {
+        "storage": "postgresql://tt:secret@DB.example:5432/studies?sslmode=require&"
+                   "application_name=a"}))
+    # A relative SQLite path is kept absolute in the copy: a rerun from another folder,
+    # which would open another file, is refused.
+    monkeypatch.chdir(tmp_path)
+    spec = load_study(write_study(tmp_path), {"storage": "sqlite:///rel.db"})
+    spec.save(tmp_path / "out" / "study.yaml")
+    assert load_yaml(tmp_path / "out" / "study.yaml")["storage"] == \
+        f"sqlite:///{tmp_path / 'rel.db'}"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(TreetuneError) as info:
+        check_output_folder(spec)
+    assert f"would store it in sqlite:///{tmp_path / 'elsewhere' / 'rel.db'}, starting it " \
+        f"over: give --storage sqlite:///{tmp_path / 'rel.db'} to resume" in str(info.value)
 
 
 # ---- a traceback only with --debug --------------------------------------------------------------
@@ -893,3 +916,15 @@ def test_a_backend_file_not_found_is_said_with_its_study_key(capsys, tmp_path, k
     message = search(capsys, write_study(tmp_path, backend=f"{{kind: emulator, {key}: "
                                                            "sub/nope.yaml}"))
     assert message.startswith(f"backend.{key}: ") and "nope.yaml: file not found" in message
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:",
+                                 "sqlite:///file::memory:?uri=true"])
+def test_an_in_memory_storage_is_refused_since_it_keeps_nothing(capsys, tmp_path, url):
+    """An in-memory SQLite storage was taken: a rerun measured every launch again, and the
+    report found nothing (an audit)."""
+    code, _, err = run_cli(capsys, "search", "--model", "m", "--draft", "d", "--batch", "1",
+                           "--profile", "qwen3-8b-h100", "--storage", url,
+                           "-o", str(tmp_path / "out"))
+    assert code == 2 and "is an in-memory SQLite database" in err, err
+    assert "--storage" in err and not (tmp_path / "out").exists()

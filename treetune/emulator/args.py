@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument("--no-noise", dest="noise", action="store_false",
                      help="turn the profile's launch and measurement noise off")
     emu.add_argument("--crash-after-requests", type=int, default=None,
-                     help="fault switch: answer this many requests, then exit abruptly (code 70) "
+                     help="fault switch: take this many requests, then exit abruptly (code 70) "
                           "when the next arrives")
     emu.add_argument("--hang-on-startup", action="store_true",
                      help="fault switch: never become healthy")

@@ -147,7 +147,8 @@ def _run(program: str, argv: list[str], env: Mapping[str, str]) -> str:
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a child that left the group
+            proc.communicate(timeout=5)
         raise TreetuneError(f"{tool} on {where} did not answer within {SMI_TIMEOUT_S:.0f} s:"
                             f" name the GPU with {OVERRIDE}") from None
     if proc.returncode != 0:
@@ -178,8 +179,9 @@ def _nvidia_smi(program: str, env: Mapping[str, str]) -> list[SeenGpu]:
     if visible:  # nvidia-smi takes the same indices or UUIDs
         argv.append(f"--id={visible}")
     output = _run(program, argv, env)
-    # "NVIDIA H100 80GB HBM3, 81559 MiB" each; [N/A] where a GPU says no memory. A line of
-    # another shape is no GPU (a warning, a wrapper's chatter).
+    # "NVIDIA H100 80GB HBM3, 81559 MiB" each; a bracketed word where a GPU says no memory
+    # ([N/A] on GB10, [Not Supported], [Insufficient Permissions]). A line of another shape
+    # is no GPU (a warning, a wrapper's chatter).
     found = [m for line in output.splitlines()
              if (m := NVIDIA_LINE.fullmatch(line.strip())) is not None]
     if not found:
@@ -187,7 +189,8 @@ def _nvidia_smi(program: str, env: Mapping[str, str]) -> list[SeenGpu]:
     return [SeenGpu(m["name"].strip(), float(m["mib"]) if m["mib"] else None) for m in found]
 
 
-NVIDIA_LINE = re.compile(r"(?P<name>[^,]*\S[^,]*),\s*(?:(?P<mib>\d+(?:\.\d+)?)\s*MiB|\[?N/A\]?)")
+NVIDIA_LINE = re.compile(
+    r"(?P<name>[^,]*\S[^,]*),\s*(?:(?P<mib>\d+(?:\.\d+)?)\s*MiB|\[[^\]]*\]|N/A)")
 
 
 # HIP reads HIP_VISIBLE_DEVICES (what Ray sets on AMD nodes), then CUDA_VISIBLE_DEVICES;

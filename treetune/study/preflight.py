@@ -11,6 +11,9 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
 from treetune import strategies
 from treetune.backends.sglang import DEEPEP_CAP_VARIABLE, branching_problem, deepep_problem
 from treetune.backends.sglang_adaptive import multi_layer_problem
@@ -34,6 +37,8 @@ def check_study(spec: StudySpec) -> None:
     its search space (each draft method's) loads and fits the method, its strategy is
     installed, its prior profile loads, the cluster address answers, and the backend's
     own checks pass."""
+    if (unused := spec.unused_draft()) is not None:
+        raise TreetuneError(f"draft: {unused}")
     check_output_folder(spec)
     load_datasets(spec.datasets, Path(spec.base_dir))
     spaces = study_spaces(spec)
@@ -229,12 +234,23 @@ def _host_port(address: str) -> tuple[str, int]:
 
 
 def _same_storage(a: str | None, b: str | None, own_db: Path) -> bool:
-    """Whether two storage URLs (None: the output folder's `own_db`) name one database, an
-    SQLite file's path read as an absolute path."""
-    def norm(url: str | None) -> str:
+    """Whether two storage URLs (None: the output folder's `own_db`) name one database:
+    an SQLite file by its path (relative: from the current folder, as SQLite opens it),
+    another database by its server, port, user and name (not its password or options)."""
+    def key(url: str | None) -> tuple[object, ...]:
         url = url or f"sqlite:///{own_db}"
-        if not url.startswith("sqlite:///"):
-            return url
-        return "sqlite:///" + str(Path(url.removeprefix("sqlite:///")).expanduser().resolve())
+        if url.startswith("sqlite:///"):
+            path = url.removeprefix("sqlite:///").partition("?")[0]
+            return ("sqlite", str(Path(path.removeprefix("file:")).absolute().resolve()))
+        try:
+            parsed = make_url(url)
+        except ArgumentError:
+            return (url,)
+        backend = parsed.get_backend_name()
+        return (backend, (parsed.host or "").lower(), parsed.port or DEFAULT_PORTS.get(backend),
+                parsed.username, parsed.database)
 
-    return norm(a) == norm(b)
+    return key(a) == key(b)
+
+
+DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306}

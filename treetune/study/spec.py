@@ -536,14 +536,6 @@ class StudySpec:
                                  "PATH}")
             if draft is not None:
                 drafts[name] = draft
-        if self.methods and self.draft is not None and self.draft not in drafts.values():
-            # Else dropped without a word: the launches would run without it.
-            runs = ("none of them runs a draft model (NEXTN drafts with the target's MTP "
-                    "layer, NGRAM with the prompt's n-grams)" if not drafts else
-                    "each that runs one names its own")
-            raise FieldError("draft", f"draft {self.draft} is run by none of the methods "
-                             f"({', '.join(names)}): {runs}; remove draft, or list a method "
-                             "that runs it (EAGLE3, EAGLE or STANDALONE)")
         compare = []
         for i, tree in enumerate(self.compare):
             method = "" if tree.method == self.algorithm else tree.method
@@ -569,6 +561,20 @@ class StudySpec:
             return None
         own = next((m.draft for m in self.methods if m.name == name), None)
         return own or self.draft
+
+    def unused_draft(self) -> str | None:
+        """Why the study's `draft` is run by none of its methods (None when some method
+        runs it, or it has none): the launches would run without it, not a word said.
+        Asked before a search, not when a spec is read: a study stored so still reports."""
+        drafts = {self.method_draft(name) for name in self.method_names}
+        if not self.methods or self.draft is None or self.draft in drafts:
+            return None
+        runs = ("none of them runs a draft model (NEXTN drafts with the target's MTP layer, "
+                "NGRAM with the prompt's n-grams)" if drafts == {None} else
+                "each that runs one names its own")
+        return (f"draft {self.draft} is run by none of the methods "
+                f"({', '.join(self.method_names)}): {runs}; remove draft, or list a method "
+                "that runs it (EAGLE3, EAGLE or STANDALONE)")
 
     def method_of(self, config: ServerConfig) -> str | None:
         """The algorithm a server runs (None: no speculation)."""
@@ -708,7 +714,8 @@ class StudySpec:
         data["methods"] = [m.entry() for m in self.methods]
         # A password in --storage is the user's; never kept (this goes to the output
         # folder's copy and the storage's own record of the study).
-        data["storage"] = url_without_password(self.storage) if self.storage else None
+        data["storage"] = (url_without_password(absolute_sqlite(self.storage))
+                           if self.storage else None)
         data.pop("base_dir")
         return data
 
@@ -1116,6 +1123,17 @@ def default_datasets(backend: Backend | None, where: Path | str) -> list[str]:
     return shipped
 
 
+def absolute_sqlite(url: str) -> str:
+    """A storage URL with an SQLite file's relative path made absolute, as SQLite opens it
+    (from the current folder): a copy read from another folder names the same file."""
+    if not url.startswith("sqlite:///") or _in_memory(url):
+        return url
+    path, mark, query = url.removeprefix("sqlite:///").partition("?")
+    if path.startswith(("/", "file:")):
+        return url
+    return f"sqlite:///{Path(path).absolute()}{mark}{query}"
+
+
 def _in_memory(url: str) -> bool:
     """Whether a storage URL is an SQLite database held in memory (sqlite://,
     sqlite:///:memory:, a file: URI with mode=memory)."""
@@ -1129,8 +1147,8 @@ def _in_memory(url: str) -> bool:
     if parsed.get_backend_name() != "sqlite":
         return False
     database = parsed.database or ""
-    return database in ("", ":memory:") or "mode=memory" in database \
-        or parsed.query.get("mode") == "memory"
+    return database in ("", ":memory:") or database.startswith("file::memory:") \
+        or "mode=memory" in database or parsed.query.get("mode") == "memory"
 
 
 def is_loopback(host: str) -> bool:

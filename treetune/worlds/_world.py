@@ -192,6 +192,11 @@ class Effects:
     acceptance: dict[str, AcceptanceShape] = field(default_factory=dict)
 
 
+# The effects WorldModel applies to the model's costs, which a replay table replaces.
+COST_EFFECTS = ("verify_cliffs", "moe_dispatch", "expert_parallel", "launch_bias",
+                "slow_launches")
+
+
 @dataclass(frozen=True)
 class Replay:
     file: str  # CSV or YAML of measured cells, relative to the world file
@@ -361,12 +366,13 @@ def load_world(name_or_path: str | Path) -> World:
     facts = _with_facts(base, raw.facts, path)
     replay = None
     if raw.replay is not None:
-        if set_effects := [f.name for f in dataclasses.fields(Effects)
-                           if getattr(raw.effects, f.name)]:
-            # The table is the truth whole: they would be dropped without a word.
-            raise ConfigFileError(path, f"a replay world takes no effects (its table is the "
-                                  f"truth): remove effects.{set_effects[0]}, or the replay",
-                                  "effects")
+        # The table is the truth of the costs: these would be dropped without a word (the
+        # acceptance shape and attention groups act on the profile, which the table keeps
+        # for accept lengths it lacks, memory and prefill).
+        if dropped := [name for name in COST_EFFECTS if getattr(raw.effects, name)]:
+            raise ConfigFileError(path, f"a replay world's table is its truth of speed: "
+                                  f"effects.{dropped[0]} would not act on it; remove it, or "
+                                  "the replay", f"effects.{dropped[0]}")
         replay = (path.parent / raw.replay.file).resolve()
         if not replay.is_file():
             raise ConfigFileError(path, f"replay file {replay} not found", "replay.file")

@@ -103,6 +103,9 @@ def _number(value: object, name: str, whole: bool = False) -> float | None:
 def _cell(row: object) -> Cell:
     if not isinstance(row, dict):
         raise ValueError(f"a cell must be a mapping of its columns, got {row!r}")
+    if None in row:  # csv's key for the fields beyond the header's
+        raise ValueError(f"{len(row) - 1 + len(row[None])} fields, and the header names "
+                         f"{len(row) - 1}")
     if unknown := sorted(str(k) for k in row if k not in COLUMNS):
         # A misspelt column is dropped otherwise, and the model's estimate stands in.
         raise ValueError(f"unknown column {unknown[0]!r}")
