@@ -149,7 +149,7 @@ def check_output_folder(spec: StudySpec) -> None:
             "that study")
     if not isinstance(held, dict) or "storage" not in held:
         return
-    stored, given = held["storage"], spec.to_dict()["storage"]  # both without a password
+    stored, given = held["storage"], spec.written_storage  # both without a password
     own_db = spec.output_dir / "study.db"
     if _same_storage(stored, given, own_db) or (stored is None and not own_db.is_file()):
         return

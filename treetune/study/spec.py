@@ -562,6 +562,12 @@ class StudySpec:
         own = next((m.draft for m in self.methods if m.name == name), None)
         return own or self.draft
 
+    @property
+    def written_storage(self) -> str | None:
+        """The storage URL as files keep it: without its password (the user's; never kept),
+        an SQLite file's path absolute (a copy read from another folder names the file)."""
+        return url_without_password(absolute_sqlite(self.storage)) if self.storage else None
+
     def unused_draft(self) -> str | None:
         """Why the study's `draft` is run by none of its methods (None when some method
         runs it, or it has none): the launches would run without it, not a word said.
@@ -712,10 +718,8 @@ class StudySpec:
         data["compare"] = [config_key(c) if c.method else [c.steps, c.topk, c.draft_tokens]
                            for c in self.compare]
         data["methods"] = [m.entry() for m in self.methods]
-        # A password in --storage is the user's; never kept (this goes to the output
-        # folder's copy and the storage's own record of the study).
-        data["storage"] = (url_without_password(absolute_sqlite(self.storage))
-                           if self.storage else None)
+        # This goes to the output folder's copy and the storage's own record of the study.
+        data["storage"] = self.written_storage
         data.pop("base_dir")
         return data
 

@@ -189,10 +189,7 @@ class ReplayModel(PerfModel):
         if config is BASELINE:
             return 1.0, 1.0
         assert isinstance(config, TreeConfig)
-        cells = self.trees.get((batch, dataset))
-        if not cells:
-            raise ConfigFileError(self.path, f"no tree measured at batch {batch} on "
-                                  f"'{dataset}'")
+        cells = self.trees[batch, dataset]  # every batch size with a baseline has trees
         base = self.baseline[batch, dataset]
 
         def distance(cell: Cell) -> float:
@@ -233,8 +230,8 @@ class ReplayModel(PerfModel):
     def accept_length(self, config: ServerConfig, dataset: str) -> float:
         if config is BASELINE:
             return 1.0
-        batches = [b for b in self.batches.get(dataset) or [] if (b, dataset) in self.trees]
-        return float(np.mean([self._at(config, b, dataset)[1] for b in batches]))
+        return float(np.mean([self._at(config, b, dataset)[1]
+                              for b in self.batches.get(dataset) or []]))
 
     def throughput(self, config: ServerConfig, batch: float, dataset: str) -> float:
         base, speedup, _ = self._interpolated(config, batch, dataset)
