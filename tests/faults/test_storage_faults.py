@@ -4,17 +4,21 @@ refused or handled before a GPU is wasted."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import yaml
 from optuna.trial import TrialState
-from studykit import processes_with, server_processes, small_study, wait_until
+from studykit import processes_with, run_cli, server_processes, small_study, wait_until
 
 from treetune.results import config_key
 from treetune.study.runner import run_study
@@ -267,21 +271,22 @@ def test_storage_lost_between_a_launchs_two_writes_keeps_its_measurement_for_the
     assert not server_processes(str(tmp_path))
 
 
-@pytest.mark.parametrize("damage", ["a key of another version", "not json"])
-def test_a_stored_launch_another_version_wrote_is_refused_naming_it(capsys, tmp_path,
-                                                                    small_study, damage):
-    """A launch stored with a cell key this version does not know (or text that is no
-    JSON) made `report` and a resumed search end on an internal error (an audit)."""
-    import json
-    import shutil
-    import sqlite3
-
-    from studykit import run_cli
-
-    from treetune.study.storage import RESULT_ATTR
-
+@pytest.fixture
+def study_copy(tmp_path, small_study) -> Path:
+    """A finished study's folder of this test's own, to damage."""
     folder = tmp_path / "study"
     shutil.copytree(small_study, folder)
+    return folder
+
+
+@pytest.mark.parametrize("damage", ["a key of another version", "not json"])
+def test_a_stored_launch_another_version_wrote_is_refused_naming_it(capsys, tmp_path,
+                                                                    study_copy, damage):
+    """A launch stored with a cell key this version does not know (or text that is no
+    JSON) made `report` and a resumed search end on an internal error (an audit)."""
+    from treetune.study.storage import RESULT_ATTR
+
+    folder = study_copy
     spec = load_study(folder / "study.yaml", {"output": str(folder)})
     store = StudyStore(spec)
     trial = store.launches.get_trials(states=(TrialState.COMPLETE,))[0]
@@ -299,15 +304,10 @@ def test_a_stored_launch_another_version_wrote_is_refused_naming_it(capsys, tmp_
     assert "another treetune version" in err and "Traceback" not in err
 
 
-def test_a_truncated_study_db_is_said_in_sqlite_s_words(capsys, tmp_path, small_study):
+def test_a_truncated_study_db_is_said_in_sqlite_s_words(capsys, tmp_path, study_copy):
     """Optuna's "An exception is raised during the commit ... exceeding max length" stood
     for a damaged file (an audit): the database's own words, and the URL as given."""
-    import shutil
-
-    from studykit import run_cli
-
-    folder = tmp_path / "study"
-    shutil.copytree(small_study, folder)
+    folder = study_copy
     db = folder / "study.db"
     db.write_bytes(db.read_bytes()[:20000])
     code, _, err = run_cli(capsys, "report", str(folder), "--output", str(tmp_path / "r"))
