@@ -1,12 +1,14 @@
 """Recommendations and launch scripts from measured launches."""
 
 import json
+import math
 import shlex
 import subprocess
 
 from synthetic import BASE, NARROW, WIDE, spec
 
 from treetune.config import BASELINE, TreeConfig
+from treetune.strategies import Estimate
 from treetune.study.export import write_outputs
 from treetune.study.recommend import pools_advice, recommend
 
@@ -91,3 +93,21 @@ def test_running_a_launch_script_executes_nothing_injected(tmp_path):
                    cwd=tmp_path, check=True, timeout=30)
     assert not (tmp_path / "pwned").exists()
     assert "/models/My Model $(touch pwned)" in args_out.read_text().splitlines()
+
+
+def test_a_pick_ranked_by_the_model_says_so_beside_its_measured_mean(tmp_path):
+    """With the model search's estimates the ranking blends each measured speedup with
+    the fitted model's: the pick may be measured slower than another feasible tree, and
+    its reason must not claim the best measured mean then."""
+    estimates = {(config, batch, dataset): Estimate(math.log(value), 1e-6, 1e-6)
+                 for config, value in ((WIDE.config, 1.30), (NARROW.config, 1.50))
+                 for batch in (1, 32) for dataset in ("sharegpt", "humaneval")}
+    quiet = spec(tmp_path, search={"launch_cv": 0.01})
+    plain = by(recommend(quiet, [BASE, WIDE, NARROW], BASE), "mixed", 1)
+    assert plain.config == WIDE.config
+    assert plain.reason.startswith("best mean speedup 1.600 measured of 2 surely feasible")
+    blended = by(recommend(quiet, [BASE, WIDE, NARROW], BASE, estimates), "mixed", 1)
+    assert blended.config == NARROW.config  # measured 1.350 against the wide tree's 1.600
+    assert blended.reason.startswith("best ranked (1.500: each measured speedup blended with "
+                                     "the fitted model's estimate")
+    assert "mean speedup 1.350 measured" in blended.reason

@@ -283,6 +283,66 @@ def test_recommendations_whose_scripts_are_not_written_yet_are_not_linked(data, 
     assert any("launch scripts are not written yet" in n for n in result.notices)
 
 
+def test_a_launch_script_of_an_earlier_run_is_not_linked_to_todays_recommendation(
+        small_study, tmp_path):
+    """A rerun searches on while its folder holds the last run's scripts: a script whose
+    command launches another config than recommended now would send whoever follows the
+    link to the wrong server. One whose header numbers alone are old is still linked."""
+    copy = tmp_path / "copy"
+    shutil.copytree(small_study, copy)
+    data = load_study_data(copy)
+    rec = next(r for r in data.recommendations if r.config is not BASELINE)
+    script = copy / rec.script_name
+    old = script.read_text()
+    other = TreeConfig(*(1, 1, 2) if rec.config != TreeConfig(1, 1, 2) else (2, 1, 3))
+    flags = f"--speculative-num-steps {rec.config.steps} "
+    assert flags in old
+    script.write_text(old.replace(flags, f"--speculative-num-steps {other.steps} "))
+    result = write_report(data, tmp_path / "report")
+    index = result.index.read_text()
+    linked = re.findall(r'<a href="([^"]+\.sh)">', index)
+    assert os.path.relpath(script, tmp_path / "report") not in linked
+    assert linked, "the other recommendations' scripts are still linked"
+    assert any("an earlier run's" in n and rec.script_name in n for n in result.notices)
+    # Only the header's measured speedups differ: the command is today's, and linked.
+    script.write_text(old.replace("# treetune study", "# (old numbers) treetune study", 1))
+    result = write_report(data, tmp_path / "report2")
+    assert os.path.relpath(script, tmp_path / "report2") in re.findall(
+        r'<a href="([^"]+\.sh)">', result.index.read_text())
+    assert not any("an earlier run's" in n for n in result.notices)
+
+
+def test_a_study_whose_baseline_failed_says_so_not_that_it_is_still_to_come(small_study,
+                                                                          tmp_path, capsys):
+    """A failed baseline is no baseline still being measured: a rerun alone fails again."""
+    data = load_study_data(small_study)
+    spec = data.spec.replace(output=str(tmp_path / "study"))
+    spec.save(spec.output_dir / SPEC_COPY)
+    store = StudyStore(spec)
+    failed = dataclasses.replace(data.baseline, ok=False, cells=[],
+                                 reason="server exited during startup (exit code 1)")
+    store.finish_launch(store.begin_launch(BASELINE, data.baseline.flags), failed)
+    main(["report", str(spec.output_dir)])
+    index = (spec.output_dir / "report" / "report.html").read_text()
+    assert "the baseline launch failed (server exited during startup" in index
+    assert "not been measured yet" not in index
+    assert "fix what its log says" in capsys.readouterr().err
+
+
+def test_the_report_takes_a_storage_url_and_the_name_of_one_of_its_studies(small_study,
+                                                                            tmp_path, capsys):
+    url = load_study_data(small_study).storage_url
+    main(["report", url, "--study", "small", "-o", str(tmp_path / "r")])
+    assert "<h1>treetune study small</h1>" in (tmp_path / "r" / "report.html").read_text()
+    with pytest.raises(TreetuneError, match=r"holds the treetune studies small; name one "
+                                            r"\(`treetune report URL --study NAME`"):
+        load_study_data(url, "smal")
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", str(small_study), "--study", "small"])
+    assert exit_.value.code == 2
+    assert "--study names a study in a storage URL" in capsys.readouterr().err
+
+
 def png_colours(path: Path) -> int:
     """Distinct colours in an 8-bit RGB(A) PNG (no Pillow needed)."""
     raw = path.read_bytes()

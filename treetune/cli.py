@@ -737,7 +737,13 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
 
 @app.command()
 def report(
-    study_folder: Annotated[Path, typer.Argument(help="A folder written by treetune search.")],
+    study_folder: Annotated[str, typer.Argument(
+        help="A folder written by treetune search, or the study's storage URL "
+             "(e.g. postgresql://host/db, sqlite:////abs/study.db).",
+        metavar="STUDY_FOLDER|STORAGE_URL")],
+    study: Annotated[str | None, typer.Option(
+        "--study", help="With a storage URL that holds several studies: the study's name.",
+        show_default=False)] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Where to write "
                                                 "(default <study-folder>/report).")] = None,
 ) -> None:
@@ -748,8 +754,11 @@ def report(
     from treetune.report.data import load_study_data
     from treetune.report.html import write_report
 
-    data = load_study_data(study_folder)
-    folder = output or Path(study_folder) / "report"
+    if study is not None and "://" not in study_folder:
+        raise TreetuneError("--study names a study in a storage URL; a study folder holds "
+                            "one study: drop --study, or give the storage URL")
+    data = load_study_data(study_folder, study)
+    folder = output or data.folder / "report"
     if folder.exists() and not folder.is_dir():
         raise TreetuneError(f"cannot write the report in {folder}: it is a file, not a "
                             "folder; choose another with --output")

@@ -65,6 +65,21 @@ class StudyData:
     def failed(self) -> list[LaunchResult]:
         return [r for r in self.results if not r.ok]
 
+    @property
+    def missing_baseline(self) -> str | None:
+        """Why there is no baseline to compare with, in words for the report and the
+        notebooks; None when there is one. A failed baseline is not one still to come: a
+        rerun launches it again, and fails again until what its log says is fixed."""
+        if self.baseline is not None:
+            return None
+        failed = next((r for r in self.failed if r.config is BASELINE), None)
+        if failed is None:
+            return ("no baseline has been measured yet: the search was stopped before it, "
+                    "or is still measuring it")
+        return (f"the baseline launch failed ({failed.reason}): nothing can be compared "
+                "without it; fix what its log says, then rerun `treetune search`, which "
+                "launches it again")
+
     def rows(self, batch: int | None = None) -> list[ConfigRow]:
         """Every measured tree at every (or one) batch size; empty before the baseline."""
         return self._rows(TreeConfig, batch)
@@ -154,7 +169,8 @@ def _spec_from_storage(url: str, study: str | None) -> StudySpec:
         study = studies[0]
     if study not in studies:
         raise TreetuneError(f"{shown_url(url)} holds the treetune studies "
-                            f"{', '.join(studies) or '(none)'}; name one"
+                            f"{', '.join(studies) or '(none)'}; name one (`treetune "
+                            "report URL --study NAME`, or the notebooks' `study_name`)"
                             + (f" (not '{study}')" if study else ""))
     attrs = optuna.load_study(study_name=f"{study}{LAUNCHES}", storage=storage).user_attrs
     if SPEC_ATTR not in attrs:

@@ -11,7 +11,7 @@ from pathlib import Path
 from treetune.config import BASELINE
 from treetune.report.data import StudyData
 from treetune.report.figures import all_figures
-from treetune.study.export import objective_line
+from treetune.study.export import objective_line, stale_scripts
 
 
 @dataclass
@@ -26,10 +26,9 @@ def write_report(data: StudyData, out_dir: Path) -> ReportOutcome:
     out_dir.mkdir(parents=True, exist_ok=True)
     outcome = ReportOutcome(index=out_dir / "report.html")
     figures = all_figures(data) if data.baseline is not None else {}
-    if data.baseline is None:
-        outcome.notices.append("no baseline has been measured yet: figures need it, so this "
-                               "report lists the launches only; rerun when the search has "
-                               "measured the baseline")
+    if data.missing_baseline is not None:
+        outcome.notices.append(f"{data.missing_baseline}; figures need a baseline, so this "
+                               "report lists the launches only")
     for name, fig in figures.items():
         path = out_dir / f"{name}.html"
         # plotly.js inlined: the file opens without network access.
@@ -45,7 +44,13 @@ def write_report(data: StudyData, out_dir: Path) -> ReportOutcome:
         outcome.notices.append(f"{len(unwritten)} launch scripts are not written yet "
                                f"({', '.join(unwritten)}): `treetune search` writes them when "
                                "it finishes")
-    outcome.index.write_text(_index(data, outcome, out_dir))
+    stale = stale_scripts(data.spec, data.recommendations, data.folder)
+    if stale:
+        outcome.notices.append(f"{len(stale)} launch scripts are an earlier run's and launch "
+                               f"another config than recommended now ({', '.join(stale)}): "
+                               "shown unlinked; `treetune search` rewrites them when it "
+                               "finishes")
+    outcome.index.write_text(_index(data, outcome, out_dir, set(stale)))
     return outcome
 
 
@@ -71,7 +76,8 @@ def _pngs(figures: dict, out_dir: Path) -> tuple[list[Path], str | None]:
     return paths, None
 
 
-def _index(data: StudyData, outcome: ReportOutcome, out_dir: Path) -> str:
+def _index(data: StudyData, outcome: ReportOutcome, out_dir: Path, stale: set[str]) -> str:
+    """`stale`: the launch scripts that launch another config than recommended now."""
     e = html.escape
     spec = data.spec
     rows = []
@@ -80,7 +86,8 @@ def _index(data: StudyData, outcome: ReportOutcome, out_dir: Path) -> str:
         link = os.path.relpath(script, out_dir)
         tree = "no speculation" if rec.config is BASELINE else rec.config.label()
         speedups = ", ".join(e(label) for label in rec.speedup_labels())
-        cell = f"<a href=\"{e(link)}\">{e(tree)}</a>" if script.is_file() else e(tree)
+        linked = script.is_file() and rec.script_name not in stale
+        cell = f"<a href=\"{e(link)}\">{e(tree)}</a>" if linked else e(tree)
         rows.append(f"<tr><td>{e(rec.workload)}</td><td>{rec.batch}</td>"
                     f"<td>{cell}</td><td>{speedups}</td><td>{e(str(rec.kind))}</td>"
                     f"<td>{e(rec.reason)}</td></tr>")

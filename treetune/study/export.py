@@ -433,6 +433,38 @@ def objective_line(spec: StudySpec) -> str:
     return spec.objective.describe() + (f"; SLO {slo}" if slo else "")
 
 
+def script_groups(recs: list[Recommendation]
+                  ) -> list[tuple[Recommendation, list[Recommendation]]]:
+    """Per launch script: the recommendation it is written for (an adaptive pool's is the
+    largest batch's, which sizes the server) and every recommendation it serves (the
+    recommendations' alternatives included)."""
+    groups: dict[str, list[Recommendation]] = {}
+    alternatives = [r.alternative for r in recs if r.alternative is not None]
+    for rec in (*recs, *alternatives):
+        groups.setdefault(rec.script_name, []).append(rec)
+    return [(max(group, key=lambda r: r.batch), group) for group in groups.values()]
+
+
+def stale_scripts(spec: StudySpec, recs: list[Recommendation], out_dir: Path) -> list[str]:
+    """The launch scripts in `out_dir` whose command is not the one `write_outputs` would
+    write for `recs` now: an earlier run's, while a rerun searches (its header's measured
+    speedups may differ; its command may not)."""
+    stale = []
+    for rec, group in script_groups(recs):
+        path = out_dir / rec.script_name
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue  # not written yet: the caller says so
+        if _command(text) != _command(launch_script(spec, rec, group)):
+            stale.append(rec.script_name)
+    return stale
+
+
+def _command(script: str) -> str | None:
+    return next((line for line in script.splitlines() if line.startswith("exec ")), None)
+
+
 def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path,
                   note: str | None = None) -> None:
     """recommendations.yaml/.json, one launch script per recommendation and, next to each
@@ -454,12 +486,7 @@ def write_outputs(spec: StudySpec, recs: list[Recommendation], out_dir: Path,
                **({"pools": advice} if advice else {}),
                **({"adaptive": adaptive} if adaptive else {}), "recommendations": records},
               out_dir / "recommendations.yaml")
-    groups: dict[str, list[Recommendation]] = {}
-    alternatives = [r.alternative for r in recs if r.alternative is not None]
-    for rec in (*recs, *alternatives):
-        groups.setdefault(rec.script_name, []).append(rec)
-    for group in groups.values():
-        rec = max(group, key=lambda r: r.batch)  # an adaptive pool is sized for the largest
+    for rec, group in script_groups(recs):
         script = out_dir / rec.script_name
         script.unlink(missing_ok=True)  # made afresh: an earlier run's mode is not kept
         script.write_text(launch_script(spec, rec, group))
