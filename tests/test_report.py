@@ -103,6 +103,25 @@ def test_pareto_legend_names_the_batch_sizes_each_tree_is_feasible_at(two_pools)
     assert crosses == ["regresses at batch 1 and 32"], "a cross means no batch size is safe"
 
 
+def test_a_tree_faster_but_unproven_at_a_batch_size_reads_not_proven_not_regresses(
+        tmp_path):
+    """At 3% launch noise one launch 2% above the baseline is not proven feasible, but it
+    measured no regression either: the legend must not tell a user it regresses. And a
+    Pareto front of one tree is drawn (a point: a line alone draws nothing)."""
+    spec = synthetic.spec(tmp_path, search={"launch_cv": 0.03})
+    thin = synthetic.launch(LATE, {1: {"sharegpt": 150, "humaneval": 160},
+                                   32: {"sharegpt": 1020, "humaneval": 1030}})
+    sure = synthetic.launch(NARROW, {1: {"sharegpt": 200, "humaneval": 200},
+                                     32: {"sharegpt": 2000, "humaneval": 2000}})
+    results = [synthetic.BASE, sure, thin]
+    data = StudyData(spec, results, synthetic.BASE, recommend(spec, results, synthetic.BASE),
+                     spec.storage_url, tmp_path)
+    fig = figures.pareto_front(data)
+    assert trace_holding(fig, LATE.label())[0] == "feasible at batch 1, not proven at batch 32"
+    front = next(t for t in fig.data if t.name == "Pareto front")
+    assert len(front.x) == 1 and "markers" in front.mode
+
+
 def test_a_tree_recommended_at_batch_1_that_regresses_at_32_is_ringed_for_batch_1_only(
         two_pools):
     fig = figures.pareto_front(two_pools)

@@ -39,6 +39,9 @@ class ConfigRow:
     step_time_s: float  # mean time of one round (batch * accept length / throughput)
     feasible: bool  # surely no regression at this batch (see evidence.Verdict.feasible)
     compared: bool  # listed in the study's `compare`
+    # Measured below the floor on some dataset at this batch; not feasible and not
+    # regressing: its interval reaches below the floor, or its launches are too few.
+    regresses: bool = False
 
     @property
     def mean_speedup(self) -> float:
@@ -112,7 +115,9 @@ class StudyData:
                 step = b * (accept or 1.0) / tput if tput > 0 else float("nan")
                 assert isinstance(result.config, TreeConfig | AdaptiveConfig)
                 out.append(ConfigRow(result.config, b, per, accept, tput, step,
-                                     verdict.feasible, result.config in self.spec.compare))
+                                     verdict.feasible, result.config in self.spec.compare,
+                                     any(i.mean < verdict.floor
+                                         for i in verdict.intervals.values())))
         return out
 
     def recommended(self, batch: int, workload: str = "mixed") -> Recommendation | None:

@@ -37,19 +37,23 @@ def _batches(data: StudyData) -> list[int]:
     return sorted(data.spec.batch)
 
 
-def _where_feasible(verdicts: dict[int, bool]) -> str:
+def _where_feasible(verdicts: dict[int, bool], regresses: dict[int, bool]) -> str:
     """Legend words for a tree's feasibility, batch size by batch size: advice is given per
-    batch size, so a tree regressing at one must still read as feasible at the others."""
+    batch size, so a tree regressing at one must still read as feasible at the others. A
+    batch size where it is not feasible reads "regresses" only where some dataset measured
+    below the floor; elsewhere "not proven" (its interval reaches below the floor)."""
     def at(batches: list[int]) -> str:
         return "batch " + " and ".join(map(str, batches))
 
-    good = [b for b, ok in sorted(verdicts.items()) if ok]
-    bad = [b for b, ok in sorted(verdicts.items()) if not ok]
-    if not bad:
-        return f"feasible at {at(good)}"
-    if not good:
-        return f"regresses at {at(bad)}"
-    return f"feasible at {at(good)}, regresses at {at(bad)}"
+    words = []
+    for word, batches in (
+            ("feasible", [b for b, ok in sorted(verdicts.items()) if ok]),
+            ("not proven", [b for b, ok in sorted(verdicts.items())
+                            if not ok and not regresses[b]]),
+            ("regresses", [b for b, ok in sorted(verdicts.items()) if not ok and regresses[b]])):
+        if batches:
+            words.append(f"{word} at {at(batches)}")
+    return ", ".join(words)
 
 
 def _marker(verdicts: dict[int, bool], bx: int) -> dict[str, object]:
@@ -83,6 +87,7 @@ def pareto_front(data: StudyData, batch_x: int | None = None,
     configs = [c for c in everything if isinstance(c, TreeConfig)]
     adaptive = [c for c in everything if isinstance(c, AdaptiveConfig)]
     verdicts = {c: {b: at[b][c].feasible for b in at} for c in everything}
+    regressing = {c: {b: at[b][c].regresses for b in at} for c in everything}
     graphs = graph_sizes_for(data.spec.batch, data.spec.server_flags)
 
     def size(c: TreeConfig | AdaptiveConfig) -> float:
@@ -101,7 +106,7 @@ def pareto_front(data: StudyData, batch_x: int | None = None,
     groups: dict[str, list[TreeConfig]] = {}
     # Safe everywhere first, so the legend reads from the best news to the worst.
     for c in sorted(configs, key=lambda c: -sum(verdicts[c].values())):
-        groups.setdefault(_where_feasible(verdicts[c]), []).append(c)
+        groups.setdefault(_where_feasible(verdicts[c], regressing[c]), []).append(c)
     for name, members in groups.items():
         fig.add_trace(go.Scatter(
             x=[point(c)[0] for c in members], y=[point(c)[1] for c in members],
@@ -112,7 +117,7 @@ def pareto_front(data: StudyData, batch_x: int | None = None,
             hovertext=[f"{c.label()}: {name}<br>{hover(c)}" for c in members],
             hoverinfo="text", marker={"size": 9, **_marker(verdicts[members[0]], bx)}))
     for c in adaptive:
-        where = _where_feasible(verdicts[c])
+        where = _where_feasible(verdicts[c], regressing[c])
         fig.add_trace(go.Scatter(
             x=[point(c)[0]], y=[point(c)[1]], mode="markers+text", name=f"{c.label()}: {where}",
             text=["adaptive"], textposition="top center", customdata=[c.label()],
@@ -124,8 +129,11 @@ def pareto_front(data: StudyData, batch_x: int | None = None,
         point(o)[0] >= point(c)[0] and point(o)[1] >= point(c)[1] and point(o) != point(c)
         for o in feasible)] if bx != by else []
     front.sort(key=lambda c: point(c)[0])
+    # Markers too: a front of one tree is one point, which a line alone does not draw.
     fig.add_trace(go.Scatter(x=[point(c)[0] for c in front], y=[point(c)[1] for c in front],
-                             mode="lines", name="Pareto front", line={"color": GREEN}))
+                             mode="lines+markers", name="Pareto front",
+                             line={"color": GREEN}, marker={"size": 5, "color": GREEN},
+                             hoverinfo="skip"))
     for i, batch in enumerate(batches):
         # The mixed-workload advice of each batch size. No speculation is not a point here,
         # so the legend says it rather than show a ring with nothing in it.
@@ -139,7 +147,8 @@ def pareto_front(data: StudyData, batch_x: int | None = None,
             textposition="bottom center", textfont={"color": RINGS[i % len(RINGS)]},
             customdata=[c.label() for c in picked],
             hovertext=[f"{c.label()} {name} (mixed workload); "
-                       f"{_where_feasible(verdicts[c])}<br>{hover(c)}" for c in picked],
+                       f"{_where_feasible(verdicts[c], regressing[c])}<br>{hover(c)}"
+                       for c in picked],
             hoverinfo="text",
             # Nested rings: a tree recommended at several batch sizes shows each.
             marker={"size": 18 + 8 * i, "color": "rgba(0,0,0,0)",
