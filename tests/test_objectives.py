@@ -242,3 +242,20 @@ def test_the_slo_study_runs_on_ray_judging_p99_tpot_in_every_cell(tmp_path, ray_
     fig = figures.latency_vs_throughput(load_study_data(spec.output_dir))
     assert {t.name for t in fig.data if t.showlegend is not False} == {"batch 16", "4 req/s"}
     assert [s.y0 for s in fig.layout.shapes] == [25.0]  # the SLO, drawn
+
+
+def test_the_regression_map_shows_the_rate_cells_a_latency_objective_judges(tmp_path):
+    """A tree that regresses only at a rate must show a red cell there: the verdicts the
+    recommendation rests on judge that cell with the batch size's server."""
+    from treetune.report import figures
+    from treetune.report.data import StudyData
+
+    slow_at_rate = launch(WIDE, cell(1400, 21.0), cell(500, 14.0, rate=2.0))
+    s = study(tmp_path, objective="tpot_p99")
+    results = [BASE, CHAIN_RUN, slow_at_rate]
+    data = StudyData(s, results, BASE, recommend(s, results, BASE), s.storage_url, tmp_path)
+    heat = figures.regression_map(data).data[0]
+    assert list(heat.x) == ["sharegpt @ batch 32", "sharegpt at 2 req/s (batch 32's server)"]
+    value = heat.z[list(heat.y).index(WIDE.label())][1]
+    assert value == pytest.approx(12.0 / 14.0)
+    assert heat.text[list(heat.y).index(WIDE.label())][1] == f"{12.0 / 14.0:.2f}"

@@ -164,17 +164,21 @@ def pareto_front(data: StudyData, batch_x: int | None = None,
 
 
 def regression_map(data: StudyData) -> go.Figure:
-    """Every launched tree against every (dataset, batch) cell, red below 1.0."""
+    """Every launched tree against every cell its verdicts judge: each (dataset, batch)
+    cell, and the rate cells a latency objective or SLO judges with the batch size whose
+    server serves them. Red below 1.0."""
     rows = data.rows()
     configs = sorted({r.config for r in rows})
-    cells = [(d, b) for b in _batches(data) for d in data.spec.dataset_names]
+    names = data.spec.dataset_names
+    cells = [(k.name, b) for b in _batches(data) for k in data.spec.criterion.cells(names, b)]
     table = {(r.config, d, r.batch): s for r in rows for d, s in r.speedups.items()}
     z = [[table.get((c, d, b)) for d, b in cells] for c in configs]
     text = [[f"{v:.2f}" if v is not None and v < 1.0 else "" for v in row] for row in z]
     values = [v for row in z for v in row if v is not None]
     spread = max([abs(v - 1.0) for v in values] + [0.05])
     fig = go.Figure(go.Heatmap(
-        z=z, x=[f"{d} @ batch {b}" for d, b in cells], y=[c.label() for c in configs],
+        z=z, x=[f"{d} @ batch {b}" if d in names else f"{d} (batch {b}'s server)"
+                for d, b in cells], y=[c.label() for c in configs],
         text=text, texttemplate="%{text}", colorscale="RdBu", zmid=1.0,
         zmin=1.0 - spread, zmax=1.0 + spread, colorbar={"title": "speedup"},
         hovertemplate="%{y} on %{x}: %{z:.3f}<extra></extra>"))
