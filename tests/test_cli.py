@@ -717,3 +717,28 @@ def test_each_command_s_help_says_how_to_see_a_traceback(capsys, command):
     """--debug was said only under `treetune --help` (a helper's audit)."""
     code, out, _ = run(capsys, command, "--help")
     assert code == 0 and "--debug" in " ".join(out.split()), out
+
+
+def test_a_tree_asked_for_is_shown_even_below_the_top_of_its_space(capsys):
+    """`--space narrow --tree 1,8,8 --top 2`: the tree typed is the one the user wants
+    to see; it is shown below the top two, not dropped."""
+    top = predicted(capsys, "-p", "qwen3-8b-h100", "--space", "narrow", "--tree", "1,8,8",
+                    "--batch", "1", "--dataset", "sharegpt", "--top", "2")
+    trees = [(r["steps"], r["topk"], r["draft_tokens"]) for r in top]
+    assert len(trees) == 3 and trees[-1] == (1, 8, 8)
+    code, out, err = run(capsys, "predict", "-p", "qwen3-8b-h100", "--space", "narrow",
+                         "--tree", "1,8,8", "--batch", "1", "--dataset", "sharegpt",
+                         "--top", "2")
+    assert code == 0, err
+    assert "(1,8,8)" in out and "and 1 asked for by --tree" in " ".join(out.split())
+
+
+def test_a_server_that_would_not_start_has_no_speedup_and_ranks_last(capsys):
+    """A JSON consumer sorting by speedup must not pick a server that does not start."""
+    records = predicted(capsys, "-p", "qwen3-coder-next-h200", "--space", "default",
+                        "--batch", "1", "--dataset", "mt-bench",
+                        "--max-running-requests", "4096", "--top", "1000")
+    oom = [r for r in records if r["oom"]]
+    assert oom and all(r["speedup"] is None and r["spec_tok_s"] is None for r in oom)
+    assert not any(r["oom"] for r in records[:len(records) - len(oom)]), "OOM ranks last"
+    assert all(r["speedup"] > 0 for r in records if not r["oom"])

@@ -181,6 +181,7 @@ def predict(
         top = 0 if as_json else 10
     # A tree of the method asked for is typed bare; "NEXTN:3,1,4" is priced as NEXTN.
     configs: list[TreeConfig] = [_own_method(parse_method_tree(t, own), own) for t in tree or []]
+    asked: set[ServerConfig] = set(configs)  # shown even below --top
     if space is not None:
         tree_space = load_space(space)
         if tree_space.is_ngram != (own == NGRAM):
@@ -202,13 +203,13 @@ def predict(
         rows = [priced(c).predict(c, d, b, max_running_requests)
                 for b in batches for c in methods for d in datasets]
         if as_json:
-            kept = _top_rows(rows, top if space else None)
+            kept = _top_rows(rows, top if space else None, asked)
             print(json.dumps([{"method": methods[r.config], **r.record()} for r in kept],
                              indent=1))
             return
         for b in batches:
             _print_ranking(title, b, [r for r in rows if r.batch == b], datasets,
-                           top if space else None)
+                           top if space else None, asked)
         return
 
     def shape(name: str) -> Shape:
@@ -222,13 +223,13 @@ def predict(
                                         max_running_requests=max_running_requests if b else cap)
               for b, r in cells for c in methods for d in datasets]
     if as_json:
-        kept_served = _top_rows(served, top if space else None)
+        kept_served = _top_rows(served, top if space else None, asked)
         print(json.dumps([{"method": methods[p.config], **p.record()} for p in kept_served],
                          indent=1))
         return
     for b, r in cells:
         _print_serving(title, [p for p in served if p.batch == (b or 0) and p.rate == r],
-                       datasets, top if space else None)
+                       datasets, top if space else None, asked)
 
 
 def _own_method(config: TreeConfig, own: str) -> TreeConfig:
@@ -240,31 +241,50 @@ Row = TypeVar("Row", Prediction, ServingPrediction)
 
 
 def _ranked(rows: list[Row]) -> list[list[Row]]:
-    """One cell's rows grouped by config, the best mean speedup over the datasets first."""
+    """One cell's rows grouped by config, the best mean speedup over the datasets first;
+    configs whose server would not start (OOM) last, whatever they would do if it did."""
     by_config: dict[ServerConfig, list[Row]] = {}
     for row in rows:
         by_config.setdefault(row.config, []).append(row)
-    return sorted(by_config.values(), key=lambda rs: -statistics.fmean(r.speedup for r in rs))
+    return sorted(by_config.values(), key=lambda rs: (any(r.oom for r in rs),
+                                                      -statistics.fmean(r.speedup for r in rs)))
 
 
-def _top_rows(rows: list[Row], top: int | None) -> list[Row]:
+def _shown(ranked: list[list[Row]], top: int | None,
+           asked: set[ServerConfig]) -> list[list[Row]]:
+    """The `top` configs of a ranking, then the trees asked for by --tree below them (a
+    tree typed is always shown); all of them without `top`."""
+    if not top:
+        return ranked
+    return ranked[:top] + [rs for rs in ranked[top:] if rs[0].config in asked]
+
+
+def _top_rows(rows: list[Row], top: int | None, asked: set[ServerConfig]) -> list[Row]:
     """The rows of each cell's `top` configs by mean speedup over the datasets, ranked
-    (as the tables show them); all rows, in order, without `top`."""
+    (as the tables show them), and the trees asked for; all rows, in order, without
+    `top`."""
     if not top:
         return rows
     cells: dict[tuple[int, float | None], list[Row]] = {}
     for row in rows:
         cells.setdefault((row.batch, getattr(row, "rate", None)), []).append(row)
-    return [r for cell in cells.values() for rs in _ranked(cell)[:top] for r in rs]
+    return [r for cell in cells.values() for rs in _shown(_ranked(cell), top, asked)
+            for r in rs]
+
+
+def _top_title(shown: int, ranked: int, top: int) -> str:
+    extra = shown - min(top, ranked)
+    return (f": top {min(top, ranked)} of {ranked} configs by mean speedup"
+            + (f", and {extra} asked for by --tree" if extra else ""))
 
 
 def _print_serving(profile: str, rows: list[ServingPrediction], datasets: list[str],
-                   top: int | None) -> None:
+                   top: int | None, asked: set[ServerConfig]) -> None:
     """One cell's whole-request predictions: a row per config and dataset, configs ranked
     by mean speedup over the datasets."""
     first = rows[0]
     ranked = _ranked(rows)
-    shown = ranked[:top] if top else ranked
+    shown = _shown(ranked, top, asked)
     if first.rate is None:
         cell, speedup = f"closed loop at batch {first.batch}", "speedup over no speculation"
     else:
@@ -273,7 +293,7 @@ def _print_serving(profile: str, rows: list[ServingPrediction], datasets: list[s
         speedup = "speedup: the baseline's TPOT over the config's"
     title = f"{profile}, {cell}"
     if top:
-        title += f": top {len(shown)} of {len(ranked)} configs by mean speedup"
+        title += _top_title(len(shown), len(ranked), top)
     table = Table(title=escape(title), caption=f"whole requests; {speedup}; TPOT is per "
                   "output token after the first, TTFT the median (mean at a rate); red: "
                   "slower than baseline; inf: saturated, the queue grows")
@@ -297,16 +317,18 @@ def _print_serving(profile: str, rows: list[ServingPrediction], datasets: list[s
 
 
 def _print_ranking(
-    profile: str, batch: int, rows: list[Prediction], datasets: list[str], top: int | None
+    profile: str, batch: int, rows: list[Prediction], datasets: list[str], top: int | None,
+    asked: set[ServerConfig]
 ) -> None:
-    ranked = [(rs[0].config, {p.dataset: p for p in rs}) for rs in _ranked(rows)]
-    shown = ranked[:top] if top else ranked
+    ranking = _ranked(rows)
+    ranked = [(rs[0].config, {p.dataset: p for p in rs}) for rs in ranking]
+    shown = [(rs[0].config, {p.dataset: p for p in rs}) for rs in _shown(ranking, top, asked)]
 
     def mean_speedup(cells: dict[str, Prediction]) -> float:
         return statistics.fmean(p.speedup for p in cells.values())
     title = f"{profile}, batch {batch}"
     if top:
-        title += f": top {len(shown)} of {len(ranked)} configs by mean speedup"
+        title += _top_title(len(shown), len(ranked), top)
     table = Table(title=escape(title), caption="speedup over no speculation (accept length); "
                   "red: slower than baseline on some dataset")
     table.add_column("tree S,K,N")

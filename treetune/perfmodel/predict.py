@@ -36,14 +36,16 @@ class Prediction:
     oom: bool
 
     def record(self) -> dict[str, object]:
-        """The stable JSON record of `treetune predict --json`."""
+        """The stable JSON record of `treetune predict --json`. A server that would not
+        start (`oom`) delivers nothing: its throughput and speedup are null, so that no
+        consumer ranks it by what it would do if it started."""
         return {
             **tree_fields(self.config),
             "batch": self.batch,
             "dataset": self.dataset,
             "baseline_tok_s": round(self.baseline_tok_s, 3),
-            "spec_tok_s": round(self.spec_tok_s, 3),
-            "speedup": round(self.speedup, 4),
+            "spec_tok_s": None if self.oom else round(self.spec_tok_s, 3),
+            "speedup": None if self.oom else round(self.speedup, 4),
             "accept_length": round(self.accept_length, 4),
             "oom": self.oom,
         }
@@ -78,7 +80,8 @@ class ServingPrediction:
 
     def record(self) -> dict[str, object]:
         """The stable JSON record of `treetune predict --prompt-tokens/--output-tokens/--rate
-        --json`: the steady-state record's keys, and the shape's and latencies'."""
+        --json`: the steady-state record's keys (throughput and speedup null when `oom`),
+        and the shape's and latencies'."""
 
         def ms(seconds: float) -> float | None:
             return round(seconds * 1e3, 4) if seconds != float("inf") else None
@@ -92,8 +95,8 @@ class ServingPrediction:
             "output_tokens": self.shape.output_tokens,
             "max_running_requests": self.max_running,
             "baseline_tok_s": round(self.baseline.output_tok_s, 3),
-            "spec_tok_s": round(self.spec.output_tok_s, 3),
-            "speedup": round(self.speedup, 4),
+            "spec_tok_s": None if self.oom else round(self.spec.output_tok_s, 3),
+            "speedup": None if self.oom else round(self.speedup, 4),
             "accept_length": round(self.accept_length, 4),
             "baseline_tpot_ms": ms(self.baseline.tpot_s),
             "tpot_ms": ms(self.spec.tpot_s),
