@@ -308,8 +308,9 @@ def latency_vs_throughput(data: StudyData) -> go.Figure:
     """The latency a user sees against the throughput a server delivers, per config and
     cell (the largest batch size, and every rate cell): the front joins, per cell, the
     configs no other beats on both; the SLO is the dashed line. Recommended configs are
-    ringed. Open-loop cells deliver their rate whatever the tree, so they spread along the
-    latency axis only."""
+    ringed. Open-loop cells deliver their rate whatever the tree, so they spread mostly
+    along the latency axis: their throughput counts until the last request ends, so a
+    slower config's tail lowers it, the more the shorter the window."""
     metric = latency_metric(data)
     points = latency_points(data)
     fig = go.Figure()
