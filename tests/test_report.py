@@ -135,8 +135,13 @@ def test_a_tree_recommended_at_batch_1_that_regresses_at_32_is_ringed_for_batch_
     assert hover.startswith(f"{WIDE.label()} recommended for batch 1 (mixed workload); "
                             "feasible at batch 1, regresses at batch 32")
     assert "humaneval 0.890" in hover, "the hover keeps the measured speedups"
+    assert hover.endswith(by_batch(two_pools, 1).reason), "and says why it was picked"
     colours = {t.name: t.marker.line.color for t in fig.data if t.name.startswith("recommended")}
     assert len(set(colours.values())) == 2, "each batch size's ring has its own colour"
+
+
+def by_batch(data: StudyData, batch: int):
+    return next(r for r in data.recommendations if r.batch == batch and r.workload == "mixed")
 
 
 def test_a_batch_size_best_without_speculation_says_so_in_the_legend(two_pools):

@@ -6,6 +6,7 @@ measured against the study's no-speculation baseline; 1.0 is the no-regression l
 
 from __future__ import annotations
 
+import html
 import math
 import re
 import statistics
@@ -146,9 +147,11 @@ def pareto_front(data: StudyData, batch_x: int | None = None,
             mode="markers+text", name=name, text=[f"for batch {batch}" for c in picked],
             textposition="bottom center", textfont={"color": RINGS[i % len(RINGS)]},
             customdata=[c.label() for c in picked],
+            # The reason too: a pick ranked with the model's estimates may sit below a
+            # tree measured a little faster, and the reason says so.
             hovertext=[f"{c.label()} {name} (mixed workload); "
                        f"{_where_feasible(verdicts[c], regressing[c])}<br>{hover(c)}"
-                       for c in picked],
+                       f"<br>{html.escape(rec.reason)}" for c in picked if rec is not None],
             hoverinfo="text",
             # Nested rings: a tree recommended at several batch sizes shows each.
             marker={"size": 18 + 8 * i, "color": "rgba(0,0,0,0)",
