@@ -323,9 +323,33 @@ def test_search_outcome_shows_the_rate_cells_its_objective_judges(capsys, tmp_pa
     recs = recommend(study, [base, tree], base)
     _print_outcome(study, StudyOutcome(study, [base, tree], base, launches=2,
                                        strategy="grid"), recs, advice(recs))
-    header = next(line for line in capsys.readouterr().out.splitlines() if "tree" in line)
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if "tree" in line)
     assert "b1 mt-bench" in header and "b8 mt-bench" in header
     assert "mt-bench at 2 req/s" in header
+    assert "judges the batch cells only" not in printed
+
+
+def test_rates_under_the_throughput_objective_are_said_to_judge_nothing(capsys, tmp_path):
+    """The README's open-loop example (rates and an slo, no objective): the rate cells
+    cost launch time and showed nowhere, without a word (an audit)."""
+    from synthetic import launch, spec
+
+    from treetune.cli import _print_outcome
+    from treetune.study.recommend import advice, recommend
+    from treetune.study.runner import StudyOutcome
+
+    study = spec(tmp_path, datasets=["mt-bench"], batch=[8], rates=[2.0],
+                 slo={"tpot_ms": 50.0})
+    base = launch(BASELINE, {8: {"mt-bench": 500}})
+    tree = launch(TreeConfig(3, 1, 4), {8: {"mt-bench": 700}})
+    recs = recommend(study, [base, tree], base)
+    _print_outcome(study, StudyOutcome(study, [base, tree], base, launches=2,
+                                       strategy="grid"), recs, advice(recs))
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("note: the rate cells (rates: 2 req/s) are measured, but the throughput "
+            "objective judges the batch cells only") in out
+    assert "set objective (tpot_p99" in out
 
 
 def test_search_outcome_says_why_no_speculation_won_a_batch_size(capsys, tmp_path):

@@ -5,6 +5,7 @@ launches are built by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -259,3 +260,39 @@ def test_the_regression_map_shows_the_rate_cells_a_latency_objective_judges(tmp_
     value = heat.z[list(heat.y).index(WIDE.label())][1]
     assert value == pytest.approx(12.0 / 14.0)
     assert heat.text[list(heat.y).index(WIDE.label())][1] == f"{12.0 / 14.0:.2f}"
+
+
+def test_a_rate_no_speculation_cannot_keep_up_with_compares_the_servers_by_capacity(
+        tmp_path):
+    """At a rate beyond no speculation's capacity its p99 TPOT is unbounded. A tree that
+    keeps up was 'inf' times faster there, which made every such tree's rank inf (the pick
+    arbitrary, `Infinity` in recommendations.json); a tree saturated too was 0 (vetoed,
+    though it completed more). Both are judged by what the servers complete."""
+    base = launch(BASELINE, cell(1000, 30.0),
+                  cell(2000, 12.0, rate=20.0, requests=150, unfinished=250))
+    keeps_up = launch(CHAIN, cell(1500, 20.0), cell(5000, 9.0, rate=20.0, requests=400))
+    faster = launch(TreeConfig(4, 1, 5), cell(1600, 19.0),
+                    cell(5000, 8.0, rate=20.0, requests=400))
+    saturated = launch(WIDE, cell(1400, 21.0),
+                       cell(3800, 11.0, rate=20.0, requests=285, unfinished=115))
+    s = study(tmp_path, rates=[20], objective="tpot_p99")
+    noise = study_noise([], 0.0, Objective.TPOT_P99)
+    verdicts = {r.config: judge(r, base, 32, ["sharegpt"], s.tolerance, noise,
+                                criterion=s.criterion) for r in (keeps_up, faster, saturated)}
+    at_rate = "sharegpt at 20 req/s"
+    assert verdicts[CHAIN].intervals[at_rate].mean == pytest.approx(2.5)
+    assert verdicts[WIDE].intervals[at_rate].mean == pytest.approx(1.9)
+    assert all(math.isfinite(v.rank) and v.feasible for v in verdicts.values())
+    pick = by(recommend(s, [base, keeps_up, saturated, faster], base), "mixed", 32)
+    assert pick.config == TreeConfig(4, 1, 5), "the finite cells decide between keepers"
+    json.dumps(pick.record(), allow_nan=False)  # strict JSON: no Infinity
+
+
+def test_a_goodput_of_none_met_is_floored_alike_for_servers_whose_windows_differ():
+    """No request met the SLO on either server: their goodputs are equal (0), whatever
+    their windows (a slower server's ends later). The floor was half a request per
+    measured window, which made 1.04-1.59x 'speedups' out of window lengths."""
+    slow = dataclasses.replace(cell(500, 30.0, rate=2.0, goodput=0.0), duration_s=20.0)
+    fast = dataclasses.replace(cell(500, 9.0, rate=2.0, goodput=0.0), duration_s=12.6)
+    objective = Objective.GOODPUT
+    assert objective.ratio(objective.value_of(fast), objective.value_of(slow)) == 1.0

@@ -188,6 +188,8 @@ def test_a_study_without_rate_cells_keeps_the_fingerprint_it_had_before_them(tmp
 
 @pytest.mark.parametrize("over,key", [
     (dict(rates=[0]), "rates"), (dict(rates=[2, 2]), "rates"),
+    # 0.05 req/s for 10 s: an empty schedule, no latency, every tree vetoed (an audit)
+    (dict(rates=[0.05], measurement={"duration_s": 10.0}), "rates"),
     (dict(slo={"tpot_ms": -1}), "slo.tpot_ms"), (dict(slo={"tpot": 5}), "slo.tpot"),
     (dict(measurement={"arrival": "bursty"}), "measurement.arrival"),
     (dict(measurement={"max_clock_lag_s": 0}), "measurement.max_clock_lag_s")])
@@ -197,3 +199,10 @@ def test_a_bad_rate_slo_or_arrival_in_a_study_file_is_refused_naming_its_key(tmp
     dump_yaml(small_study(tmp_path, **over), path)
     with pytest.raises(TreetuneError, match=rf"study\.yaml.*{key.replace('.', '[.]')}"):
         load_study(path)
+
+
+def test_a_rate_too_low_to_send_a_request_in_the_window_is_refused_saying_why(tmp_path):
+    """0.05 req/s for 10 s sent no request: no latency, and every tree was vetoed there."""
+    with pytest.raises(TreetuneError, match=r"rate 0.05 req/s sends about 0.5 requests in "
+                                            r"measurement.duration_s \(10 s\): too few"):
+        load_study(None, small_study(tmp_path, rates=[0.05], measurement={"duration_s": 10.0}))

@@ -753,6 +753,8 @@ def _print_outcome(spec: StudySpec, outcome: StudyOutcome, recs: list[Recommenda
         out.print(f"[bold]adaptive alternative:[/bold] {escape(alternative)} (ADAPTIVE.md)")
     for r in failed:
         out.print(f"[yellow]failed[/yellow] {escape(f'{r.config}: {r.reason}')}")
+    if spec.unjudged_rates:
+        out.print(f"[yellow]note:[/yellow] {escape(spec.unjudged_rates)}")
     out.print(f"wrote {escape(str(spec.output_dir))}/recommendations.yaml, "
               "recommendations.json and launch/*.sh")
 

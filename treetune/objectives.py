@@ -65,8 +65,12 @@ class Objective(StrEnum):
             if cell.goodput is None:
                 return None
             # Half a request per window when none met the SLO: ratios stay finite, and
-            # a server meeting it once beats one never meeting it, by little.
-            return max(cell.goodput, 0.5 / cell.duration_s if cell.duration_s > 0 else 0.0)
+            # a server meeting it once beats one never meeting it, by little. An open-loop
+            # cell's window is its schedule's (its requests over its rate), alike for
+            # every server; its measured window ends with its last request.
+            sent = cell.requests + cell.unfinished
+            window = sent / cell.rate if cell.rate and sent else cell.duration_s
+            return max(cell.goodput, 0.5 / window if window > 0 else 0.0)
         metric, quantile = _LATENCY[self]
         latency = getattr(cell, metric)
         sent = cell.requests + cell.unfinished

@@ -209,14 +209,17 @@ class Counters:
 def cell_result(dataset: str, record: Record, window: tuple[float, float], scale: float,
                 repeats: int, api: ServerApi, counters: Counters, *, batch: int = 0,
                 rate: float | None = None, arrival: str = "", slo: Slo | None = None,
-                unfinished: int = 0, whole: Counters | None = None) -> CellResult:
+                unfinished: int = 0, whole: Counters | None = None,
+                goodput_window_s: float | None = None) -> CellResult:
     """The cell's throughput (whole window and `repeats` sub-windows), latencies and
     goodput of the requests completed inside the window, and clock lag (`counters`: the
     window's); its accept length from `whole` (from before its first request until it
-    drained), else the window's. SGLang counts a request's tokens and verify calls when
-    it ends: a window's counters hold only the requests that ended in it, none at all
-    in a window shorter than one answer, while the whole cell's hold every request it
-    sent that ended."""
+    drained), else the window's. `goodput_window_s`: the server seconds goodput counts per
+    (default: the window's); an open-loop cell's is its schedule's, the same for every
+    server (its window ends with its last request, later on a slower one). SGLang counts
+    a request's tokens and verify calls when it ends: a window's counters hold only the
+    requests that ended in it, none at all in a window shorter than one answer, while the
+    whole cell's hold every request it sent that ended."""
     start, end = window
     bounds = np.linspace(start, end, repeats + 1)
     per_repeat = np.zeros(repeats)
@@ -232,8 +235,8 @@ def cell_result(dataset: str, record: Record, window: tuple[float, float], scale
     output_tokens = int(per_repeat.sum())
     ended = [s for s in record.streams
              if s.finished and s.chunks and start <= s.chunks[-1][0] < end]
-    latency = summarize([request_latency(s.start, s.chunks, scale) for s in ended], length,
-                        slo)
+    latency = summarize([request_latency(s.start, s.chunks, scale) for s in ended],
+                        goodput_window_s or length, slo)
     return CellResult(
         dataset=dataset,
         batch=batch,

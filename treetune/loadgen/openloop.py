@@ -47,8 +47,11 @@ async def measure_open_cell(
     the times `arrival_times(rate, ..., arrival, seed)` gives; those still running
     `drain_s` (default `duration_s`) after that are aborted and counted as `unfinished`.
     The window runs from the schedule's start until the last request ended, so the
-    request rate achieved is the completed requests over that span. Every request is
-    measured: the schedule starts on an idle server, as a burst of traffic does.
+    request rate achieved is the completed requests over that span. Goodput counts the
+    requests meeting `slo` per second of the schedule (its requests over `rate`), the same
+    span for every server: over the window, a server whose last request ended later
+    would have less goodput for the same requests. Every request is measured: the
+    schedule starts on an idle server, as a burst of traffic does.
     """
     if repeats < 1 or (drain_s is not None and drain_s < 0):
         raise ValueError(f"need repeats >= 1 and drain_s >= 0; got repeats={repeats}, "
@@ -89,4 +92,5 @@ async def measure_open_cell(
     return cell_result(prompts.name, record, (start, end), scale, repeats, client.api,
                        Counters(before, after), rate=rate, arrival=arrival, slo=slo,
                        unfinished=unfinished,
-                       whole=Counters(before, closed) if closed is not None else None)
+                       whole=Counters(before, closed) if closed is not None else None,
+                       goodput_window_s=len(times) / rate if len(times) else None)

@@ -809,6 +809,8 @@ def _run(spec: StudySpec, on_progress: Callable[[Progress], None] | None,
         spaces = [space, *(method_spaces(spec, space).values() if spec.methods else ())]
         if (unpinned := unpinned_attention(spec, spaces, resumed=bool(launched))) is not None:
             progress.notes.append(unpinned)
+        if spec.unjudged_rates:
+            progress.notes.append(spec.unjudged_rates)
         priced: str | None = tp_priced(spec.server_flags)
 
         def tell_priced() -> None:

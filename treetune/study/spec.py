@@ -90,6 +90,10 @@ def meta(option: str | None = None, help: str = "", *, short: str | None = None,
     return data
 
 
+# A rate cell whose schedule expects fewer requests than this is refused: with none sent
+# its latencies are unknown, and every tree was vetoed as if it regressed there.
+MIN_RATE_REQUESTS = 5
+
 @dataclass(frozen=True)
 class Budget:
     launches: int | None = field(default=30, metadata=meta(
@@ -364,6 +368,14 @@ class StudySpec:
             raise FieldError("batch", f"batch sizes are listed twice: {list(self.batch)}")
         if any(r <= 0 for r in self.rates) or len(set(self.rates)) != len(self.rates):
             raise FieldError("rates", f"rates must be > 0 and different, got {list(self.rates)}")
+        for rate in self.rates:
+            expected = rate * self.measurement.duration_s
+            if expected < MIN_RATE_REQUESTS:
+                raise FieldError("rates", (
+                    f"rate {rate:g} req/s sends about {expected:.3g} requests in "
+                    f"measurement.duration_s ({self.measurement.duration_s:g} s): too few for "
+                    f"a latency (at least {MIN_RATE_REQUESTS}); raise the rate or lengthen "
+                    "measurement.duration_s"))
         if self.tp < 1:
             raise FieldError("tp", f"tp must be >= 1, got {self.tp}")
         if not 0 <= self.tolerance < 1:
@@ -567,6 +579,19 @@ class StudySpec:
         """The storage URL as files keep it: without its password (the user's; never kept),
         an SQLite file's path absolute (a copy read from another folder names the file)."""
         return url_without_password(absolute_sqlite(self.storage)) if self.storage else None
+
+    @property
+    def unjudged_rates(self) -> str | None:
+        """What a user who gave `rates` under the throughput objective should know: their
+        cells are measured but judge nothing (None when rates are judged, or there are
+        none)."""
+        if not self.rates or self.objective.judges_rate_cells:
+            return None
+        return ("the rate cells (rates: " + ", ".join(f"{r:g}" for r in self.rates)
+                + " req/s) are measured, but the throughput objective judges the batch cells "
+                "only (at a rate, a server that keeps up delivers that rate whatever its "
+                "tree): their latencies are kept, not judged; to judge them, set objective "
+                "(tpot_p99, tpot_p50, ttft_p99, or goodput with an slo)")
 
     def unused_draft(self) -> str | None:
         """Why the study's `draft` is run by none of its methods (None when some method
