@@ -249,6 +249,9 @@ def predictions(tree: str, cells: list[Cell]) -> dict[Cell, dict[str, float]]:
         for cell in mine:
             rec = next(r for r in records if (r["rate"] == cell.rate if cell.rate is not None
                                               else r["batch"] == cell.batch and not r["rate"]))
+            if rec["oom"]:  # a server that does not start has no prediction to compare
+                raise SystemExit(f"predict calls {tree} at {cell} out of memory: it would "
+                                 "not start")
             out[cell] = {"speedup": rec["speedup"], "tok_s": rec["spec_tok_s"],
                          "base_tok_s": rec["baseline_tok_s"],
                          "tpot_p50": (rec["tpot_ms"] or float("nan")) / 1e3,

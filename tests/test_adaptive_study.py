@@ -491,6 +491,25 @@ def test_an_adaptive_pool_exports_one_script_whose_json_sits_next_to_it(tmp_path
     assert "batch 1: measured speedups" in header and "batch 32: measured speedups" in header
 
 
+def test_an_adaptive_pools_script_with_an_earlier_runs_slots_beside_it_is_stale(tmp_path):
+    """The script's command names its JSON config, which holds the slots: another run's
+    slots beside an unchanged command launch another server (a review)."""
+    import json
+
+    from treetune.study.export import stale_scripts
+    from treetune.study.recommend import recommend
+
+    out = exported(tmp_path)
+    s = noisy_spec(tmp_path, sglang_version="0.5.23")
+    recs = recommend(s, [BASE, POOL_1, POOL_32, NEAR], BASE)
+    assert stale_scripts(s, recs, out) == []
+    config = out / "launch" / "mixed.adaptive.json"
+    other = AdaptiveConfig((AdaptiveSlot(1, (1, 2)), AdaptiveSlot(6, (2,))))
+    assert other != TUNED
+    config.write_text(json.dumps(other.to_json(), indent=1) + "\n")
+    assert stale_scripts(s, recs, out) == ["launch/mixed-adaptive.sh"]
+
+
 def test_the_adaptive_pools_config_file_and_container_args_name_the_json_by_file_name(
         tmp_path):
     import yaml

@@ -766,3 +766,9 @@ def test_a_server_that_would_not_start_has_no_speedup_and_ranks_last(capsys):
     assert oom and all(r["speedup"] is None and r["spec_tok_s"] is None for r in oom)
     assert not any(r["oom"] for r in records[:len(records) - len(oom)]), "OOM ranks last"
     assert all(r["speedup"] > 0 for r in records if not r["oom"])
+    served = predicted(capsys, "-p", "qwen3-coder-next-h200", "--tree", "5,8,32", "--batch",
+                       "1", "--dataset", "mt-bench", "--max-running-requests", "4096",
+                       "--output-tokens", "128")
+    assert served and all(r["oom"] and r["speedup"] is None and r["tpot_ms"] is None
+                          and r["ttft_ms"] is None and r["saturated"] is None
+                          for r in served), "whole requests too: no latency of its own"

@@ -296,3 +296,17 @@ def test_a_goodput_of_none_met_is_floored_alike_for_servers_whose_windows_differ
     fast = dataclasses.replace(cell(500, 9.0, rate=2.0, goodput=0.0), duration_s=12.6)
     objective = Objective.GOODPUT
     assert objective.ratio(objective.value_of(fast), objective.value_of(slow)) == 1.0
+
+
+def test_a_launch_without_its_rate_cell_yet_is_no_red_zero_in_the_figures(tmp_path):
+    """A launch being measured (or cut short) before its rate cell: not a regression of
+    0.00 in the map and 'regresses' in the Pareto legend, but not shown yet (a review)."""
+    from treetune.report import figures
+    from treetune.report.data import StudyData
+
+    s = study(tmp_path, objective="tpot_p99")
+    partial = LaunchResult(WIDE, ok=True, cells=[cell(1400, 21.0)])
+    results = [BASE, CHAIN_RUN, partial]
+    data = StudyData(s, results, BASE, recommend(s, results, BASE), s.storage_url, tmp_path)
+    assert {r.config for r in data.rows()} == {CHAIN}
+    assert list(figures.regression_map(data).data[0].y) == [CHAIN.label()]

@@ -111,3 +111,9 @@ def test_a_pick_ranked_by_the_model_says_so_beside_its_measured_mean(tmp_path):
     assert blended.reason.startswith("best ranked (1.500: each measured speedup blended with "
                                      "the fitted model's estimate")
     assert "mean speedup 1.350 measured" in blended.reason
+    # The model agreeing with the pick's measurement and pulling the other down: the pick's
+    # own rank is its mean, yet the ranking was still the blend's (a review).
+    pulled = {key: Estimate(math.log(1.0 if key[0] == WIDE.config else 1.35), 1e-6, 1e-6)
+              for key in estimates}
+    agreed = by(recommend(quiet, [BASE, WIDE, NARROW], BASE, pulled), "mixed", 1)
+    assert agreed.config == NARROW.config and agreed.reason.startswith("best ranked (1.350")

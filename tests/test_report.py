@@ -301,6 +301,7 @@ def test_report_on_a_study_folder_whose_baseline_is_not_measured_yet_succeeds(
 def test_recommendations_whose_scripts_are_not_written_yet_are_not_linked(data, tmp_path):
     """While the search runs, recommendations exist before their launch scripts."""
     running = dataclasses.replace(data, folder=tmp_path / "study")
+    running.folder.mkdir()  # the search's folder, before it writes its scripts
     result = write_report(running, tmp_path / "report")
     index = result.index.read_text()
     assert "launch/" not in re.sub(r"<p class=\"notice\">.*?</p>", "", index)
@@ -334,6 +335,27 @@ def test_a_launch_script_of_an_earlier_run_is_not_linked_to_todays_recommendatio
     assert os.path.relpath(script, tmp_path / "report2") in re.findall(
         r'<a href="([^"]+\.sh)">', result.index.read_text())
     assert not any("an earlier run's" in n for n in result.notices)
+
+
+def test_a_report_from_a_storage_url_whose_folder_is_on_another_machine_writes_here(
+        small_study, tmp_path, monkeypatch, capsys):
+    """The stored spec names the search machine's folder: the report must not recreate it,
+    nor say the scripts are still to be written (a review)."""
+    copy = tmp_path / "db-only"
+    copy.mkdir()
+    shutil.copy(small_study / "study.db", copy / "study.db")
+    url = f"sqlite:///{copy / 'study.db'}"
+    data = load_study_data(url)
+    gone = tmp_path / "elsewhere"
+    monkeypatch.setattr(type(data.spec), "output_dir", property(lambda self: gone))
+    monkeypatch.chdir(tmp_path)
+    main(["report", url])
+    index = (tmp_path / "small-report" / "report.html").read_text()
+    assert not gone.exists()
+    assert "launch/" not in re.sub(r"<p class=\"notice\">.*?</p>", "", index)
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"the study's output folder ({gone}) is not on this machine" in err
+    assert "not written yet" not in err
 
 
 def test_a_study_whose_baseline_failed_says_so_not_that_it_is_still_to_come(small_study,

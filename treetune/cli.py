@@ -306,8 +306,14 @@ def _print_serving(profile: str, rows: list[ServingPrediction], datasets: list[s
 
     for cells in shown:
         for p in sorted(cells, key=lambda p: datasets.index(p.dataset)):
+            if p.oom:  # it would not start: nothing of its own to show
+                table.add_row(p.config.label() + " OOM", escape(p.dataset),
+                              f"{p.shape.prompt_tokens}/{p.shape.output_tokens}", "-", "-",
+                              f"{p.baseline.output_tok_s:.1f}", "-", ms(p.baseline.tpot_s),
+                              "-", ms(p.baseline.ttft_s), f"{p.accept_length:.2f}")
+                continue
             table.add_row(
-                p.config.label() + (" OOM" if p.oom else ""), escape(p.dataset),
+                p.config.label(), escape(p.dataset),
                 f"{p.shape.prompt_tokens}/{p.shape.output_tokens}", f"{p.speedup:.3f}",
                 f"{p.spec.output_tok_s:.1f}", f"{p.baseline.output_tok_s:.1f}",
                 ms(p.spec.tpot_s), ms(p.baseline.tpot_s), ms(p.spec.ttft_s),
@@ -338,9 +344,12 @@ def _print_ranking(
         table.add_column(escape(d), justify="right", overflow="fold")
     for config, cells in shown:
         low = min(c.speedup for c in cells.values())
-        oom = any(c.oom for c in cells.values())
+        if any(c.oom for c in cells.values()):  # it would not start: no speedup to show
+            table.add_row(config.label() + " OOM", "-", "-",
+                          *(f"- ({cells[d].accept_length:.2f})" for d in datasets))
+            continue
         table.add_row(
-            config.label() + (" OOM" if oom else ""),
+            config.label(),
             f"{mean_speedup(cells):.3f}",
             f"{low:.3f}",
             *(f"{cells[d].speedup:.3f} ({cells[d].accept_length:.2f})" for d in datasets),
@@ -769,7 +778,10 @@ def report(
         "--study", help="With a storage URL that holds several studies: the study's name.",
         show_default=False)] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Where to write "
-                                                "(default <study-folder>/report).")] = None,
+                                                "(default <study-folder>/report; for a "
+                                                "storage URL, the study's output folder's "
+                                                "report/ when that folder is on this "
+                                                "machine, else ./<study>-report).")] = None,
 ) -> None:
     """Write every figure as offline HTML, a report.html index and, when possible, PNGs.
 
@@ -782,7 +794,9 @@ def report(
         raise TreetuneError("--study names a study in a storage URL; a study folder holds "
                             "one study: drop --study, or give the storage URL")
     data = load_study_data(study_folder, study)
-    folder = output or data.folder / "report"
+    # A URL's study may have been searched on another machine: its folder is not here.
+    here = data.folder.is_dir()
+    folder = output or (data.folder / "report" if here else Path(f"{data.spec.name}-report"))
     if folder.exists() and not folder.is_dir():
         raise TreetuneError(f"cannot write the report in {folder}: it is a file, not a "
                             "folder; choose another with --output")

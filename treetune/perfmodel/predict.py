@@ -80,8 +80,8 @@ class ServingPrediction:
 
     def record(self) -> dict[str, object]:
         """The stable JSON record of `treetune predict --prompt-tokens/--output-tokens/--rate
-        --json`: the steady-state record's keys (throughput and speedup null when `oom`),
-        and the shape's and latencies'."""
+        --json`: the steady-state record's keys, and the shape's and latencies' (the
+        config's own throughput, speedup, latencies and saturation null when `oom`)."""
 
         def ms(seconds: float) -> float | None:
             return round(seconds * 1e3, 4) if seconds != float("inf") else None
@@ -99,11 +99,11 @@ class ServingPrediction:
             "speedup": None if self.oom else round(self.speedup, 4),
             "accept_length": round(self.accept_length, 4),
             "baseline_tpot_ms": ms(self.baseline.tpot_s),
-            "tpot_ms": ms(self.spec.tpot_s),
+            "tpot_ms": None if self.oom else ms(self.spec.tpot_s),
             "baseline_ttft_ms": ms(self.baseline.ttft_s),
-            "ttft_ms": ms(self.spec.ttft_s),
+            "ttft_ms": None if self.oom else ms(self.spec.ttft_s),
             "baseline_saturated": self.baseline.saturated,
-            "saturated": self.spec.saturated,
+            "saturated": None if self.oom else self.spec.saturated,
             "oom": self.oom,
         }
 

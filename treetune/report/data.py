@@ -39,8 +39,8 @@ class ConfigRow:
     step_time_s: float  # mean time of one round (batch * accept length / throughput)
     feasible: bool  # surely no regression at this batch (see evidence.Verdict.feasible)
     compared: bool  # listed in the study's `compare`
-    # Measured below the floor on some dataset at this batch; not feasible and not
-    # regressing: its interval reaches below the floor, or its launches are too few.
+    # Measured below the floor on some judged cell at this batch. A tree neither feasible
+    # nor regressing is not proven: measured above the floor, its interval reaching below.
     regresses: bool = False
 
     @property
@@ -104,8 +104,9 @@ class StudyData:
                 if batch is not None and b != batch:
                     continue
                 cells = [result.cell(d, b) for d in names]
-                if any(c is None for c in cells):
-                    continue  # a launch still being measured, or cut short
+                if any(c is None for c in cells) or any(
+                        k.cell(result) is None for k in self.spec.criterion.cells(names, b)):
+                    continue  # a launch still being measured, or cut short (rate cells too)
                 verdict = judge(result, self.baseline, b, names, self.spec.tolerance, noise,
                                 criterion=self.spec.criterion)
                 per = {d: i.mean for d, i in verdict.intervals.items()}

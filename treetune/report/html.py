@@ -40,7 +40,10 @@ def write_report(data: StudyData, out_dir: Path) -> ReportOutcome:
             outcome.notices.append(notice)
     unwritten = [r.script_name for r in data.recommendations
                  if not (data.folder / r.script_name).is_file()]
-    if unwritten:
+    if not data.folder.is_dir():  # a storage URL read on another machine than the search's
+        outcome.notices.append(f"the study's output folder ({data.folder}) is not on this "
+                               "machine: its launch scripts are shown unlinked")
+    elif unwritten:
         outcome.notices.append(f"{len(unwritten)} launch scripts are not written yet "
                                f"({', '.join(unwritten)}): `treetune search` writes them when "
                                "it finishes")

@@ -456,9 +456,22 @@ def stale_scripts(spec: StudySpec, recs: list[Recommendation], out_dir: Path) ->
             text = path.read_text(errors="replace")
         except OSError:
             continue  # not written yet: the caller says so
-        if _command(text) != _command(launch_script(spec, rec, group)):
+        if _command(text) != _command(launch_script(spec, rec, group)) or not _same_slots(
+                rec, out_dir):
             stale.append(rec.script_name)
     return stale
+
+
+def _same_slots(rec: Recommendation, out_dir: Path) -> bool:
+    """Whether an adaptive pool's JSON config beside its script (which the script's command
+    names, not holds) is the recommended config's; True for a tree."""
+    if not isinstance(rec.config, AdaptiveConfig):
+        return True
+    try:
+        written = json.loads((out_dir / adaptive_name(rec.workload)).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(written == json.loads(json.dumps(rec.config.to_json())))
 
 
 def _command(script: str) -> str | None:

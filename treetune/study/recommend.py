@@ -177,12 +177,13 @@ def recommend(spec: StudySpec, results: list[LaunchResult], baseline: LaunchResu
     return [chosen[workload, batch] for batch in batches for workload, _ in workloads]
 
 
-def _ranked(chosen: Verdict, what: str) -> str:
+def _ranked(chosen: Verdict, what: str, blended: bool) -> str:
     """Why `chosen` leads the surely feasible configs: its measured mean speedup, or, where
-    the fitted model's estimates are blended into the ranking (`evidence.judge`), that rank
-    beside the mean measured, which alone may be another config's best."""
+    the fitted model's estimates moved the ranking (`blended`: some surely feasible
+    config's rank is not its measured mean; `evidence.judge`), that rank beside the mean
+    measured, which alone may be another config's best."""
     measured = f"mean {what}speedup {chosen.mean:.3f} measured"
-    if abs(chosen.rank - chosen.mean) < 5e-4:
+    if not blended:
         return f"best {measured}"
     return (f"best ranked ({chosen.rank:.3f}: each measured speedup blended with the fitted "
             f"model's estimate, which pools every launch; {measured})")
@@ -213,7 +214,8 @@ def _static(spec: StudySpec, workload: str, names: list[str], batch: int,
     once = sum(v.feasible and not v.confirmed for v in verdicts)
     unsure = sum(v.borderline for v in verdicts)
     what = "" if spec.objective is Objective.THROUGHPUT else f"{spec.objective.label} "
-    reason = (f"{_ranked(chosen, what)} of {confirmed} surely feasible configs out of "
+    blended = any(abs(v.rank - v.mean) >= 5e-4 for v in verdicts if v.confirmed)
+    reason = (f"{_ranked(chosen, what, blended)} of {confirmed} surely feasible configs out of "
               f"{len(verdicts)} measured"
               + (f" ({unsure} more were not slower on average but their interval "
                  "reaches below the floor)" if unsure else "")
