@@ -129,3 +129,20 @@ def test_a_shape_needs_positive_whole_token_counts(field):
     values = {"prompt_tokens": 12, "output_tokens": 256, field: 0}
     with pytest.raises(ValueError, match=field):
         Shape(**values)
+
+
+@pytest.mark.parametrize("mean", [0.3, 4.0, 60.0, 900.0])
+def test_a_poisson_over_thousands_of_slots_keeps_only_the_counts_that_weigh(mean):
+    """`--max-running-requests 4096` made every open-loop state a sum over 4096 counts
+    (minutes per config): the counts kept are those with any weight, the same numbers."""
+    from scipy import stats
+
+    from treetune.perfmodel.serving import _poisson
+
+    counts, weights = _poisson(mean, 4095)
+    assert len(counts) < 4096 and weights.sum() == pytest.approx(1.0, abs=1e-12)
+    exact = stats.poisson.pmf(counts, mean)
+    assert np.allclose(weights[:-1], exact[:-1], rtol=0, atol=1e-300)
+    assert stats.poisson.sf(counts[-1], mean) < 1e-25  # what was left out
+    small, _ = _poisson(mean, 8)  # a cap below the reach still folds the tail into it
+    assert list(small) == list(range(9))

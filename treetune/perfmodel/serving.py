@@ -306,10 +306,20 @@ def _binom_pmf(n: int, p: float) -> np.ndarray:
     return stats.binom.pmf(np.arange(n + 1), n, p)
 
 
+POISSON_REACH = 12  # standard deviations of a Poisson count kept (`_poisson`)
+POISSON_MARGIN = 30  # counts kept beyond that, for small means
+
+
 def _poisson(mean: float, most: int) -> tuple[np.ndarray, np.ndarray]:
-    """Counts 0..most and their Poisson(mean) probabilities, the tail folded into `most`."""
+    """Counts 0..most and their Poisson(mean) probabilities, the tail folded into `most`.
+    Counts beyond the mean by more than POISSON_REACH standard deviations (and a margin)
+    are left out, their mass (under 1e-30) folded into the last kept: a server of
+    thousands of slots (`--max-running-requests 4096`) costs what its load needs, not a
+    sum over every slot for every state (minutes per config)."""
     from scipy import stats  # see _binom_pmf
 
+    if mean > 0:
+        most = min(most, int(mean + POISSON_REACH * math.sqrt(mean)) + POISSON_MARGIN)
     counts = np.arange(most + 1)
     weights = stats.poisson.pmf(counts, mean) if mean > 0 else (counts == 0).astype(float)
     weights[-1] += max(0.0, 1.0 - float(weights.sum()))
