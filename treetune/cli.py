@@ -327,14 +327,13 @@ def _print_ranking(
     asked: set[ServerConfig]
 ) -> None:
     ranking = _ranked(rows)
-    ranked = [(rs[0].config, {p.dataset: p for p in rs}) for rs in ranking]
     shown = [(rs[0].config, {p.dataset: p for p in rs}) for rs in _shown(ranking, top, asked)]
 
     def mean_speedup(cells: dict[str, Prediction]) -> float:
         return statistics.fmean(p.speedup for p in cells.values())
     title = f"{profile}, batch {batch}"
     if top:
-        title += _top_title(len(shown), len(ranked), top)
+        title += _top_title(len(shown), len(ranking), top)
     table = Table(title=escape(title), caption="speedup over no speculation (accept length); "
                   "red: slower than baseline on some dataset")
     table.add_column("tree S,K,N")

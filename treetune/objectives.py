@@ -86,9 +86,19 @@ class Objective(StrEnum):
             return 0.0
         if math.isinf(value):
             return 0.0
-        if math.isinf(baseline):
-            return math.inf if self.is_latency else 0.0
         return value / baseline if self.higher_is_better else baseline / value
+
+    def speedup(self, cell: CellResult, baseline: CellResult) -> float:
+        """A cell's speedup over the baseline's cell. Where no speculation cannot keep up
+        at a rate (more of its requests unfinished than the percentile leaves out), its
+        latency is unbounded, and a tree's against it says only "better" (inf) or,
+        saturated too, nothing (inf / inf): both are compared as a saturated server is
+        judged, by what it completes, its output tokens/s (a tree that keeps up delivers
+        the rate; no speculation its capacity)."""
+        base = self.value_of(baseline)
+        if base is not None and math.isinf(base):
+            return Objective.THROUGHPUT.ratio(cell.output_tok_s, baseline.output_tok_s)
+        return self.ratio(self.value_of(cell), base)
 
 
 _LABELS = {Objective.THROUGHPUT: "throughput", Objective.TPOT_P50: "p50 TPOT",

@@ -209,13 +209,12 @@ class Counters:
 def cell_result(dataset: str, record: Record, window: tuple[float, float], scale: float,
                 repeats: int, api: ServerApi, counters: Counters, *, batch: int = 0,
                 rate: float | None = None, arrival: str = "", slo: Slo | None = None,
-                unfinished: int = 0, whole: Counters | None = None,
-                goodput_window_s: float | None = None) -> CellResult:
+                unfinished: int = 0, whole: Counters | None = None) -> CellResult:
     """The cell's throughput (whole window and `repeats` sub-windows), latencies and
     goodput of the requests completed inside the window, and clock lag (`counters`: the
     window's); its accept length from `whole` (from before its first request until it
-    drained), else the window's. `goodput_window_s`: the server seconds goodput counts per
-    (default: the window's); an open-loop cell's is its schedule's, the same for every
+    drained), else the window's. Goodput counts per second of the window, a rate cell's
+    per second of its schedule (its requests sent over its rate), the same for every
     server (its window ends with its last request, later on a slower one). SGLang counts
     a request's tokens and verify calls when it ends: a window's counters hold only the
     requests that ended in it, none at all in a window shorter than one answer, while the
@@ -235,8 +234,9 @@ def cell_result(dataset: str, record: Record, window: tuple[float, float], scale
     output_tokens = int(per_repeat.sum())
     ended = [s for s in record.streams
              if s.finished and s.chunks and start <= s.chunks[-1][0] < end]
+    schedule = len(record.streams) / rate if rate and record.streams else length
     latency = summarize([request_latency(s.start, s.chunks, scale) for s in ended],
-                        goodput_window_s or length, slo)
+                        schedule, slo)
     return CellResult(
         dataset=dataset,
         batch=batch,

@@ -92,5 +92,4 @@ async def measure_open_cell(
     return cell_result(prompts.name, record, (start, end), scale, repeats, client.api,
                        Counters(before, after), rate=rate, arrival=arrival, slo=slo,
                        unfinished=unfinished,
-                       whole=Counters(before, closed) if closed is not None else None,
-                       goodput_window_s=len(times) / rate if len(times) else None)
+                       whole=Counters(before, closed) if closed is not None else None)

@@ -759,16 +759,7 @@ def _spread(result: LaunchResult, baseline: LaunchResult, key: CellKey,
     if cell is None or base is None:
         return _Spread(0.0)
     objective = noise.objective
-    value, base_value = objective.value_of(cell), objective.value_of(base)
-    if base_value is not None and math.isinf(base_value):
-        # No speculation cannot keep up at this rate (more of its requests unfinished
-        # than the percentile leaves out): its latency is unbounded, and a tree's against
-        # it says only "better" (inf) or, saturated too, nothing (inf / inf). Both are
-        # compared as a saturated server is judged: by what it completes, its output
-        # tokens/s (a tree that keeps up delivers the rate; no speculation its capacity).
-        mean = Objective.THROUGHPUT.ratio(cell.output_tok_s, base.output_tok_s)
-    else:
-        mean = objective.ratio(value, base_value)
+    mean = objective.speedup(cell, base)
     parts = [variance_parts(cell, noise), variance_parts(base, noise)]
     launch, window = sum(p[0] for p in parts), sum(p[1] for p in parts)
     # A tree compared with its own node's baseline carries that baseline's error, and a

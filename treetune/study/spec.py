@@ -94,6 +94,7 @@ def meta(option: str | None = None, help: str = "", *, short: str | None = None,
 # its latencies are unknown, and every tree was vetoed as if it regressed there.
 MIN_RATE_REQUESTS = 5
 
+
 @dataclass(frozen=True)
 class Budget:
     launches: int | None = field(default=30, metadata=meta(
